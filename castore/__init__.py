@@ -1,0 +1,66 @@
+"""castore: a content-addressed checkpoint store for multi-rank ML training.
+
+>>> import castore
+>>> store = castore.open("./ckpt")
+>>> gen = store.save({"w": weights}, run="exp1", step=100)
+>>> state = store.load("exp1")
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from castore import errors
+from castore.errors import (
+    CastoreError,
+    ChecksumMismatchError,
+    ChunkMissingError,
+    FormatVersionError,
+    GenerationNotFoundError,
+    IntegrityError,
+    InvalidNameError,
+    RefConflictError,
+    StoreError,
+    UnsupportedValueError,
+)
+from castore.store import Generation, SaveStats, Store
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CastoreError",
+    "ChecksumMismatchError",
+    "ChunkMissingError",
+    "FormatVersionError",
+    "Generation",
+    "GenerationNotFoundError",
+    "IntegrityError",
+    "InvalidNameError",
+    "RefConflictError",
+    "SaveStats",
+    "Store",
+    "StoreError",
+    "UnsupportedValueError",
+    "__version__",
+    "errors",
+    "open",
+]
+
+
+def open(  # noqa: A001 - the public name the API promises
+    path: str | os.PathLike[str],
+    *,
+    create: bool = True,
+    chunk_size: int | None = None,
+    **options: Any,
+) -> Store:
+    """Open the castore store at ``path``, creating it (when ``create``) if absent.
+
+    The embedded default backend is LMDB inside the store directory.
+    ``chunk_size`` (bytes) sets the default for a new store, or overrides it
+    for this handle's saves; dedup works between saves of equal chunk size.
+    """
+    from castore.store import open_store
+
+    return open_store(path, create=create, chunk_size=chunk_size, **options)

@@ -1,0 +1,157 @@
+"""Moving tensor bytes: chunk, hash and write on save; read and verify on load.
+
+Save: a tensor's flat buffer is cut into ``chunk_size`` slices (memoryviews,
+no copies), hashed on a thread pool (blake3 releases the GIL) while the main
+thread checks which digests the backend already has and writes the rest in
+batched transactions. Load: chunks are fetched inside one read transaction
+and each is verified against its name, then copied into place, on the pool.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+
+import numpy as np
+
+from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.errors import ChecksumMismatchError, ChunkMissingError
+from castore.faults import fault_point
+from castore.hashing import digest_bytes
+from castore.objects import TensorEntry
+from castore.tree import TensorLeaf
+
+DEFAULT_CHUNK_SIZE = 4 << 20
+WRITE_BATCH_BYTES = 256 << 20
+_WORKERS = max(2, min(8, os.cpu_count() or 2))
+
+
+@dataclass
+class WriteStats:
+    logical_bytes: int = 0
+    new_bytes: int = 0
+    new_chunks: int = 0
+    reused_chunks: int = 0
+
+
+def _hash_one(piece: memoryview) -> bytes:
+    return digest_bytes(piece, threads=1)
+
+
+def write_leaves(
+    backend: ChunkBackend, leaves: Sequence[TensorLeaf], chunk_size: int
+) -> tuple[list[TensorEntry], WriteStats]:
+    """Store every leaf's chunks (new ones only) and return their tensor entries."""
+    pieces: list[tuple[int, memoryview]] = []
+    for index, leaf in enumerate(leaves):
+        flat = memoryview(leaf.data)
+        pieces += [(index, flat[at : at + chunk_size]) for at in range(0, flat.nbytes, chunk_size)]
+    digests: list[list[bytes]] = [[] for _ in leaves]
+    stats = WriteStats(logical_bytes=sum(leaf.data.nbytes for leaf in leaves))
+    batch: list[tuple[bytes, memoryview]] = []
+    batch_bytes = 0
+    with ThreadPoolExecutor(_WORKERS, thread_name_prefix="castore-hash") as pool:
+        for (index, piece), digest in zip(pieces, pool.map(_hash_one, [p for _, p in pieces])):
+            digests[index].append(digest)
+            batch.append((digest, piece))
+            batch_bytes += piece.nbytes
+            if batch_bytes >= WRITE_BATCH_BYTES:
+                _flush(backend, batch, stats)
+                fault_point("save.mid_chunks")
+                batch, batch_bytes = [], 0
+        _flush(backend, batch, stats)
+    entries = [
+        TensorEntry(
+            name=leaf.name,
+            dtype=leaf.dtype,
+            shape=leaf.shape,
+            offsets=(0,) * len(leaf.shape),
+            local_shape=leaf.shape,
+            nbytes=leaf.data.nbytes,
+            chunk_size=chunk_size,
+            chunks=tuple(digests[index]),
+            framework=leaf.framework,
+        )
+        for index, leaf in enumerate(leaves)
+    ]
+    return entries, stats
+
+
+def _flush(backend: ChunkBackend, batch: list[tuple[bytes, memoryview]], stats: WriteStats) -> None:
+    if not batch:
+        return
+    present = backend.has_many(Namespace.CHUNKS, [key for key, _ in batch])
+    missing = [item for item, found in zip(batch, present, strict=True) if not found]
+    written = 0
+    if missing:
+        result = backend.put_many(Namespace.CHUNKS, missing)
+        written = result.written
+        stats.new_bytes += result.written_bytes
+    stats.new_chunks += written
+    stats.reused_chunks += len(batch) - written
+
+
+# Called with (chunk index, verified chunk bytes) for each chunk read.
+ChunkConsumer = Callable[[int, np.ndarray], None]
+
+
+@dataclass
+class ReadCounters:
+    """What reads fetched from the backend, for reports and tests."""
+
+    chunks: int = 0
+    bytes: int = 0
+
+
+def read_chunks(
+    backend: ChunkBackend,
+    entry: TensorEntry,
+    indices: Sequence[int],
+    consume: ChunkConsumer,
+    counters: ReadCounters,
+    where: dict[str, object],
+) -> None:
+    """Fetch, verify and hand over chunks ``indices`` of ``entry``.
+
+    Every chunk is checked against its digest before ``consume`` sees it; a
+    missing or damaged chunk raises, naming the tensor and chunk index.
+    """
+    indices = [int(i) for i in indices]
+    if not indices:
+        return
+    keys = [entry.chunks[i] for i in indices]
+
+    def verify_and_consume(position: int, value: memoryview | None) -> None:
+        index = indices[position]
+        expected_len = min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+        if value is None:
+            raise ChunkMissingError(
+                f"chunk {index} of tensor {entry.name!r} is missing from the store",
+                tensor=entry.name,
+                chunk=keys[position].hex()[:16],
+                **where,
+            )
+        actual = digest_bytes(value, threads=1)
+        if actual != keys[position] or len(value) != expected_len:
+            raise ChecksumMismatchError(
+                f"chunk {index} of tensor {entry.name!r} is damaged",
+                expected=keys[position].hex(),
+                actual=actual.hex(),
+                tensor=entry.name,
+                **where,
+            )
+        consume(index, np.frombuffer(value, dtype=np.uint8))
+
+    def visit(values: list[memoryview | None]) -> None:
+        counters.chunks += sum(v is not None for v in values)
+        counters.bytes += sum(len(v) for v in values if v is not None)
+        if len(values) == 1:
+            verify_and_consume(0, values[0])
+            return
+        with ThreadPoolExecutor(_WORKERS, thread_name_prefix="castore-read") as pool:
+            # list() re-raises the first failure, after every worker has finished.
+            list(pool.map(verify_and_consume, range(len(values)), values))
+
+    backend.read_many(Namespace.CHUNKS, keys, visit)

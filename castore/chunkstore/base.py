@@ -1,0 +1,89 @@
+"""The chunk backend contract.
+
+A backend maps 32-byte digests to immutable byte strings in two namespaces:
+``chunks`` (tensor bytes) and ``objects`` (encoded manifests). It knows
+nothing of digests' meaning: verifying that bytes match their name is the
+caller's job (see :mod:`castore.store`), so a backend can be tested on the raw
+bytes underneath it, corrupt ones included.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from enum import Enum
+
+from castore.hashing import Buffer
+
+
+class Namespace(str, Enum):
+    """The two key spaces a backend keeps apart."""
+
+    CHUNKS = "chunks"
+    OBJECTS = "objects"
+
+
+@dataclass(frozen=True)
+class PutResult:
+    """What one ``put_many`` call did."""
+
+    written: int = 0
+    written_bytes: int = 0
+    already_present: int = 0
+
+
+# Called once, inside the read transaction, with one value per key in key order
+# (None for a missing key). The buffers are valid only during the call: copy
+# what you keep. The callback may hand the buffers to threads, as long as it
+# waits for them before it returns.
+ReadSink = Callable[[list["memoryview | None"]], None]
+
+
+class ChunkBackend(abc.ABC):
+    """Abstract key/value storage for chunks and objects."""
+
+    supports_writes: bool = True
+    supports_deletes: bool = True
+    supports_listing: bool = True
+
+    @abc.abstractmethod
+    def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        """Return, for each key, whether it is present (without reading values)."""
+
+    @abc.abstractmethod
+    def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
+        """Call ``sink(values)`` once with each key's value (None if absent), in order.
+
+        Buffers may be zero-copy views that die when ``sink`` returns.
+        """
+
+    @abc.abstractmethod
+    def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
+        """Store each (key, value) durably unless the key is present; one commit."""
+
+    @abc.abstractmethod
+    def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:
+        """Delete the keys that are present; return how many were deleted."""
+
+    @abc.abstractmethod
+    def iter_keys(self, namespace: Namespace) -> Iterator[bytes]:
+        """Yield every key of the namespace (a snapshot)."""
+
+    @abc.abstractmethod
+    def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
+        """Yield (key, stored length) for every key of the namespace."""
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release the backend's resources; further use is an error."""
+
+    def get(self, namespace: Namespace, key: bytes) -> bytes | None:
+        """Return a copy of one value, or None when the key is absent."""
+        found: list[bytes | None] = [None]
+
+        def keep(values: list[memoryview | None]) -> None:
+            found[0] = None if values[0] is None else bytes(values[0])
+
+        self.read_many(namespace, [key], keep)
+        return found[0]

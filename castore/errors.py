@@ -1,0 +1,124 @@
+"""The castore exception tree.
+
+Every error a user can hit is a :class:`CastoreError`; many also subclass the
+builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
+``ValueError``, ``TypeError``)::
+
+    CastoreError
+    ├── StoreError                       the store as a whole cannot be used
+    │   ├── StoreNotFoundError           (FileNotFoundError) nothing at the path
+    │   ├── NotAStoreError               the path is a file or a foreign directory
+    │   └── StoreLockedError             a lock could not be taken in time
+    ├── FormatVersionError               written by a newer castore format
+    ├── IntegrityError                   stored bytes are not what was named
+    │   ├── ChecksumMismatchError        digest of the bytes != the name
+    │   ├── ObjectMissingError           a referenced object is absent
+    │   │   └── ChunkMissingError        a referenced chunk is absent
+    │   ├── CorruptObjectError           an object's bytes do not decode
+    │   └── CorruptRefError              a ref file is truncated or garbled
+    ├── RefConflictError                 the ref moved under a compare-and-swap
+    ├── GenerationNotFoundError          (LookupError) no such run or generation
+    ├── TensorNotFoundError              (LookupError) no such tensor in a generation
+    ├── InvalidNameError                 (ValueError) a run name that is unsafe
+    ├── InvalidIndexError                (IndexError) a bad read_slice index
+    └── UnsupportedValueError            (TypeError) a value castore cannot encode
+
+Errors carry their context as attributes (``run``, ``generation``, ``tensor``,
+``expected``/``actual`` digests) and put it in their message, so one line says
+what was wrong and where.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class CastoreError(Exception):
+    """Base of every error castore raises on purpose."""
+
+    def __init__(self, message: str, **context: Any) -> None:
+        self.context = {k: v for k, v in context.items() if v is not None}
+        for key, value in context.items():
+            setattr(self, key, value)
+        where = ", ".join(f"{k}={v}" for k, v in self.context.items() if k not in _UNSHOWN)
+        super().__init__(f"{message} ({where})" if where else message)
+
+
+# Context keys that are already spelled out in the message.
+_UNSHOWN = frozenset({"expected", "actual", "key_path", "hint"})
+
+
+class StoreError(CastoreError):
+    """The store as a whole cannot be opened or used."""
+
+
+class StoreNotFoundError(StoreError, FileNotFoundError):
+    """No store exists at the path and creation was not requested."""
+
+
+class NotAStoreError(StoreError):
+    """The path exists but is a file or a directory castore did not create."""
+
+
+class StoreLockedError(StoreError):
+    """A lock on the store could not be taken within the timeout."""
+
+
+class FormatVersionError(CastoreError):
+    """An object or store was written by a newer (or unknown) format version."""
+
+
+class IntegrityError(CastoreError):
+    """Stored bytes are not what the name or reference promised."""
+
+
+class ChecksumMismatchError(IntegrityError):
+    """The blake3 digest of the bytes read does not match their name."""
+
+    def __init__(self, message: str, *, expected: str, actual: str, **context: Any) -> None:
+        super().__init__(
+            f"{message}: expected blake3 {expected[:16]}…, got {actual[:16]}…",
+            expected=expected,
+            actual=actual,
+            **context,
+        )
+
+
+class ObjectMissingError(IntegrityError):
+    """An object (manifest or root) named by a reference is not in the store."""
+
+
+class ChunkMissingError(ObjectMissingError):
+    """A chunk named by a tensor entry is not in the store."""
+
+
+class CorruptObjectError(IntegrityError):
+    """An object's bytes hash correctly but do not decode as the expected type."""
+
+
+class CorruptRefError(IntegrityError):
+    """A ref file is truncated, garbled or fails its checksum."""
+
+
+class RefConflictError(CastoreError):
+    """A compare-and-swap ref advance found the ref moved since it was read."""
+
+
+class GenerationNotFoundError(CastoreError, LookupError):
+    """The run or the requested generation does not exist."""
+
+
+class TensorNotFoundError(CastoreError, LookupError):
+    """A generation has no tensor of that name."""
+
+
+class InvalidNameError(CastoreError, ValueError):
+    """A run or tag name is empty, too long, or contains unsafe characters."""
+
+
+class InvalidIndexError(CastoreError, IndexError):
+    """A ``read_slice`` index is malformed or out of bounds."""
+
+
+class UnsupportedValueError(CastoreError, TypeError):
+    """A value in the state has a type castore cannot encode without pickle."""

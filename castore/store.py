@@ -1,0 +1,560 @@
+"""The ``Store`` facade: save, load, list and slice generations.
+
+A store is a directory::
+
+    castore.json    store marker: format name and version, default chunk size
+    chunks/         the LMDB environment (chunks and objects)
+    refs/RUN        one self-checking ref per run (the commit point)
+    logs/RUN.reflog every ref advance, one checksummed JSON line each
+    locks/RUN.lock  flock target for compare-and-swap ref advances
+
+Write order (invariant 1): chunks committed, then manifest objects committed,
+then the ref advanced. A crash at any point leaves garbage, never a dangling
+reference. This module knows nothing of torch; tensors from torch are handled
+by :mod:`castore.tree`, which imports torch only when it sees one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+import socket
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from castore import dtypes
+from castore.chunkio import DEFAULT_CHUNK_SIZE, ReadCounters, read_chunks, write_leaves
+from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.errors import (
+    ChecksumMismatchError,
+    CorruptObjectError,
+    FormatVersionError,
+    GenerationNotFoundError,
+    NotAStoreError,
+    ObjectMissingError,
+    StoreError,
+    StoreNotFoundError,
+    TensorNotFoundError,
+)
+from castore.faults import fault_point
+from castore.hashing import Digest, digest_bytes
+from castore.layout import Box, plan_copy
+from castore.objects import (
+    TYPE_ROOT,
+    TYPE_SHARD,
+    GenerationRoot,
+    ShardManifest,
+    TensorEntry,
+    decode_object,
+    encode_object,
+)
+from castore.refs import RefStore, RefValue, fsync_dir, validate_run_name
+from castore.tree import decode_tree, encode_tree
+
+MARKER = "castore.json"
+STORE_FORMAT = "castore-store"
+STORE_VERSION = 1
+GenerationSpec = int | str
+
+
+@dataclass(frozen=True)
+class SaveStats:
+    """What one save cost: bytes it covered, bytes it actually wrote, time."""
+
+    logical_bytes: int
+    new_bytes: int
+    new_chunks: int
+    reused_chunks: int
+    seconds: float
+    tensors: int
+
+    @property
+    def dedup_ratio(self) -> float:
+        """Fraction of logical bytes that were already stored (0..1)."""
+        return 1.0 - self.new_bytes / self.logical_bytes if self.logical_bytes else 1.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """One published generation of a run."""
+
+    run: str
+    id: int
+    root: str
+    step: int
+    time: float
+    parent: str | None
+    world_size: int
+    stats: SaveStats
+    metadata: dict[str, Any] = field(default_factory=dict)
+    frameworks: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def logical_bytes(self) -> int:
+        return self.stats.logical_bytes
+
+    @property
+    def new_bytes(self) -> int:
+        return self.stats.new_bytes
+
+    @classmethod
+    def from_root(cls, digest: Digest, root: GenerationRoot) -> Generation:
+        stats = root.stats
+        return cls(
+            run=root.run,
+            id=root.generation,
+            root=digest.hex,
+            step=root.step,
+            time=root.time,
+            parent=root.parent.hex() if root.parent else None,
+            world_size=root.world_size,
+            stats=SaveStats(
+                logical_bytes=int(stats.get("logical_bytes", 0)),
+                new_bytes=int(stats.get("new_bytes", 0)),
+                new_chunks=int(stats.get("new_chunks", 0)),
+                reused_chunks=int(stats.get("reused_chunks", 0)),
+                seconds=float(stats.get("seconds", 0.0)),
+                tensors=int(stats.get("tensors", 0)),
+            ),
+            metadata=decode_tree(root.metadata) if root.metadata else {},
+            frameworks=dict(root.frameworks),
+        )
+
+
+def framework_versions() -> dict[str, str]:
+    from castore import __version__
+
+    versions = {
+        "castore": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        versions["torch"] = str(torch.__version__)
+    return versions
+
+
+class Store:
+    """A castore store on disk. Use :func:`castore.open` to get one."""
+
+    def __init__(self, path: Path, backend: ChunkBackend, chunk_size: int) -> None:
+        self.path = path
+        self.backend = backend
+        self.chunk_size = chunk_size
+        self.refs = RefStore(path)
+        self.read_counters = ReadCounters()
+
+    # -- lifecycle --------------------------------------------------------
+
+    def close(self) -> None:
+        self.backend.close()
+
+    def __enter__(self) -> Store:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"<castore.Store {str(self.path)!r}>"
+
+    # -- save -------------------------------------------------------------
+
+    def save(
+        self, state: Any, *, run: str, step: int, metadata: dict[str, Any] | None = None
+    ) -> Generation:
+        """Save ``state`` as the next generation of ``run`` and publish it atomically."""
+        validate_run_name(run)
+        if not isinstance(step, int) or isinstance(step, bool):
+            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        started = time.perf_counter()
+        state_bytes, leaves = encode_tree(state)
+        metadata_bytes, _ = encode_tree(dict(metadata or {}), allow_tensors=False)
+        parent = self.refs.read(run)
+        generation = parent.generation + 1 if parent else 1
+        entries, written = write_leaves(self.backend, leaves, self.chunk_size)
+        shard = ShardManifest(
+            run=run,
+            generation=generation,
+            rank=0,
+            tensors=tuple(entries),
+            writer={"host": socket.gethostname(), "pid": os.getpid()},
+        )
+        shard_bytes = encode_object(shard)
+        shard_digest = digest_bytes(shard_bytes)
+        root = GenerationRoot(
+            run=run,
+            generation=generation,
+            step=step,
+            parent=parent.root.raw if parent else None,
+            time=time.time(),
+            world_size=1,
+            shards=(shard_digest,),
+            state=state_bytes,
+            metadata=metadata_bytes,
+            frameworks=framework_versions(),
+            stats={
+                "logical_bytes": written.logical_bytes,
+                "new_bytes": written.new_bytes,
+                "new_chunks": written.new_chunks,
+                "reused_chunks": written.reused_chunks,
+                "seconds": round(time.perf_counter() - started, 6),
+                "tensors": len(entries),
+            },
+        )
+        root_bytes = encode_object(root)
+        root_digest = Digest(digest_bytes(root_bytes))
+        fault_point("save.before_objects")
+        self.backend.put_many(
+            Namespace.OBJECTS, [(shard_digest, shard_bytes), (root_digest.raw, root_bytes)]
+        )
+        fault_point("save.before_ref_advance")
+        self.refs.advance(
+            run,
+            expected=parent.root if parent else None,
+            new=RefValue(run, generation, root_digest, root.time),
+        )
+        fault_point("save.after_ref_advance")
+        return Generation.from_root(root_digest, root)
+
+    # -- objects ----------------------------------------------------------
+
+    def read_object(self, digest: bytes, *, expect: str, **where: Any) -> Any:
+        """Read, verify and decode one manifest object."""
+        data = self.backend.get(Namespace.OBJECTS, digest)
+        if data is None:
+            raise ObjectMissingError(f"{expect} object {digest.hex()[:16]} is missing", **where)
+        actual = digest_bytes(data)
+        if actual != digest:
+            raise ChecksumMismatchError(
+                f"{expect} object is damaged", expected=digest.hex(), actual=actual.hex(), **where
+            )
+        try:
+            return decode_object(data, expect=expect)
+        except (CorruptObjectError, FormatVersionError) as exc:
+            raise type(exc)(f"{expect} object {digest.hex()[:16]}: {exc}", **where) from exc
+
+    def read_root(self, digest: Digest, *, run: str) -> GenerationRoot:
+        root: GenerationRoot = self.read_object(digest.raw, expect=TYPE_ROOT, run=run)
+        if root.run != run:
+            raise CorruptObjectError(f"root {digest.short} belongs to run {root.run!r}", run=run)
+        return root
+
+    def read_shards(self, root: GenerationRoot) -> list[ShardManifest]:
+        where = {"run": root.run, "generation": root.generation}
+        shards: list[ShardManifest] = []
+        for index, digest in enumerate(root.shards):
+            shard: ShardManifest = self.read_object(digest, expect=TYPE_SHARD, shard=index, **where)
+            if shard.run != root.run or shard.generation != root.generation:
+                raise CorruptObjectError(
+                    f"shard {index} belongs to {shard.run}@{shard.generation}", **where
+                )
+            shards.append(shard)
+        return shards
+
+    def tensor_entries(self, root: GenerationRoot) -> dict[str, list[TensorEntry]]:
+        """Every tensor of a generation: name -> the boxes that make it up."""
+        entries: dict[str, list[TensorEntry]] = {}
+        for shard in self.read_shards(root):
+            for entry in shard.tensors:
+                entries.setdefault(entry.name, []).append(entry)
+        return entries
+
+    # -- resolving generations ---------------------------------------------
+
+    def runs(self) -> list[str]:
+        return self.refs.runs()
+
+    def _latest(self, run: str) -> RefValue:
+        ref = self.refs.read(run)
+        if ref is None:
+            raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
+        return ref
+
+    def _chain(self, run: str) -> Iterator[tuple[Digest, GenerationRoot]]:
+        """Roots of ``run`` from the newest back to the oldest still stored."""
+        digest: Digest | None = self._latest(run).root
+        while digest is not None:
+            try:
+                root = self.read_root(digest, run=run)
+            except ObjectMissingError:
+                if digest == self._latest(run).root:
+                    raise
+                return  # older history dropped by garbage collection
+            yield digest, root
+            digest = Digest(root.parent) if root.parent else None
+
+    def resolve_root(
+        self, run: str, generation: GenerationSpec = "latest"
+    ) -> tuple[Digest, GenerationRoot]:
+        """Find one generation: ``"latest"``, an id (int or digits) or a root hex prefix."""
+        validate_run_name(run)
+        if generation == "latest":
+            ref = self._latest(run)
+            root = self.read_root(ref.root, run=run)
+            if root.generation != ref.generation:
+                raise CorruptObjectError(
+                    f"ref names generation {ref.generation}, its root says {root.generation}",
+                    run=run,
+                )
+            return ref.root, root
+        wanted_id, prefix = _parse_generation(generation)
+        for digest, root in self._chain(run):
+            if root.generation == wanted_id or (prefix and digest.hex.startswith(prefix)):
+                return digest, root
+            if wanted_id is not None and root.generation < wanted_id:
+                break
+        raise GenerationNotFoundError(f"run {run!r} has no generation {generation!r}", run=run)
+
+    def resolve(self, run: str, generation: GenerationSpec = "latest") -> Generation:
+        return Generation.from_root(*self.resolve_root(run, generation))
+
+    def generations(self, run: str) -> list[Generation]:
+        """Every stored generation of ``run``, oldest first."""
+        validate_run_name(run)
+        return [Generation.from_root(d, r) for d, r in self._chain(run)][::-1]
+
+    # -- load -------------------------------------------------------------
+
+    def load(
+        self, run: str, generation: GenerationSpec = "latest", *, framework: str = "numpy"
+    ) -> Any:
+        """Rebuild the state saved as ``run@generation``; every byte is verified first."""
+        _check_framework(framework)
+        digest, root = self.resolve_root(run, generation)
+        entries = self.tensor_entries(root)
+        where = {"run": run, "generation": root.generation}
+        tensors = {
+            name: self._read_tensor(boxes, framework, where) for name, boxes in entries.items()
+        }
+
+        def lookup(name: str, _saved_framework: str) -> Any:
+            if name not in tensors:
+                raise CorruptObjectError(
+                    f"state refers to tensor {name!r}, no shard holds it", **where
+                )
+            return tensors[name]
+
+        return decode_tree(root.state, lookup)
+
+    def _read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
+        first = boxes[0]
+        tensor, flat = _allocate(first.dtype, first.shape, framework)
+        _check_coverage(boxes, where)
+        for entry in boxes:
+            self._copy_box(
+                entry,
+                Box(entry.offsets, entry.local_shape),
+                first.shape,
+                Box.whole(first.shape),
+                flat,
+                where,
+            )
+        return tensor
+
+    def _copy_box(
+        self,
+        entry: TensorEntry,
+        region: Box,
+        dst_shape: tuple[int, ...],
+        dst_box: Box,
+        dst_flat: np.ndarray,
+        where: dict[str, Any],
+    ) -> None:
+        """Copy ``region`` (global coordinates) of a saved box into a destination buffer."""
+        entry_box = Box(entry.offsets, entry.local_shape)
+        itemsize = dtypes.numpy_dtype(entry.dtype).itemsize
+        if region == entry_box and dst_box == Box.whole(dst_shape) and region.shape == dst_shape:
+            # The whole saved box is the whole destination: chunk i lands at i*chunk_size.
+            def place(index: int, chunk: np.ndarray) -> None:
+                at = index * entry.chunk_size
+                dst_flat[at : at + chunk.size] = chunk
+
+            read_chunks(
+                self.backend, entry, range(len(entry.chunks)), place, self.read_counters, where
+            )
+            return
+        plan = plan_copy(
+            entry.local_shape,
+            region.relative_to(entry_box),
+            dst_shape,
+            region.relative_to(dst_box),
+            itemsize,
+        )
+
+        def scatter(index: int, chunk: np.ndarray) -> None:
+            plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
+
+        indices = plan.chunk_indices(entry.chunk_size)
+        read_chunks(self.backend, entry, indices, scatter, self.read_counters, where)
+
+    def read_slice(
+        self,
+        run: str,
+        generation: GenerationSpec,
+        name: str,
+        index: Any,
+        *,
+        framework: str = "numpy",
+    ) -> Any:
+        """Return ``tensor[index]`` of one saved tensor, reading only the chunks it overlaps."""
+        from castore.layout import normalize_index
+
+        _check_framework(framework)
+        digest, root = self.resolve_root(run, generation)
+        boxes = self.tensor_entries(root).get(name)
+        where = {"run": run, "generation": root.generation, "tensor": name}
+        if not boxes:
+            raise TensorNotFoundError(f"no tensor {name!r} in {run}@{root.generation}", **where)
+        shape, dtype = boxes[0].shape, boxes[0].dtype
+        box, selector = normalize_index(index, shape)
+        out, flat = _allocate(dtype, box.shape, "numpy")
+        for entry in boxes:
+            region = box.intersect(Box(entry.offsets, entry.local_shape))
+            if region is not None and region.numel:
+                self._copy_box(entry, region, box.shape, box, flat, where)
+        result = out[selector]
+        if framework == "torch":
+            return _numpy_to_torch(np.ascontiguousarray(result), dtype)
+        return result
+
+
+def _parse_generation(spec: GenerationSpec) -> tuple[int | None, str | None]:
+    if isinstance(spec, int) and not isinstance(spec, bool):
+        return spec, None
+    if isinstance(spec, str) and spec.isdigit():
+        return int(spec), None
+    if isinstance(spec, str) and re.fullmatch(r"[0-9a-f]{6,64}", spec):
+        return None, spec
+    raise GenerationNotFoundError(
+        f"bad generation {spec!r}: use 'latest', an id, or a root digest prefix (6+ hex digits)"
+    )
+
+
+def _check_framework(framework: str) -> None:
+    if framework not in ("numpy", "torch"):
+        raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
+
+
+def _allocate(dtype: str, shape: tuple[int, ...], framework: str) -> tuple[Any, np.ndarray]:
+    """A new tensor and a flat uint8 view of its memory."""
+    if framework == "torch":
+        import torch
+
+        tensor = torch.empty(shape, dtype=dtypes.torch_dtype(dtype))
+        return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
+    array = np.empty(shape, dtype=dtypes.numpy_dtype(dtype))
+    return array, array.reshape(-1).view(np.uint8)
+
+
+def _numpy_to_torch(array: np.ndarray, dtype: str) -> Any:
+    import torch
+
+    tensor, flat = _allocate(dtype, tuple(array.shape), "torch")
+    flat[:] = array.reshape(-1).view(np.uint8)
+    del torch
+    return tensor
+
+
+def _check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
+    """The boxes of one tensor must agree and cover it exactly once."""
+    first = boxes[0]
+    if any(b.shape != first.shape or b.dtype != first.dtype for b in boxes):
+        raise CorruptObjectError(
+            f"boxes of tensor {first.name!r} disagree on shape or dtype", **where
+        )
+    total = sum(Box(b.offsets, b.local_shape).numel for b in boxes)
+    if total != Box.whole(first.shape).numel:
+        raise CorruptObjectError(f"boxes of tensor {first.name!r} do not cover it exactly", **where)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1 :]:
+            overlap = Box(a.offsets, a.local_shape).intersect(Box(b.offsets, b.local_shape))
+            if overlap is not None and overlap.numel:
+                raise CorruptObjectError(f"boxes of tensor {first.name!r} overlap", **where)
+
+
+# -- opening a store ---------------------------------------------------------
+
+
+def open_store(
+    path: str | os.PathLike[str],
+    *,
+    create: bool = True,
+    chunk_size: int | None = None,
+    map_size: int | None = None,
+) -> Store:
+    """Open (or create) the store at ``path``; see :func:`castore.open`."""
+    root = Path(path)
+    if root.exists() and not root.is_dir():
+        raise NotAStoreError(f"{root} is a file, not a castore store", path=str(root))
+    marker = root / MARKER
+    if marker.is_file():
+        config = _read_marker(marker)
+    elif not root.exists() or not any(root.iterdir()):
+        if not create:
+            raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
+        config = _create_store(root, chunk_size or DEFAULT_CHUNK_SIZE)
+    else:
+        raise NotAStoreError(
+            f"{root} is a non-empty directory without {MARKER}: not a castore store", path=str(root)
+        )
+    size = chunk_size or int(config["chunk_size"])
+    if size <= 0:
+        raise ValueError(f"chunk_size must be positive, got {size}")
+    backend = LmdbBackend(root / "chunks", map_size=map_size)
+    return Store(root, backend, size)
+
+
+def _read_marker(marker: Path) -> dict[str, Any]:
+    try:
+        config = json.loads(marker.read_text())
+    except (OSError, ValueError) as exc:
+        raise NotAStoreError(
+            f"store marker {marker} is unreadable: {exc}", path=str(marker)
+        ) from exc
+    if not isinstance(config, dict) or config.get("format") != STORE_FORMAT:
+        raise NotAStoreError(f"{marker} is not a castore store marker", path=str(marker))
+    version = config.get("format_version")
+    if not isinstance(version, int) or version > STORE_VERSION:
+        raise FormatVersionError(
+            f"store written by format version {version}; this castore reads up to "
+            f"{STORE_VERSION}: upgrade castore",
+            path=str(marker.parent),
+        )
+    if not isinstance(config.get("chunk_size"), int):
+        raise NotAStoreError(f"store marker {marker} has no chunk size", path=str(marker))
+    return config
+
+
+def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise StoreError(f"cannot create store directory {root}: {exc}", path=str(root)) from exc
+    RefStore(root).ensure_dirs()
+    config = {
+        "format": STORE_FORMAT,
+        "format_version": STORE_VERSION,
+        "chunk_size": chunk_size,
+        "backend": "lmdb",
+        "created": time.time(),
+    }
+    temp = root / f".{MARKER}.tmp"
+    with open(temp, "w") as handle:
+        json.dump(config, handle, indent=2, sort_keys=True)
+        handle.write("\n")
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(temp, root / MARKER)
+    fsync_dir(root)
+    return config

@@ -1,0 +1,196 @@
+"""State trees: nested containers of tensors and plain values, without pickle.
+
+A state is split in two: its tensors, each named by its key path and stored as
+chunks, and everything else, encoded as msgpack. msgpack has no tuple, no
+ordered-dict and no tensor, so those are msgpack extension types whose payload
+is itself msgpack (codes below, documented in docs/FORMAT.md).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from castore.dtypes import name_of_numpy_dtype, name_of_torch_dtype, numpy_dtype
+from castore.errors import CorruptObjectError, UnsupportedValueError
+
+EXT_TUPLE = 1
+EXT_TENSOR = 2
+EXT_ORDERED_DICT = 3
+EXT_BIG_INT = 4
+EXT_NUMPY_SCALAR = 5
+
+_INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
+
+
+@dataclass(frozen=True)
+class TensorLeaf:
+    """A tensor found in a state: its name and its bytes as a flat uint8 array."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    data: np.ndarray  # flat, C-contiguous uint8 view of little-endian bytes
+    framework: str
+
+
+def escape_key(key: str | int) -> str:
+    """One key-path component: ``/`` separates components, so escape it."""
+    return str(key).replace("%", "%25").replace("/", "%2F")
+
+
+def join_path(parent: str, key: str | int) -> str:
+    return f"{parent}/{escape_key(key)}" if parent else escape_key(key)
+
+
+class _Encoder:
+    def __init__(self, allow_tensors: bool) -> None:
+        self.allow_tensors = allow_tensors
+        self.leaves: list[TensorLeaf] = []
+        self.names: set[str] = set()
+
+    def encode(self, value: Any, path: str) -> Any:
+        if isinstance(value, np.generic):  # before float: np.float64 subclasses float
+            dtype = name_of_numpy_dtype(value.dtype, path)
+            payload = [dtype, np.asarray(value).astype(numpy_dtype(dtype)).tobytes()]
+            return msgpack.ExtType(EXT_NUMPY_SCALAR, _pack(payload))
+        if value is None or isinstance(value, (bool, str, float)):
+            return value
+        if isinstance(value, int):
+            if _INT_MIN <= value <= _UINT_MAX:
+                return int(value)
+            return msgpack.ExtType(EXT_BIG_INT, str(int(value)).encode())
+        if isinstance(value, (bytes, bytearray, memoryview)):
+            return bytes(value)
+        if isinstance(value, np.ndarray) or _is_torch_tensor(value):
+            return self._tensor(value, path)
+        if isinstance(value, OrderedDict):
+            pairs = [
+                [self._key(k, path), self.encode(v, join_path(path, k))] for k, v in value.items()
+            ]
+            return msgpack.ExtType(EXT_ORDERED_DICT, _pack(pairs))
+        if isinstance(value, dict):
+            return {
+                self._key(k, path): self.encode(v, join_path(path, k)) for k, v in value.items()
+            }
+        if isinstance(value, list):
+            return [self.encode(v, join_path(path, i)) for i, v in enumerate(value)]
+        if isinstance(value, tuple):
+            items = [self.encode(v, join_path(path, i)) for i, v in enumerate(value)]
+            return msgpack.ExtType(EXT_TUPLE, _pack(items))
+        raise UnsupportedValueError(
+            f"cannot store a value of type {type(value).__module__}.{type(value).__qualname__} "
+            f"at {path or '<root>'} without pickle; convert it to plain types first",
+            key_path=path,
+        )
+
+    @staticmethod
+    def _key(key: Any, path: str) -> str | int:
+        if isinstance(key, str) or (isinstance(key, int) and not isinstance(key, bool)):
+            return key
+        raise UnsupportedValueError(
+            f"dict key {key!r} of type {type(key).__name__} at {path or '<root>'}: "
+            "keys must be str or int",
+            key_path=path,
+        )
+
+    def _tensor(self, value: Any, path: str) -> msgpack.ExtType:
+        if not self.allow_tensors:
+            raise UnsupportedValueError(
+                f"tensors are not allowed here ({path or '<root>'})", key_path=path
+            )
+        name = path or "."
+        if name in self.names:
+            raise UnsupportedValueError(f"two tensors map to the name {name!r}", key_path=path)
+        self.names.add(name)
+        leaf = (
+            _numpy_leaf(value, name) if isinstance(value, np.ndarray) else _torch_leaf(value, name)
+        )
+        self.leaves.append(leaf)
+        return msgpack.ExtType(EXT_TENSOR, _pack([name, leaf.framework]))
+
+
+def _is_torch_tensor(value: Any) -> bool:
+    torch = sys.modules.get("torch")  # never import torch just to look
+    return torch is not None and isinstance(value, torch.Tensor)
+
+
+def _numpy_leaf(array: np.ndarray, name: str) -> TensorLeaf:
+    dtype = name_of_numpy_dtype(array.dtype, name)
+    little = np.ascontiguousarray(array, dtype=array.dtype.newbyteorder("<"))
+    flat = little.reshape(-1).view(np.uint8)
+    return TensorLeaf(name, dtype, tuple(array.shape), flat, "numpy")
+
+
+def _torch_leaf(tensor: Any, name: str) -> TensorLeaf:
+    import torch
+
+    if tensor.layout != torch.strided or tensor.is_quantized:
+        raise UnsupportedValueError(
+            f"tensor at {name} has layout {tensor.layout}; only dense tensors are stored",
+            key_path=name,
+        )
+    dtype = name_of_torch_dtype(tensor.dtype, name)
+    host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
+    flat = host.reshape(-1).view(torch.uint8).numpy()
+    return TensorLeaf(name, dtype, tuple(tensor.shape), flat, "torch")
+
+
+def _pack(value: Any) -> bytes:
+    return msgpack.packb(value, use_bin_type=True, use_single_float=False)
+
+
+def encode_tree(state: Any, *, allow_tensors: bool = True) -> tuple[bytes, list[TensorLeaf]]:
+    """Encode a state: its non-tensor skeleton as msgpack, and its tensors as leaves."""
+    encoder = _Encoder(allow_tensors)
+    skeleton = encoder.encode(state, "")
+    return _pack(skeleton), encoder.leaves
+
+
+TensorLookup = Callable[[str, str], Any]
+
+
+def decode_tree(data: bytes, tensors: TensorLookup | None = None) -> Any:
+    """Rebuild a state; ``tensors(name, framework)`` supplies each tensor."""
+
+    def ext_hook(code: int, payload: bytes) -> Any:
+        if code == EXT_TUPLE:
+            return tuple(_unpack(payload))
+        if code == EXT_ORDERED_DICT:
+            return OrderedDict((k, v) for k, v in _unpack(payload))
+        if code == EXT_BIG_INT:
+            return int(payload.decode())
+        if code == EXT_NUMPY_SCALAR:
+            dtype, raw = _unpack(payload)
+            return np.frombuffer(raw, dtype=numpy_dtype(dtype))[0]
+        if code == EXT_TENSOR:
+            name, framework = _unpack(payload)
+            if tensors is None:
+                raise CorruptObjectError(f"tensor reference {name!r} where none is allowed")
+            return tensors(name, framework)
+        raise CorruptObjectError(f"unknown msgpack extension code {code} in a state")
+
+    def _unpack(payload: bytes) -> Any:
+        return msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=ext_hook)
+
+    try:
+        return _unpack(data)
+    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        raise CorruptObjectError(f"state does not decode: {exc}") from exc
+
+
+def tensor_names(data: bytes) -> list[tuple[str, str]]:
+    """The (name, framework) of every tensor a state refers to, in order."""
+    found: list[tuple[str, str]] = []
+
+    def record(name: str, framework: str) -> None:
+        found.append((name, framework))
+
+    decode_tree(data, record)
+    return found
