@@ -281,7 +281,7 @@ class Store:
             raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
         return ref
 
-    def _chain(self, run: str) -> Iterator[tuple[Digest, GenerationRoot]]:
+    def iter_chain(self, run: str) -> Iterator[tuple[Digest, GenerationRoot]]:
         """Roots of ``run`` from the newest back to the oldest still stored."""
         digest: Digest | None = self._latest(run).root
         while digest is not None:
@@ -309,7 +309,7 @@ class Store:
                 )
             return ref.root, root
         wanted_id, prefix = _parse_generation(generation)
-        for digest, root in self._chain(run):
+        for digest, root in self.iter_chain(run):
             if root.generation == wanted_id or (prefix and digest.hex.startswith(prefix)):
                 return digest, root
             if wanted_id is not None and root.generation < wanted_id:
@@ -322,7 +322,7 @@ class Store:
     def generations(self, run: str) -> list[Generation]:
         """Every stored generation of ``run``, oldest first."""
         validate_run_name(run)
-        return [Generation.from_root(d, r) for d, r in self._chain(run)][::-1]
+        return [Generation.from_root(d, r) for d, r in self.iter_chain(run)][::-1]
 
     # -- load -------------------------------------------------------------
 
@@ -350,7 +350,7 @@ class Store:
     def _read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
         first = boxes[0]
         tensor, flat = _allocate(first.dtype, first.shape, framework)
-        _check_coverage(boxes, where)
+        check_coverage(boxes, where)
         for entry in boxes:
             self._copy_box(
                 entry,
@@ -466,7 +466,7 @@ def _numpy_to_torch(array: np.ndarray, dtype: str) -> Any:
     return tensor
 
 
-def _check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
+def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
     """The boxes of one tensor must agree and cover it exactly once."""
     first = boxes[0]
     if any(b.shape != first.shape or b.dtype != first.dtype for b in boxes):

@@ -1,0 +1,210 @@
+"""The ``castore`` command: inspect and check a store.
+
+Every failure prints one line to stderr and exits non-zero; set
+``CASTORE_DEBUG=1`` to get the traceback as well.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any, NoReturn
+
+from tabulate import tabulate
+
+import castore
+from castore.errors import CastoreError
+from castore.store import Generation, Store
+from castore.tree import decode_tree
+
+EXIT_PROBLEMS = 1
+EXIT_USAGE = 2
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block plus the message.
+        self.exit(EXIT_USAGE, f"castore: {message} (see {self.prog} --help)\n")
+
+
+def format_bytes(count: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(count) < 1024 or unit == "TiB":
+            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
+        count /= 1024
+    raise AssertionError("unreachable")
+
+
+def _format_time(stamp: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
+
+
+def _split_target(target: str) -> tuple[str, str]:
+    run, _, generation = target.partition("@")
+    return run, generation or "latest"
+
+
+def _open(path: str) -> Store:
+    return castore.open(path, create=False)
+
+
+def cmd_log(args: argparse.Namespace) -> int:
+    with _open(args.store) as store:
+        runs = [args.run] if args.run else store.runs()
+        rows = []
+        for run in runs:
+            for gen in store.generations(run):
+                rows.append(_log_row(gen, len(runs) > 1))
+        if not rows:
+            print("no generations")
+            return 0
+        headers = ["id", "step", "time", "logical", "new", "dedup", "root"]
+        print(tabulate(rows, headers=(["run"] if len(runs) > 1 else []) + headers))
+    return 0
+
+
+def _log_row(gen: Generation, with_run: bool) -> list[Any]:
+    stats = gen.stats
+    row = [
+        gen.id,
+        gen.step,
+        _format_time(gen.time),
+        format_bytes(stats.logical_bytes),
+        format_bytes(stats.new_bytes),
+        f"{100 * stats.dedup_ratio:.1f}%",
+        gen.root[:12],
+    ]
+    return [gen.run, *row] if with_run else row
+
+
+def cmd_show(args: argparse.Namespace) -> int:
+    run, generation = _split_target(args.target)
+    with _open(args.store) as store:
+        digest, root = store.resolve_root(run, generation)
+        gen = Generation.from_root(digest, root)
+        print(f"generation {run}@{gen.id}  step {gen.step}  {_format_time(gen.time)}")
+        print(f"root       {gen.root}")
+        print(f"parent     {gen.parent or '-'}")
+        print(f"ranks      {gen.world_size}")
+        print("versions   " + ", ".join(f"{k} {v}" for k, v in sorted(gen.frameworks.items())))
+        if gen.metadata:
+            print(f"metadata   {gen.metadata}")
+        rows = []
+        for name, boxes in store.tensor_entries(root).items():
+            first = boxes[0]
+            nbytes = sum(b.nbytes for b in boxes)
+            chunks = sum(len(b.chunks) for b in boxes)
+            rows.append(
+                [
+                    name,
+                    first.dtype,
+                    "x".join(map(str, first.shape)) or "()",
+                    format_bytes(nbytes),
+                    chunks,
+                ]
+            )
+        print()
+        print(tabulate(rows, headers=["tensor", "dtype", "shape", "size", "chunks"]))
+        values = _plain_values(decode_tree(root.state, lambda name, fw: _TensorMark()))
+        if values:
+            print()
+            print(tabulate(values, headers=["key", "type", "value"]))
+    return 0
+
+
+class _TensorMark:
+    """Stands in for a tensor when listing a state's non-tensor values."""
+
+
+def _plain_values(node: Any, path: str = "") -> list[list[str]]:
+    if isinstance(node, _TensorMark):
+        return []
+    if isinstance(node, dict):
+        return [
+            row
+            for k, v in node.items()
+            for row in _plain_values(v, f"{path}/{k}" if path else str(k))
+        ]
+    if isinstance(node, (list, tuple)):
+        return [
+            row
+            for i, v in enumerate(node)
+            for row in _plain_values(v, f"{path}/{i}" if path else str(i))
+        ]
+    text = repr(node)
+    return [[path or ".", type(node).__name__, text if len(text) <= 60 else text[:57] + "..."]]
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from castore.verify import verify_store
+
+    run, generation = (None, None)
+    if args.target:
+        run, generation = _split_target(args.target)
+        generation = None if generation == "latest" and "@" not in args.target else generation
+    with _open(args.store) as store:
+        report = verify_store(store, run=run, generation=generation, deep=args.deep, progress=True)
+    mode = "deep (every chunk re-hashed)" if report.deep else "structural"
+    print(
+        f"verified {report.runs} run(s), {report.generations} generation(s), "
+        f"{report.objects} object(s), {report.chunks} chunk(s): {mode}"
+    )
+    for problem in report.problems:
+        print(f"PROBLEM {problem}")
+    if report.problems:
+        damaged = ", ".join(
+            f"{r}@{g}" if g is not None else r for r, g in report.damaged_generations
+        )
+        print(f"FAILED: {len(report.problems)} problem(s); damaged: {damaged}")
+        return EXIT_PROBLEMS
+    print("OK")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="castore", description="Inspect and check a castore store.")
+    parser.add_argument("--version", action="version", version=f"castore {castore.__version__}")
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    log = commands.add_parser("log", help="table of generations with sizes and dedup")
+    log.add_argument("store")
+    log.add_argument("--run", help="only this run")
+    log.set_defaults(handler=cmd_log)
+    show = commands.add_parser("show", help="tensors and values of one generation")
+    show.add_argument("store")
+    show.add_argument("target", metavar="RUN[@GEN]")
+    show.set_defaults(handler=cmd_show)
+    verify = commands.add_parser("verify", help="check objects and chunks; non-zero on problems")
+    verify.add_argument("store")
+    verify.add_argument("target", nargs="?", metavar="RUN[@GEN]")
+    verify.add_argument("--deep", action="store_true", help="re-hash every chunk")
+    verify.set_defaults(handler=cmd_verify)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.handler(args))
+    except CastoreError as exc:
+        return _fail(f"{type(exc).__name__}: {exc}")
+    except (OSError, ValueError) as exc:
+        return _fail(f"{type(exc).__name__}: {exc}")
+    except KeyboardInterrupt:
+        return _fail("interrupted", code=130)
+    except Exception as exc:  # noqa: BLE001 - the CLI promises one line, never a traceback
+        return _fail(f"internal error: {type(exc).__name__}: {exc}", code=70)
+
+
+def _fail(message: str, code: int = EXIT_PROBLEMS) -> int:
+    if os.environ.get("CASTORE_DEBUG"):
+        traceback.print_exc()
+    print(f"castore: error: {message}", file=sys.stderr)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""Checking a store: structure always, every chunk's bytes with ``deep``.
+
+The structural check reads every ref, root and shard manifest (each verified
+against its digest and decoded), checks that each generation's tensors cover
+their shapes exactly and match what its state refers to, and that every chunk
+it names is present. ``deep`` also re-hashes every chunk, once per store even
+when many generations share it.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from castore.chunkstore.base import Namespace
+from castore.errors import CastoreError
+from castore.hashing import Digest, digest_bytes
+from castore.objects import GenerationRoot, TensorEntry
+from castore.tree import tensor_names
+
+if TYPE_CHECKING:
+    from castore.store import Store
+
+_DEEP_BATCH = 64
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing wrong with the store, and where."""
+
+    run: str
+    generation: int | None
+    what: str
+
+    def __str__(self) -> str:
+        where = self.run if self.generation is None else f"{self.run}@{self.generation}"
+        return f"{where}: {self.what}"
+
+
+@dataclass
+class VerifyReport:
+    """What a verify looked at and what it found."""
+
+    runs: int = 0
+    generations: int = 0
+    objects: int = 0
+    chunks: int = 0
+    chunks_hashed: int = 0
+    deep: bool = False
+    problems: list[Problem] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    @property
+    def damaged_generations(self) -> list[tuple[str, int | None]]:
+        return sorted({(p.run, p.generation) for p in self.problems}, key=str)
+
+
+class _ChunkStatus:
+    """Per-store cache: each chunk is checked (or re-hashed) once."""
+
+    def __init__(self, store: Store, deep: bool, progress: bool) -> None:
+        self.store = store
+        self.deep = deep
+        self.status: dict[bytes, str] = {}  # "ok", "missing" or "damaged"
+        self.bar = tqdm(
+            desc="verify chunks",
+            unit="chunk",
+            file=sys.stderr,
+            disable=not (progress and sys.stderr.isatty()),
+        )
+
+    def check(self, digests: Iterable[bytes]) -> None:
+        todo = list(dict.fromkeys(d for d in digests if d not in self.status))
+        self.bar.total = (self.bar.total or 0) + len(todo)
+        present = self.store.backend.has_many(Namespace.CHUNKS, todo)
+        for digest, found in zip(todo, present, strict=True):
+            if not found:
+                self.status[digest] = "missing"
+        hashed = [d for d, found in zip(todo, present, strict=True) if found]
+        if not self.deep:
+            self.status.update(dict.fromkeys(hashed, "ok"))
+            self.bar.update(len(todo))
+            return
+        self.bar.update(len(todo) - len(hashed))
+        for start in range(0, len(hashed), _DEEP_BATCH):
+            self._rehash(hashed[start : start + _DEEP_BATCH])
+
+    def _rehash(self, keys: list[bytes]) -> None:
+        def one(key: bytes, value: memoryview | None) -> str:
+            if value is None:
+                return "missing"
+            return "ok" if digest_bytes(value, threads=1) == key else "damaged"
+
+        def visit(values: list[memoryview | None]) -> None:
+            with ThreadPoolExecutor(2) as pool:
+                for key, verdict in zip(keys, pool.map(one, keys, values), strict=True):
+                    self.status[key] = verdict
+
+        self.store.backend.read_many(Namespace.CHUNKS, keys, visit)
+        self.bar.update(len(keys))
+
+
+def verify_store(
+    store: Store,
+    *,
+    run: str | None = None,
+    generation: int | str | None = None,
+    deep: bool = False,
+    progress: bool = False,
+) -> VerifyReport:
+    """Check ``run`` (or every run), one generation or all of them."""
+    report = VerifyReport(deep=deep)
+    chunks = _ChunkStatus(store, deep, progress)
+    for name in [run] if run is not None else store.runs():
+        report.runs += 1
+        for digest, root in _roots(store, name, generation, report):
+            _verify_generation(store, digest, root, chunks, report)
+    chunks.bar.close()
+    report.chunks = len(chunks.status)
+    report.chunks_hashed = len(chunks.status) if deep else 0
+    return report
+
+
+def _roots(
+    store: Store, run: str, generation: int | str | None, report: VerifyReport
+) -> list[tuple[Digest, GenerationRoot]]:
+    found: list[tuple[Digest, GenerationRoot]] = []
+    try:
+        if generation is not None:
+            found.append(store.resolve_root(run, generation))
+        else:
+            latest = store.resolve_root(run, "latest")  # checks the ref against its root
+            found.append(latest)
+            found.extend(item for item in store.iter_chain(run) if item[0] != latest[0])
+    except CastoreError as exc:
+        report.problems.append(Problem(run, None, f"{type(exc).__name__}: {exc}"))
+    return found
+
+
+def _verify_generation(
+    store: Store, digest: Digest, root: GenerationRoot, chunks: _ChunkStatus, report: VerifyReport
+) -> None:
+    from castore.store import check_coverage
+
+    report.generations += 1
+    report.objects += 1 + len(root.shards)
+    problems = report.problems
+    where = {"run": root.run, "generation": root.generation}
+    try:
+        entries = store.tensor_entries(root)
+        referenced = {name for name, _ in tensor_names(root.state)}
+        for name in sorted(referenced - entries.keys()):
+            problems.append(
+                Problem(root.run, root.generation, f"tensor {name!r} has no shard entry")
+            )
+        for boxes in entries.values():
+            check_coverage(boxes, where)
+    except CastoreError as exc:
+        problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
+        return
+    users: dict[bytes, tuple[TensorEntry, int]] = {}
+    for boxes in entries.values():
+        for entry in boxes:
+            for index, chunk in enumerate(entry.chunks):
+                users.setdefault(chunk, (entry, index))
+    chunks.check(users)
+    for chunk, (entry, index) in users.items():
+        verdict = chunks.status.get(chunk, "ok")
+        if verdict != "ok":
+            problems.append(
+                Problem(
+                    root.run,
+                    root.generation,
+                    f"chunk {index} of tensor {entry.name!r} is {verdict} ({chunk.hex()[:16]})",
+                )
+            )
