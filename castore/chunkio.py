@@ -46,7 +46,7 @@ def write_leaves(
     """Store every leaf's chunks (new ones only) and return their tensor entries."""
     pieces: list[tuple[int, memoryview]] = []
     for index, leaf in enumerate(leaves):
-        flat = memoryview(leaf.data)
+        flat = memoryview(leaf.data)  # type: ignore[arg-type]  # ndarray exports a buffer
         pieces += [(index, flat[at : at + chunk_size]) for at in range(0, flat.nbytes, chunk_size)]
     digests: list[list[bytes]] = [[] for _ in leaves]
     stats = WriteStats(logical_bytes=sum(leaf.data.nbytes for leaf in leaves))
@@ -108,7 +108,7 @@ class ReadCounters:
 def read_chunks(
     backend: ChunkBackend,
     entry: TensorEntry,
-    indices: Sequence[int],
+    indices: Sequence[int] | np.ndarray,
     consume: ChunkConsumer,
     counters: ReadCounters,
     where: dict[str, object],

@@ -329,13 +329,18 @@ class Store:
     def load(
         self, run: str, generation: GenerationSpec = "latest", *, framework: str = "numpy"
     ) -> Any:
-        """Rebuild the state saved as ``run@generation``; every byte is verified first."""
+        """Rebuild the state saved as ``run@generation``; every byte is verified first.
+
+        ``framework`` picks the array type of every tensor: ``"numpy"`` (works
+        without torch), ``"torch"``, or ``"auto"``: each as it was saved.
+        """
         _check_framework(framework)
         digest, root = self.resolve_root(run, generation)
         entries = self.tensor_entries(root)
         where = {"run": run, "generation": root.generation}
         tensors = {
-            name: self._read_tensor(boxes, framework, where) for name, boxes in entries.items()
+            name: self._read_tensor(boxes, _framework_for(boxes[0], framework), where)
+            for name, boxes in entries.items()
         }
 
         def lookup(name: str, _saved_framework: str) -> Any:
@@ -442,8 +447,15 @@ def _parse_generation(spec: GenerationSpec) -> tuple[int | None, str | None]:
 
 
 def _check_framework(framework: str) -> None:
-    if framework not in ("numpy", "torch"):
-        raise ValueError(f"framework must be 'numpy' or 'torch', got {framework!r}")
+    if framework not in ("numpy", "torch", "auto"):
+        raise ValueError(f"framework must be 'numpy', 'torch' or 'auto', got {framework!r}")
+
+
+def _framework_for(entry: TensorEntry, requested: str) -> str:
+    """``auto`` gives each tensor back as the kind of array it was saved from."""
+    if requested != "auto":
+        return requested
+    return "torch" if entry.framework == "torch" else "numpy"
 
 
 def _allocate(dtype: str, shape: tuple[int, ...], framework: str) -> tuple[Any, np.ndarray]:

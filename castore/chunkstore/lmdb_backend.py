@@ -53,7 +53,7 @@ class LmdbBackend(ChunkBackend):
                 sync=True,
                 metasync=True,
                 writemap=False,
-                readahead=False,
+                readahead=True,  # chunks are large sequential values
                 lock=True,
             )
         except lmdb.Error as exc:
@@ -75,12 +75,13 @@ class LmdbBackend(ChunkBackend):
 
     def _begin(self, *, write: bool, buffers: bool = False) -> Any:
         self._check_usable()
+        env: Any = self._env  # lmdb's stubs type `buffers` as a Literal overload
         try:
-            return self._env.begin(write=write, buffers=buffers)
+            return env.begin(write=write, buffers=buffers)
         except lmdb.MapResizedError:
             # Another process grew the map: adopt its size, then retry once.
-            self._env.set_mapsize(0)
-            return self._env.begin(write=write, buffers=buffers)
+            env.set_mapsize(0)
+            return env.begin(write=write, buffers=buffers)
 
     def _grow(self) -> None:
         new_size = self._env.info()["map_size"] * 2

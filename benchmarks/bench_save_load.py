@@ -1,0 +1,441 @@
+"""Save/load throughput of castore against torch.save and torch.distributed.checkpoint.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/bench_save_load.py [--size-mib 1024] [--reps 3] [--dir DIR]
+                                                   [--json OUT]
+
+One fp32 state of ``--size-mib`` MiB (64 tensors shaped like a small
+transformer: 2-D weights, 1-D biases and norms, one embedding) is built once.
+Each repetition runs every method once, in the same order, so that slow drift
+of the machine (page cache, disk, thermal) hits all methods alike:
+
+saves (every one durable before the clock stops)
+  castore full save   ``castore.open(fresh).save(state)`` and ``close()``
+  torch.save          to a file, then ``flush()`` and ``os.fsync``
+  DCP save            ``dcp.save(..., FileSystemWriter(sync_files=True), no_dist=True)``
+loads (cold: page cache dropped first, when this process may; then warm)
+  castore load        ``castore.open(store).load("bench", framework="torch")``
+  torch.load          ``torch.load(path)``
+  DCP load            preallocate with ``torch.empty_like`` (timed), then ``dcp.load``
+re-save
+  castore re-save     10% of the state's bytes changed, saved into the store
+                      that already holds the full save (only the re-save is timed)
+
+Each output is deleted at the end of its repetition. Loaded values are
+compared with the saved ones once, outside the timed regions. The table shows
+medians; "x DCP" and "x torch.save" are speedups (other's median time / this
+one's), so >1 means faster. Every save is compared with the matching save
+(the re-save with the full saves), every load with the load of the same
+cache state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from tabulate import tabulate
+
+import castore
+from castore.chunkio import DEFAULT_CHUNK_SIZE, WRITE_BATCH_BYTES
+
+MIB = 1 << 20
+GIB = 1 << 30
+N_LAYERS = 7  # 7 layers x 9 tensors + 1 embedding = 64 tensors
+CHANGED_FRACTION = 0.10
+RUN = "bench"
+
+# Goals: (label, method, reference, kind, threshold)
+#   kind "speedup": reference_time / method_time >= threshold
+#   kind "time":    method_time / reference_time <= threshold
+GOALS = [
+    ("full save throughput >= 1.0x DCP save", "castore save", "DCP save", "speedup", 1.0),
+    ("10%-changed re-save time <= 0.25x DCP save", "castore re-save", "DCP save", "time", 0.25),
+    ("load throughput >= 1.0x DCP load", "castore load", "DCP load", "speedup", 1.0),
+]
+
+
+# -- the state ---------------------------------------------------------------
+
+
+def build_state(size_mib: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """~size_mib MiB of fp32 tensors: N_LAYERS transformer blocks plus an embedding.
+
+    The hidden size is picked so the blocks take about three quarters of the
+    budget; the embedding's vocabulary absorbs the rest, so the total is within
+    one embedding row of the target.
+    """
+    target = size_mib * MIB
+    per_layer_elems = lambda h: 12 * h * h + 11 * h  # noqa: E731 - weights + biases + norms
+    hidden = max(64, int(math.sqrt(0.75 * target / 4 / N_LAYERS / 12)) // 64 * 64)
+    while hidden > 64 and N_LAYERS * per_layer_elems(hidden) * 4 > target:
+        hidden -= 64
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in range(N_LAYERS):
+        p = f"layers.{layer}."
+        shapes[p + "attn_norm.weight"] = (hidden,)
+        shapes[p + "attn.qkv.weight"] = (3 * hidden, hidden)
+        shapes[p + "attn.qkv.bias"] = (3 * hidden,)
+        shapes[p + "attn.out.weight"] = (hidden, hidden)
+        shapes[p + "attn.out.bias"] = (hidden,)
+        shapes[p + "mlp_norm.weight"] = (hidden,)
+        shapes[p + "mlp.fc1.weight"] = (4 * hidden, hidden)
+        shapes[p + "mlp.fc1.bias"] = (4 * hidden,)
+        shapes[p + "mlp.fc2.weight"] = (hidden, 4 * hidden)
+    # mlp.fc2.bias is folded away to keep 9 per layer; the embedding fills the rest.
+    used = sum(math.prod(s) for s in shapes.values()) * 4
+    vocab = max(1, (target - used) // (4 * hidden))
+    shapes = {"embed.weight": (vocab, hidden), **shapes}
+    gen = torch.Generator().manual_seed(seed)
+    return {name: torch.randn(shape, generator=gen) for name, shape in shapes.items()}
+
+
+def nbytes(state: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state.values())
+
+
+def changed_copy(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A shallow copy with about CHANGED_FRACTION of the bytes changed.
+
+    Tensors are taken from the top layer down (as when fine-tuning the last
+    layers), skipping any that would overshoot the target by more than 2%.
+    """
+    total = nbytes(state)
+    budget = CHANGED_FRACTION * total * 1.02
+    picked: list[str] = []
+    changed_bytes = 0
+    for name in reversed(list(state)):
+        size = state[name].numel() * state[name].element_size()
+        if changed_bytes + size <= budget:
+            picked.append(name)
+            changed_bytes += size
+        if changed_bytes >= CHANGED_FRACTION * total * 0.98:
+            break
+    new = dict(state)
+    for name in picked:
+        new[name] = state[name] + 1e-3  # every element (so every chunk) changes
+    return new, picked
+
+
+# -- page cache --------------------------------------------------------------
+
+
+def drop_caches() -> bool:
+    """Flush dirty pages and drop the page cache; False when not permitted."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as handle:
+            handle.write("3\n")
+        return True
+    except OSError:
+        return False
+
+
+# -- methods -----------------------------------------------------------------
+
+
+def castore_save(state: dict[str, torch.Tensor], path: Path) -> tuple[castore.Generation, int]:
+    store = castore.open(path)
+    try:
+        return store.save(state, run=RUN, step=0), store.chunk_size
+    finally:
+        store.close()
+
+
+def castore_load(path: Path) -> Any:
+    store = castore.open(path, create=False)
+    try:
+        return store.load(RUN, framework="torch")
+    finally:
+        store.close()
+
+
+def torch_save(state: dict[str, torch.Tensor], path: Path) -> None:
+    with open(path, "wb") as handle:
+        torch.save(state, handle)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+def torch_load(path: Path) -> Any:
+    return torch.load(path, weights_only=True)
+
+
+def dcp_save(state: dict[str, torch.Tensor], path: Path) -> None:
+    writer = dcp.FileSystemWriter(str(path), sync_files=True)
+    dcp.save(state, storage_writer=writer, no_dist=True)
+
+
+def dcp_load(template: dict[str, torch.Tensor], path: Path) -> dict[str, torch.Tensor]:
+    out = {name: torch.empty_like(t) for name, t in template.items()}
+    dcp.load(out, storage_reader=dcp.FileSystemReader(str(path)), no_dist=True)
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    gc.collect()
+    os.sync()  # no writeback left over from an earlier step runs inside this one
+    started = time.perf_counter()
+    result = fn()
+    return time.perf_counter() - started, result
+
+
+def assert_same(name: str, got: Any, want: dict[str, torch.Tensor]) -> None:
+    if not isinstance(got, dict) or set(got) != set(want):
+        raise AssertionError(f"{name}: loaded keys differ from saved keys")
+    for key, tensor in want.items():
+        other = got[key]
+        if other.dtype != tensor.dtype or other.shape != tensor.shape:
+            raise AssertionError(f"{name}: {key} has {other.dtype}{tuple(other.shape)}")
+        if not torch.equal(other, tensor):
+            raise AssertionError(f"{name}: {key} differs from what was saved")
+
+
+# -- the run -----------------------------------------------------------------
+
+
+@dataclass
+class Results:
+    times: dict[str, list[float]] = field(default_factory=dict)
+    notes: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, method: str, seconds: float) -> None:
+        self.times.setdefault(method, []).append(seconds)
+
+    def median(self, method: str) -> float:
+        return statistics.median(self.times[method])
+
+
+def one_rep(
+    rep: int,
+    state: dict[str, torch.Tensor],
+    changed: dict[str, torch.Tensor],
+    work: Path,
+    results: Results,
+    cold: bool,
+    verify: bool,
+) -> None:
+    out = work / f"rep{rep}"
+    out.mkdir(parents=True)
+    store, pt_file, dcp_dir = out / "castore", out / "state.pt", out / "dcp"
+    try:
+        # saves
+        seconds, (gen, chunk_size) = timed(lambda: castore_save(state, store))
+        results.add("castore save", seconds)
+        results.notes.setdefault("castore_chunk_size", chunk_size)
+        results.notes.setdefault("castore_save_new_bytes", gen.new_bytes)
+        seconds, _ = timed(lambda: torch_save(state, pt_file))
+        results.add("torch.save", seconds)
+        seconds, _ = timed(lambda: dcp_save(state, dcp_dir))
+        results.add("DCP save", seconds)
+
+        # loads: cold (if the cache can be dropped), then warm
+        loaders: list[tuple[str, Callable[[], Any]]] = [
+            ("castore load", lambda: castore_load(store)),
+            ("torch.load", lambda: torch_load(pt_file)),
+            ("DCP load", lambda: dcp_load(state, dcp_dir)),
+        ]
+        for method, loader in loaders:
+            if cold:
+                if not drop_caches():
+                    raise RuntimeError("dropping the page cache stopped working")
+                seconds, loaded = timed(loader)
+                results.add(f"{method} (cold)", seconds)
+                del loaded
+            else:
+                loader()  # make sure the file is cached even if the save bypassed the cache
+            seconds, loaded = timed(loader)
+            results.add(f"{method} (warm)", seconds)
+            if verify:
+                assert_same(method, loaded, state)
+            del loaded
+
+        # re-save with ~10% of the bytes changed into the store holding the full save
+        seconds, (gen, _) = timed(lambda: castore_save(changed, store))
+        results.add("castore re-save", seconds)
+        results.notes.setdefault("castore_resave_new_bytes", gen.new_bytes)
+        results.notes.setdefault("castore_resave_reused_chunks", gen.stats.reused_chunks)
+        if verify:
+            assert_same("castore re-save", castore_load(store), changed)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def disk_free(path: Path) -> int:
+    stats = os.statvfs(path)
+    return stats.f_bavail * stats.f_frsize
+
+
+def summarize(results: Results, logical: int, cold: bool) -> tuple[list[list[Any]], list[dict]]:
+    """Table rows and JSON rows: median, GiB/s and speedups against the matching reference."""
+
+    def refs(method: str) -> tuple[str, str]:
+        if method.endswith("save"):
+            return "DCP save", "torch.save"
+        mode = method[method.index("(") :]
+        return f"DCP load {mode}", f"torch.load {mode}"
+
+    modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
+    order = ["castore save", "castore re-save", "torch.save", "DCP save"]
+    order += [f"{m} {mode}" for mode in modes for m in ("castore load", "torch.load", "DCP load")]
+    rows, records = [], []
+    for method in order:
+        if method not in results.times:
+            continue
+        med = results.median(method)
+        vs_dcp, vs_torch = (results.median(r) / med for r in refs(method))
+        rows.append(
+            [
+                method,
+                f"{med:.3f}",
+                f"{min(results.times[method]):.3f}",
+                f"{logical / GIB / med:.2f}",
+                f"{vs_dcp:.2f}x",
+                f"{vs_torch:.2f}x",
+            ]
+        )
+        records.append(
+            {
+                "method": method,
+                "median_s": med,
+                "min_s": min(results.times[method]),
+                "times_s": results.times[method],
+                "gib_per_s": logical / GIB / med,
+                "speedup_vs_dcp": vs_dcp,
+                "speedup_vs_torch": vs_torch,
+            }
+        )
+    return rows, records
+
+
+def evaluate_goals(results: Results, cold: bool) -> list[dict[str, Any]]:
+    modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
+    verdicts = []
+    for label, method, reference, kind, threshold in GOALS:
+        pairs = (
+            [(f"{method} {m}", f"{reference} {m}", f"{label} {m}") for m in modes]
+            if method.endswith("load")
+            else [(method, reference, label)]
+        )
+        for m, r, text in pairs:
+            ratio = results.median(r) / results.median(m)
+            if kind == "time":
+                ratio = 1.0 / ratio
+                met = ratio <= threshold
+                measured = f"{ratio:.3f}x DCP time"
+            else:
+                met = ratio >= threshold
+                measured = f"{ratio:.2f}x DCP throughput"
+            verdicts.append({"goal": text, "measured": measured, "value": ratio, "met": met})
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size-mib", type=int, default=1024, help="state size (default 1024)")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default /tmp)")
+    parser.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    parser.add_argument("--warm-only", action="store_true", help="do not drop the page cache")
+    parser.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
+    args = parser.parse_args(argv)
+    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
+
+    base = args.dir or Path(tempfile.gettempdir())
+    base.mkdir(parents=True, exist_ok=True)
+    need = int(3.5 * args.size_mib * MIB)
+    if disk_free(base) < need:
+        print(f"not enough disk under {base}: need {need / GIB:.1f} GiB", file=sys.stderr)
+        return 2
+
+    cold = not args.warm_only and drop_caches()
+    print(f"building a {args.size_mib} MiB state ...", flush=True)
+    state = build_state(args.size_mib)
+    changed, picked = changed_copy(state)
+    logical = nbytes(state)
+    changed_bytes = sum(state[n].numel() * state[n].element_size() for n in picked)
+    print(
+        f"{len(state)} tensors, {logical / GIB:.3f} GiB; re-save changes {len(picked)} tensors, "
+        f"{changed_bytes / MIB:.1f} MiB ({changed_bytes / logical:.1%} of the bytes)\n"
+        f"page cache drop: {'works, loads are cold and warm' if cold else 'not used: warm only'}"
+        f"\nscratch: {base}, reps: {args.reps}",
+        flush=True,
+    )
+
+    results = Results()
+    work = Path(tempfile.mkdtemp(prefix="castore-bench-", dir=base))
+    started = time.perf_counter()
+    try:
+        for rep in range(args.reps):
+            rep_start = time.perf_counter()
+            one_rep(rep, state, changed, work, results, cold, verify=rep == 0)
+            print(f"rep {rep + 1}/{args.reps}: {time.perf_counter() - rep_start:.1f} s", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print("verified once: every load equals what was saved\n")
+
+    rows, records = summarize(results, logical, cold)
+    headers = ["method", "median s", "min s", "GiB/s", "x DCP", "x torch.save"]
+    print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
+    print(
+        "\nGiB/s is the whole state's size over time (the re-save too). 'x DCP' and "
+        "'x torch.save' are speedups over the matching save or load (>1 = faster)."
+    )
+    print(
+        f"castore re-save wrote {results.notes['castore_resave_new_bytes'] / MIB:.1f} MiB "
+        f"of new chunks ({results.notes['castore_resave_reused_chunks']} chunks reused)\n"
+    )
+
+    verdicts = evaluate_goals(results, cold)
+    print("goals:")
+    for verdict in verdicts:
+        mark = "MET" if verdict["met"] else "NOT MET"
+        print(f"  [{mark:7}] {verdict['goal']}: {verdict['measured']}")
+    print(f"\ntotal time {time.perf_counter() - started:.0f} s")
+
+    if args.json:
+        payload = {
+            "size_mib": args.size_mib,
+            "logical_bytes": logical,
+            "tensors": len(state),
+            "changed_tensors": picked,
+            "changed_bytes": changed_bytes,
+            "reps": args.reps,
+            "cold_loads": cold,
+            "scratch_dir": str(base),
+            "castore_default_chunk_size": DEFAULT_CHUNK_SIZE,
+            "castore_write_batch_bytes": WRITE_BATCH_BYTES,
+            "versions": {
+                "python": platform.python_version(),
+                "torch": torch.__version__,
+                "castore": castore.__version__,
+            },
+            "cpus": os.cpu_count(),
+            "results": records,
+            "notes": results.notes,
+            "goals": verdicts,
+        }
+        args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 1 if args.check and not all(v["met"] for v in verdicts) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
