@@ -165,10 +165,12 @@ def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any,
     the exact elements (steps, dropped dimensions) from the box's array.
     """
     items = list(index) if isinstance(index, tuple) else [index]
-    if sum(item is Ellipsis for item in items) > 1:
+    # `is`, not `in`/`index`: those compare with ==, which arrays answer elementwise.
+    ellipses = [at for at, item in enumerate(items) if item is Ellipsis]
+    if len(ellipses) > 1:
         raise InvalidIndexError("an index can have only one Ellipsis")
-    if Ellipsis in items:
-        at = items.index(Ellipsis)
+    if ellipses:
+        at = ellipses[0]
         items[at : at + 1] = [slice(None)] * (len(shape) - len(items) + 1)
     if len(items) > len(shape):
         raise InvalidIndexError(f"{len(items)} indices for a tensor of {len(shape)} dimensions")
@@ -179,6 +181,8 @@ def normalize_index(index: Any, shape: tuple[int, ...]) -> tuple[Box, tuple[Any,
         offsets.append(lo)
         sizes.append(count)
         post.append(selector)
+    if ellipses:
+        post.append(Ellipsis)  # like numpy: `a[3, ...]` is a 0-d array, `a[3]` a scalar
     return Box(tuple(offsets), tuple(sizes)), tuple(post)
 
 

@@ -309,11 +309,20 @@ class Store:
                 )
             return ref.root, root
         wanted_id, prefix = _parse_generation(generation)
+        by_prefix: list[tuple[Digest, GenerationRoot]] = []
         for digest, root in self.iter_chain(run):
-            if root.generation == wanted_id or (prefix and digest.hex.startswith(prefix)):
+            if root.generation == wanted_id:
                 return digest, root
-            if wanted_id is not None and root.generation < wanted_id:
+            if prefix and digest.hex.startswith(prefix):
+                by_prefix.append((digest, root))
+            if prefix is None and wanted_id is not None and root.generation < wanted_id:
                 break
+        if len(by_prefix) == 1:
+            return by_prefix[0]
+        if len(by_prefix) > 1:
+            raise GenerationNotFoundError(
+                f"root prefix {prefix!r} is ambiguous in run {run!r}: use more digits", run=run
+            )
         raise GenerationNotFoundError(f"run {run!r} has no generation {generation!r}", run=run)
 
     def resolve(self, run: str, generation: GenerationSpec = "latest") -> Generation:
@@ -437,10 +446,11 @@ class Store:
 def _parse_generation(spec: GenerationSpec) -> tuple[int | None, str | None]:
     if isinstance(spec, int) and not isinstance(spec, bool):
         return spec, None
+    if isinstance(spec, str) and re.fullmatch(r"[0-9a-f]{6,64}", spec):
+        # Six or more digits may be an id or a root prefix: an id match wins.
+        return (int(spec) if spec.isdigit() else None), spec
     if isinstance(spec, str) and spec.isdigit():
         return int(spec), None
-    if isinstance(spec, str) and re.fullmatch(r"[0-9a-f]{6,64}", spec):
-        return None, spec
     raise GenerationNotFoundError(
         f"bad generation {spec!r}: use 'latest', an id, or a root digest prefix (6+ hex digits)"
     )

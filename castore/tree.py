@@ -41,7 +41,13 @@ class TensorLeaf:
 
 
 def escape_key(key: str | int) -> str:
-    """One key-path component: ``/`` separates components, so escape it."""
+    """One key-path component: ``/`` separates components, so escape it.
+
+    The empty key becomes ``%`` (a bare ``%`` never results from escaping), so
+    it cannot vanish from a path and collide with its parent.
+    """
+    if key == "":
+        return "%"
     return str(key).replace("%", "%25").replace("/", "%2F")
 
 
