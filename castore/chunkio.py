@@ -121,6 +121,7 @@ def read_chunks(
     indices = [int(i) for i in indices]
     if not indices:
         return
+    context = {**where, "tensor": entry.name}
     keys = [entry.chunks[i] for i in indices]
 
     def verify_and_consume(position: int, value: memoryview | None) -> None:
@@ -129,9 +130,8 @@ def read_chunks(
         if value is None:
             raise ChunkMissingError(
                 f"chunk {index} of tensor {entry.name!r} is missing from the store",
-                tensor=entry.name,
                 chunk=keys[position].hex()[:16],
-                **where,
+                **context,
             )
         actual = digest_bytes(value, threads=1)
         if actual != keys[position] or len(value) != expected_len:
@@ -139,8 +139,7 @@ def read_chunks(
                 f"chunk {index} of tensor {entry.name!r} is damaged",
                 expected=keys[position].hex(),
                 actual=actual.hex(),
-                tensor=entry.name,
-                **where,
+                **context,
             )
         consume(index, np.frombuffer(value, dtype=np.uint8))
 

@@ -216,7 +216,7 @@ def decode_object(data: bytes | memoryview, *, expect: str | None = None) -> Any
             f"{FORMAT_VERSION}: upgrade castore"
         )
     kind = wire.get("type")
-    if kind not in _DECODERS or (expect is not None and kind != expect):
+    if not isinstance(kind, str) or kind not in _DECODERS or (expect not in (None, kind)):
         raise CorruptObjectError(f"object type is {kind!r}, expected {expect or 'a known type'}")
     try:
         obj: AnyObject = _DECODERS[kind].from_wire(wire)

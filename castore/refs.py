@@ -166,6 +166,9 @@ class RefStore:
 
     def advance(self, run: str, *, expected: Digest | None, new: RefValue) -> None:
         """Compare-and-swap the ref of ``run`` from ``expected`` to ``new``."""
+        validate_run_name(run)
+        if new.run != run:
+            raise ValueError(f"ref value names run {new.run!r}, not {run!r}")
         with self.locked(run):
             current = self.read(run)
             current_root = current.root if current else None
@@ -221,8 +224,11 @@ class RefStore:
         line = f"{text}\t{digest_bytes(text.encode()).hex()[:32]}\n".encode()
         path = self.reflog_path(run)
         created = not path.exists()
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
         try:
+            size = os.fstat(fd).st_size
+            if size and os.pread(fd, 1, size - 1) != b"\n":
+                line = b"\n" + line  # end a torn record so this one stays whole
             os.write(fd, line)
             os.fsync(fd)
         finally:

@@ -285,12 +285,8 @@ class Store:
         """Roots of ``run`` from the newest back to the oldest still stored."""
         digest: Digest | None = self._latest(run).root
         while digest is not None:
-            try:
-                root = self.read_root(digest, run=run)
-            except ObjectMissingError:
-                if digest == self._latest(run).root:
-                    raise
-                return  # older history dropped by garbage collection
+            # A missing root anywhere in the chain is damage: fail closed.
+            root = self.read_root(digest, run=run)
             yield digest, root
             digest = Digest(root.parent) if root.parent else None
 

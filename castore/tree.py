@@ -174,7 +174,10 @@ def decode_tree(data: bytes, tensors: TensorLookup | None = None) -> Any:
             return int(payload.decode())
         if code == EXT_NUMPY_SCALAR:
             dtype, raw = _unpack(payload)
-            return np.frombuffer(raw, dtype=numpy_dtype(dtype))[0]
+            values = np.frombuffer(raw, dtype=numpy_dtype(dtype))
+            if values.size != 1:
+                raise CorruptObjectError(f"numpy scalar of {dtype} has {len(raw)} bytes")
+            return values[0]
         if code == EXT_TENSOR:
             name, framework = _unpack(payload)
             if tensors is None:

@@ -1,0 +1,237 @@
+"""The real ``castore`` console script, run as a subprocess on stores the tests made."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import castore
+
+CLI = Path(sys.executable).parent / "castore"
+
+
+def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    return subprocess.run(
+        [str(CLI), *map(str, args)], capture_output=True, text=True, timeout=60, env=env
+    )
+
+
+def make_state() -> dict[str, object]:
+    return {
+        "model": {
+            "w": np.arange(512, dtype=np.float32).reshape(32, 16),
+            "b": np.ones(16, dtype=np.float64),
+        },
+        "opt": {"lr": 0.1, "betas": (0.9, 0.99)},
+        "epoch": 3,
+        "name": "exp",
+    }
+
+
+@pytest.fixture(scope="module")
+def cli_store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """exp1@1 and an identical exp1@2 (fully deduplicated), plus run `other`."""
+    path = tmp_path_factory.mktemp("cli") / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        store.save(make_state(), run="exp1", step=100)
+        store.save(make_state(), run="exp1", step=200)
+        store.save({"x": np.zeros(4, dtype=np.int8)}, run="other", step=5)
+    return path
+
+
+@pytest.fixture
+def store_copy(cli_store: Path, tmp_path: Path) -> Path:
+    """A private copy of ``cli_store`` that a test may damage."""
+    return Path(shutil.copytree(cli_store, tmp_path / "copy"))
+
+
+def rows(stdout: str) -> list[list[str]]:
+    """Table body rows (after tabulate's dashed rule), split on runs of 2+ spaces."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if set(line.replace(" ", "")) == {"-"})
+    return [re.split(r"\s{2,}", line.strip()) for line in lines[start + 1 :] if line.strip()]
+
+
+def test_cli_is_the_installed_console_script() -> None:
+    assert CLI.is_file() and os.access(CLI, os.X_OK)
+    result = run_cli("--version")
+    assert result.returncode == 0
+    assert result.stdout.strip() == f"castore {castore.__version__}"
+
+
+# -- log --------------------------------------------------------------------------
+
+
+def test_log_lists_every_generation_of_every_run(cli_store: Path) -> None:
+    result = run_cli("log", cli_store)
+    assert result.returncode == 0, result.stderr
+    header = result.stdout.splitlines()[0].split()
+    assert header == ["run", "id", "step", "time", "logical", "new", "dedup", "root"]
+    table = rows(result.stdout)
+    assert [(r[0], r[1], r[2]) for r in table] == [
+        ("exp1", "1", "100"),
+        ("exp1", "2", "200"),
+        ("other", "1", "5"),
+    ]
+    dedup = [r[6] for r in table]
+    assert dedup == ["0.0%", "100.0%", "0.0%"]  # the identical second save wrote nothing
+    assert table[1][5] == "0 B"
+
+
+def test_log_of_one_run(cli_store: Path) -> None:
+    result = run_cli("log", cli_store, "--run", "exp1")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].split()[0] == "id"  # no run column
+    table = rows(result.stdout)
+    assert [(r[0], r[1], r[5]) for r in table] == [("1", "100", "0.0%"), ("2", "200", "100.0%")]
+    assert "other" not in result.stdout
+    with castore.open(cli_store, create=False) as store:
+        roots = [g.root[:12] for g in store.generations("exp1")]
+    assert [r[-1] for r in table] == roots
+
+
+def test_log_of_an_empty_store(tmp_path: Path) -> None:
+    castore.open(tmp_path / "empty").close()
+    result = run_cli("log", tmp_path / "empty")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "no generations"
+
+
+# -- show -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("target", ["exp1@2", "exp1", "exp1@latest"])
+def test_show_lists_tensors_and_values(cli_store: Path, target: str) -> None:
+    result = run_cli("show", cli_store, target)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert out.startswith("generation exp1@2  step 200")
+    tensors = {r[0]: r[1:] for r in rows(out.split("\n\n")[1])}
+    assert tensors == {
+        "model/w": ["float32", "32x16", "2.0 KiB", "2"],
+        "model/b": ["float64", "16", "128 B", "1"],
+    }
+    values = {r[0]: r[1:] for r in rows(out.split("\n\n")[2])}
+    assert values == {
+        "opt/lr": ["float", "0.1"],
+        "opt/betas/0": ["float", "0.9"],
+        "opt/betas/1": ["float", "0.99"],
+        "epoch": ["int", "3"],
+        "name": ["str", "'exp'"],
+    }
+
+
+def test_show_by_id_and_by_root_prefix(cli_store: Path) -> None:
+    with castore.open(cli_store, create=False) as store:
+        first = store.resolve("exp1", 1)
+    by_id = run_cli("show", cli_store, "exp1@1")
+    by_root = run_cli("show", cli_store, f"exp1@{first.root[:10]}")
+    assert by_id.returncode == by_root.returncode == 0
+    assert by_id.stdout == by_root.stdout
+    assert "generation exp1@1  step 100" in by_id.stdout
+    assert f"root       {first.root}" in by_id.stdout
+    assert "parent     -" in by_id.stdout
+
+
+# -- verify -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, summary",
+    [
+        ([], "verified 2 run(s), 3 generation(s), 6 object(s)"),
+        (["--deep"], "deep (every chunk re-hashed)"),
+        (["exp1"], "verified 1 run(s), 2 generation(s)"),
+        (["exp1@1"], "verified 1 run(s), 1 generation(s)"),
+    ],
+)
+def test_verify_passes(cli_store: Path, args: list[str], summary: str) -> None:
+    result = run_cli("verify", cli_store, *args)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert summary in result.stdout
+    assert result.stdout.splitlines()[-1] == "OK"
+    assert "PROBLEM" not in result.stdout
+
+
+def test_verify_of_a_garbled_ref_reports_a_problem(store_copy: Path) -> None:
+    ref = store_copy / "refs" / "exp1"
+    data = bytearray(ref.read_bytes())
+    data[-5] ^= 0x10
+    ref.write_bytes(bytes(data))
+    result = run_cli("verify", store_copy)
+    assert result.returncode == 1
+    assert "PROBLEM exp1: CorruptRefError" in result.stdout
+    assert "FAILED: 1 problem(s); damaged: exp1" in result.stdout
+    assert "Traceback" not in result.stdout + result.stderr
+
+
+# -- errors: one line on stderr, no traceback, non-zero exit ----------------------
+
+
+def _garble_ref(path: Path) -> Path:
+    ref = path / "refs" / "exp1"
+    ref.write_bytes(ref.read_bytes()[:-1])
+    return path
+
+
+def _foreign_dir(path: Path) -> Path:
+    path.mkdir()
+    (path / "data.txt").write_text("not a store")
+    return path
+
+
+ERRORS = [
+    # (id, args builder, exit code, words in the message)
+    ("missing-store", lambda s, t: ["log", t / "nowhere"], 1, "StoreNotFoundError"),
+    ("missing-store-show", lambda s, t: ["show", t / "nowhere", "exp1"], 1, "StoreNotFoundError"),
+    ("file-not-store", lambda s, t: ["log", s / "castore.json"], 1, "NotAStoreError"),
+    ("foreign-dir", lambda s, t: ["verify", _foreign_dir(t / "f")], 1, "NotAStoreError"),
+    ("bad-run-show", lambda s, t: ["show", s, "../x"], 1, "InvalidNameError"),
+    ("bad-run-log", lambda s, t: ["log", s, "--run", "a b"], 1, "InvalidNameError"),
+    ("unknown-generation", lambda s, t: ["show", s, "exp1@99"], 1, "GenerationNotFoundError"),
+    ("bad-generation-spec", lambda s, t: ["show", s, "exp1@zz"], 1, "GenerationNotFoundError"),
+    ("unknown-run", lambda s, t: ["show", s, "nobody"], 1, "GenerationNotFoundError"),
+    ("unknown-run-log", lambda s, t: ["log", s, "--run", "nobody"], 1, "GenerationNotFoundError"),
+    ("unknown-subcommand", lambda s, t: ["frobnicate", s], 2, "invalid choice"),
+    ("no-subcommand", lambda s, t: [], 2, "required"),
+    ("missing-argument", lambda s, t: ["show", s], 2, "required"),
+    ("garbled-ref-show", lambda s, t: ["show", _garble_ref(s), "exp1"], 1, "CorruptRefError"),
+    ("garbled-ref-log", lambda s, t: ["log", _garble_ref(s)], 1, "CorruptRefError"),
+]
+
+
+@pytest.mark.parametrize("build, code, words", [e[1:] for e in ERRORS], ids=[e[0] for e in ERRORS])
+def test_errors_are_one_line(
+    store_copy: Path, tmp_path: Path, build: object, code: int, words: str
+) -> None:
+    args = build(store_copy, tmp_path)  # type: ignore[operator]
+    result = run_cli(*args)
+    assert result.returncode == code, result.stdout + result.stderr
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1, result.stderr
+    assert lines[0].startswith("castore: ")
+    assert words in lines[0]
+    assert "Traceback" not in result.stderr + result.stdout
+    assert result.stdout == ""
+
+
+def test_debug_env_adds_the_traceback(store_copy: Path) -> None:
+    env = {**os.environ, "CASTORE_DEBUG": "1"}
+    result = subprocess.run(
+        [str(CLI), "show", str(store_copy), "exp1@99"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert result.returncode == 1
+    assert "Traceback" in result.stderr  # the control for "no traceback" above
+    assert result.stderr.splitlines()[-1].startswith("castore: error: GenerationNotFoundError")
