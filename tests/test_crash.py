@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
+from _helpers import assert_state_equal
 
 import castore
 from castore.chunkstore.base import Namespace
@@ -108,19 +108,6 @@ def cli_verify_deep(path: Path) -> subprocess.CompletedProcess[str]:
         timeout=60,
         env=clean_env(),
     )
-
-
-def assert_state_equal(actual: Any, expected: Any) -> None:
-    assert type(actual) is type(expected)
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected)
-        for key in expected:
-            assert_state_equal(actual[key], expected[key])
-    elif isinstance(expected, np.ndarray):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape
-        np.testing.assert_array_equal(actual, expected)
-    else:
-        assert actual == expected
 
 
 def snapshot(path: Path) -> dict[str, Any]:

@@ -18,6 +18,7 @@ import lmdb
 import msgpack
 import numpy as np
 import pytest
+from _helpers import assert_state_equal
 
 import castore
 from castore import Store
@@ -51,19 +52,6 @@ def make_state(seed: int = 0) -> dict[str, Any]:
         "b": rng.standard_normal(16, dtype=np.float32),
         "step": 3,
     }
-
-
-def assert_state_equal(actual: Any, expected: Any) -> None:
-    assert type(actual) is type(expected)
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected)
-        for key in expected:
-            assert_state_equal(actual[key], expected[key])
-    elif isinstance(expected, np.ndarray):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape
-        np.testing.assert_array_equal(actual, expected)
-    else:
-        assert actual == expected
 
 
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,7 @@ from typing import Any
 import msgpack
 import numpy as np
 import pytest
+from _helpers import assert_state_equal
 
 import castore
 from castore import Store, cli
@@ -41,19 +42,6 @@ def make_state(seed: int = 0) -> dict[str, Any]:
         "w": rng.standard_normal((8, 16), dtype=np.float32),
         "meta": {"seed": seed, "name": f"s{seed}"},
     }
-
-
-def assert_state_equal(actual: Any, expected: Any) -> None:
-    assert type(actual) is type(expected)
-    if isinstance(expected, dict):
-        assert list(actual) == list(expected)
-        for key in expected:
-            assert_state_equal(actual[key], expected[key])
-    elif isinstance(expected, np.ndarray):
-        assert actual.dtype == expected.dtype and actual.shape == expected.shape
-        np.testing.assert_array_equal(actual, expected)
-    else:
-        assert actual == expected
 
 
 def ref_file(store: Store, run: str = RUN) -> Path:

@@ -87,7 +87,9 @@ def same(saved: Any, loaded: Any, path: str = "") -> list[str]:
             isinstance(loaded, torch.Tensor)
             and saved.dtype == loaded.dtype
             and saved.shape == loaded.shape
-            and torch.equal(saved.reshape(-1).view(torch.uint8), loaded.reshape(-1).view(torch.uint8))
+            and torch.equal(
+                saved.reshape(-1).view(torch.uint8), loaded.reshape(-1).view(torch.uint8)
+            )
         )
         return [] if equal else [path]
     if isinstance(saved, np.ndarray):
@@ -99,7 +101,8 @@ def same(saved: Any, loaded: Any, path: str = "") -> list[str]:
     if isinstance(saved, (list, tuple)):
         if type(saved) is not type(loaded) or len(saved) != len(loaded):
             return [path]
-        return [p for i, (a, b) in enumerate(zip(saved, loaded)) for p in same(a, b, f"{path}/{i}")]
+        pairs = enumerate(zip(saved, loaded, strict=True))
+        return [p for i, (a, b) in pairs for p in same(a, b, f"{path}/{i}")]
     return [] if saved == loaded and type(saved) is type(loaded) else [path]
 
 
@@ -112,7 +115,9 @@ def main() -> int:
     path = Path(args.store)
     if path.exists() and not args.keep:
         if not (path / "castore.json").is_file():
-            print(f"demo: {path} exists and is not a castore store; not touching it", file=sys.stderr)
+            print(
+                f"demo: {path} exists and is not a castore store; not touching it", file=sys.stderr
+            )
             return 1
         shutil.rmtree(path)
     with castore.open(path) as store:
