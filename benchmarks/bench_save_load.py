@@ -2,13 +2,21 @@
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/bench_save_load.py [--size-mib 1024] [--reps 3] [--dir DIR]
-                                                   [--json OUT]
+    .venv/bin/python benchmarks/bench_save_load.py [--size-mib 1024] [--reps 3] [--warmup 1]
+                                                   [--dir DIR] [--json OUT] [--settle 15]
+                                                   [--warm-only] [--check]
 
 One fp32 state of ``--size-mib`` MiB (64 tensors shaped like a small
 transformer: 2-D weights, 1-D biases and norms, one embedding) is built once.
-Each repetition runs every method once, in the same order, so that slow drift
-of the machine (page cache, disk, thermal) hits all methods alike:
+Each repetition runs every method once, so that slow drift of the machine
+(page cache, disk, thermal) hits all methods alike; the order of the saves and
+of the loads rotates from one repetition to the next, and one untimed warm-up
+repetition comes first. Outputs are deleted at the end of each repetition,
+followed by ``sync`` and a pause (``--settle``, 15 s): on a thin-provisioned
+virtual disk mounted with ``discard``, rewriting blocks freed moments ago can
+be 5x faster than writing blocks whose discard has gone through (after the
+next journal commit), and without the pause whichever save ran first in a
+repetition would get that unrealistic fast path:
 
 saves (every one durable before the clock stops)
   castore full save   ``castore.open(fresh).save(state)`` and ``close()``
@@ -18,16 +26,23 @@ loads (cold: page cache dropped first, when this process may; then warm)
   castore load        ``castore.open(store).load("bench", framework="torch")``
   torch.load          ``torch.load(path)``
   DCP load            preallocate with ``torch.empty_like`` (timed), then ``dcp.load``
-re-save
-  castore re-save     10% of the state's bytes changed, saved into the store
-                      that already holds the full save (only the re-save is timed)
+re-saves (10% of the state's bytes changed, saved into the store that already
+holds the full save; only the re-save is timed)
+  castore re-save (cold store)   page cache dropped first: the store's existing
+                                 chunks are not in memory (a large store, a
+                                 new process, a busy machine)
+  castore re-save (warm store)   a second re-save with other changes to the
+                                 same tensors, the whole store read into the
+                                 page cache first (untimed)
 
-Each output is deleted at the end of its repetition. Loaded values are
-compared with the saved ones once, outside the timed regions. The table shows
-medians; "x DCP" and "x torch.save" are speedups (other's median time / this
-one's), so >1 means faster. Every save is compared with the matching save
-(the re-save with the full saves), every load with the load of the same
-cache state.
+Loaded values are compared with the saved ones once (in the first repetition
+run), outside the timed regions. Before each timed step the garbage collector
+runs and ``os.sync()`` flushes any writeback left by the step before. The table
+shows medians; "x DCP" and "x torch.save" are speedups (other's median time /
+this one's), so >1 means faster. Every save is compared with the matching save
+(the re-saves with the full saves), every load with the load of the same cache
+state. The goals are checked against the same medians; ``--check`` makes a
+missed goal exit with status 1.
 """
 
 from __future__ import annotations
@@ -111,8 +126,10 @@ def nbytes(state: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in state.values())
 
 
-def changed_copy(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], list[str]]:
-    """A shallow copy with about CHANGED_FRACTION of the bytes changed.
+def changed_copy(
+    state: dict[str, torch.Tensor], delta: float = 1e-3
+) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """A shallow copy with about CHANGED_FRACTION of the bytes changed (``+ delta``).
 
     Tensors are taken from the top layer down (as when fine-tuning the last
     layers), skipping any that would overshoot the target by more than 2%.
@@ -130,7 +147,7 @@ def changed_copy(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor
             break
     new = dict(state)
     for name in picked:
-        new[name] = state[name] + 1e-3  # every element (so every chunk) changes
+        new[name] = state[name] + delta  # every element (so every chunk) changes
     return new, picked
 
 
@@ -223,28 +240,44 @@ class Results:
         return statistics.median(self.times[method])
 
 
+def rotate(items: list[Any], by: int) -> list[Any]:
+    by %= len(items)
+    return items[by:] + items[:by]
+
+
 def one_rep(
     rep: int,
     state: dict[str, torch.Tensor],
-    changed: dict[str, torch.Tensor],
+    changed: list[dict[str, torch.Tensor]],
     work: Path,
     results: Results,
     cold: bool,
     verify: bool,
+    settle: float,
 ) -> None:
+    """Every method once. The order of the saves, and of the loads, rotates with ``rep``:
+    how fast this disk writes depends on whether the blocks were freed just before,
+    and a fixed order would hand the same position to the same method every time.
+    """
     out = work / f"rep{rep}"
     out.mkdir(parents=True)
     store, pt_file, dcp_dir = out / "castore", out / "state.pt", out / "dcp"
     try:
-        # saves
-        seconds, (gen, chunk_size) = timed(lambda: castore_save(state, store))
-        results.add("castore save", seconds)
-        results.notes.setdefault("castore_chunk_size", chunk_size)
-        results.notes.setdefault("castore_save_new_bytes", gen.new_bytes)
-        seconds, _ = timed(lambda: torch_save(state, pt_file))
-        results.add("torch.save", seconds)
-        seconds, _ = timed(lambda: dcp_save(state, dcp_dir))
-        results.add("DCP save", seconds)
+
+        def save_castore() -> None:
+            seconds, (gen, chunk_size) = timed(lambda: castore_save(state, store))
+            results.add("castore save", seconds)
+            results.notes.setdefault("castore_chunk_size", chunk_size)
+            results.notes.setdefault("castore_save_new_bytes", gen.new_bytes)
+
+        def save_torch() -> None:
+            results.add("torch.save", timed(lambda: torch_save(state, pt_file))[0])
+
+        def save_dcp() -> None:
+            results.add("DCP save", timed(lambda: dcp_save(state, dcp_dir))[0])
+
+        for save in rotate([save_castore, save_torch, save_dcp], rep):
+            save()
 
         # loads: cold (if the cache can be dropped), then warm
         loaders: list[tuple[str, Callable[[], Any]]] = [
@@ -252,7 +285,7 @@ def one_rep(
             ("torch.load", lambda: torch_load(pt_file)),
             ("DCP load", lambda: dcp_load(state, dcp_dir)),
         ]
-        for method, loader in loaders:
+        for method, loader in rotate(loaders, rep):
             if cold:
                 if not drop_caches():
                     raise RuntimeError("dropping the page cache stopped working")
@@ -267,15 +300,30 @@ def one_rep(
                 assert_same(method, loaded, state)
             del loaded
 
-        # re-save with ~10% of the bytes changed into the store holding the full save
-        seconds, (gen, _) = timed(lambda: castore_save(changed, store))
-        results.add("castore re-save", seconds)
-        results.notes.setdefault("castore_resave_new_bytes", gen.new_bytes)
-        results.notes.setdefault("castore_resave_reused_chunks", gen.stats.reused_chunks)
-        if verify:
-            assert_same("castore re-save", castore_load(store), changed)
+        # re-saves with ~10% of the bytes changed into the store holding the full save:
+        # first with the store out of the page cache, then (other changes) with it in
+        modes = ["(cold store)", "(warm store)"] if cold else ["(warm store)"]
+        for generation, (mode, new_state) in enumerate(
+            zip(modes, changed[: len(modes)], strict=True), start=2
+        ):
+            if mode == "(cold store)":
+                if not drop_caches():
+                    raise RuntimeError("dropping the page cache stopped working")
+            else:
+                castore_load(store)  # bring the whole store into the page cache
+            seconds, (gen, _) = timed(lambda s=new_state: castore_save(s, store))
+            results.add(f"castore re-save {mode}", seconds)
+            results.notes.setdefault("castore_resave_new_bytes", gen.new_bytes)
+            results.notes.setdefault("castore_resave_reused_chunks", gen.stats.reused_chunks)
+            if verify:
+                with castore.open(store, create=False) as opened:
+                    loaded = opened.load(RUN, generation, framework="torch")
+                assert_same(f"castore re-save {mode}", loaded, new_state)
+                del loaded
     finally:
         shutil.rmtree(out, ignore_errors=True)
+        os.sync()
+        time.sleep(settle)  # let the freed blocks' discards go through (see the docstring)
 
 
 def disk_free(path: Path) -> int:
@@ -287,13 +335,14 @@ def summarize(results: Results, logical: int, cold: bool) -> tuple[list[list[Any
     """Table rows and JSON rows: median, GiB/s and speedups against the matching reference."""
 
     def refs(method: str) -> tuple[str, str]:
-        if method.endswith("save"):
+        if "save" in method:
             return "DCP save", "torch.save"
         mode = method[method.index("(") :]
         return f"DCP load {mode}", f"torch.load {mode}"
 
     modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
-    order = ["castore save", "castore re-save", "torch.save", "DCP save"]
+    order = ["castore save", "castore re-save (cold store)", "castore re-save (warm store)"]
+    order += ["torch.save", "DCP save"]
     order += [f"{m} {mode}" for mode in modes for m in ("castore load", "torch.load", "DCP load")]
     rows, records = [], []
     for method in order:
@@ -326,14 +375,16 @@ def summarize(results: Results, logical: int, cold: bool) -> tuple[list[list[Any
 
 
 def evaluate_goals(results: Results, cold: bool) -> list[dict[str, Any]]:
-    modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
+    load_modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
+    store_modes = ["(cold store)", "(warm store)"] if cold else ["(warm store)"]
     verdicts = []
     for label, method, reference, kind, threshold in GOALS:
-        pairs = (
-            [(f"{method} {m}", f"{reference} {m}", f"{label} {m}") for m in modes]
-            if method.endswith("load")
-            else [(method, reference, label)]
-        )
+        if method.endswith("load"):
+            pairs = [(f"{method} {m}", f"{reference} {m}", f"{label} {m}") for m in load_modes]
+        elif method.endswith("re-save"):
+            pairs = [(f"{method} {m}", reference, f"{label} {m}") for m in store_modes]
+        else:
+            pairs = [(method, reference, label)]
         for m, r, text in pairs:
             ratio = results.median(r) / results.median(m)
             if kind == "time":
@@ -350,9 +401,15 @@ def evaluate_goals(results: Results, cold: bool) -> list[dict[str, Any]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=1024, help="state size (default 1024)")
-    parser.add_argument("--reps", type=int, default=3, help="repetitions (default 3)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
+    parser.add_argument(
+        "--warmup", type=int, default=1, help="untimed repetitions first (default 1)"
+    )
     parser.add_argument("--dir", type=Path, default=None, help="scratch directory (default /tmp)")
     parser.add_argument("--json", type=Path, default=None, help="write results as JSON here")
+    parser.add_argument(
+        "--settle", type=float, default=15.0, help="pause after each rep's cleanup (s, default 15)"
+    )
     parser.add_argument("--warm-only", action="store_true", help="do not drop the page cache")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
     args = parser.parse_args(argv)
@@ -368,14 +425,15 @@ def main(argv: list[str] | None = None) -> int:
     cold = not args.warm_only and drop_caches()
     print(f"building a {args.size_mib} MiB state ...", flush=True)
     state = build_state(args.size_mib)
-    changed, picked = changed_copy(state)
+    changed_a, picked = changed_copy(state, 1e-3)
+    changed_b, _ = changed_copy(state, 2e-3)
     logical = nbytes(state)
     changed_bytes = sum(state[n].numel() * state[n].element_size() for n in picked)
     print(
         f"{len(state)} tensors, {logical / GIB:.3f} GiB; re-save changes {len(picked)} tensors, "
         f"{changed_bytes / MIB:.1f} MiB ({changed_bytes / logical:.1%} of the bytes)\n"
         f"page cache drop: {'works, loads are cold and warm' if cold else 'not used: warm only'}"
-        f"\nscratch: {base}, reps: {args.reps}",
+        f"\nscratch: {base}, reps: {args.reps} (+{args.warmup} untimed warm-up)",
         flush=True,
     )
 
@@ -383,10 +441,21 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="castore-bench-", dir=base))
     started = time.perf_counter()
     try:
-        for rep in range(args.reps):
+        for rep in range(-args.warmup, args.reps):
             rep_start = time.perf_counter()
-            one_rep(rep, state, changed, work, results, cold, verify=rep == 0)
-            print(f"rep {rep + 1}/{args.reps}: {time.perf_counter() - rep_start:.1f} s", flush=True)
+            sink = results if rep >= 0 else Results()
+            one_rep(
+                rep,
+                state,
+                [changed_a, changed_b],
+                work,
+                sink,
+                cold,
+                rep == -args.warmup,
+                args.settle,
+            )
+            label = f"rep {rep + 1}/{args.reps}" if rep >= 0 else "warm-up (untimed)"
+            print(f"{label}: {time.perf_counter() - rep_start:.1f} s", flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     print("verified once: every load equals what was saved\n")
@@ -418,6 +487,8 @@ def main(argv: list[str] | None = None) -> int:
             "changed_tensors": picked,
             "changed_bytes": changed_bytes,
             "reps": args.reps,
+            "warmup_reps": args.warmup,
+            "settle_s": args.settle,
             "cold_loads": cold,
             "scratch_dir": str(base),
             "castore_default_chunk_size": DEFAULT_CHUNK_SIZE,
