@@ -10,8 +10,8 @@ and each is verified against its name, then copied into place, on the pool.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import numpy as np
@@ -53,7 +53,9 @@ def write_leaves(
     batch: list[tuple[bytes, memoryview]] = []
     batch_bytes = 0
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="castore-hash") as pool:
-        for (index, piece), digest in zip(pieces, pool.map(_hash_one, [p for _, p in pieces])):
+        for (index, piece), digest in zip(
+            pieces, pool.map(_hash_one, [p for _, p in pieces]), strict=True
+        ):
             digests[index].append(digest)
             batch.append((digest, piece))
             batch_bytes += piece.nbytes
@@ -93,6 +95,17 @@ def _flush(backend: ChunkBackend, batch: list[tuple[bytes, memoryview]], stats: 
     stats.reused_chunks += len(batch) - written
 
 
+_POOL: tuple[int, ThreadPoolExecutor] | None = None
+
+
+def _read_pool() -> ThreadPoolExecutor:
+    """One long-lived verify pool per process (re-made after a fork)."""
+    global _POOL
+    if _POOL is None or _POOL[0] != os.getpid():
+        _POOL = (os.getpid(), ThreadPoolExecutor(_WORKERS, thread_name_prefix="castore-read"))
+    return _POOL[1]
+
+
 # Called with (chunk index, verified chunk bytes) for each chunk read.
 ChunkConsumer = Callable[[int, np.ndarray], None]
 
@@ -121,6 +134,7 @@ def read_chunks(
     indices = [int(i) for i in indices]
     if not indices:
         return
+    pool = _read_pool()
     context = {**where, "tensor": entry.name}
     keys = [entry.chunks[i] for i in indices]
 
@@ -143,14 +157,19 @@ def read_chunks(
             )
         consume(index, np.frombuffer(value, dtype=np.uint8))
 
-    def visit(values: list[memoryview | None]) -> None:
-        counters.chunks += sum(v is not None for v in values)
-        counters.bytes += sum(len(v) for v in values if v is not None)
-        if len(values) == 1:
-            verify_and_consume(0, values[0])
-            return
-        with ThreadPoolExecutor(_WORKERS, thread_name_prefix="castore-read") as pool:
-            # list() re-raises the first failure, after every worker has finished.
-            list(pool.map(verify_and_consume, range(len(values)), values))
+    def visit(values: Iterator[memoryview | None]) -> None:
+        # Hand each chunk to the pool as soon as it is fetched, so the next
+        # fetch (page faults) overlaps the hashing of this one.
+        futures = []
+        try:
+            for position, value in enumerate(values):
+                if value is not None:
+                    counters.chunks += 1
+                    counters.bytes += len(value)
+                futures.append(pool.submit(verify_and_consume, position, value))
+            for future in futures:
+                future.result()  # the first failure, in chunk order
+        finally:
+            wait(futures)  # no worker may touch a buffer after the transaction ends
 
     backend.read_many(Namespace.CHUNKS, keys, visit)

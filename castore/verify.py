@@ -10,7 +10,7 @@ when many generations share it.
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -99,10 +99,13 @@ class _ChunkStatus:
                 return "missing"
             return "ok" if digest_bytes(value, threads=1) == key else "damaged"
 
-        def visit(values: list[memoryview | None]) -> None:
-            with ThreadPoolExecutor(2) as pool:
-                for key, verdict in zip(keys, pool.map(one, keys, values), strict=True):
-                    self.status[key] = verdict
+        def visit(values: Iterator[memoryview | None]) -> None:
+            with ThreadPoolExecutor(2) as pool:  # waits for every worker before returning
+                futures = [
+                    pool.submit(one, key, value) for key, value in zip(keys, values, strict=True)
+                ]
+                for key, future in zip(keys, futures, strict=True):
+                    self.status[key] = future.result()
 
         self.store.backend.read_many(Namespace.CHUNKS, keys, visit)
         self.bar.update(len(keys))

@@ -128,3 +128,24 @@ def test_lmdb_refuses_use_after_fork(tmp_path: Path) -> None:
     assert os.read(read_fd, 16) == b"refused"
     assert backend.has_many(Namespace.CHUNKS, [items(1)[0][0]]) == [True]
     backend.close()
+
+
+def test_lmdb_chunk_index_tracks_the_chunks_database_exactly(tmp_path: Path) -> None:
+    import lmdb
+
+    backend = LmdbBackend(tmp_path / "env")
+    pairs = items(6, size=50)
+    backend.put_many(Namespace.CHUNKS, pairs)
+    backend.put_many(Namespace.CHUNKS, pairs[:2])  # already present: no index change
+    backend.delete_many(Namespace.CHUNKS, [pairs[0][0]])
+    backend.close()
+    env = lmdb.open(str(tmp_path / "env"), max_dbs=4, readonly=True, lock=False)
+    try:
+        chunks_db = env.open_db(b"chunks", create=False)
+        index_db = env.open_db(b"chunk_index", create=False)
+        with env.begin() as txn:
+            stored = {bytes(k): len(v) for k, v in txn.cursor(db=chunks_db)}
+            indexed = {bytes(k): int.from_bytes(v, "little") for k, v in txn.cursor(db=index_db)}
+    finally:
+        env.close()
+    assert stored == indexed == {k: len(v) for k, v in pairs[1:]}

@@ -33,11 +33,12 @@ class PutResult:
     already_present: int = 0
 
 
-# Called once, inside the read transaction, with one value per key in key order
-# (None for a missing key). The buffers are valid only during the call: copy
-# what you keep. The callback may hand the buffers to threads, as long as it
-# waits for them before it returns.
-ReadSink = Callable[[list["memoryview | None"]], None]
+# Called once, inside the read transaction, with an iterator that yields one
+# value per key in key order (None for a missing key), fetching each lazily. The
+# buffers are valid only during the call: copy what you keep. The callback may
+# hand buffers to threads as it goes (overlapping I/O with hashing), as long as
+# it waits for them before it returns.
+ReadSink = Callable[[Iterator["memoryview | None"]], None]
 
 
 class ChunkBackend(abc.ABC):
@@ -53,7 +54,7 @@ class ChunkBackend(abc.ABC):
 
     @abc.abstractmethod
     def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
-        """Call ``sink(values)`` once with each key's value (None if absent), in order.
+        """Call ``sink(values)`` once; ``values`` yields each key's value (None if absent).
 
         Buffers may be zero-copy views that die when ``sink`` returns.
         """
@@ -72,7 +73,10 @@ class ChunkBackend(abc.ABC):
 
     @abc.abstractmethod
     def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
-        """Yield (key, stored length) for every key of the namespace."""
+        """Yield (key, stored length) for every key of the namespace.
+
+        Backends may answer from an index without reading the values.
+        """
 
     @abc.abstractmethod
     def close(self) -> None:
@@ -82,8 +86,9 @@ class ChunkBackend(abc.ABC):
         """Return a copy of one value, or None when the key is absent."""
         found: list[bytes | None] = [None]
 
-        def keep(values: list[memoryview | None]) -> None:
-            found[0] = None if values[0] is None else bytes(values[0])
+        def keep(values: Iterator[memoryview | None]) -> None:
+            value = next(values)
+            found[0] = None if value is None else bytes(value)
 
         self.read_many(namespace, [key], keep)
         return found[0]

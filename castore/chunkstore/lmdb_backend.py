@@ -11,11 +11,16 @@ Choices that matter for correctness:
   handed to a callback inside it.
 * An environment is never used across ``fork()``: it records the pid that
   opened it and refuses use from another process.
+* Chunk presence is answered from ``chunk_index`` (digest -> u64 length),
+  written in the same transaction as the chunk. Looking a key up in ``chunks``
+  itself faults in the whole value, so a re-save of a store that is not in the
+  page cache would otherwise read back every chunk it skips.
 """
 
 from __future__ import annotations
 
 import os
+import struct
 import threading
 from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
@@ -28,6 +33,8 @@ from castore.errors import StoreError
 from castore.hashing import Buffer
 
 DEFAULT_MAP_SIZE = 4 << 30
+_INDEX_DB = b"chunk_index"
+_LENGTH = struct.Struct("<Q")
 MAX_READERS = 1024
 _MAX_GROW_ATTEMPTS = 32
 
@@ -59,6 +66,7 @@ class LmdbBackend(ChunkBackend):
         except lmdb.Error as exc:
             raise StoreError(f"cannot open LMDB environment: {exc}", path=str(self.path)) from exc
         self._dbs = {ns: self._env.open_db(ns.value.encode(), create=True) for ns in Namespace}
+        self._index = self._env.open_db(_INDEX_DB, create=True)
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------
@@ -93,8 +101,12 @@ class LmdbBackend(ChunkBackend):
 
     # -- contract ---------------------------------------------------------
 
+    def _key_db(self, namespace: Namespace) -> Any:
+        """The database that answers presence and sizes without touching values."""
+        return self._index if Namespace(namespace) is Namespace.CHUNKS else self._dbs[namespace]
+
     def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
-        db = self._dbs[Namespace(namespace)]
+        db = self._key_db(namespace)
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
@@ -108,18 +120,19 @@ class LmdbBackend(ChunkBackend):
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
-                sink([txn.get(bytes(key), db=db) for key in keys])
+                sink(txn.get(bytes(key), db=db) for key in keys)
             finally:
                 txn.abort()
 
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
         db = self._dbs[Namespace(namespace)]
+        index = self._index if Namespace(namespace) is Namespace.CHUNKS else None
         batch = list(items)
         with self._lock:
             for _ in range(_MAX_GROW_ATTEMPTS):
                 txn = self._begin(write=True)
                 try:
-                    result = self._put_batch(txn, db, batch)
+                    result = self._put_batch(txn, db, index, batch)
                     txn.commit()
                     return result
                 except lmdb.MapFullError:
@@ -131,22 +144,30 @@ class LmdbBackend(ChunkBackend):
         raise StoreError("LMDB map could not grow enough for one batch", path=str(self.path))
 
     @staticmethod
-    def _put_batch(txn: Any, db: Any, batch: list[tuple[bytes, Buffer]]) -> PutResult:
+    def _put_batch(txn: Any, db: Any, index: Any, batch: list[tuple[bytes, Buffer]]) -> PutResult:
         written = written_bytes = present = 0
         for key, value in batch:
             if txn.put(bytes(key), value, db=db, overwrite=False):
+                size = memoryview(value).nbytes
+                if index is not None:
+                    txn.put(bytes(key), _LENGTH.pack(size), db=index)
                 written += 1
-                written_bytes += memoryview(value).nbytes
+                written_bytes += size
             else:
                 present += 1
         return PutResult(written, written_bytes, present)
 
     def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:
         db = self._dbs[Namespace(namespace)]
+        index = self._index if Namespace(namespace) is Namespace.CHUNKS else None
         with self._lock:
             txn = self._begin(write=True)
             try:
-                deleted = sum(bool(txn.delete(bytes(k), db=db)) for k in keys)
+                deleted = 0
+                for key in keys:
+                    if index is not None:
+                        txn.delete(bytes(key), db=index)
+                    deleted += bool(txn.delete(bytes(key), db=db))
                 txn.commit()
                 return deleted
             except BaseException:
@@ -158,11 +179,15 @@ class LmdbBackend(ChunkBackend):
             yield key
 
     def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
-        db = self._dbs[Namespace(namespace)]
+        chunks = Namespace(namespace) is Namespace.CHUNKS
+        db = self._key_db(namespace)
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
-                snapshot = [(bytes(k), len(v)) for k, v in txn.cursor(db=db)]
+                snapshot = [
+                    (bytes(k), _LENGTH.unpack(v)[0] if chunks else len(v))
+                    for k, v in txn.cursor(db=db)
+                ]
             finally:
                 txn.abort()
         yield from snapshot

@@ -28,8 +28,8 @@ class MemoryBackend(ChunkBackend):
 
     def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
         space = self._space(namespace)
-        values = [space.get(bytes(key)) for key in keys]
-        sink([None if v is None else memoryview(v) for v in values])
+        values = (space.get(bytes(key)) for key in keys)
+        sink(None if v is None else memoryview(v) for v in values)
 
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
         space = self._space(namespace)
