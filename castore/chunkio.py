@@ -35,6 +35,14 @@ class WriteStats:
     new_chunks: int = 0
     reused_chunks: int = 0
 
+    def __add__(self, other: WriteStats) -> WriteStats:
+        return WriteStats(
+            self.logical_bytes + other.logical_bytes,
+            self.new_bytes + other.new_bytes,
+            self.new_chunks + other.new_chunks,
+            self.reused_chunks + other.reused_chunks,
+        )
+
 
 def _hash_one(piece: memoryview) -> bytes:
     return digest_bytes(piece, threads=1)
@@ -69,8 +77,8 @@ def write_leaves(
             name=leaf.name,
             dtype=leaf.dtype,
             shape=leaf.shape,
-            offsets=(0,) * len(leaf.shape),
-            local_shape=leaf.shape,
+            offsets=leaf.offsets,
+            local_shape=leaf.local_shape,
             nbytes=leaf.data.nbytes,
             chunk_size=chunk_size,
             chunks=tuple(digests[index]),

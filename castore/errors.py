@@ -15,7 +15,14 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── ObjectMissingError           a referenced object is absent
     │   │   └── ChunkMissingError        a referenced chunk is absent
     │   ├── CorruptObjectError           an object's bytes do not decode
-    │   └── CorruptRefError              a ref file is truncated or garbled
+    │   ├── CorruptRefError              a ref file is truncated or garbled
+    │   └── CoverageError                a tensor's boxes leave a gap, overlap or disagree
+    ├── DistributedError                 a multi-rank save or load failed as a group
+    │   ├── RankFailedError              another rank failed (names the rank)
+    │   ├── CollectiveError              the group stopped answering (a rank died)
+    │   │   └── CollectiveTimeoutError   no answer within the timeout
+    │   ├── LayoutMismatchError          ranks or targets disagree with the saved layout
+    │   └── RankLocalMismatchError       per-rank state asked of a different world size
     ├── RefConflictError                 the ref moved under a compare-and-swap
     ├── GenerationNotFoundError          (LookupError) no such run or generation
     ├── TensorNotFoundError              (LookupError) no such tensor in a generation
@@ -98,6 +105,34 @@ class CorruptObjectError(IntegrityError):
 
 class CorruptRefError(IntegrityError):
     """A ref file is truncated, garbled or fails its checksum."""
+
+
+class CoverageError(IntegrityError):
+    """A sharded tensor's boxes leave a gap, overlap, or disagree on shape or dtype."""
+
+
+class DistributedError(CastoreError):
+    """A multi-rank save or load failed for the group as a whole."""
+
+
+class RankFailedError(DistributedError):
+    """Another rank of the group failed; its error is in the message."""
+
+
+class CollectiveError(DistributedError):
+    """A collective wait failed: a rank died or the group broke."""
+
+
+class CollectiveTimeoutError(CollectiveError):
+    """A collective wait got no answer from every rank within the timeout."""
+
+
+class LayoutMismatchError(DistributedError):
+    """Ranks disagree on a state's layout, or a target disagrees with what was saved."""
+
+
+class RankLocalMismatchError(DistributedError):
+    """Per-rank state restored onto a different world size without a mapping."""
 
 
 class RefConflictError(CastoreError):

@@ -2,7 +2,8 @@
 
 Set ``CASTORE_FAULTS`` to a comma-separated list of ``point=action`` before the
 process starts (``action`` is ``kill`` for SIGKILL or ``raise``), for example
-``CASTORE_FAULTS=save.before_ref_advance=kill``. Code calls
+``CASTORE_FAULTS=save.before_ref_advance=kill``, or call :func:`arm` in the
+process. Code calls
 ``fault_point("save.before_ref_advance")`` where a crash must be survivable.
 """
 
@@ -18,6 +19,11 @@ POINTS = (
     "save.before_objects",
     "save.before_ref_advance",
     "save.after_ref_advance",
+    "dist.worker_mid_shard",
+    "dist.worker_before_ack",
+    "dist.coordinator_before_root",
+    "dist.coordinator_before_ref_advance",
+    "dist.coordinator_after_ref_advance",
 )
 
 
@@ -34,6 +40,23 @@ def _parse(spec: str) -> dict[str, str]:
 
 
 _ARMED = _parse(os.environ.get("CASTORE_FAULTS", ""))
+
+
+def arm(point: str, action: str = "kill") -> None:
+    """Switch a fault point on in this process (``kill`` or ``raise``)."""
+    if point not in POINTS:
+        raise ValueError(f"unknown fault point {point!r}; known: {', '.join(POINTS)}")
+    if action not in ("kill", "raise"):
+        raise ValueError(f"fault action must be 'kill' or 'raise', got {action!r}")
+    _ARMED[point] = action
+
+
+def disarm(point: str | None = None) -> None:
+    """Switch one fault point (or all of them) off."""
+    if point is None:
+        _ARMED.clear()
+    else:
+        _ARMED.pop(point, None)
 
 
 def fault_point(name: str) -> None:

@@ -94,7 +94,12 @@ class TensorEntry:
 
 @dataclass(frozen=True)
 class ShardManifest:
-    """What one writing rank saved: its tensor boxes and its rank-local state."""
+    """What one writing rank saved: its tensor boxes and its rank-local state.
+
+    ``tensors`` are boxes of the generation's global tensors; ``local_state``
+    maps each RankLocal key path to an encoded state tree whose tensors are
+    ``local_tensors`` (names scoped to this rank).
+    """
 
     run: str
     generation: int
@@ -102,12 +107,14 @@ class ShardManifest:
     tensors: tuple[TensorEntry, ...]
     local_state: bytes = b""
     writer: dict[str, Any] = field(default_factory=dict)
+    local_tensors: tuple[TensorEntry, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         return {
             "format": FORMAT_VERSION,
             "generation": self.generation,
             "local_state": self.local_state,
+            "local_tensors": [t.to_wire() for t in self.local_tensors],
             "rank": self.rank,
             "run": self.run,
             "tensors": [t.to_wire() for t in self.tensors],
@@ -124,6 +131,9 @@ class ShardManifest:
             tensors=tuple(TensorEntry.from_wire(t) for t in _typed(wire, "tensors", list)),
             local_state=_typed(wire, "local_state", bytes),
             writer=_typed(wire, "writer", dict),
+            local_tensors=tuple(
+                TensorEntry.from_wire(t) for t in _typed(wire, "local_tensors", list)
+            ),
         )
 
 

@@ -20,7 +20,6 @@ import json
 import os
 import platform
 import re
-import socket
 import sys
 import time
 from collections.abc import Iterator
@@ -31,9 +30,18 @@ from typing import Any
 import numpy as np
 
 from castore import dtypes
-from castore.chunkio import DEFAULT_CHUNK_SIZE, ReadCounters, read_chunks, write_leaves
+from castore.chunkio import DEFAULT_CHUNK_SIZE, ReadCounters, read_chunks
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.commit import (
+    SINGLE_FAULTS,
+    check_coverage,
+    group_entries,
+    make_root,
+    publish,
+    root_stats,
+    write_shard,
+)
 from castore.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
@@ -44,8 +52,8 @@ from castore.errors import (
     StoreError,
     StoreNotFoundError,
     TensorNotFoundError,
+    UnsupportedValueError,
 )
-from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
 from castore.layout import Box, plan_copy
 from castore.objects import (
@@ -55,10 +63,9 @@ from castore.objects import (
     ShardManifest,
     TensorEntry,
     decode_object,
-    encode_object,
 )
 from castore.refs import RefStore, RefValue, fsync_dir, validate_run_name
-from castore.tree import decode_tree, encode_tree
+from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
@@ -130,6 +137,11 @@ class Generation:
         )
 
 
+def encode_metadata(metadata: dict[str, Any] | None) -> bytes:
+    """User metadata: plain values only, encoded like a state without tensors."""
+    return encode_tree(dict(metadata or {}), allow_tensors=False)[0]
+
+
 def framework_versions() -> dict[str, str]:
     from castore import __version__
 
@@ -178,54 +190,43 @@ class Store:
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
         started = time.perf_counter()
-        state_bytes, leaves = encode_tree(state)
-        metadata_bytes, _ = encode_tree(dict(metadata or {}), allow_tensors=False)
+        encoded = encode_state(state)
+        for leaf in encoded.leaves:
+            if leaf.sharded:
+                raise UnsupportedValueError(
+                    f"Shard at {leaf.name} is one rank's block: save sharded state with "
+                    "castore.dist.save",
+                    key_path=leaf.name,
+                )
+        metadata_bytes = encode_metadata(metadata)
         parent = self.refs.read(run)
         generation = parent.generation + 1 if parent else 1
-        entries, written = write_leaves(self.backend, leaves, self.chunk_size)
-        shard = ShardManifest(
-            run=run,
-            generation=generation,
-            rank=0,
-            tensors=tuple(entries),
-            writer={"host": socket.gethostname(), "pid": os.getpid()},
-        )
-        shard_bytes = encode_object(shard)
-        shard_digest = digest_bytes(shard_bytes)
-        root = GenerationRoot(
+        shard = write_shard(self, encoded, run=run, generation=generation, rank=0)
+        manifest = shard.manifest
+        root = make_root(
             run=run,
             generation=generation,
             step=step,
-            parent=parent.root.raw if parent else None,
-            time=time.time(),
+            parent=parent,
             world_size=1,
-            shards=(shard_digest,),
-            state=state_bytes,
+            shards=[shard.digest],
+            state=encoded.skeleton,
             metadata=metadata_bytes,
+            stats=root_stats(
+                shard.stats,
+                time.perf_counter() - started,
+                len(manifest.tensors) + len(manifest.local_tensors),
+            ),
             frameworks=framework_versions(),
-            stats={
-                "logical_bytes": written.logical_bytes,
-                "new_bytes": written.new_bytes,
-                "new_chunks": written.new_chunks,
-                "reused_chunks": written.reused_chunks,
-                "seconds": round(time.perf_counter() - started, 6),
-                "tensors": len(entries),
-            },
         )
-        root_bytes = encode_object(root)
-        root_digest = Digest(digest_bytes(root_bytes))
-        fault_point("save.before_objects")
-        self.backend.put_many(
-            Namespace.OBJECTS, [(shard_digest, shard_bytes), (root_digest.raw, root_bytes)]
+        digest = publish(
+            self,
+            parent=parent,
+            root=root,
+            faults=SINGLE_FAULTS,
+            extra_objects=((shard.digest, shard.data),),
         )
-        fault_point("save.before_ref_advance")
-        self.refs.advance(
-            run,
-            expected=parent.root if parent else None,
-            new=RefValue(run, generation, root_digest, root.time),
-        )
-        fault_point("save.after_ref_advance")
-        return Generation.from_root(root_digest, root)
+        return Generation.from_root(digest, root)
 
     # -- objects ----------------------------------------------------------
 
@@ -262,13 +263,12 @@ class Store:
             shards.append(shard)
         return shards
 
-    def tensor_entries(self, root: GenerationRoot) -> dict[str, list[TensorEntry]]:
-        """Every tensor of a generation: name -> the boxes that make it up."""
-        entries: dict[str, list[TensorEntry]] = {}
-        for shard in self.read_shards(root):
-            for entry in shard.tensors:
-                entries.setdefault(entry.name, []).append(entry)
-        return entries
+    def tensor_entries(
+        self, root: GenerationRoot, shards: list[ShardManifest] | None = None
+    ) -> dict[str, list[TensorEntry]]:
+        """Every global tensor of a generation: name -> the distinct boxes that make it up."""
+        where = {"run": root.run, "generation": root.generation}
+        return group_entries(self.read_shards(root) if shards is None else shards, where)
 
     # -- resolving generations ---------------------------------------------
 
@@ -341,12 +341,18 @@ class Store:
         """
         _check_framework(framework)
         digest, root = self.resolve_root(run, generation)
-        entries = self.tensor_entries(root)
+        shards = self.read_shards(root)
+        entries = self.tensor_entries(root, shards)
         where = {"run": run, "generation": root.generation}
         tensors = {
-            name: self._read_tensor(boxes, _framework_for(boxes[0], framework), where)
+            name: self.read_tensor(boxes, _framework_for(boxes[0], framework), where)
             for name, boxes in entries.items()
         }
+        per_rank: dict[str, dict[int, Any]] = {}
+        for shard in shards:
+            for path in decode_local_state(shard.local_state):
+                value = self.load_rank_local(shard, path, framework, where)
+                per_rank.setdefault(path, {})[shard.rank] = value
 
         def lookup(name: str, _saved_framework: str) -> Any:
             if name not in tensors:
@@ -355,9 +361,34 @@ class Store:
                 )
             return tensors[name]
 
-        return decode_tree(root.state, lookup)
+        def rank_local(path: str) -> dict[int, Any]:
+            # Without a process group there is no "this rank": give every rank's value.
+            return per_rank.get(path, {})
 
-    def _read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
+        return decode_tree(root.state, lookup, rank_local)
+
+    def load_rank_local(
+        self, shard: ShardManifest, path: str, framework: str, where: dict[str, Any]
+    ) -> Any:
+        """Rebuild one RankLocal value of the rank that wrote ``shard``."""
+        skeletons = decode_local_state(shard.local_state)
+        if path not in skeletons:
+            raise CorruptObjectError(
+                f"rank {shard.rank} has no per-rank value at {path!r}", rank=shard.rank, **where
+            )
+        boxes = {entry.name: entry for entry in shard.local_tensors}
+
+        def lookup(name: str, _saved_framework: str) -> Any:
+            entry = boxes.get(name)
+            if entry is None:
+                raise CorruptObjectError(
+                    f"per-rank tensor {name!r} of rank {shard.rank} is not in its shard", **where
+                )
+            return self.read_tensor([entry], _framework_for(entry, framework), where)
+
+        return decode_tree(skeletons[path], lookup)
+
+    def read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
         first = boxes[0]
         tensor, flat = _allocate(first.dtype, first.shape, framework)
         check_coverage(boxes, where)
@@ -482,23 +513,6 @@ def _numpy_to_torch(array: np.ndarray, dtype: str) -> Any:
     flat[:] = array.reshape(-1).view(np.uint8)
     del torch
     return tensor
-
-
-def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
-    """The boxes of one tensor must agree and cover it exactly once."""
-    first = boxes[0]
-    if any(b.shape != first.shape or b.dtype != first.dtype for b in boxes):
-        raise CorruptObjectError(
-            f"boxes of tensor {first.name!r} disagree on shape or dtype", **where
-        )
-    total = sum(Box(b.offsets, b.local_shape).numel for b in boxes)
-    if total != Box.whole(first.shape).numel:
-        raise CorruptObjectError(f"boxes of tensor {first.name!r} do not cover it exactly", **where)
-    for i, a in enumerate(boxes):
-        for b in boxes[i + 1 :]:
-            overlap = Box(a.offsets, a.local_shape).intersect(Box(b.offsets, b.local_shape))
-            if overlap is not None and overlap.numel:
-                raise CorruptObjectError(f"boxes of tensor {first.name!r} overlap", **where)
 
 
 # -- opening a store ---------------------------------------------------------

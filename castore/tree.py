@@ -19,25 +19,40 @@ import numpy as np
 
 from castore.dtypes import name_of_numpy_dtype, name_of_torch_dtype, numpy_dtype
 from castore.errors import CorruptObjectError, UnsupportedValueError
+from castore.shard import RankLocal, Shard
 
 EXT_TUPLE = 1
 EXT_TENSOR = 2
 EXT_ORDERED_DICT = 3
 EXT_BIG_INT = 4
 EXT_NUMPY_SCALAR = 5
+EXT_RANK_LOCAL = 6
 
 _INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass(frozen=True)
 class TensorLeaf:
-    """A tensor found in a state: its name and its bytes as a flat uint8 array."""
+    """A tensor (or this rank's block of one) found in a state, with its bytes.
+
+    ``shape`` is the global shape; ``offsets``/``local_shape`` place the block
+    (the whole tensor unless it came from a :class:`~castore.Shard`).
+    """
 
     name: str
     dtype: str
     shape: tuple[int, ...]
     data: np.ndarray  # flat, C-contiguous uint8 view of little-endian bytes
     framework: str
+    offsets: tuple[int, ...] = ()
+    local_shape: tuple[int, ...] = ()
+    sharded: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.local_shape:
+            object.__setattr__(self, "local_shape", self.shape)
+        if not self.offsets:
+            object.__setattr__(self, "offsets", (0,) * len(self.shape))
 
 
 def escape_key(key: str | int) -> str:
@@ -56,12 +71,16 @@ def join_path(parent: str, key: str | int) -> str:
 
 
 class _Encoder:
-    def __init__(self, allow_tensors: bool) -> None:
+    def __init__(self, allow_tensors: bool, allow_rank_local: bool) -> None:
         self.allow_tensors = allow_tensors
+        self.allow_rank_local = allow_rank_local
         self.leaves: list[TensorLeaf] = []
         self.names: set[str] = set()
+        self.rank_local: dict[str, Any] = {}
 
     def encode(self, value: Any, path: str) -> Any:
+        if isinstance(value, (Shard, RankLocal)):
+            return self._marker(value, path)
         if isinstance(value, np.generic):  # before float: np.float64 subclasses float
             dtype = name_of_numpy_dtype(value.dtype, path)
             payload = [dtype, np.asarray(value).astype(numpy_dtype(dtype)).tobytes()]
@@ -106,7 +125,23 @@ class _Encoder:
             key_path=path,
         )
 
-    def _tensor(self, value: Any, path: str) -> msgpack.ExtType:
+    def _marker(self, value: Shard | RankLocal, path: str) -> msgpack.ExtType:
+        if isinstance(value, Shard):
+            if not (isinstance(value.local, np.ndarray) or _is_torch_tensor(value.local)):
+                raise UnsupportedValueError(
+                    f"Shard at {path or '<root>'} holds a {type(value.local).__name__}, "
+                    "not an array or tensor",
+                    key_path=path,
+                )
+            return self._tensor(value.local, path, shard=value)
+        if not self.allow_rank_local:
+            raise UnsupportedValueError(
+                f"RankLocal at {path or '<root>'} cannot nest here", key_path=path
+            )
+        self.rank_local[path] = value.value
+        return msgpack.ExtType(EXT_RANK_LOCAL, _pack(path))
+
+    def _tensor(self, value: Any, path: str, shard: Shard | None = None) -> msgpack.ExtType:
         if not self.allow_tensors:
             raise UnsupportedValueError(
                 f"tensors are not allowed here ({path or '<root>'})", key_path=path
@@ -118,6 +153,17 @@ class _Encoder:
         leaf = (
             _numpy_leaf(value, name) if isinstance(value, np.ndarray) else _torch_leaf(value, name)
         )
+        if shard is not None:
+            leaf = TensorLeaf(
+                name=name,
+                dtype=leaf.dtype,
+                shape=shard.global_shape,
+                data=leaf.data,
+                framework=leaf.framework,
+                offsets=shard.offsets,
+                local_shape=leaf.shape,
+                sharded=True,
+            )
         self.leaves.append(leaf)
         return msgpack.ExtType(EXT_TENSOR, _pack([name, leaf.framework]))
 
@@ -152,18 +198,66 @@ def _pack(value: Any) -> bytes:
     return msgpack.packb(value, use_bin_type=True, use_single_float=False)
 
 
+@dataclass
+class EncodedTree:
+    """A state split into its msgpack skeleton, its tensors and its per-rank parts."""
+
+    skeleton: bytes
+    leaves: list[TensorLeaf]
+    rank_local: dict[str, Any]  # key path -> the raw value inside RankLocal(...)
+
+
+def encode_state(state: Any, *, base_path: str = "", allow_rank_local: bool = True) -> EncodedTree:
+    """Encode a state that may hold tensors, Shards and RankLocal markers."""
+    encoder = _Encoder(allow_tensors=True, allow_rank_local=allow_rank_local)
+    skeleton = encoder.encode(state, base_path)
+    return EncodedTree(_pack(skeleton), encoder.leaves, encoder.rank_local)
+
+
+def encode_local_state(rank_local: dict[str, Any]) -> tuple[bytes, list[TensorLeaf]]:
+    """A rank's RankLocal values: a msgpack map of key path -> encoded tree, and their tensors."""
+    if not rank_local:
+        return b"", []
+    skeletons: dict[str, bytes] = {}
+    leaves: list[TensorLeaf] = []
+    for path, value in rank_local.items():
+        encoded = encode_state(value, base_path=path, allow_rank_local=False)
+        skeletons[path] = encoded.skeleton
+        leaves += encoded.leaves
+    return _pack(skeletons), leaves
+
+
+def decode_local_state(data: bytes) -> dict[str, bytes]:
+    """The key path -> encoded tree map written by :func:`encode_local_state`."""
+    if not data:
+        return {}
+    try:
+        skeletons = msgpack.unpackb(data, raw=False)
+    except (ValueError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        raise CorruptObjectError(f"rank-local state does not decode: {exc}") from exc
+    if not isinstance(skeletons, dict) or not all(
+        isinstance(k, str) and isinstance(v, bytes) for k, v in skeletons.items()
+    ):
+        raise CorruptObjectError("rank-local state is not a map of key paths to trees")
+    return skeletons
+
+
 def encode_tree(state: Any, *, allow_tensors: bool = True) -> tuple[bytes, list[TensorLeaf]]:
-    """Encode a state: its non-tensor skeleton as msgpack, and its tensors as leaves."""
-    encoder = _Encoder(allow_tensors)
+    """Encode a state without per-rank parts: its skeleton as msgpack, its tensors as leaves."""
+    encoder = _Encoder(allow_tensors, allow_rank_local=False)
     skeleton = encoder.encode(state, "")
     return _pack(skeleton), encoder.leaves
 
 
 TensorLookup = Callable[[str, str], Any]
+RankLocalLookup = Callable[[str], Any]
 
 
-def decode_tree(data: bytes, tensors: TensorLookup | None = None) -> Any:
-    """Rebuild a state; ``tensors(name, framework)`` supplies each tensor."""
+def decode_tree(
+    data: bytes, tensors: TensorLookup | None = None, rank_local: RankLocalLookup | None = None
+) -> Any:
+    """Rebuild a state; ``tensors(name, framework)`` supplies each tensor and
+    ``rank_local(path)`` each per-rank value."""
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == EXT_TUPLE:
@@ -183,6 +277,11 @@ def decode_tree(data: bytes, tensors: TensorLookup | None = None) -> Any:
             if tensors is None:
                 raise CorruptObjectError(f"tensor reference {name!r} where none is allowed")
             return tensors(name, framework)
+        if code == EXT_RANK_LOCAL:
+            path = _unpack(payload)
+            if rank_local is None or not isinstance(path, str):
+                raise CorruptObjectError(f"per-rank reference {path!r} where none is allowed")
+            return rank_local(path)
         raise CorruptObjectError(f"unknown msgpack extension code {code} in a state")
 
     def _unpack(payload: bytes) -> Any:
@@ -201,5 +300,5 @@ def tensor_names(data: bytes) -> list[tuple[str, str]]:
     def record(name: str, framework: str) -> None:
         found.append((name, framework))
 
-    decode_tree(data, record)
+    decode_tree(data, record, lambda path: None)
     return found

@@ -151,7 +151,7 @@ def _roots(
 def _verify_generation(
     store: Store, digest: Digest, root: GenerationRoot, chunks: _ChunkStatus, report: VerifyReport
 ) -> None:
-    from castore.store import check_coverage
+    from castore.commit import check_coverage
 
     report.generations += 1
     report.objects += 1 + len(root.shards)

@@ -109,7 +109,7 @@ def test_generation_ids_must_increase(store: Store, generation: int) -> None:
 
 def test_save_racing_another_save_conflicts(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     g1 = store.save(make_state(1), run=RUN, step=1)
-    import castore.store as store_module
+    import castore.commit as store_module
 
     real_fault_point = store_module.fault_point
     winner: list[castore.Generation] = []

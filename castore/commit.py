@@ -1,0 +1,224 @@
+"""Writing a generation in the order that makes it crash-safe (invariant 1).
+
+1. ``write_shard``: a rank's chunks are committed, then (by the caller, or
+   together with the root) its shard manifest object.
+2. ``publish``: the root object is committed, then the ref is advanced by
+   compare-and-swap. Nothing is visible to readers before that advance.
+
+Both the single-process ``Store.save`` and the multi-rank ``castore.dist.save``
+are built from these steps; they differ only in who runs which step.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from castore.chunkio import WriteStats, write_leaves
+from castore.chunkstore.base import Namespace
+from castore.errors import CoverageError
+from castore.faults import fault_point
+from castore.hashing import Digest, digest_bytes
+from castore.layout import Box
+from castore.objects import GenerationRoot, ShardManifest, TensorEntry, encode_object
+from castore.refs import RefValue
+from castore.tree import EncodedTree, encode_local_state
+
+if TYPE_CHECKING:
+    from castore.store import Store
+
+
+@dataclass(frozen=True)
+class ShardWrite:
+    """A rank's shard whose chunks are durable; its manifest bytes are ready to commit."""
+
+    digest: bytes
+    data: bytes
+    manifest: ShardManifest
+    stats: WriteStats
+
+
+def write_shard(
+    store: Store,
+    encoded: EncodedTree,
+    *,
+    run: str,
+    generation: int,
+    rank: int,
+    own: set[str] | None = None,
+    midway_fault: str | None = None,
+) -> ShardWrite:
+    """Commit this rank's chunks and build its shard manifest (not yet committed).
+
+    ``own`` restricts the global tensors this rank writes (replicated tensors
+    are written by one rank only); its rank-local values are always written.
+    """
+    leaves = [leaf for leaf in encoded.leaves if own is None or leaf.name in own]
+    local_state, local_leaves = encode_local_state(encoded.rank_local)
+    half = len(leaves) // 2
+    entries, stats = write_leaves(store.backend, leaves[:half], store.chunk_size)
+    if midway_fault:
+        fault_point(midway_fault)
+    more, more_stats = write_leaves(store.backend, leaves[half:], store.chunk_size)
+    local_entries, local_stats = write_leaves(store.backend, local_leaves, store.chunk_size)
+    manifest = ShardManifest(
+        run=run,
+        generation=generation,
+        rank=rank,
+        tensors=tuple(entries + more),
+        local_state=local_state,
+        writer={"host": socket.gethostname(), "pid": os.getpid()},
+        local_tensors=tuple(local_entries),
+    )
+    data = encode_object(manifest)
+    return ShardWrite(digest_bytes(data), data, manifest, stats + more_stats + local_stats)
+
+
+def commit_objects(store: Store, objects: list[tuple[bytes, bytes]]) -> None:
+    store.backend.put_many(Namespace.OBJECTS, objects)
+
+
+@dataclass(frozen=True)
+class PublishFaults:
+    """Fault point names around the publish steps."""
+
+    before_root: str
+    before_ref_advance: str
+    after_ref_advance: str
+
+
+SINGLE_FAULTS = PublishFaults(
+    "save.before_objects", "save.before_ref_advance", "save.after_ref_advance"
+)
+COORDINATOR_FAULTS = PublishFaults(
+    "dist.coordinator_before_root",
+    "dist.coordinator_before_ref_advance",
+    "dist.coordinator_after_ref_advance",
+)
+
+
+def publish(
+    store: Store,
+    *,
+    parent: RefValue | None,
+    root: GenerationRoot,
+    faults: PublishFaults,
+    extra_objects: tuple[tuple[bytes, bytes], ...] = (),
+) -> Digest:
+    """Commit the root (with any objects not yet committed), then advance the ref."""
+    root_bytes = encode_object(root)
+    root_digest = Digest(digest_bytes(root_bytes))
+    fault_point(faults.before_root)
+    commit_objects(store, [*extra_objects, (root_digest.raw, root_bytes)])
+    fault_point(faults.before_ref_advance)
+    store.refs.advance(
+        root.run,
+        expected=parent.root if parent else None,
+        new=RefValue(root.run, root.generation, root_digest, root.time),
+    )
+    fault_point(faults.after_ref_advance)
+    return root_digest
+
+
+def root_stats(stats: WriteStats, seconds: float, tensors: int) -> dict[str, Any]:
+    return {
+        "logical_bytes": stats.logical_bytes,
+        "new_bytes": stats.new_bytes,
+        "new_chunks": stats.new_chunks,
+        "reused_chunks": stats.reused_chunks,
+        "seconds": round(seconds, 6),
+        "tensors": tensors,
+    }
+
+
+def make_root(
+    *,
+    run: str,
+    generation: int,
+    step: int,
+    parent: RefValue | None,
+    world_size: int,
+    shards: list[bytes],
+    state: bytes,
+    metadata: bytes,
+    stats: dict[str, Any],
+    frameworks: dict[str, str],
+) -> GenerationRoot:
+    return GenerationRoot(
+        run=run,
+        generation=generation,
+        step=step,
+        parent=parent.root.raw if parent else None,
+        time=time.time(),
+        world_size=world_size,
+        shards=tuple(shards),
+        state=state,
+        metadata=metadata,
+        frameworks=frameworks,
+        stats=stats,
+    )
+
+
+# -- layout checks -----------------------------------------------------------
+
+
+def group_entries(
+    shards: list[ShardManifest], where: dict[str, Any]
+) -> dict[str, list[TensorEntry]]:
+    """Every global tensor: name -> its distinct boxes.
+
+    Two ranks may hold the same box (replicated shards); identical boxes with
+    identical chunks count once, identical boxes with different bytes are an
+    error.
+    """
+    grouped: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], TensorEntry]] = {}
+    for shard in shards:
+        for entry in shard.tensors:
+            boxes = grouped.setdefault(entry.name, {})
+            key = (entry.offsets, entry.local_shape)
+            seen = boxes.get(key)
+            if seen is None:
+                boxes[key] = entry
+            elif seen.chunks != entry.chunks or seen.dtype != entry.dtype:
+                raise CoverageError(
+                    f"two ranks saved different bytes for the same box {key} of tensor "
+                    f"{entry.name!r}",
+                    tensor=entry.name,
+                    **where,
+                )
+    return {name: list(boxes.values()) for name, boxes in grouped.items()}
+
+
+def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
+    """The boxes of one tensor must agree and cover it exactly once."""
+    first = boxes[0]
+    name = first.name
+    for box in boxes:
+        if box.shape != first.shape or box.dtype != first.dtype:
+            raise CoverageError(
+                f"boxes of tensor {name!r} disagree: {first.dtype}{list(first.shape)} vs "
+                f"{box.dtype}{list(box.shape)}",
+                tensor=name,
+                **where,
+            )
+    spans = [Box(b.offsets, b.local_shape) for b in boxes]
+    for i, a in enumerate(spans):
+        for b in spans[i + 1 :]:
+            overlap = a.intersect(b)
+            if overlap is not None and overlap.numel:
+                raise CoverageError(
+                    f"boxes of tensor {name!r} overlap at offsets {list(overlap.offsets)}",
+                    tensor=name,
+                    **where,
+                )
+    covered = sum(span.numel for span in spans)
+    total = Box.whole(first.shape).numel
+    if covered != total:
+        raise CoverageError(
+            f"boxes of tensor {name!r} cover {covered} of its {total} elements",
+            tensor=name,
+            **where,
+        )
