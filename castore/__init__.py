@@ -24,6 +24,7 @@ from castore.errors import (
     StoreError,
     UnsupportedValueError,
 )
+from castore.shard import NotLoaded, RankLocal, Shard
 from castore.store import Generation, SaveStats, Store
 
 __version__ = "0.1.0"
@@ -37,8 +38,11 @@ __all__ = [
     "GenerationNotFoundError",
     "IntegrityError",
     "InvalidNameError",
+    "NotLoaded",
+    "RankLocal",
     "RefConflictError",
     "SaveStats",
+    "Shard",
     "Store",
     "StoreError",
     "UnsupportedValueError",

@@ -98,18 +98,12 @@ def cmd_show(args: argparse.Namespace) -> int:
             first = boxes[0]
             nbytes = sum(b.nbytes for b in boxes)
             chunks = sum(len(b.chunks) for b in boxes)
-            rows.append(
-                [
-                    name,
-                    first.dtype,
-                    "x".join(map(str, first.shape)) or "()",
-                    format_bytes(nbytes),
-                    chunks,
-                ]
-            )
+            shape = "x".join(map(str, first.shape)) or "()"
+            rows.append([name, first.dtype, shape, format_bytes(nbytes), len(boxes), chunks])
         print()
-        print(tabulate(rows, headers=["tensor", "dtype", "shape", "size", "chunks"]))
-        values = _plain_values(decode_tree(root.state, lambda name, fw: _TensorMark()))
+        print(tabulate(rows, headers=["tensor", "dtype", "shape", "size", "boxes", "chunks"]))
+        tree = decode_tree(root.state, lambda name, fw: _TensorMark(), lambda path: RankLocal())
+        values = _plain_values(tree)
         if values:
             print()
             print(tabulate(values, headers=["key", "type", "value"]))
@@ -118,6 +112,13 @@ def cmd_show(args: argparse.Namespace) -> int:
 
 class _TensorMark:
     """Stands in for a tensor when listing a state's non-tensor values."""
+
+
+class RankLocal:
+    """Stands in for a RankLocal value (one per rank, in the shard manifests)."""
+
+    def __repr__(self) -> str:
+        return "<saved per rank>"
 
 
 def _plain_values(node: Any, path: str = "") -> list[list[str]]:

@@ -50,6 +50,17 @@ class CastoreError(Exception):
         where = ", ".join(f"{k}={v}" for k, v in self.context.items() if k not in _UNSHOWN)
         super().__init__(f"{message} ({where})" if where else message)
 
+    @classmethod
+    def from_remote(cls, message: str, **context: Any) -> CastoreError:
+        """The same error type, rebuilt on another rank from its message.
+
+        Subclasses' own constructors take extra fields; this bypasses them so a
+        rank can raise exactly the type another rank raised.
+        """
+        error = cls.__new__(cls)
+        CastoreError.__init__(error, message, **context)
+        return error
+
 
 # Context keys that are already spelled out in the message.
 _UNSHOWN = frozenset({"expected", "actual", "key_path", "hint"})

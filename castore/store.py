@@ -532,7 +532,7 @@ def open_store(
     marker = root / MARKER
     if marker.is_file():
         config = _read_marker(marker)
-    elif not root.exists() or not any(root.iterdir()):
+    elif not root.exists() or _is_empty(root):
         if not create:
             raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
         config = _create_store(root, chunk_size or DEFAULT_CHUNK_SIZE)
@@ -568,12 +568,22 @@ def _read_marker(marker: Path) -> dict[str, Any]:
     return config
 
 
+def _is_empty(root: Path) -> bool:
+    """No entries but other processes' half-written markers (see _create_store)."""
+    return all(entry.name.startswith(f".{MARKER}.") for entry in root.iterdir())
+
+
 def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
+    """Create a store; safe when several processes (ranks) create it at once.
+
+    The marker is the first thing that appears and it appears atomically
+    (``link`` of a complete temp file, which fails if another process won):
+    a directory is never seen non-empty without its marker.
+    """
     try:
         root.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise StoreError(f"cannot create store directory {root}: {exc}", path=str(root)) from exc
-    RefStore(root).ensure_dirs()
     config = {
         "format": STORE_FORMAT,
         "format_version": STORE_VERSION,
@@ -581,12 +591,18 @@ def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
         "backend": "lmdb",
         "created": time.time(),
     }
-    temp = root / f".{MARKER}.tmp"
-    with open(temp, "w") as handle:
-        json.dump(config, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(temp, root / MARKER)
+    temp = root / f".{MARKER}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    try:
+        with open(temp, "w") as handle:
+            json.dump(config, handle, indent=2, sort_keys=True)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.link(temp, root / MARKER)
+    except FileExistsError:
+        return _read_marker(root / MARKER)  # another process created it first
+    finally:
+        temp.unlink(missing_ok=True)
     fsync_dir(root)
+    RefStore(root).ensure_dirs()
     return config

@@ -158,7 +158,8 @@ def _verify_generation(
     problems = report.problems
     where = {"run": root.run, "generation": root.generation}
     try:
-        entries = store.tensor_entries(root)
+        shards = store.read_shards(root)
+        entries = store.tensor_entries(root, shards)
         referenced = {name for name, _ in tensor_names(root.state)}
         for name in sorted(referenced - entries.keys()):
             problems.append(
@@ -170,10 +171,10 @@ def _verify_generation(
         problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
         return
     users: dict[bytes, tuple[TensorEntry, int]] = {}
-    for boxes in entries.values():
-        for entry in boxes:
-            for index, chunk in enumerate(entry.chunks):
-                users.setdefault(chunk, (entry, index))
+    per_rank = [entry for shard in shards for entry in shard.local_tensors]
+    for entry in [e for boxes in entries.values() for e in boxes] + per_rank:
+        for index, chunk in enumerate(entry.chunks):
+            users.setdefault(chunk, (entry, index))
     chunks.check(users)
     for chunk, (entry, index) in users.items():
         verdict = chunks.status.get(chunk, "ok")

@@ -116,8 +116,8 @@ def test_show_lists_tensors_and_values(cli_store: Path, target: str) -> None:
     assert out.startswith("generation exp1@2  step 200")
     tensors = {r[0]: r[1:] for r in rows(out.split("\n\n")[1])}
     assert tensors == {
-        "model/w": ["float32", "32x16", "2.0 KiB", "2"],
-        "model/b": ["float64", "16", "128 B", "1"],
+        "model/w": ["float32", "32x16", "2.0 KiB", "1", "2"],
+        "model/b": ["float64", "16", "128 B", "1", "1"],
     }
     values = {r[0]: r[1:] for r in rows(out.split("\n\n")[2])}
     assert values == {

@@ -1,0 +1,101 @@
+"""Small collectives over a torch.distributed group, each bounded by a timeout.
+
+Messages are msgpack (never pickle), carried as uint8 tensors by
+``all_gather``/``broadcast`` issued with ``async_op=True`` and waited on with
+a timeout, so a rank that died turns into an error on the survivors instead
+of a hang. Tensors live on the GPU for NCCL groups and on the CPU otherwise.
+"""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import msgpack
+import torch
+import torch.distributed as dist
+
+from castore.errors import CollectiveError, CollectiveTimeoutError, DistributedError
+
+
+class Group:
+    """The ranks of one castore collective call and how long to wait for them."""
+
+    def __init__(self, group: Any, coordinator: int, timeout: float) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise DistributedError(
+                "torch.distributed is not initialized: call init_process_group first"
+            )
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        if not 0 <= coordinator < self.world_size:
+            raise ValueError(
+                f"coordinator {coordinator} is not a rank of a {self.world_size}-rank group"
+            )
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        self.coordinator = coordinator
+        self.timeout = timeout
+        backend = str(dist.get_backend(group))
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if backend == "nccl"
+            else torch.device("cpu")
+        )
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    def _wait(self, work: Any, phase: str) -> None:
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=self.timeout))
+        except RuntimeError as exc:
+            text = str(exc)
+            if "timed out" in text.lower() or "timeout" in text.lower():
+                raise CollectiveTimeoutError(
+                    f"not every rank answered within {self.timeout:g}s during {phase}; "
+                    "a rank may have died",
+                    rank=self.rank,
+                ) from exc
+            first_line = text.splitlines()[0] if text else repr(exc)
+            raise CollectiveError(
+                f"the process group failed during {phase}: {first_line}",
+                rank=self.rank,
+            ) from exc
+
+    def all_gather(self, message: Any, phase: str) -> list[Any]:
+        """Every rank's ``message``, in rank order."""
+        data = msgpack.packb(message, use_bin_type=True)
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        sizes = [
+            torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)
+        ]
+        self._wait(dist.all_gather(sizes, size, group=self.group, async_op=True), phase)
+        lengths = [int(s.item()) for s in sizes]
+        padded = torch.zeros(max(lengths), dtype=torch.uint8, device=self.device)
+        if data:
+            padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        self._wait(dist.all_gather(gathered, padded, group=self.group, async_op=True), phase)
+        return [
+            msgpack.unpackb(bytes(g[:n].cpu().numpy()), raw=False, strict_map_key=False)
+            for g, n in zip(gathered, lengths, strict=True)
+        ]
+
+    def broadcast(self, message: Any, phase: str) -> Any:
+        """The coordinator's ``message`` on every rank (others pass anything)."""
+        data = msgpack.packb(message, use_bin_type=True) if self.is_coordinator else b""
+        size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
+        self._wait(
+            dist.broadcast(size, group=self.group, group_src=self.coordinator, async_op=True), phase
+        )
+        buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
+        if self.is_coordinator and data:
+            buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+        self._wait(
+            dist.broadcast(buffer, group=self.group, group_src=self.coordinator, async_op=True),
+            phase,
+        )
+        return msgpack.unpackb(bytes(buffer.cpu().numpy()), raw=False, strict_map_key=False)
