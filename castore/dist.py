@@ -390,14 +390,16 @@ def load(
         clock = time.perf_counter()
         for target in wanted:
             _read_target(store, target, entries[target.name], where)
-        per_rank = _read_rank_local(store, root, shards, comm, rank_local, framework, where)
+        per_rank, per_rank_bytes = _read_rank_local(
+            store, root, shards, comm, rank_local, framework, where
+        )
         timings["read_verify"] = time.perf_counter() - clock
-        return root, entries, wanted, per_rank
+        return root, entries, wanted, per_rank, per_rank_bytes
 
     loaded, failure = _attempt(read_everything)
     outcomes = comm.all_gather({"error": _describe(failure)}, "load: agree")
     _raise_failures(outcomes, comm, failure)
-    root, entries, wanted, per_rank = loaded
+    root, entries, wanted, per_rank, per_rank_bytes = loaded
     clock = time.perf_counter()
     for target in wanted:
         _assign(target)
@@ -406,7 +408,7 @@ def load(
     report = LoadReport(
         generation=Generation.from_root(digest, root),
         bytes_read=store.read_counters.bytes - read_before[1],
-        bytes_needed=sum(t.staging.nbytes for t in wanted),
+        bytes_needed=sum(t.staging.nbytes for t in wanted) + per_rank_bytes,
         chunks_read=store.read_counters.chunks - read_before[0],
         timings=timings,
     )
@@ -507,11 +509,12 @@ def _read_rank_local(
     policy: RankLocalPolicy,
     framework: str,
     where: dict[str, Any],
-) -> dict[str, Any]:
+) -> tuple[dict[str, Any], int]:
+    """This rank's RankLocal values, and the tensor bytes they needed."""
     paths: list[str] = []
     decode_tree(root.state, lambda name, fw: None, lambda path: paths.append(path))
     if not paths or policy == "drop":
-        return dict.fromkeys(paths)
+        return dict.fromkeys(paths), 0
     if policy == "same":
         if root.world_size != comm.world_size:
             raise RankLocalMismatchError(
@@ -528,7 +531,8 @@ def _read_rank_local(
         raise RankLocalMismatchError(
             f"rank {comm.rank} maps to saved rank {source}, which does not exist", **where
         )
-    return {path: store.load_rank_local(shards[source], path, framework, where) for path in paths}
+    values = {path: store.load_rank_local(shards[source], path, framework, where) for path in paths}
+    return values, sum(entry.nbytes for entry in shards[source].local_tensors)
 
 
 def _assign(target: _Target) -> None:
