@@ -15,6 +15,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py --store ./demo-store
+	$(PY) tools/demo_dist.py --store ./demo-store
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q
