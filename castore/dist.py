@@ -108,7 +108,9 @@ class _Prepared:
     sharded_bytes: int
 
 
-def _prepare(state: Any, metadata: dict[str, Any] | None) -> _Prepared:
+def _prepare(state: Any, step: int, metadata: dict[str, Any] | None) -> _Prepared:
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise TypeError(f"step must be an int, got {type(step).__name__}")
     encoded = encode_state(state)
     layout = sorted(
         (leaf.name, "shard" if leaf.sharded else "replicated", leaf.dtype, list(leaf.shape))
@@ -156,7 +158,7 @@ def save(
     comm = Group(group, coordinator, timeout)
     started = time.perf_counter()
     validate_run_name(run)
-    prepared, failure = _attempt(lambda: _prepare(state, metadata))
+    prepared, failure = _attempt(lambda: _prepare(state, step, metadata))
     infos = comm.all_gather(
         {
             "error": _describe(failure),
