@@ -22,7 +22,7 @@ import platform
 import re
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -413,31 +413,8 @@ class Store:
         where: dict[str, Any],
     ) -> None:
         """Copy ``region`` (global coordinates) of a saved box into a destination buffer."""
-        entry_box = Box(entry.offsets, entry.local_shape)
-        itemsize = dtypes.numpy_dtype(entry.dtype).itemsize
-        if region == entry_box and dst_box == Box.whole(dst_shape) and region.shape == dst_shape:
-            # The whole saved box is the whole destination: chunk i lands at i*chunk_size.
-            def place(index: int, chunk: np.ndarray) -> None:
-                at = index * entry.chunk_size
-                dst_flat[at : at + chunk.size] = chunk
-
-            read_chunks(
-                self.backend, entry, range(len(entry.chunks)), place, self.read_counters, where
-            )
-            return
-        plan = plan_copy(
-            entry.local_shape,
-            region.relative_to(entry_box),
-            dst_shape,
-            region.relative_to(dst_box),
-            itemsize,
-        )
-
-        def scatter(index: int, chunk: np.ndarray) -> None:
-            plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
-
-        indices = plan.chunk_indices(entry.chunk_size)
-        read_chunks(self.backend, entry, indices, scatter, self.read_counters, where)
+        indices, deliver = box_transfer(entry, region, dst_box, dst_flat)
+        read_chunks(self.backend, entry, indices, deliver, self.read_counters, where)
 
     def read_slice(
         self,
@@ -468,6 +445,39 @@ class Store:
         if framework == "torch":
             return _numpy_to_torch(np.ascontiguousarray(result), dtype)
         return result
+
+
+ChunkDelivery = Callable[[int, np.ndarray], None]
+
+
+def box_transfer(
+    entry: TensorEntry, region: Box, dst_box: Box, dst_flat: np.ndarray
+) -> tuple[Sequence[int] | np.ndarray, ChunkDelivery]:
+    """Which chunks of a saved box hold ``region``, and how each lands in a destination.
+
+    ``dst_flat`` is the flat byte buffer of the box ``dst_box`` (global
+    coordinates); ``region`` lies inside both boxes.
+    """
+    entry_box = Box(entry.offsets, entry.local_shape)
+    if region == entry_box == dst_box:
+        # The saved box is the destination box: chunk i lands at i*chunk_size.
+        def place(index: int, chunk: np.ndarray) -> None:
+            at = index * entry.chunk_size
+            dst_flat[at : at + chunk.size] = chunk
+
+        return range(len(entry.chunks)), place
+    plan = plan_copy(
+        entry.local_shape,
+        region.relative_to(entry_box),
+        dst_box.shape,
+        region.relative_to(dst_box),
+        dtypes.numpy_dtype(entry.dtype).itemsize,
+    )
+
+    def scatter(index: int, chunk: np.ndarray) -> None:
+        plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
+
+    return plan.chunk_indices(entry.chunk_size), scatter
 
 
 def _parse_generation(spec: GenerationSpec) -> tuple[int | None, str | None]:
