@@ -181,3 +181,81 @@ def read_chunks(
             wait(futures)  # no worker may touch a buffer after the transaction ends
 
     backend.read_many(Namespace.CHUNKS, keys, visit)
+
+
+@dataclass(frozen=True)
+class ChunkRequest:
+    """One chunk of one saved box, and where its verified bytes go."""
+
+    entry: TensorEntry
+    index: int
+    deliver: ChunkConsumer
+
+
+def read_agree_deliver(
+    backend: ChunkBackend,
+    requests: Sequence[ChunkRequest],
+    counters: ReadCounters,
+    where: dict[str, object],
+    agree: Callable[[BaseException | None], None],
+) -> None:
+    """Verify every requested chunk in place, let ``agree`` decide, then deliver.
+
+    All chunks are fetched and verified inside one read transaction, so their
+    buffers stay valid (zero-copy, no staging memory) while ``agree(error)``
+    runs: it must raise unless every party succeeded. Only then are the
+    verified bytes copied to their destinations.
+    """
+    keys = list(dict.fromkeys(request.entry.chunks[request.index] for request in requests))
+    first: dict[bytes, ChunkRequest] = {}
+    for request in requests:
+        first.setdefault(request.entry.chunks[request.index], request)
+    pool = _read_pool()
+
+    def verify(key: bytes, value: memoryview | None) -> None:
+        request = first[key]
+        entry, index = request.entry, request.index
+        context = {**where, "tensor": entry.name}
+        if value is None:
+            raise ChunkMissingError(
+                f"chunk {index} of tensor {entry.name!r} is missing from the store",
+                chunk=key.hex()[:16],
+                **context,
+            )
+        actual = digest_bytes(value, threads=1)
+        expected_len = min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+        if actual != key or len(value) != expected_len:
+            raise ChecksumMismatchError(
+                f"chunk {index} of tensor {entry.name!r} is damaged",
+                expected=key.hex(),
+                actual=actual.hex(),
+                **context,
+            )
+
+    def visit(values: Iterator[memoryview | None]) -> None:
+        held: dict[bytes, memoryview] = {}
+        futures = []
+        error: BaseException | None = None
+        try:
+            for key, value in zip(keys, values, strict=True):
+                if value is not None:
+                    held[key] = value
+                    counters.chunks += 1
+                    counters.bytes += len(value)
+                futures.append(pool.submit(verify, key, value))
+            for future in futures:
+                error = error or future.exception()
+        finally:
+            wait(futures)
+        agree(error)  # raises on every party unless all verified everything
+        jobs = [
+            pool.submit(r.deliver, r.index, np.frombuffer(held[r.entry.chunks[r.index]], np.uint8))
+            for r in requests
+        ]
+        try:
+            for job in jobs:
+                job.result()
+        finally:
+            wait(jobs)
+
+    backend.read_many(Namespace.CHUNKS, keys, visit)

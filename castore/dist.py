@@ -27,7 +27,7 @@ import numpy as np
 
 from castore import errors
 from castore._comm import Group
-from castore.chunkio import WriteStats
+from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.chunkstore.base import Namespace
 from castore.commit import (
     COORDINATOR_FAULTS,
@@ -39,6 +39,7 @@ from castore.commit import (
     root_stats,
     write_shard,
 )
+from castore.dtypes import numpy_dtype
 from castore.errors import (
     CastoreError,
     ChunkMissingError,
@@ -54,7 +55,14 @@ from castore.layout import Box
 from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest, TensorEntry
 from castore.refs import RefValue, validate_run_name
 from castore.shard import NotLoaded, Shard
-from castore.store import Generation, Store, encode_metadata, framework_versions
+from castore.store import (
+    Generation,
+    Store,
+    _allocate,
+    box_transfer,
+    encode_metadata,
+    framework_versions,
+)
 from castore.tree import EncodedTree, decode_tree, encode_state, join_path, tensor_names
 
 __all__ = ["LoadReport", "LoadResult", "load", "save"]
@@ -346,7 +354,9 @@ class _Target:
     live: Any  # the caller's Shard or tensor
     tensor: Any  # the array or tensor to fill
     box: Box
-    staging: Any = None
+    itemsize: int
+    flat: Any = None  # the bytes chunks are delivered into (the tensor's own, or staging)
+    staging: Any = None  # set when the tensor's memory cannot take bytes directly
 
 
 RankLocalPolicy = str | Callable[[int], int]
@@ -379,7 +389,7 @@ def load(
     digest = _agree_on_root(store, run, generation, comm)
     read_before = (store.read_counters.chunks, store.read_counters.bytes)
 
-    def read_everything() -> tuple[Any, ...]:
+    def plan_everything() -> tuple[Any, ...]:
         nonlocal clock
         root = store.read_root(digest, run=run)
         shards = store.read_shards(root)
@@ -388,20 +398,35 @@ def load(
         where = {"run": run, "generation": root.generation, "rank": comm.rank}
         entries = store.tensor_entries(root, shards)
         wanted = _plan_targets(targets, entries, where)
+        requests = [r for t in wanted for r in _chunk_requests(t, entries[t.name])]
         timings["planning"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        for target in wanted:
-            _read_target(store, target, entries[target.name], where)
         per_rank, per_rank_bytes = _read_rank_local(
             store, root, shards, comm, rank_local, framework, where
         )
-        timings["read_verify"] = time.perf_counter() - clock
-        return root, entries, wanted, per_rank, per_rank_bytes
+        return root, entries, wanted, requests, per_rank, per_rank_bytes, where
 
-    loaded, failure = _attempt(read_everything)
-    outcomes = comm.all_gather({"error": _describe(failure)}, "load: agree")
-    _raise_failures(outcomes, comm, failure)
-    root, entries, wanted, per_rank, per_rank_bytes = loaded
+    agreed = False
+
+    def agree(error: BaseException | None) -> None:
+        # The all-ranks outcome (invariant 4): raises everywhere unless all verified.
+        nonlocal agreed
+        agreed = True
+        outcomes = comm.all_gather({"error": _describe(error)}, "load: agree")
+        _raise_failures(outcomes, comm, error)
+        timings["read_verify"] = time.perf_counter() - clock
+
+    planned, failure = _attempt(plan_everything)
+    if failure is not None:
+        agree(failure)
+    root, entries, wanted, requests, per_rank, per_rank_bytes, where = planned
+    try:
+        # Chunks are verified where they lie; targets are written only after `agree`.
+        read_agree_deliver(store.backend, requests, store.read_counters, where, agree)
+    except Exception as exc:
+        if not agreed:
+            agree(exc)  # tell the other ranks before raising here
+        raise
     clock = time.perf_counter()
     for target in wanted:
         _assign(target)
@@ -410,7 +435,7 @@ def load(
     report = LoadReport(
         generation=Generation.from_root(digest, root),
         bytes_read=store.read_counters.bytes - read_before[1],
-        bytes_needed=sum(t.staging.nbytes for t in wanted) + per_rank_bytes,
+        bytes_needed=sum(t.box.numel * t.itemsize for t in wanted) + per_rank_bytes,
         chunks_read=store.read_counters.chunks - read_before[0],
         timings=timings,
     )
@@ -485,22 +510,36 @@ def _plan_targets(
             if isinstance(live, Shard)
             else Box.whole(saved.shape)
         )
-        planned.append(_Target(name, live, tensor, box))
+        target = _Target(name, live, tensor, box, numpy_dtype(saved.dtype).itemsize)
+        target.flat = _writable_bytes(tensor)
+        if target.flat is None:
+            target.staging, target.flat = _allocate(saved.dtype, box.shape, "numpy")
+        planned.append(target)
     return planned
 
 
-def _read_target(
-    store: Store, target: _Target, boxes: list[TensorEntry], where: dict[str, Any]
-) -> None:
-    """Read and verify a target's box into a staging array (nothing live is touched)."""
-    from castore.store import _allocate
+def _writable_bytes(tensor: Any) -> np.ndarray | None:
+    """A flat uint8 view of a C-contiguous host tensor's own memory, else None."""
+    if isinstance(tensor, np.ndarray):
+        if tensor.flags.c_contiguous and tensor.flags.writeable:
+            return tensor.reshape(-1).view(np.uint8)
+        return None
+    import torch
 
-    staging, flat = _allocate(boxes[0].dtype, target.box.shape, "numpy")
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return None
+
+
+def _chunk_requests(target: _Target, boxes: list[TensorEntry]) -> list[ChunkRequest]:
+    requests: list[ChunkRequest] = []
     for entry in boxes:
         region = target.box.intersect(Box(entry.offsets, entry.local_shape))
-        if region is not None and region.numel:
-            store._copy_box(entry, region, target.box.shape, target.box, flat, where)
-    target.staging = staging
+        if region is None or not region.numel:
+            continue
+        indices, deliver = box_transfer(entry, region, target.box, target.flat)
+        requests += [ChunkRequest(entry, int(i), deliver) for i in indices]
+    return requests
 
 
 def _read_rank_local(
@@ -538,7 +577,9 @@ def _read_rank_local(
 
 
 def _assign(target: _Target) -> None:
-    """Copy a verified staging array into the caller's live tensor."""
+    """Copy a verified staging array into the caller's live tensor (if one was needed)."""
+    if target.staging is None:
+        return  # the chunks were delivered into the tensor's own memory
     if isinstance(target.tensor, np.ndarray):
         np.copyto(target.tensor, target.staging)
         return
