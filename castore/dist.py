@@ -410,11 +410,12 @@ def load(
 
     def agree(error: BaseException | None) -> None:
         # The all-ranks outcome (invariant 4): raises everywhere unless all verified.
-        nonlocal agreed
+        nonlocal agreed, clock
         agreed = True
         outcomes = comm.all_gather({"error": _describe(error)}, "load: agree")
         _raise_failures(outcomes, comm, error)
         timings["read_verify"] = time.perf_counter() - clock
+        clock = time.perf_counter()  # what follows is assembly: copying into the targets
 
     planned, failure = _attempt(plan_everything)
     if failure is not None:
@@ -427,7 +428,6 @@ def load(
         if not agreed:
             agree(exc)  # tell the other ranks before raising here
         raise
-    clock = time.perf_counter()
     for target in wanted:
         _assign(target)
     state = _result_tree(root, entries, wanted, per_rank)
