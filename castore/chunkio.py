@@ -126,6 +126,33 @@ class ReadCounters:
     bytes: int = 0
 
 
+def verify_chunk(
+    entry: TensorEntry, index: int, value: memoryview | None, context: dict[str, object]
+) -> np.ndarray:
+    """Chunk ``index`` of ``entry`` as a uint8 array, if it is present and intact.
+
+    Invariant 3: the bytes must hash to the digest that named them (and have
+    the length the entry implies); a name that exists is not evidence.
+    """
+    key = entry.chunks[index]
+    if value is None:
+        raise ChunkMissingError(
+            f"chunk {index} of tensor {entry.name!r} is missing from the store",
+            chunk=key.hex()[:16],
+            **context,
+        )
+    actual = digest_bytes(value, threads=1)
+    expected_len = min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+    if actual != key or len(value) != expected_len:
+        raise ChecksumMismatchError(
+            f"chunk {index} of tensor {entry.name!r} is damaged",
+            expected=key.hex(),
+            actual=actual.hex(),
+            **context,
+        )
+    return np.frombuffer(value, dtype=np.uint8)
+
+
 def read_chunks(
     backend: ChunkBackend,
     entry: TensorEntry,
@@ -148,22 +175,7 @@ def read_chunks(
 
     def verify_and_consume(position: int, value: memoryview | None) -> None:
         index = indices[position]
-        expected_len = min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
-        if value is None:
-            raise ChunkMissingError(
-                f"chunk {index} of tensor {entry.name!r} is missing from the store",
-                chunk=keys[position].hex()[:16],
-                **context,
-            )
-        actual = digest_bytes(value, threads=1)
-        if actual != keys[position] or len(value) != expected_len:
-            raise ChecksumMismatchError(
-                f"chunk {index} of tensor {entry.name!r} is damaged",
-                expected=keys[position].hex(),
-                actual=actual.hex(),
-                **context,
-            )
-        consume(index, np.frombuffer(value, dtype=np.uint8))
+        consume(index, verify_chunk(entry, index, value, context))
 
     def visit(values: Iterator[memoryview | None]) -> None:
         # Hand each chunk to the pool as soon as it is fetched, so the next
@@ -214,23 +226,8 @@ def read_agree_deliver(
 
     def verify(key: bytes, value: memoryview | None) -> None:
         request = first[key]
-        entry, index = request.entry, request.index
-        context = {**where, "tensor": entry.name}
-        if value is None:
-            raise ChunkMissingError(
-                f"chunk {index} of tensor {entry.name!r} is missing from the store",
-                chunk=key.hex()[:16],
-                **context,
-            )
-        actual = digest_bytes(value, threads=1)
-        expected_len = min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
-        if actual != key or len(value) != expected_len:
-            raise ChecksumMismatchError(
-                f"chunk {index} of tensor {entry.name!r} is damaged",
-                expected=key.hex(),
-                actual=actual.hex(),
-                **context,
-            )
+        context = {**where, "tensor": request.entry.name}
+        verify_chunk(request.entry, request.index, value, context)
 
     def visit(values: Iterator[memoryview | None]) -> None:
         held: dict[bytes, memoryview] = {}
