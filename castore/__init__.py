@@ -65,6 +65,6 @@ def open(  # noqa: A001 - the public name the API promises
     ``chunk_size`` (bytes) sets the default for a new store, or overrides it
     for this handle's saves; dedup works between saves of equal chunk size.
     """
-    from castore.store import open_store
+    from castore.storedir import open_store
 
     return open_store(path, create=create, chunk_size=chunk_size, **options)

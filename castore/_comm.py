@@ -9,13 +9,23 @@ of a hang. Tensors live on the GPU for NCCL groups and on the CPU otherwise.
 from __future__ import annotations
 
 import datetime
+from collections.abc import Callable
 from typing import Any
 
 import msgpack
 import torch
 import torch.distributed as dist
 
-from castore.errors import CollectiveError, CollectiveTimeoutError, DistributedError
+from castore import errors
+from castore.errors import (
+    CastoreError,
+    CollectiveError,
+    CollectiveTimeoutError,
+    DistributedError,
+    RankFailedError,
+)
+
+DEFAULT_TIMEOUT = 600.0
 
 
 class Group:
@@ -99,3 +109,37 @@ class Group:
             phase,
         )
         return msgpack.unpackb(bytes(buffer.cpu().numpy()), raw=False, strict_map_key=False)
+
+
+# -- failures as messages: every rank must learn of any rank's error ----------
+
+
+def attempt(action: Callable[[], Any]) -> tuple[Any, BaseException | None]:
+    try:
+        return action(), None
+    except Exception as exc:  # noqa: BLE001 - every failure must reach the other ranks
+        return None, exc
+
+
+def describe(exc: BaseException | None) -> dict[str, str] | None:
+    if exc is None:
+        return None
+    return {"type": type(exc).__name__, "message": str(exc)}
+
+
+def raise_failures(messages: list[Any], comm: Group, own: BaseException | None) -> None:
+    """Raise on every rank if any rank reported an error (the first, in rank order)."""
+    if own is not None:
+        raise own
+    for rank, message in enumerate(messages):
+        if message.get("error"):
+            raise rebuild(message["error"], rank)
+
+
+def rebuild(error: dict[str, str], rank: int) -> CastoreError:
+    """Another rank's error as the same castore type (RankFailedError otherwise)."""
+    cls = getattr(errors, error["type"], None)
+    message = f"rank {rank} failed: {error['message']}"
+    if isinstance(cls, type) and issubclass(cls, CastoreError):
+        return cls.from_remote(message, failed_rank=rank)
+    return RankFailedError.from_remote(f"{message} ({error['type']})", failed_rank=rank)

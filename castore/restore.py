@@ -1,0 +1,316 @@
+"""Multi-rank restore (``castore.dist.load``): verify everything, agree, then write.
+
+Invariants 4 and 5: the coordinator resolves the generation once and
+broadcasts its root; each rank plans which chunks its target boxes overlap,
+fetches and verifies them where they lie in the store's memory map, and the
+ranks exchange their outcome inside that read transaction; only if every rank
+succeeded are the verified bytes copied into the live tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
+from castore.chunkio import ChunkRequest, read_agree_deliver
+from castore.commit import check_coverage
+from castore.dtypes import numpy_dtype
+from castore.errors import (
+    CorruptObjectError,
+    LayoutMismatchError,
+    RankLocalMismatchError,
+    TensorNotFoundError,
+)
+from castore.hashing import Digest
+from castore.layout import Box
+from castore.objects import GenerationRoot, ShardManifest, TensorEntry
+from castore.refs import validate_run_name
+from castore.shard import NotLoaded, Shard
+from castore.store import Generation, Store, _allocate, box_transfer
+from castore.tree import decode_tree, join_path
+
+
+@dataclass
+class LoadReport:
+    """What one rank's restore read, and how long each phase took (seconds)."""
+
+    generation: Generation
+    bytes_read: int = 0
+    bytes_needed: int = 0
+    chunks_read: int = 0
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class LoadResult:
+    """The restored state tree of this rank and the report of how it was read."""
+
+    state: Any
+    report: LoadReport
+
+
+@dataclass
+class _Target:
+    name: str
+    live: Any  # the caller's Shard or tensor
+    tensor: Any  # the array or tensor to fill
+    box: Box
+    itemsize: int
+    flat: Any = None  # the bytes chunks are delivered into (the tensor's own, or staging)
+    staging: Any = None  # set when the tensor's memory cannot take bytes directly
+
+
+RankLocalPolicy = str | Callable[[int], int]
+
+
+def load(
+    store: Store,
+    run: str,
+    targets: Any,
+    generation: int | str = "latest",
+    *,
+    group: Any = None,
+    coordinator: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+    rank_local: RankLocalPolicy = "same",
+    framework: str = "auto",
+) -> LoadResult:
+    """Restore ``run@generation`` into this rank's ``targets`` (a collective call).
+
+    Only the chunks that overlap each target's box are read; every chunk is
+    verified; no target changes unless every rank read and verified all it
+    needs. ``rank_local`` says how RankLocal values map onto this group:
+    ``"same"`` (same world size, same rank), ``"drop"``, or a callable giving
+    the saved rank whose value this rank takes.
+    """
+    comm = Group(group, coordinator, timeout)
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
+    validate_run_name(run)
+    digest = _agree_on_root(store, run, generation, comm)
+    read_before = (store.read_counters.chunks, store.read_counters.bytes)
+
+    def plan_everything() -> tuple[Any, ...]:
+        nonlocal clock
+        root = store.read_root(digest, run=run)
+        shards = store.read_shards(root)
+        timings["metadata"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        where = {"run": run, "generation": root.generation, "rank": comm.rank}
+        entries = store.tensor_entries(root, shards)
+        wanted = _plan_targets(targets, entries, where)
+        requests = [r for t in wanted for r in _chunk_requests(t, entries[t.name])]
+        timings["planning"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        per_rank, per_rank_bytes = _read_rank_local(
+            store, root, shards, comm, rank_local, framework, where
+        )
+        return root, entries, wanted, requests, per_rank, per_rank_bytes, where
+
+    agreed = False
+
+    def agree(error: BaseException | None) -> None:
+        # The all-ranks outcome (invariant 4): raises everywhere unless all verified.
+        nonlocal agreed, clock
+        agreed = True
+        outcomes = comm.all_gather({"error": describe(error)}, "load: agree")
+        raise_failures(outcomes, comm, error)
+        timings["read_verify"] = time.perf_counter() - clock
+        clock = time.perf_counter()  # what follows is assembly: copying into the targets
+
+    planned, failure = attempt(plan_everything)
+    if failure is not None:
+        agree(failure)
+    root, entries, wanted, requests, per_rank, per_rank_bytes, where = planned
+    try:
+        # Chunks are verified where they lie; targets are written only after `agree`.
+        read_agree_deliver(store.backend, requests, store.read_counters, where, agree)
+    except Exception as exc:
+        if not agreed:
+            agree(exc)  # tell the other ranks before raising here
+        raise
+    for target in wanted:
+        _assign(target)
+    state = _result_tree(root, entries, wanted, per_rank)
+    timings["assembly"] = time.perf_counter() - clock
+    report = LoadReport(
+        generation=Generation.from_root(digest, root),
+        bytes_read=store.read_counters.bytes - read_before[1],
+        bytes_needed=sum(t.box.numel * t.itemsize for t in wanted) + per_rank_bytes,
+        chunks_read=store.read_counters.chunks - read_before[0],
+        timings=timings,
+    )
+    return LoadResult(state, report)
+
+
+def _agree_on_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:
+    """Invariant 5: the coordinator resolves the generation once, for everyone."""
+    message: dict[str, Any] = {}
+    failure: BaseException | None = None
+    if comm.is_coordinator:
+        found, failure = attempt(lambda: store.resolve_root(run, generation)[0].raw)
+        message = {"error": describe(failure), "root": found}
+    message = comm.broadcast(message, "load: resolve")
+    if message.get("error"):
+        if failure is not None:
+            raise failure
+        raise rebuild(message["error"], comm.coordinator)
+    return Digest(message["root"])
+
+
+def _target_leaves(node: Any, path: str, found: list[tuple[str, Any]]) -> None:
+    """Every tensor or Shard in a target tree, named by key path like a saved state."""
+    if isinstance(node, Shard) or _is_array(node):
+        found.append((path or ".", node))
+    elif isinstance(node, dict):
+        for key, value in node.items():
+            _target_leaves(value, join_path(path, key), found)
+    elif isinstance(node, (list, tuple)):
+        for index, value in enumerate(node):
+            _target_leaves(value, join_path(path, index), found)
+
+
+def _is_array(value: Any) -> bool:
+    import torch
+
+    return isinstance(value, (np.ndarray, torch.Tensor))
+
+
+def _plan_targets(
+    targets: Any, entries: dict[str, list[TensorEntry]], where: dict[str, Any]
+) -> list[_Target]:
+    from castore.dtypes import name_of_numpy_dtype, name_of_torch_dtype
+
+    found: list[tuple[str, Any]] = []
+    _target_leaves(targets, "", found)
+    planned: list[_Target] = []
+    for name, live in found:
+        boxes = entries.get(name)
+        if not boxes:
+            raise TensorNotFoundError(
+                f"target {name!r} is not a tensor of this generation", **where
+            )
+        saved = boxes[0]
+        check_coverage(boxes, where)
+        tensor = live.local if isinstance(live, Shard) else live
+        dtype = (
+            name_of_numpy_dtype(tensor.dtype, name)
+            if isinstance(tensor, np.ndarray)
+            else name_of_torch_dtype(tensor.dtype, name)
+        )
+        global_shape = live.global_shape if isinstance(live, Shard) else tuple(tensor.shape)
+        if dtype != saved.dtype or tuple(global_shape) != saved.shape:
+            raise LayoutMismatchError(
+                f"target {name!r} is {dtype}{list(global_shape)}, the saved tensor is "
+                f"{saved.dtype}{list(saved.shape)}",
+                tensor=name,
+                **where,
+            )
+        box = (
+            Box(live.offsets, live.local_shape)
+            if isinstance(live, Shard)
+            else Box.whole(saved.shape)
+        )
+        target = _Target(name, live, tensor, box, numpy_dtype(saved.dtype).itemsize)
+        target.flat = _writable_bytes(tensor)
+        if target.flat is None:
+            target.staging, target.flat = _allocate(saved.dtype, box.shape, "numpy")
+        planned.append(target)
+    return planned
+
+
+def _writable_bytes(tensor: Any) -> np.ndarray | None:
+    """A flat uint8 view of a C-contiguous host tensor's own memory, else None."""
+    if isinstance(tensor, np.ndarray):
+        if tensor.flags.c_contiguous and tensor.flags.writeable:
+            return tensor.reshape(-1).view(np.uint8)
+        return None
+    import torch
+
+    if tensor.device.type == "cpu" and tensor.is_contiguous():
+        return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+    return None
+
+
+def _chunk_requests(target: _Target, boxes: list[TensorEntry]) -> list[ChunkRequest]:
+    requests: list[ChunkRequest] = []
+    for entry in boxes:
+        region = target.box.intersect(Box(entry.offsets, entry.local_shape))
+        if region is None or not region.numel:
+            continue
+        indices, deliver = box_transfer(entry, region, target.box, target.flat)
+        requests += [ChunkRequest(entry, int(i), deliver) for i in indices]
+    return requests
+
+
+def _read_rank_local(
+    store: Store,
+    root: GenerationRoot,
+    shards: list[ShardManifest],
+    comm: Group,
+    policy: RankLocalPolicy,
+    framework: str,
+    where: dict[str, Any],
+) -> tuple[dict[str, Any], int]:
+    """This rank's RankLocal values, and the tensor bytes they needed."""
+    paths: list[str] = []
+    decode_tree(root.state, lambda name, fw: None, lambda path: paths.append(path))
+    if not paths or policy == "drop":
+        return dict.fromkeys(paths), 0
+    if policy == "same":
+        if root.world_size != comm.world_size:
+            raise RankLocalMismatchError(
+                f"per-rank state was saved by {root.world_size} ranks and is restored onto "
+                f"{comm.world_size}: pass rank_local='drop' or a mapping new_rank -> saved rank",
+                **where,
+            )
+        source = comm.rank
+    elif callable(policy):
+        source = int(policy(comm.rank))
+    else:
+        raise ValueError(f"rank_local must be 'same', 'drop' or a callable, got {policy!r}")
+    if not 0 <= source < len(shards) or shards[source].rank != source:
+        raise RankLocalMismatchError(
+            f"rank {comm.rank} maps to saved rank {source}, which does not exist", **where
+        )
+    values = {path: store.load_rank_local(shards[source], path, framework, where) for path in paths}
+    return values, sum(entry.nbytes for entry in shards[source].local_tensors)
+
+
+def _assign(target: _Target) -> None:
+    """Copy a verified staging array into the caller's live tensor (if one was needed)."""
+    if target.staging is None:
+        return  # the chunks were delivered into the tensor's own memory
+    if isinstance(target.tensor, np.ndarray):
+        np.copyto(target.tensor, target.staging)
+        return
+    import torch
+
+    raw = torch.from_numpy(np.ascontiguousarray(target.staging).reshape(-1).view(np.uint8))
+    source = raw.view(target.tensor.dtype).reshape(target.tensor.shape)
+    with torch.no_grad():
+        target.tensor.copy_(source)  # to any device, into any strides
+
+
+def _result_tree(
+    root: GenerationRoot,
+    entries: dict[str, list[TensorEntry]],
+    wanted: list[_Target],
+    per_rank: dict[str, Any],
+) -> Any:
+    by_name = {target.name: target.live for target in wanted}
+
+    def tensor(name: str, _framework: str) -> Any:
+        if name in by_name:
+            return by_name[name]
+        boxes = entries.get(name)
+        if not boxes:
+            raise CorruptObjectError(f"state refers to tensor {name!r}, no shard holds it")
+        return NotLoaded(name, boxes[0].dtype, boxes[0].shape)
+
+    return decode_tree(root.state, tensor, lambda path: per_rank.get(path))
