@@ -98,6 +98,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import disk_free, drop_caches, print_goals
 from tabulate import tabulate
 
 import castore
@@ -530,17 +531,6 @@ def free_port() -> int:
 # -- page cache --------------------------------------------------------------
 
 
-def drop_caches() -> bool:
-    """Flush dirty pages and drop the page cache; False when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return True
-    except OSError:
-        return False
-
-
 # -- the run -----------------------------------------------------------------
 
 
@@ -786,11 +776,6 @@ def evaluate_goals(results: Results, cold: bool) -> list[dict[str, Any]]:
     return verdicts
 
 
-def disk_free(path: Path) -> int:
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--size-mib", type=int, default=256, help="state size (default 256)")
@@ -922,10 +907,7 @@ def main(argv: list[str] | None = None) -> int:
     print()
 
     verdicts = evaluate_goals(results, cold)
-    print("goals:")
-    for verdict in verdicts:
-        mark = "MET" if verdict["met"] else "NOT MET"
-        print(f"  [{mark:7}] {verdict['goal']}: {verdict['measured']}")
+    print_goals(verdicts)
     print(f"\ntotal time {time.perf_counter() - started:.0f} s")
 
     if args.json:

@@ -66,6 +66,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
+from _common import disk_free, drop_caches, print_goals
 from tabulate import tabulate
 
 import castore
@@ -152,17 +153,6 @@ def changed_copy(
 
 
 # -- page cache --------------------------------------------------------------
-
-
-def drop_caches() -> bool:
-    """Flush dirty pages and drop the page cache; False when not permitted."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as handle:
-            handle.write("3\n")
-        return True
-    except OSError:
-        return False
 
 
 # -- methods -----------------------------------------------------------------
@@ -326,11 +316,6 @@ def one_rep(
         time.sleep(settle)  # let the freed blocks' discards go through (see the docstring)
 
 
-def disk_free(path: Path) -> int:
-    stats = os.statvfs(path)
-    return stats.f_bavail * stats.f_frsize
-
-
 def summarize(results: Results, logical: int, cold: bool) -> tuple[list[list[Any]], list[dict]]:
     """Table rows and JSON rows: median, GiB/s and speedups against the matching reference."""
 
@@ -473,10 +458,7 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     verdicts = evaluate_goals(results, cold)
-    print("goals:")
-    for verdict in verdicts:
-        mark = "MET" if verdict["met"] else "NOT MET"
-        print(f"  [{mark:7}] {verdict['goal']}: {verdict['measured']}")
+    print_goals(verdicts)
     print(f"\ntotal time {time.perf_counter() - started:.0f} s")
 
     if args.json:
