@@ -1,4 +1,4 @@
-"""Training-state capture (in progress): every RNG stream a resume needs.
+"""Training-state capture (in progress): RNG streams and optimizer state by name.
 
 ``capture_rng()`` returns plain values and tensors (no pickle) for Python's
 ``random``, NumPy's global state and any ``numpy.random.Generator`` handed to
@@ -81,3 +81,57 @@ def _as_byte_tensor(value: Any) -> torch.Tensor:
     if isinstance(value, torch.Tensor):
         return value.to(torch.uint8).cpu()
     return torch.from_numpy(np.ascontiguousarray(value, dtype=np.uint8))
+
+
+def optimizer_state_by_name(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> dict[str, Any]:
+    """``optimizer.state_dict()`` keyed by parameter name instead of position.
+
+    Positions depend on the order parameters were handed to the optimizer; names
+    survive a rebuilt optimizer, a reordered parameter list, or a new parameter.
+    """
+    names = _parameter_names(model)
+    raw = optimizer.state_dict()
+    positions: dict[int, str] = {}
+    groups = []
+    for live, saved in zip(optimizer.param_groups, raw["param_groups"], strict=True):
+        group_names = [names[id(p)] for p in live["params"]]
+        positions.update(zip(saved["params"], group_names, strict=True))
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": group_names})
+    state = {positions[index]: value for index, value in raw["state"].items()}
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_by_name(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+) -> None:
+    """Load a state from :func:`optimizer_state_by_name` into ``optimizer``."""
+    names = _parameter_names(model)
+    saved_groups = list(state["param_groups"])
+    if len(saved_groups) != len(optimizer.param_groups):
+        raise ValueError(
+            f"saved optimizer has {len(saved_groups)} param groups, this one "
+            f"{len(optimizer.param_groups)}"
+        )
+    position = 0
+    by_position: dict[int, Any] = {}
+    groups = []
+    for live, saved in zip(optimizer.param_groups, saved_groups, strict=True):
+        live_names = [names[id(p)] for p in live["params"]]
+        if sorted(live_names) != sorted(saved["params"]):
+            raise ValueError(
+                f"param group holds {sorted(live_names)[:5]}..., the saved one "
+                f"{sorted(saved['params'])[:5]}..."
+            )
+        ids = list(range(position, position + len(live_names)))
+        position += len(live_names)
+        for index, name in zip(ids, live_names, strict=True):
+            if name in state["state"]:
+                by_position[index] = state["state"][name]
+        groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
+    optimizer.load_state_dict({"state": by_position, "param_groups": groups})
+
+
+def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
+    return {id(param): name for name, param in model.named_parameters()}
