@@ -6,6 +6,10 @@ it, torch's CPU generator, and every CUDA device's generator when CUDA is
 available. ``restore_rng()`` puts them back, so the next draw of every stream
 is the one an uninterrupted run would have made. Wrap the result in
 :class:`castore.RankLocal` in a multi-rank save: RNG streams are per rank.
+
+``optimizer_state_by_name()`` keys optimizer state by parameter name, never by
+position, and ``load_optimizer_state_by_name()`` maps it back onto whatever
+order the new optimizer holds its parameters in.
 """
 
 from __future__ import annotations
