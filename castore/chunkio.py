@@ -49,9 +49,17 @@ def _hash_one(piece: memoryview) -> bytes:
 
 
 def write_leaves(
-    backend: ChunkBackend, leaves: Sequence[TensorLeaf], chunk_size: int
+    backend: ChunkBackend,
+    leaves: Sequence[TensorLeaf],
+    chunk_size: int,
+    *,
+    midway_fault: str = "save.mid_chunks",
 ) -> tuple[list[TensorEntry], WriteStats]:
-    """Store every leaf's chunks (new ones only) and return their tensor entries."""
+    """Store every leaf's chunks (new ones only) and return their tensor entries.
+
+    ``midway_fault`` names the fault point passed after each committed batch,
+    when some of the leaves' chunks are durable and no manifest yet names them.
+    """
     pieces: list[tuple[int, memoryview]] = []
     for index, leaf in enumerate(leaves):
         flat = memoryview(leaf.data)  # type: ignore[arg-type]  # ndarray exports a buffer
@@ -69,9 +77,11 @@ def write_leaves(
             batch_bytes += piece.nbytes
             if batch_bytes >= WRITE_BATCH_BYTES:
                 _flush(backend, batch, stats)
-                fault_point("save.mid_chunks")
+                fault_point(midway_fault)
                 batch, batch_bytes = [], 0
-        _flush(backend, batch, stats)
+        if batch:
+            _flush(backend, batch, stats)
+            fault_point(midway_fault)
     entries = [
         TensorEntry(
             name=leaf.name,
@@ -106,7 +116,7 @@ def _flush(backend: ChunkBackend, batch: list[tuple[bytes, memoryview]], stats: 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None
 
 
-def _read_pool() -> ThreadPoolExecutor:
+def shared_pool() -> ThreadPoolExecutor:
     """One long-lived verify pool per process (re-made after a fork)."""
     global _POOL
     if _POOL is None or _POOL[0] != os.getpid():
@@ -169,7 +179,7 @@ def read_chunks(
     indices = [int(i) for i in indices]
     if not indices:
         return
-    pool = _read_pool()
+    pool = shared_pool()
     context = {**where, "tensor": entry.name}
     keys = [entry.chunks[i] for i in indices]
 
@@ -222,7 +232,7 @@ def read_agree_deliver(
     first: dict[bytes, ChunkRequest] = {}
     for request in requests:
         first.setdefault(request.entry.chunks[request.index], request)
-    pool = _read_pool()
+    pool = shared_pool()
 
     def verify(key: bytes, value: memoryview | None) -> None:
         request = first[key]

@@ -49,7 +49,7 @@ def write_shard(
     generation: int,
     rank: int,
     own: set[str] | None = None,
-    midway_fault: str | None = None,
+    midway_fault: str = "save.mid_chunks",
 ) -> ShardWrite:
     """Commit this rank's chunks and build its shard manifest (not yet committed).
 
@@ -58,23 +58,21 @@ def write_shard(
     """
     leaves = [leaf for leaf in encoded.leaves if own is None or leaf.name in own]
     local_state, local_leaves = encode_local_state(encoded.rank_local)
-    half = len(leaves) // 2
-    entries, stats = write_leaves(store.backend, leaves[:half], store.chunk_size)
-    if midway_fault:
-        fault_point(midway_fault)
-    more, more_stats = write_leaves(store.backend, leaves[half:], store.chunk_size)
-    local_entries, local_stats = write_leaves(store.backend, local_leaves, store.chunk_size)
+    # One pass over global and per-rank tensors: batches (and commits) span both.
+    entries, stats = write_leaves(
+        store.backend, leaves + local_leaves, store.chunk_size, midway_fault=midway_fault
+    )
     manifest = ShardManifest(
         run=run,
         generation=generation,
         rank=rank,
-        tensors=tuple(entries + more),
+        tensors=tuple(entries[: len(leaves)]),
         local_state=local_state,
         writer={"host": socket.gethostname(), "pid": os.getpid()},
-        local_tensors=tuple(local_entries),
+        local_tensors=tuple(entries[len(leaves) :]),
     )
     data = encode_object(manifest)
-    return ShardWrite(digest_bytes(data), data, manifest, stats + more_stats + local_stats)
+    return ShardWrite(digest_bytes(data), data, manifest, stats)
 
 
 def commit_objects(store: Store, objects: list[tuple[bytes, bytes]]) -> None:

@@ -31,7 +31,7 @@ from castore.layout import Box
 from castore.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.refs import validate_run_name
 from castore.shard import NotLoaded, Shard
-from castore.store import Generation, Store, _allocate, box_transfer
+from castore.store import Generation, Store, _allocate, box_transfer, numpy_as_torch
 from castore.tree import decode_tree, join_path
 
 
@@ -60,7 +60,7 @@ class _Target:
     live: Any  # the caller's Shard or tensor
     tensor: Any  # the array or tensor to fill
     box: Box
-    itemsize: int
+    dtype: str  # castore dtype name, the saved tensor's
     flat: Any = None  # the bytes chunks are delivered into (the tensor's own, or staging)
     staging: Any = None  # set when the tensor's memory cannot take bytes directly
 
@@ -141,7 +141,8 @@ def load(
     report = LoadReport(
         generation=Generation.from_root(digest, root),
         bytes_read=store.read_counters.bytes - read_before[1],
-        bytes_needed=sum(t.box.numel * t.itemsize for t in wanted) + per_rank_bytes,
+        bytes_needed=sum(t.box.numel * numpy_dtype(t.dtype).itemsize for t in wanted)
+        + per_rank_bytes,
         chunks_read=store.read_counters.chunks - read_before[0],
         timings=timings,
     )
@@ -216,7 +217,7 @@ def _plan_targets(
             if isinstance(live, Shard)
             else Box.whole(saved.shape)
         )
-        target = _Target(name, live, tensor, box, numpy_dtype(saved.dtype).itemsize)
+        target = _Target(name, live, tensor, box, saved.dtype)
         target.flat = _writable_bytes(tensor)
         if target.flat is None:
             target.staging, target.flat = _allocate(saved.dtype, box.shape, "numpy")
@@ -291,8 +292,7 @@ def _assign(target: _Target) -> None:
         return
     import torch
 
-    raw = torch.from_numpy(np.ascontiguousarray(target.staging).reshape(-1).view(np.uint8))
-    source = raw.view(target.tensor.dtype).reshape(target.tensor.shape)
+    source = numpy_as_torch(target.staging, target.dtype)
     with torch.no_grad():
         target.tensor.copy_(source)  # to any device, into any strides
 

@@ -434,7 +434,7 @@ class Store:
                 self._copy_box(entry, region, box.shape, box, flat, where)
         result = out[selector]
         if framework == "torch":
-            return _numpy_to_torch(np.ascontiguousarray(result), dtype)
+            return numpy_as_torch(result, dtype)
         return result
 
 
@@ -507,10 +507,12 @@ def _allocate(dtype: str, shape: tuple[int, ...], framework: str) -> tuple[Any, 
     return array, array.reshape(-1).view(np.uint8)
 
 
-def _numpy_to_torch(array: np.ndarray, dtype: str) -> Any:
+def numpy_as_torch(array: np.ndarray, dtype: str) -> Any:
+    """A torch tensor sharing ``array``'s bytes (a copy only if it is not contiguous).
+
+    Goes through uint8 because torch cannot take numpy's bfloat16/float8 types.
+    """
     import torch
 
-    tensor, flat = _allocate(dtype, tuple(array.shape), "torch")
-    flat[:] = array.reshape(-1).view(np.uint8)
-    del torch
-    return tensor
+    raw = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return raw.view(dtypes.torch_dtype(dtype)).reshape(array.shape)

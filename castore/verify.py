@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from castore.chunkio import shared_pool
 from castore.chunkstore.base import Namespace
 from castore.errors import CastoreError
 from castore.hashing import Digest, digest_bytes
@@ -100,12 +101,11 @@ class _ChunkStatus:
             return "ok" if digest_bytes(value, threads=1) == key else "damaged"
 
         def visit(values: Iterator[memoryview | None]) -> None:
-            with ThreadPoolExecutor(2) as pool:  # waits for every worker before returning
-                futures = [
-                    pool.submit(one, key, value) for key, value in zip(keys, values, strict=True)
-                ]
-                for key, future in zip(keys, futures, strict=True):
-                    self.status[key] = future.result()
+            pool = shared_pool()
+            futures = [pool.submit(one, k, v) for k, v in zip(keys, values, strict=True)]
+            wait(futures)  # every worker is done before the transaction ends
+            for key, future in zip(keys, futures, strict=True):
+                self.status[key] = future.result()
 
         self.store.backend.read_many(Namespace.CHUNKS, keys, visit)
         self.bar.update(len(keys))
