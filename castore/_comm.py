@@ -32,13 +32,16 @@ class Group:
     """The ranks of one castore collective call and how long to wait for them."""
 
     def __init__(self, group: Any, coordinator: int, timeout: float) -> None:
-        if not (dist.is_available() and dist.is_initialized()):
+        initialized = dist.is_available() and dist.is_initialized()
+        # A process without torch.distributed is a group of one: rank 0 of 1.
+        self.solo = not initialized and group is None
+        if not initialized and not self.solo:
             raise DistributedError(
                 "torch.distributed is not initialized: call init_process_group first"
             )
         self.group = group
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        self.rank = 0 if self.solo else dist.get_rank(group)
+        self.world_size = 1 if self.solo else dist.get_world_size(group)
         if not 0 <= coordinator < self.world_size:
             raise ValueError(
                 f"coordinator {coordinator} is not a rank of a {self.world_size}-rank group"
@@ -47,7 +50,7 @@ class Group:
             raise ValueError(f"timeout must be positive, got {timeout}")
         self.coordinator = coordinator
         self.timeout = timeout
-        backend = str(dist.get_backend(group))
+        backend = "solo" if self.solo else str(dist.get_backend(group))
         self.device = (
             torch.device("cuda", torch.cuda.current_device())
             if backend == "nccl"
@@ -78,6 +81,8 @@ class Group:
     def all_gather(self, message: Any, phase: str) -> list[Any]:
         """Every rank's ``message``, in rank order."""
         data = msgpack.packb(message, use_bin_type=True)
+        if self.solo:
+            return [msgpack.unpackb(data, raw=False, strict_map_key=False)]
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         sizes = [
             torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)
@@ -97,6 +102,8 @@ class Group:
     def broadcast(self, message: Any, phase: str) -> Any:
         """The coordinator's ``message`` on every rank (others pass anything)."""
         data = msgpack.packb(message, use_bin_type=True) if self.is_coordinator else b""
+        if self.solo:
+            return msgpack.unpackb(data, raw=False, strict_map_key=False)
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         self._wait(
             dist.broadcast(size, group=self.group, group_src=self.coordinator, async_op=True), phase

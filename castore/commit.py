@@ -17,9 +17,11 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import msgpack
+
 from castore.chunkio import WriteStats, write_leaves
 from castore.chunkstore.base import Namespace
-from castore.errors import CoverageError
+from castore.errors import CoverageError, UnsupportedValueError
 from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
 from castore.layout import Box
@@ -132,6 +134,21 @@ def root_stats(stats: WriteStats, seconds: float, tensors: int) -> dict[str, Any
     }
 
 
+def check_data_order(data_order: dict[str, Any] | None) -> dict[str, Any]:
+    """A root's data-order record: a map of plain msgpack values under string keys."""
+    if data_order is None:
+        return {}
+    if not isinstance(data_order, dict) or not all(isinstance(k, str) for k in data_order):
+        raise UnsupportedValueError("data_order must be a dict with string keys")
+    try:
+        msgpack.packb(data_order, use_bin_type=True, strict_types=False)
+    except (TypeError, ValueError) as exc:
+        raise UnsupportedValueError(
+            f"data_order holds a value msgpack cannot encode: {exc}"
+        ) from exc
+    return dict(data_order)
+
+
 def make_root(
     *,
     run: str,
@@ -144,6 +161,7 @@ def make_root(
     metadata: bytes,
     stats: dict[str, Any],
     frameworks: dict[str, str],
+    data_order: dict[str, Any] | None = None,
 ) -> GenerationRoot:
     return GenerationRoot(
         run=run,
@@ -156,6 +174,7 @@ def make_root(
         state=state,
         metadata=metadata,
         frameworks=frameworks,
+        data_order=dict(data_order or {}),
         stats=stats,
     )
 

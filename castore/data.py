@@ -48,6 +48,7 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         self.start = 0  # global samples of this epoch consumed before this iteration
         self.drawn = 0  # samples this rank has handed out in this iteration
         self.resumed_from: int | None = None  # the rank count that consumed `start`
+        self._resume_pending = False  # a loaded position not yet iterated from
 
     @property
     def _dataset_len(self) -> int:
@@ -83,6 +84,7 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
     def __iter__(self) -> Iterator[int]:
         mine = self._remaining()[self.rank :: self.num_replicas]
         self.drawn = 0
+        self._resume_pending = False
         for index in mine:
             self.drawn += 1
             yield index
@@ -91,7 +93,15 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         return len(self._remaining()[self.rank :: self.num_replicas])
 
     def set_epoch(self, epoch: int) -> None:
-        """Start ``epoch`` from its beginning (a resumed position is dropped)."""
+        """Start ``epoch`` from its beginning.
+
+        A position just loaded for this same epoch is kept, so the usual loop
+        ``for epoch in range(sampler.epoch, n): sampler.set_epoch(epoch); ...``
+        resumes where the checkpoint left off; any other epoch drops it.
+        """
+        if self._resume_pending and epoch == self.epoch:
+            return
+        self._resume_pending = False
         super().set_epoch(epoch)
         self.start = 0
         self.drawn = 0
@@ -136,6 +146,7 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         self.start = consumed
         self.drawn = 0
         self.resumed_from = int(state["num_replicas"])
+        self._resume_pending = True
 
 
 def dataset_hash(samples: Iterable[str | int | bytes]) -> str:

@@ -28,6 +28,7 @@ from castore.chunkstore.base import Namespace
 from castore.commit import (
     COORDINATOR_FAULTS,
     check_coverage,
+    check_data_order,
     commit_objects,
     group_entries,
     make_root,
@@ -63,12 +64,15 @@ __all__ = ["LoadReport", "LoadResult", "load", "save"]
 class _Prepared:
     encoded: EncodedTree
     metadata: bytes
+    data_order: dict[str, Any]
     layout: str  # digest of the tensors' names, kinds, dtypes and global shapes
     replicated: list[tuple[str, int]]  # (name, nbytes) of tensors written by one rank
     sharded_bytes: int
 
 
-def _prepare(state: Any, step: int, metadata: dict[str, Any] | None) -> _Prepared:
+def _prepare(
+    state: Any, step: int, metadata: dict[str, Any] | None, data_order: dict[str, Any] | None
+) -> _Prepared:
     if not isinstance(step, int) or isinstance(step, bool):
         raise TypeError(f"step must be an int, got {type(step).__name__}")
     encoded = encode_state(state)
@@ -79,6 +83,7 @@ def _prepare(state: Any, step: int, metadata: dict[str, Any] | None) -> _Prepare
     return _Prepared(
         encoded=encoded,
         metadata=encode_metadata(metadata),
+        data_order=check_data_order(data_order),
         layout=digest_bytes(msgpack.packb(layout)).hex(),
         replicated=sorted(
             (leaf.name, leaf.data.nbytes) for leaf in encoded.leaves if not leaf.sharded
@@ -105,6 +110,7 @@ def save(
     run: str,
     step: int,
     metadata: dict[str, Any] | None = None,
+    data_order: dict[str, Any] | None = None,
     group: Any = None,
     coordinator: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
@@ -113,12 +119,15 @@ def save(
 
     Returns the same :class:`~castore.Generation` on every rank, or raises on
     every rank; nothing is published unless every rank's shard is durable and
-    the coordinator has checked them all.
+    the coordinator has checked them all. ``data_order`` (plain values) is
+    recorded in the root as given by the coordinator: ``castore.train`` puts
+    the dataset hash, rank count and sampler position there. Without
+    ``torch.distributed`` initialized, the process saves as a group of one.
     """
     comm = Group(group, coordinator, timeout)
     started = time.perf_counter()
     validate_run_name(run)
-    prepared, failure = attempt(lambda: _prepare(state, step, metadata))
+    prepared, failure = attempt(lambda: _prepare(state, step, metadata, data_order))
     infos = comm.all_gather(
         {
             "error": describe(failure),
@@ -250,6 +259,7 @@ def _validate_and_publish(
         metadata=prepared.metadata,
         stats=root_stats(stats, time.perf_counter() - started, tensors),
         frameworks=framework_versions(),
+        data_order=prepared.data_order,
     )
     digest = publish(store, parent=parent_ref, root=root, faults=COORDINATOR_FAULTS)
     return digest.raw

@@ -28,7 +28,9 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── TensorNotFoundError              (LookupError) no such tensor in a generation
     ├── InvalidNameError                 (ValueError) a run name that is unsafe
     ├── InvalidIndexError                (IndexError) a bad read_slice index
-    └── UnsupportedValueError            (TypeError) a value castore cannot encode
+    ├── UnsupportedValueError            (TypeError) a value castore cannot encode
+    ├── SaveBoundaryError                (RuntimeError) a save between accumulated microbatches
+    └── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
 
 Errors carry their context as attributes (``run``, ``generation``, ``tensor``,
 ``expected``/``actual`` digests) and put it in their message, so one line says
@@ -63,7 +65,7 @@ class CastoreError(Exception):
 
 
 # Context keys that are already spelled out in the message.
-_UNSHOWN = frozenset({"expected", "actual", "key_path", "hint"})
+_UNSHOWN = frozenset({"expected", "actual", "key_path", "hint", "differences"})
 
 
 class StoreError(CastoreError):
@@ -168,3 +170,17 @@ class InvalidIndexError(CastoreError, IndexError):
 
 class UnsupportedValueError(CastoreError, TypeError):
     """A value in the state has a type castore cannot encode without pickle."""
+
+
+class SaveBoundaryError(CastoreError, RuntimeError):
+    """A training save was asked for between accumulated microbatches.
+
+    Pass ``mid_accumulation=True`` to save the partial gradients too.
+    """
+
+
+class ResumeMismatchError(CastoreError, ValueError):
+    """A resume's claim cannot hold: the message names every field that differs.
+
+    ``differences`` maps each field to ``(saved, current)``.
+    """

@@ -31,7 +31,15 @@ from castore.layout import Box
 from castore.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.refs import validate_run_name
 from castore.shard import NotLoaded, Shard
-from castore.store import Generation, Store, _allocate, box_transfer, numpy_as_torch
+from castore.store import (
+    Generation,
+    Store,
+    _allocate,
+    _check_framework,
+    _framework_for,
+    box_transfer,
+    numpy_as_torch,
+)
 from castore.tree import decode_tree, join_path
 
 
@@ -79,6 +87,7 @@ def load(
     timeout: float = DEFAULT_TIMEOUT,
     rank_local: RankLocalPolicy = "same",
     framework: str = "auto",
+    load_rest: bool = False,
 ) -> LoadResult:
     """Restore ``run@generation`` into this rank's ``targets`` (a collective call).
 
@@ -86,12 +95,15 @@ def load(
     verified; no target changes unless every rank read and verified all it
     needs. ``rank_local`` says how RankLocal values map onto this group:
     ``"same"`` (same world size, same rank), ``"drop"``, or a callable giving
-    the saved rank whose value this rank takes.
+    the saved rank whose value this rank takes. Saved tensors that no target
+    names come back as :class:`~castore.NotLoaded`, or, with ``load_rest``,
+    read whole into new arrays of ``framework`` (``"auto"``: as saved).
     """
     comm = Group(group, coordinator, timeout)
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     validate_run_name(run)
+    _check_framework(framework)
     digest = _agree_on_root(store, run, generation, comm)
     read_before = (store.read_counters.chunks, store.read_counters.bytes)
 
@@ -104,6 +116,8 @@ def load(
         where = {"run": run, "generation": root.generation, "rank": comm.rank}
         entries = store.tensor_entries(root, shards)
         wanted = _plan_targets(targets, entries, where)
+        if load_rest:
+            wanted += _plan_rest(entries, {t.name for t in wanted}, framework, where)
         requests = [r for t in wanted for r in _chunk_requests(t, entries[t.name])]
         timings["planning"] = time.perf_counter() - clock
         clock = time.perf_counter()
@@ -221,6 +235,22 @@ def _plan_targets(
         target.flat = _writable_bytes(tensor)
         if target.flat is None:
             target.staging, target.flat = _allocate(saved.dtype, box.shape, "numpy")
+        planned.append(target)
+    return planned
+
+
+def _plan_rest(
+    entries: dict[str, list[TensorEntry]], named: set[str], framework: str, where: dict[str, Any]
+) -> list[_Target]:
+    """Whole new tensors for every saved tensor that no target names."""
+    planned: list[_Target] = []
+    for name, boxes in entries.items():
+        if name in named:
+            continue
+        saved = boxes[0]
+        check_coverage(boxes, where)
+        tensor, flat = _allocate(saved.dtype, saved.shape, _framework_for(saved, framework))
+        target = _Target(name, tensor, tensor, Box.whole(saved.shape), saved.dtype, flat=flat)
         planned.append(target)
     return planned
 

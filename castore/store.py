@@ -33,6 +33,7 @@ from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
     SINGLE_FAULTS,
     check_coverage,
+    check_data_order,
     group_entries,
     make_root,
     publish,
@@ -95,6 +96,7 @@ class Generation:
     stats: SaveStats
     metadata: dict[str, Any] = field(default_factory=dict)
     frameworks: dict[str, str] = field(default_factory=dict)
+    data_order: dict[str, Any] = field(default_factory=dict)
 
     @property
     def logical_bytes(self) -> int:
@@ -125,6 +127,7 @@ class Generation:
             ),
             metadata=decode_tree(root.metadata) if root.metadata else {},
             frameworks=dict(root.frameworks),
+            data_order=dict(root.data_order),
         )
 
 
@@ -174,9 +177,19 @@ class Store:
     # -- save -------------------------------------------------------------
 
     def save(
-        self, state: Any, *, run: str, step: int, metadata: dict[str, Any] | None = None
+        self,
+        state: Any,
+        *,
+        run: str,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        data_order: dict[str, Any] | None = None,
     ) -> Generation:
-        """Save ``state`` as the next generation of ``run`` and publish it atomically."""
+        """Save ``state`` as the next generation of ``run`` and publish it atomically.
+
+        ``data_order`` (a map of plain values) is recorded in the root; see
+        ``docs/FORMAT.md``.
+        """
         validate_run_name(run)
         if not isinstance(step, int) or isinstance(step, bool):
             raise TypeError(f"step must be an int, got {type(step).__name__}")
@@ -190,6 +203,7 @@ class Store:
                     key_path=leaf.name,
                 )
         metadata_bytes = encode_metadata(metadata)
+        order = check_data_order(data_order)
         parent = self.refs.read(run)
         generation = parent.generation + 1 if parent else 1
         shard = write_shard(self, encoded, run=run, generation=generation, rank=0)
@@ -209,6 +223,7 @@ class Store:
                 len(manifest.tensors) + len(manifest.local_tensors),
             ),
             frameworks=framework_versions(),
+            data_order=order,
         )
         digest = publish(
             self,

@@ -1,27 +1,58 @@
-"""Training-state capture (in progress): RNG streams and optimizer state by name.
+"""Capture one training update boundary and resume from it, with a stated claim.
 
-``capture_rng()`` returns plain values and tensors (no pickle) for Python's
-``random``, NumPy's global state and any ``numpy.random.Generator`` handed to
-it, torch's CPU generator, and every CUDA device's generator when CUDA is
-available. ``restore_rng()`` puts them back, so the next draw of every stream
-is the one an uninterrupted run would have made. Wrap the result in
-:class:`castore.RankLocal` in a multi-rank save: RNG streams are per rank.
+:class:`TrainState` names everything the next update depends on: model
+parameters and buffers by fully qualified name, optimizer state by parameter
+name, LR scheduler, gradient scaler, every RNG stream of every rank, the
+completed update number and the data cursor of a
+:class:`~castore.data.ResumableDistributedSampler`. ``save`` writes it as one
+castore generation (over torch.distributed when it is initialized, else as a
+group of one) and records the data order in the root; ``load`` restores it
+and says which claim holds:
 
-``optimizer_state_by_name()`` keys optimizer state by parameter name, never by
-position, and ``load_optimizer_state_by_name()`` maps it back onto whatever
-order the new optimizer holds its parameters in.
+- ``resume="exact"``: same rank count, dataset hash, sampler seed and
+  accumulation; the resumed run replays the uninterrupted one bitwise.
+- ``resume="continuation"``: any rank count; the sampler continues the epoch
+  from the global consumed count, so every remaining sample is used once.
+
+:func:`load_weights` loads only the model and is never a resume.
+
+Saves happen at an optimizer-step boundary. Between accumulated microbatches
+a save is refused (:class:`~castore.errors.SaveBoundaryError`) unless asked
+for with ``mid_accumulation=True``: then every rank's partial gradients and
+accepted-example count are saved too, and an exact resume completes that
+same update.
+
+Nothing is pickled: a value castore cannot encode is an
+:class:`~castore.errors.UnsupportedValueError` naming where it is.
+
+Lower-level pieces: ``capture_rng()`` / ``restore_rng()`` (Python's
+``random``, NumPy's global state and named ``numpy.random.Generator`` objects,
+torch CPU and every CUDA device) and ``optimizer_state_by_name()`` /
+``load_optimizer_state_by_name()``.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
+from castore import dist as castore_dist
+from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
+from castore.data import ResumableDistributedSampler
+from castore.errors import LayoutMismatchError, ResumeMismatchError, SaveBoundaryError
+from castore.hashing import digest_bytes
+from castore.restore import LoadReport, _agree_on_root
+from castore.shard import RankLocal
+from castore.store import Generation, Store
+from castore.tree import decode_tree
+
 RNG_VERSION = 1
+TRAIN_FORMAT = 1  # the layout of the state tree and data-order record below
 
 
 def capture_rng(generators: Mapping[str, np.random.Generator] | None = None) -> dict[str, Any]:
@@ -111,7 +142,14 @@ def load_optimizer_state_by_name(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
 ) -> None:
     """Load a state from :func:`optimizer_state_by_name` into ``optimizer``."""
-    names = _parameter_names(model)
+    groups, by_position = _match_groups(_parameter_names(model), optimizer, state)
+    optimizer.load_state_dict({"state": by_position, "param_groups": groups})
+
+
+def _match_groups(
+    names: dict[int, str], optimizer: torch.optim.Optimizer, state: Mapping[str, Any]
+) -> tuple[list[dict[str, Any]], dict[int, Any]]:
+    """The positional param groups and state for ``optimizer`` (ValueError if they differ)."""
     saved_groups = list(state["param_groups"])
     if len(saved_groups) != len(optimizer.param_groups):
         raise ValueError(
@@ -134,8 +172,570 @@ def load_optimizer_state_by_name(
             if name in state["state"]:
                 by_position[index] = state["state"][name]
         groups.append({**{k: v for k, v in saved.items() if k != "params"}, "params": ids})
-    optimizer.load_state_dict({"state": by_position, "param_groups": groups})
+    return groups, by_position
 
 
 def _parameter_names(model: torch.nn.Module) -> dict[int, str]:
-    return {id(param): name for name, param in model.named_parameters()}
+    return {id(param): name for name, param in unwrap(model).named_parameters()}
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module under DistributedDataParallel and ``torch.compile`` wrappers.
+
+    Names are the inner module's, so a checkpoint loads with or without them.
+    """
+    while True:
+        inner = None
+        if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            inner = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+            inner = model._orig_mod  # a torch.compile OptimizedModule
+        if not isinstance(inner, torch.nn.Module):
+            return model
+        model = inner
+
+
+# -- one update boundary ---------------------------------------------------------
+
+# Fields an exact resume must find equal, and the subset a continuation needs.
+_EXACT_FIELDS = (
+    "world_size",
+    "dataset_hash",
+    "seed",
+    "dataset_len",
+    "shuffle",
+    "drop_last",
+    "accumulation_steps",
+    "components",
+)
+_CONTINUATION_FIELDS = ("dataset_hash", "dataset_len", "components")
+
+
+@dataclass
+class Resumed:
+    """What :meth:`TrainState.load` restored, and the claim that holds for it.
+
+    ``claim`` is ``"exact"`` (the resumed run replays the uninterrupted one
+    bitwise) or ``"continuation"`` (a different rank count or sampler: each
+    remaining sample of the epoch is used once, but the stream differs).
+    ``rng`` is ``"restored"`` (every rank's saved streams) or ``"reseeded"``
+    (new per-rank streams derived from the generation, when the rank count
+    changed). ``partial_update`` is ``"restored"`` when a mid-accumulation
+    save's gradients were put back, ``"discarded"`` when the update restarts
+    from its first microbatch instead, else None.
+    """
+
+    claim: str
+    generation: Generation
+    update: int
+    microbatch: int
+    rng: str
+    partial_update: str | None
+    notes: list[str] = field(default_factory=list)
+    extra: Any = None
+    report: LoadReport | None = None
+
+
+@dataclass
+class WeightsLoaded:
+    """What :func:`load_weights` loaded: the model only. This is not a resume."""
+
+    generation: Generation
+    tensors: int
+    report: LoadReport | None = None
+
+
+class TrainState:
+    """The training state at one update boundary, saved and restored as a whole.
+
+    Tell it where the loop is: :meth:`microbatch_done` after each microbatch's
+    backward pass (with the number of examples it used on this rank), and
+    :meth:`update_done` after the optimizer step (and the scheduler's and
+    scaler's). Read :attr:`microbatch` to know which microbatch comes next,
+    including after a mid-accumulation resume.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer | None = None,
+        *,
+        scheduler: Any = None,
+        scaler: Any = None,
+        sampler: ResumableDistributedSampler | None = None,
+        dataset_hash: str | None = None,
+        accumulation_steps: int = 1,
+        numpy_generators: Mapping[str, np.random.Generator] | None = None,
+        extra: Any = None,
+    ) -> None:
+        if not isinstance(accumulation_steps, int) or accumulation_steps < 1:
+            raise ValueError(
+                f"accumulation_steps must be a positive int, got {accumulation_steps!r}"
+            )
+        if sampler is not None and not isinstance(sampler, ResumableDistributedSampler):
+            raise TypeError(
+                "sampler must be a castore.data.ResumableDistributedSampler, got "
+                f"{type(sampler).__name__}: a plain sampler cannot report its position"
+            )
+        self.model = model
+        self.optimizer = optimizer
+        self.scheduler = scheduler
+        self.scaler = scaler
+        self.sampler = sampler
+        self.dataset_hash = dataset_hash
+        self.accumulation_steps = accumulation_steps
+        self.numpy_generators = dict(numpy_generators or {})
+        self.extra = extra
+        self.update = 0  # optimizer updates completed
+        self.microbatch = 0  # microbatches accumulated toward the next update
+        self.examples = 0  # examples this rank accepted into the next update
+        self._epoch_examples = 0  # examples this rank consumed since the sampler's start
+        self._cursor = self._sampler_cursor()
+        self._update_start_examples = 0
+
+    # -- the loop tells us where it is --------------------------------------
+
+    def microbatch_done(self, examples: int) -> None:
+        """One microbatch's backward pass ran on this rank, using ``examples`` samples."""
+        if not isinstance(examples, int) or examples < 0:
+            raise ValueError(f"examples must be a non-negative int, got {examples!r}")
+        self._follow_sampler()
+        self.microbatch += 1
+        self.examples += examples
+        self._epoch_examples += examples
+
+    def update_done(self) -> None:
+        """The optimizer stepped: one more update is complete."""
+        if self.microbatch == 0:
+            raise SaveBoundaryError(
+                "update_done() without a microbatch since the last update: call "
+                "microbatch_done(examples) after each microbatch's backward pass"
+            )
+        self.update += 1
+        self.microbatch = 0
+        self.examples = 0
+        self._follow_sampler()
+        self._update_start_examples = self._epoch_examples
+
+    @property
+    def at_boundary(self) -> bool:
+        """No microbatch is accumulated toward an unfinished update."""
+        return self.microbatch == 0
+
+    def _sampler_cursor(self) -> tuple[int, int] | None:
+        return None if self.sampler is None else (self.sampler.epoch, self.sampler.start)
+
+    def _follow_sampler(self) -> None:
+        """A new epoch, or a loaded position, restarts the per-epoch count."""
+        cursor = self._sampler_cursor()
+        if cursor != self._cursor:
+            self._cursor = cursor
+            self._epoch_examples = 0
+            self._update_start_examples = 0
+
+    # -- capture -------------------------------------------------------------
+
+    def components(self) -> list[str]:
+        present = {
+            "model": True,
+            "optimizer": self.optimizer is not None,
+            "scheduler": self.scheduler is not None,
+            "scaler": self.scaler is not None,
+            "sampler": self.sampler is not None,
+        }
+        return sorted(name for name, here in present.items() if here)
+
+    def capture(self, *, mid_accumulation: bool = False) -> dict[str, Any]:
+        """The state tree of this rank (tensors are the live ones; nothing is copied)."""
+        model = unwrap(self.model)
+        per_rank: dict[str, Any] = {
+            "rng": capture_rng(self.numpy_generators),
+            "microbatch": self.microbatch,
+            "examples": self.examples,
+        }
+        if mid_accumulation and self.microbatch:
+            per_rank["grads"] = {
+                name: param.grad.detach()
+                for name, param in model.named_parameters()
+                if param.grad is not None
+            }
+        state: dict[str, Any] = {
+            "castore_train": TRAIN_FORMAT,
+            "update": self.update,
+            "model": {name: t.detach() for name, t in model.state_dict().items()},
+            "rank": RankLocal(per_rank),
+            "extra": self.extra,
+        }
+        if self.optimizer is not None:
+            state["optimizer"] = optimizer_state_by_name(model, self.optimizer)
+        if self.scheduler is not None:
+            state["scheduler"] = self.scheduler.state_dict()
+        if self.scaler is not None:
+            state["scaler"] = self.scaler.state_dict()
+        return state
+
+    def _data_order(self, comm: Group, examples: list[int], starts: list[int]) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "castore_train": TRAIN_FORMAT,
+            "update": self.update,
+            "microbatch": self.microbatch,
+            "world_size": comm.world_size,
+            "accumulation_steps": self.accumulation_steps,
+            "dataset_hash": self.dataset_hash,
+            "components": self.components(),
+        }
+        if self.sampler is not None:
+            sampler = self.sampler
+            consumed = sampler.start + sum(examples)
+            record.update(
+                seed=int(sampler.seed),
+                epoch=int(sampler.epoch),
+                consumed_samples=consumed,
+                update_start_consumed=sampler.start + sum(starts),
+                dataset_len=len(sampler.dataset),  # type: ignore[arg-type]
+                shuffle=bool(sampler.shuffle),
+                drop_last=bool(sampler.drop_last),
+            )
+        return record
+
+    # -- save ----------------------------------------------------------------
+
+    def save(
+        self,
+        store: Store,
+        *,
+        run: str,
+        mid_accumulation: bool = False,
+        metadata: dict[str, Any] | None = None,
+        group: Any = None,
+        coordinator: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> Generation:
+        """Save this update boundary as the next generation of ``run`` (collective).
+
+        Refused between accumulated microbatches unless ``mid_accumulation``.
+        """
+        comm = Group(group, coordinator, timeout)
+        self._follow_sampler()
+
+        def check() -> None:
+            if self.microbatch and not mid_accumulation:
+                raise SaveBoundaryError(
+                    f"save requested after {self.microbatch} of {self.accumulation_steps} "
+                    f"accumulated microbatches of update {self.update + 1}: save at an "
+                    "optimizer-step boundary, or pass mid_accumulation=True to save the "
+                    "partial gradients too"
+                )
+
+        _, failure = attempt(check)
+        positions = comm.all_gather(
+            {
+                "error": describe(failure),
+                "update": self.update,
+                "microbatch": self.microbatch,
+                "examples": self._epoch_examples,
+                "start": self._update_start_examples,
+            },
+            "train.save: boundary",
+        )
+        raise_failures(positions, comm, failure)
+        where = {(p["update"], p["microbatch"]) for p in positions}
+        if len(where) != 1:
+            raise SaveBoundaryError(
+                "ranks are at different points of training (update, microbatch): "
+                f"{[(p['update'], p['microbatch']) for p in positions]}",
+                run=run,
+            )
+        record = self._data_order(
+            comm, [p["examples"] for p in positions], [p["start"] for p in positions]
+        )
+        return castore_dist.save(
+            store,
+            self.capture(mid_accumulation=mid_accumulation),
+            run=run,
+            step=self.update,
+            metadata=metadata,
+            data_order=record,
+            group=group,
+            coordinator=coordinator,
+            timeout=timeout,
+        )
+
+    # -- load ----------------------------------------------------------------
+
+    def load(
+        self,
+        store: Store,
+        *,
+        run: str,
+        generation: int | str = "latest",
+        resume: str = "exact",
+        group: Any = None,
+        coordinator: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> Resumed:
+        """Restore a saved boundary into the live objects, under the claim ``resume``.
+
+        Nothing live changes unless every rank verified everything it reads and
+        the claim's conditions hold; a mismatch raises
+        :class:`~castore.errors.ResumeMismatchError` naming every differing field.
+        """
+        if resume not in ("exact", "continuation"):
+            raise ValueError(f"resume must be 'exact' or 'continuation', got {resume!r}")
+        comm = Group(group, coordinator, timeout)
+        digest = _agree_on_root(store, run, generation, comm)
+
+        def check() -> Generation:
+            found = Generation.from_root(digest, store.read_root(digest, run=run))
+            self._check_claim(found.data_order, resume, comm, found)
+            skeleton = _skeleton(store, digest, run)
+            where = {"run": run, "generation": found.id}
+            _check_model_keys(unwrap(self.model), skeleton.get("model"), where)
+            if self.optimizer is not None:
+                _check_optimizer_groups(
+                    unwrap(self.model), self.optimizer, skeleton["optimizer"], where
+                )
+            return found
+
+        root_generation, failure = attempt(check)
+        outcomes = comm.all_gather({"error": describe(failure)}, "train.load: claim")
+        raise_failures(outcomes, comm, failure)
+        assert root_generation is not None
+        saved = root_generation.data_order
+
+        same_world = saved["world_size"] == comm.world_size
+        model = unwrap(self.model)
+        live = {name: t for name, t in model.state_dict().items()}
+        loaded = castore_dist.load(
+            store,
+            run,
+            {"model": live},
+            digest.hex,
+            group=group,
+            coordinator=coordinator,
+            timeout=timeout,
+            rank_local="same" if same_world else "drop",
+            framework="torch",
+            load_rest=True,
+        )
+        state = loaded.state
+        notes: list[str] = []
+        # Everything below changes only host objects; every byte was verified above.
+        if self.optimizer is not None:
+            load_optimizer_state_by_name(model, self.optimizer, state["optimizer"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(state["scheduler"])
+        if self.scaler is not None:
+            self.scaler.load_state_dict(state["scaler"])
+
+        microbatch = int(saved.get("microbatch", 0))
+        partial: str | None = None
+        per_rank = state["rank"]
+        if same_world:
+            restore_rng(per_rank["rng"], self.numpy_generators)
+            rng = "restored"
+        else:
+            _reseed(digest.raw, comm.rank, self.numpy_generators)
+            rng = "reseeded"
+            notes.append(
+                f"saved by {saved['world_size']} ranks, restored onto {comm.world_size}: "
+                "every rank's RNG streams were reseeded from the generation and rank"
+            )
+        for param in model.parameters():
+            param.grad = None
+        self.microbatch = 0
+        self.examples = 0
+        if microbatch and same_world and saved["accumulation_steps"] == self.accumulation_steps:
+            grads = per_rank.get("grads", {})
+            named = dict(model.named_parameters())
+            for name, grad in grads.items():
+                param = named[name]
+                param.grad = grad.to(device=param.device, dtype=param.dtype)
+            self.microbatch = microbatch
+            self.examples = int(per_rank["examples"])
+            partial = "restored"
+        elif microbatch:
+            partial = "discarded"
+            notes.append(
+                f"saved after {microbatch} microbatches of update {saved['update'] + 1}: the "
+                "partial gradients cannot move to another rank count or accumulation, so the "
+                "update restarts from its first microbatch"
+            )
+        if self.sampler is not None:
+            position = {
+                "version": 1,
+                "seed": saved["seed"],
+                "epoch": saved["epoch"],
+                "consumed_samples": saved["consumed_samples"]
+                if partial != "discarded"
+                else saved["update_start_consumed"],
+                "num_replicas": saved["world_size"],
+                "dataset_len": saved["dataset_len"],
+                "shuffle": saved["shuffle"],
+                "drop_last": saved["drop_last"],
+            }
+            if resume == "continuation" and same_world and saved["seed"] != self.sampler.seed:
+                notes.append(
+                    f"sampler seed {self.sampler.seed} replaced by the saved {saved['seed']} "
+                    "to finish the epoch"
+                )
+            self.sampler.load_state_dict(position)
+            self._cursor = self._sampler_cursor()
+            self._epoch_examples = 0
+            self._update_start_examples = 0
+            if partial == "restored":
+                # This rank already consumed its share of the partial update.
+                self._epoch_examples = self.examples
+        self.update = int(saved["update"])
+        self.extra = state.get("extra")
+        return Resumed(
+            claim=resume,
+            generation=root_generation,
+            update=self.update,
+            microbatch=self.microbatch,
+            rng=rng,
+            partial_update=partial,
+            notes=notes,
+            extra=self.extra,
+            report=loaded.report,
+        )
+
+    def _check_claim(
+        self, saved: dict[str, Any], resume: str, comm: Group, generation: Generation | None
+    ) -> None:
+        where = {"run": generation.run, "generation": generation.id} if generation else {}
+        if saved.get("castore_train") != TRAIN_FORMAT:
+            raise ResumeMismatchError(
+                "this generation was not saved by castore.train.TrainState (its root has no "
+                "training data-order record): load it with Store.load, castore.dist.load or "
+                "load_weights",
+                **where,
+            )
+        current: dict[str, Any] = {
+            "world_size": comm.world_size,
+            "dataset_hash": self.dataset_hash,
+            "accumulation_steps": self.accumulation_steps,
+            "components": self.components(),
+        }
+        if self.sampler is not None:
+            current.update(
+                seed=int(self.sampler.seed),
+                dataset_len=len(self.sampler.dataset),  # type: ignore[arg-type]
+                shuffle=bool(self.sampler.shuffle),
+                drop_last=bool(self.sampler.drop_last),
+            )
+        fields = _EXACT_FIELDS if resume == "exact" else _CONTINUATION_FIELDS
+        differences = {
+            name: (saved.get(name), current.get(name))
+            for name in fields
+            if saved.get(name) != current.get(name)
+        }
+        if differences:
+            listed = "; ".join(
+                f"{name}: saved {a!r}, here {b!r}" for name, (a, b) in differences.items()
+            )
+            hint = (
+                " (resume='continuation' allows another rank count or sampler seed)"
+                if resume == "exact" and set(differences) <= {"world_size", "seed"}
+                else ""
+            )
+            raise ResumeMismatchError(
+                f"resume={resume!r} cannot hold, {len(differences)} field(s) differ: "
+                f"{listed}{hint}",
+                differences=differences,
+                **where,
+            )
+
+
+def _skeleton(store: Store, digest: Any, run: str) -> Any:
+    """The saved tree with every tensor as None: structure and plain values only."""
+    root = store.read_root(digest, run=run)
+    return decode_tree(root.state, lambda _name, _framework: None, lambda _path: None)
+
+
+def _check_model_keys(model: torch.nn.Module, saved: Any, where: dict[str, Any]) -> None:
+    if not isinstance(saved, Mapping):
+        raise LayoutMismatchError("the generation holds no model state", **where)
+    live = set(model.state_dict())
+    missing = sorted(live - set(saved))
+    unexpected = sorted(set(saved) - live)
+    if missing or unexpected:
+        raise LayoutMismatchError(
+            f"the model does not match the saved one: not saved {missing[:5]}"
+            f"{'...' if len(missing) > 5 else ''}, not in the model {unexpected[:5]}"
+            f"{'...' if len(unexpected) > 5 else ''}",
+            **where,
+        )
+
+
+def _check_optimizer_groups(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    saved: Mapping[str, Any],
+    where: dict[str, Any],
+) -> None:
+    try:
+        _match_groups(_parameter_names(model), optimizer, saved)
+    except ValueError as exc:
+        raise LayoutMismatchError(
+            f"the optimizer does not match the saved one: {exc}", **where
+        ) from exc
+
+
+def _reseed(root: bytes, rank: int, generators: Mapping[str, np.random.Generator]) -> None:
+    """New, distinct, reproducible streams for ``rank`` after a change of rank count."""
+
+    def seed(stream: str) -> int:
+        return int.from_bytes(digest_bytes(root + f"/{stream}/{rank}".encode())[:8], "little")
+
+    random.seed(seed("python"))
+    np.random.seed(seed("numpy") % 2**32)
+    torch.manual_seed(seed("torch"))  # also every CUDA device
+    for name, gen in generators.items():
+        gen.bit_generator.state = type(gen.bit_generator)(seed(f"numpy/{name}")).state
+
+
+def load_weights(
+    store: Store,
+    run: str,
+    model: torch.nn.Module,
+    generation: int | str = "latest",
+    *,
+    prefix: str = "model",
+    group: Any = None,
+    coordinator: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+) -> WeightsLoaded:
+    """Load only the model's parameters and buffers, in place. Never a resume.
+
+    The optimizer, schedulers, RNG streams and data position are untouched
+    and nothing claims the next update matches any other run's. ``prefix`` is
+    the key the model's state sits under in the saved tree (``"model"`` for
+    :class:`TrainState` saves).
+    """
+    comm = Group(group, coordinator, timeout)
+    digest = _agree_on_root(store, run, generation, comm)
+    module = unwrap(model)
+
+    def check() -> None:
+        root = store.read_root(digest, run=run)
+        skeleton = _skeleton(store, digest, run)
+        saved = skeleton.get(prefix) if isinstance(skeleton, dict) else None
+        _check_model_keys(module, saved, {"run": run, "generation": root.generation})
+
+    _, failure = attempt(check)
+    outcomes = comm.all_gather({"error": describe(failure)}, "load_weights: check")
+    raise_failures(outcomes, comm, failure)
+    live = {name: t for name, t in module.state_dict().items()}
+    loaded = castore_dist.load(
+        store,
+        run,
+        {prefix: live},
+        digest.hex,
+        group=group,
+        coordinator=coordinator,
+        timeout=timeout,
+        rank_local="drop",
+        framework="torch",
+    )
+    return WeightsLoaded(loaded.report.generation, len(live), loaded.report)

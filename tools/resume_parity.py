@@ -1,0 +1,615 @@
+"""Prove a castore resume: an interrupted run against an uninterrupted one.
+
+Three launches of real processes in a real gloo group (CPU, deterministic
+algorithms), training a small model with dropout, AdamW, a linear warmup
+scheduler, gradient accumulation over 2 microbatches, a GradScaler and a
+NumPy Generator for input noise, fed by a ResumableDistributedSampler:
+
+1. reference: ``--updates`` updates at ``--ranks`` ranks, uninterrupted;
+2. interrupted: the same job saves at update ``--save-at`` (or, with
+   ``--mid-accumulation``, after the first microbatch of the next update),
+   trains on past the save, and is SIGKILLed;
+3. resumed: fresh processes (``--resume-ranks`` of them) restore with
+   ``--resume exact|continuation`` and train on.
+
+It prints a receipt: the first resumed update's loss and batch ids next to the
+reference's, then whether every loss, the final parameters, optimizer moments,
+scheduler and scaler match bitwise. A continuation onto another rank count is
+instead checked for using every sample of the epoch exactly once. The exit
+status is 0 when the claim holds, 1 when it does not, 2 when the resume was
+refused. ``--control weights-only`` restores only the weights (and the data
+position): a broken control whose comparison must fail.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+ACCUMULATION = 2
+MICROBATCH = 4  # examples per rank per microbatch
+DATASET = 256
+FEATURES = 16
+CLASSES = 4
+RUN = "parity"
+KILL_WAIT = 120.0  # seconds a saved, interrupted rank waits to be killed
+
+
+# -- the training job (runs in each rank's process) ------------------------------
+
+
+def _job(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """Build the model, data and optimizer of one rank, identically in every launch."""
+    import numpy as np
+    import torch
+    from torch import nn
+    from torch.nn.parallel import DistributedDataParallel
+
+    import castore.data
+    import castore.train
+
+    torch.manual_seed(1234)  # the same initial weights on every rank and launch
+    inner = nn.Sequential(
+        nn.Linear(FEATURES, 64),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.Linear(64, 64),
+        nn.ReLU(),
+        nn.Dropout(0.2),
+        nn.Linear(64, CLASSES),
+    )
+    # DDP re-buckets gradients by their ready order after a process's first
+    # iteration; a resumed process would start with the initial layout, and a
+    # different layout sums the all-reduce in another order (ulp drift on 3+
+    # ranks). find_unused_parameters=True keeps one layout for the whole run.
+    model = DistributedDataParallel(inner, find_unused_parameters=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=4)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
+    data = torch.Generator().manual_seed(99)
+    inputs = torch.randn(DATASET, FEATURES, generator=data)
+    labels = torch.randint(0, CLASSES, (DATASET,), generator=data)
+    dataset = torch.utils.data.TensorDataset(torch.arange(DATASET), inputs, labels)
+    sampler = castore.data.ResumableDistributedSampler(dataset, world, rank, seed=7)
+    torch.manual_seed(1000 + rank)  # each rank's own dropout stream
+    noise = np.random.default_rng(500 + rank)
+    state = castore.train.TrainState(
+        model,
+        optimizer,
+        scheduler=scheduler,
+        scaler=scaler,
+        sampler=sampler,
+        dataset_hash=castore.data.dataset_hash(range(DATASET)),
+        accumulation_steps=ACCUMULATION,
+        numpy_generators={"noise": noise},
+    )
+    # Its own generator: a DataLoader otherwise draws its base seed from the global
+    # torch RNG each time an iterator starts, which a mid-epoch resume would shift.
+    loader = torch.utils.data.DataLoader(
+        dataset, batch_size=MICROBATCH, sampler=sampler, generator=torch.Generator()
+    )
+    return {
+        "model": model,
+        "inner": inner,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "scaler": scaler,
+        "sampler": sampler,
+        "noise": noise,
+        "state": state,
+        "loader": loader,
+    }
+
+
+def _final(job: dict[str, Any]) -> dict[str, Any]:
+    """Bit patterns of everything the comparison covers."""
+    import castore.train
+
+    def bits(tensor: Any) -> str:
+        return tensor.detach().contiguous().numpy().tobytes().hex()
+
+    params = {name: bits(p) for name, p in job["inner"].named_parameters()}
+    optim = castore.train.optimizer_state_by_name(job["inner"], job["optimizer"])
+    moments = {
+        f"{name}/{key}": bits(value) if hasattr(value, "numpy") else repr(value)
+        for name, entry in optim["state"].items()
+        for key, value in entry.items()
+    }
+    return {
+        "params": params,
+        "moments": moments,
+        "scheduler": repr(sorted(job["scheduler"].state_dict().items())),
+        "scaler": repr(sorted(job["scaler"].state_dict().items())),
+    }
+
+
+def _train(
+    job: dict[str, Any],
+    config: dict[str, Any],
+    rank: int,
+    *,
+    until: int | None,
+    store: Any = None,
+    stop_at_epoch_end: bool = False,
+) -> list[dict[str, Any]]:
+    """Train to update ``until`` (or the end of the current epoch); one record per microbatch."""
+    import contextlib
+
+    import torch
+
+    model, state, sampler = job["model"], job["state"], job["sampler"]
+    optimizer, scheduler, scaler = job["optimizer"], job["scheduler"], job["scaler"]
+    records: list[dict[str, Any]] = []
+    epoch = sampler.epoch
+    saved = False
+    while True:
+        sampler.set_epoch(epoch)
+        for ids, x, y in job["loader"]:
+            if until is not None and state.update >= until:
+                return records
+            if saved and any("loss" in r for r in records[records.index({"saved": True}) :]):
+                time.sleep(KILL_WAIT)  # trained past the save: wait here to be SIGKILLed
+                raise RuntimeError("the interrupted run was not killed")
+            last = state.microbatch + 1 == ACCUMULATION
+            x = x + torch.from_numpy(job["noise"].normal(0.0, 0.01, x.shape).astype("float32"))
+            sync = contextlib.nullcontext() if last else model.no_sync()
+            with sync:
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                scaler.scale(loss / ACCUMULATION).backward()
+            records.append(
+                {
+                    "update": state.update + 1,
+                    "microbatch": state.microbatch,
+                    "epoch": epoch,
+                    "ids": ids.tolist(),
+                    "loss": loss.item().hex(),
+                    "weights": _weights_digest(job["inner"]),
+                    "at": time.time(),
+                }
+            )
+            state.microbatch_done(len(ids))
+            if state.microbatch == ACCUMULATION:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                state.update_done()
+            if store is not None and _is_save_point(state, config):
+                state.save(store, run=RUN, mid_accumulation=config["mid_accumulation"])
+                Path(config["workdir"], f"saved-{rank}").write_text(str(state.update))
+                store = None  # saved once; train one more microbatch, then wait to be killed
+                saved = True
+                records.append({"saved": True})
+        if stop_at_epoch_end:
+            return records
+        epoch += 1
+
+
+def _weights_digest(model: Any) -> str:
+    """A digest of the parameters' bytes when the microbatch ran."""
+    import blake3
+
+    hasher = blake3.blake3()
+    for param in model.parameters():
+        hasher.update(param.detach().numpy().tobytes())
+    return hasher.hexdigest()[:16]
+
+
+def _is_save_point(state: Any, config: dict[str, Any]) -> bool:
+    if config["mid_accumulation"]:
+        return state.update == config["save_at"] and state.microbatch == 1
+    return state.update == config["save_at"] and state.microbatch == 0
+
+
+def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """One rank of one launch (``phase`` is reference, interrupted or resume)."""
+    import torch
+
+    import castore
+    import castore.train
+
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    job = _job(config, rank, world)
+    phase = config["phase"]
+    if phase == "reference":
+        records = _train(job, config, rank, until=config["updates"])
+        return {"records": records, "final": _final(job)}
+    store = castore.open(config["store"], create=True)
+    if phase == "interrupted":
+        _train(job, config, rank, until=None, store=store)
+        raise RuntimeError("the interrupted run was not killed")
+    # phase == "resume"
+    started = float(os.environ["PARITY_STARTED"])
+    resumed: dict[str, Any]
+    if config["control"] == "weights-only":
+        loaded = castore.train.load_weights(store, RUN, job["model"])
+        order = loaded.generation.data_order
+        job["sampler"].load_state_dict(
+            {
+                "version": 1,
+                "seed": order["seed"],
+                "epoch": order["epoch"],
+                "consumed_samples": order["consumed_samples"],
+                "num_replicas": order["world_size"],
+                "dataset_len": order["dataset_len"],
+                "shuffle": order["shuffle"],
+                "drop_last": order["drop_last"],
+            }
+        )
+        job["state"].update = order["update"]
+        resumed = {"claim": "weights-only", "rng": "fresh", "partial_update": None, "notes": []}
+    else:
+        result = job["state"].load(store, run=RUN, resume=config["resume"])
+        if config["control"] == "drop-partial-grads":
+            for param in job["inner"].parameters():
+                param.grad = None  # the broken control: forget the partial update
+        resumed = {
+            "claim": result.claim,
+            "rng": result.rng,
+            "partial_update": result.partial_update,
+            "notes": result.notes,
+            "generation": result.generation.id,
+            "root": result.generation.root,
+            "timings": result.report.timings if result.report else {},
+        }
+    resumed["update"] = job["state"].update
+    resumed["microbatch"] = job["state"].microbatch
+    if config["resume"] == "continuation" and world != config["ranks"]:
+        records = _train(job, config, rank, until=None, stop_at_epoch_end=True)
+    else:
+        records = _train(job, config, rank, until=config["updates"])
+    first = next((r for r in records if "loss" in r), None)
+    resumed["seconds_to_first_update"] = (
+        first["at"] - started if first and "at" in first else time.time() - started
+    )
+    return {"records": records, "final": _final(job), "resumed": resumed}
+
+
+def _child(spec: Path, rank: int) -> int:
+    import torch.distributed as dist
+
+    config = json.loads(spec.read_text())
+    world = config["world"]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{config['rendezvous']}", rank=rank, world_size=world
+    )
+    out = Path(config["workdir"], f"{config['phase']}-{rank}.json")
+    try:
+        result = {"ok": worker(config, rank, world)}
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
+        result = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+    out.write_text(json.dumps(result))
+    dist.destroy_process_group()
+    return 0
+
+
+# -- the parent: launch, kill, compare -------------------------------------------
+
+
+def _launch(config: dict[str, Any], world: int, phase: str, kill_when_saved: bool = False) -> Any:
+    workdir = Path(config["workdir"])
+    spec = workdir / f"{phase}.json"
+    rendezvous = workdir / f"rendezvous-{phase}"
+    rendezvous.unlink(missing_ok=True)
+    spec.write_text(
+        json.dumps({**config, "phase": phase, "world": world, "rendezvous": str(rendezvous)})
+    )
+    env = {**os.environ, "PARITY_STARTED": repr(time.time())}
+    env.pop("CASTORE_FAULTS", None)
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec), str(rank)],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=open(workdir / f"{phase}-{rank}.log", "wb"),  # noqa: SIM115
+        )
+        for rank in range(world)
+    ]
+    deadline = time.monotonic() + config["timeout"]
+    markers = [workdir / f"saved-{rank}" for rank in range(world)]
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if kill_when_saved and all(m.exists() for m in markers):
+            break
+        time.sleep(0.05)
+    timed_out = not kill_when_saved and any(p.poll() is None for p in procs)
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)  # the interruption, or a launch past its timeout
+        proc.wait()
+    if timed_out:
+        raise SystemExit(
+            f"{phase}: ranks still running after {config['timeout']:g}s: {_logs(workdir)}"
+        )
+    if kill_when_saved:
+        killed = [p.returncode == -signal.SIGKILL for p in procs]
+        if not all(killed):
+            raise SystemExit(f"interrupted run: not every rank was SIGKILLed ({_logs(workdir)})")
+        return None
+    results = []
+    for rank in range(world):
+        path = workdir / f"{phase}-{rank}.json"
+        if not path.exists():
+            raise SystemExit(f"{phase} rank {rank} died without a result: {_logs(workdir)}")
+        results.append(json.loads(path.read_text()))
+    return results
+
+
+def _logs(workdir: Path) -> str:
+    tails = [
+        f"{p.name}: {p.read_text(errors='replace')[-800:]}"
+        for p in sorted(workdir.glob("*.log"))
+        if p.stat().st_size
+    ]
+    return "\n".join(tails) or "no output"
+
+
+def _by_update(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]:
+    grouped: dict[int, list[dict[str, Any]]] = {}
+    for record in records:
+        if "loss" in record:
+            grouped.setdefault(record["update"], []).append(record)
+    return grouped
+
+
+def run_parity(args: argparse.Namespace) -> dict[str, Any]:
+    """Run the three launches and compare; returns the receipt as a dict."""
+    resume_ranks = args.resume_ranks or args.ranks
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="castore-parity-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    store = Path(args.store) if args.store else workdir / "store"
+    config = {
+        "workdir": str(workdir),
+        "store": str(store),
+        "ranks": args.ranks,
+        "updates": args.updates,
+        "save_at": args.save_at,
+        "mid_accumulation": args.mid_accumulation,
+        "resume": args.resume,
+        "control": args.control,
+        "timeout": args.timeout,
+    }
+    receipt: dict[str, Any] = {"config": {**config, "resume_ranks": resume_ranks}}
+    clock = time.perf_counter()
+    reference = _launch(config, args.ranks, "reference")
+    receipt["reference_seconds"] = time.perf_counter() - clock
+    _raise_errors("reference", reference)
+    clock = time.perf_counter()
+    _launch(config, args.ranks, "interrupted", kill_when_saved=True)
+    receipt["interrupted_seconds"] = time.perf_counter() - clock
+    clock = time.perf_counter()
+    resumed = _launch(config, resume_ranks, "resume")
+    receipt["resume_seconds"] = time.perf_counter() - clock
+    refused = [r["error"] for r in resumed if "error" in r]
+    if refused:
+        receipt["refused"] = refused[0]
+        receipt["holds"] = False
+        return receipt
+    info = resumed[0]["ok"]["resumed"]
+    receipt["resumed"] = info
+    if args.resume == "continuation" and resume_ranks != args.ranks:
+        receipt.update(_coverage(reference, resumed, info))
+    else:
+        receipt.update(_compare(reference, resumed, info))
+    return receipt
+
+
+def _raise_errors(phase: str, results: list[dict[str, Any]]) -> None:
+    for rank, result in enumerate(results):
+        if "error" in result:
+            error = result["error"]
+            raise SystemExit(f"{phase} rank {rank} failed: {error['type']}: {error['message']}")
+
+
+def _compare(
+    reference: list[dict[str, Any]], resumed: list[dict[str, Any]], info: dict[str, Any]
+) -> dict[str, Any]:
+    """Every resumed microbatch against the reference's, rank by rank, bitwise."""
+    first_update = info["update"] + 1
+    rows = []
+    all_equal = True
+    compared = 0
+    for rank, (ref, new) in enumerate(zip(reference, resumed, strict=True)):
+        ref_updates = _by_update(ref["ok"]["records"])
+        new_updates = _by_update(new["ok"]["records"])
+        for update, new_records in new_updates.items():
+            ref_records = ref_updates.get(update, [])
+            # A mid-accumulation resume starts inside the update: compare those microbatches.
+            ref_records = [
+                r for r in ref_records if r["microbatch"] >= new_records[0]["microbatch"]
+            ]
+            same = [_seen(r) for r in ref_records] == [_seen(r) for r in new_records]
+            compared += len(new_records)
+            all_equal &= same
+            if update == first_update:
+                rows.append(
+                    {
+                        "rank": rank,
+                        "update": update,
+                        "reference_ids": [r["ids"] for r in ref_records],
+                        "resumed_ids": [r["ids"] for r in new_records],
+                        "reference_loss": [float.fromhex(r["loss"]) for r in ref_records],
+                        "resumed_loss": [float.fromhex(r["loss"]) for r in new_records],
+                        "bitwise": same,
+                    }
+                )
+    ref_final, new_final = reference[0]["ok"]["final"], resumed[0]["ok"]["final"]
+    finals = {key: ref_final[key] == new_final[key] for key in ref_final}
+    holds = all_equal and compared > 0 and all(finals.values())
+    return {
+        "mode": "bitwise",
+        "first_update": rows,
+        "microbatches_compared": compared,
+        "losses_equal": all_equal,
+        "final_equal": finals,
+        "holds": holds,
+    }
+
+
+def _seen(record: dict[str, Any]) -> tuple[Any, ...]:
+    """What one microbatch saw and produced: sample ids, weights digest, loss bits."""
+    return (record["ids"], record["weights"], record["loss"])
+
+
+def _coverage(
+    reference: list[dict[str, Any]], resumed: list[dict[str, Any]], info: dict[str, Any]
+) -> dict[str, Any]:
+    """Continuation onto another rank count: the saved epoch uses every sample once."""
+    saved_update = info["update"]
+    after_records = [r for new in resumed for r in new["ok"]["records"] if "loss" in r]
+    epoch = after_records[0]["epoch"] if after_records else None
+    before_ids = [
+        i
+        for ref in reference
+        for r in ref["ok"]["records"]
+        if "loss" in r and r["update"] <= saved_update and r["epoch"] == epoch
+        for i in r["ids"]
+    ]
+    after_ids = [i for r in after_records for i in r["ids"]]
+    counts = Counter(before_ids + after_ids)
+    missing = sorted(set(range(DATASET)) - set(counts))
+    repeated = sorted(i for i, n in counts.items() if n > 1)
+    return {
+        "mode": "coverage",
+        "epoch": epoch,
+        "consumed_before_save": len(before_ids),
+        "consumed_after_resume": len(after_ids),
+        "missing": missing,
+        "repeated": repeated,
+        "holds": not missing and not repeated and len(before_ids) + len(after_ids) == DATASET,
+    }
+
+
+def print_receipt(receipt: dict[str, Any]) -> None:
+    from tabulate import tabulate
+
+    config = receipt["config"]
+    where = "mid-accumulation (after microbatch 1)" if config["mid_accumulation"] else "boundary"
+    print(
+        f"resume parity: {config['ranks']} ranks, save at update {config['save_at']} "
+        f"({where}), resume {config['resume']} onto {config['resume_ranks']} ranks"
+        + (f", control {config['control']}" if config["control"] else "")
+    )
+    if "refused" in receipt:
+        error = receipt["refused"]
+        print(f"resume refused: {error['type']}: {error['message']}")
+        return
+    info = receipt["resumed"]
+    print(
+        f"claim {info['claim']}, rng {info['rng']}, partial update {info['partial_update']}, "
+        f"resumed after update {info['update']} at microbatch {info['microbatch']}"
+    )
+    for note in info.get("notes", []):
+        print(f"  note: {note}")
+    if receipt["mode"] == "coverage":
+        print(
+            f"epoch {receipt['epoch']}: {receipt['consumed_before_save']} samples before the "
+            f"save + {receipt['consumed_after_resume']} after the resume; missing "
+            f"{receipt['missing'][:10]}, repeated {receipt['repeated'][:10]}"
+        )
+    else:
+        rows = [
+            [
+                r["rank"],
+                r["update"],
+                r["reference_ids"],
+                r["resumed_ids"],
+                " ".join(f"{v:.9g}" for v in r["reference_loss"]),
+                " ".join(f"{v:.9g}" for v in r["resumed_loss"]),
+                "yes" if r["bitwise"] else "NO",
+            ]
+            for r in receipt["first_update"]
+        ]
+        print("first resumed update, per rank:")
+        print(
+            tabulate(
+                rows,
+                headers=[
+                    "rank",
+                    "update",
+                    "reference ids",
+                    "resumed ids",
+                    "reference loss",
+                    "resumed loss",
+                    "bitwise",
+                ],
+            )
+        )
+        print(
+            f"{receipt['microbatches_compared']} resumed microbatches, sample ids, weights "
+            f"and losses bitwise equal: {'yes' if receipt['losses_equal'] else 'NO'}"
+        )
+        for key, same in receipt["final_equal"].items():
+            print(f"final {key}: {'bitwise equal' if same else 'DIFFERENT'}")
+    print(
+        f"time: reference {receipt['reference_seconds']:.1f}s, interrupted "
+        f"{receipt['interrupted_seconds']:.1f}s, resume {receipt['resume_seconds']:.1f}s "
+        f"(process start to first resumed update: {info['seconds_to_first_update']:.1f}s)"
+    )
+    print("RESULT:", "HOLDS" if receipt["holds"] else "DOES NOT HOLD")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ranks", type=int, default=4, help="world size of the saved run")
+    parser.add_argument("--updates", type=int, default=12, help="updates of the whole run")
+    parser.add_argument("--save-at", type=int, default=5, help="update after which to save")
+    parser.add_argument(
+        "--mid-accumulation",
+        action="store_true",
+        help="save after the first microbatch of the next update",
+    )
+    parser.add_argument("--resume", choices=["exact", "continuation"], default="exact")
+    parser.add_argument(
+        "--resume-ranks",
+        type=int,
+        default=None,
+        help="world size of the resumed run (default: --ranks)",
+    )
+    parser.add_argument(
+        "--control",
+        choices=["weights-only", "drop-partial-grads"],
+        default=None,
+        help="a broken control: restore only the weights and data position, or drop "
+        "the partial gradients of a mid-accumulation save",
+    )
+    parser.add_argument("--workdir", default=None, help="keep launches' files here")
+    parser.add_argument("--store", default=None, help="castore store (default: in workdir)")
+    parser.add_argument("--json", default=None, help="also write the receipt here")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    args = parser.parse_args(argv)
+    if args.save_at < 1 or args.save_at >= args.updates:
+        parser.error("--save-at must lie in [1, --updates)")
+    if args.ranks < 1 or (args.resume_ranks is not None and args.resume_ranks < 1):
+        parser.error("rank counts must be positive")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        return _child(Path(sys.argv[2]), int(sys.argv[3]))
+    args = parse_args(argv)
+    keep = args.workdir is not None
+    receipt = run_parity(args)
+    print_receipt(receipt)
+    if args.json:
+        Path(args.json).write_text(json.dumps(receipt, indent=1, default=str))
+    if not keep:
+        shutil.rmtree(receipt["config"]["workdir"], ignore_errors=True)
+    if "refused" in receipt:
+        return 2
+    return 0 if receipt["holds"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
