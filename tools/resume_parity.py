@@ -284,7 +284,7 @@ def _child(spec: Path, rank: int) -> int:
     dist.init_process_group(
         "gloo", init_method=f"file://{config['rendezvous']}", rank=rank, world_size=world
     )
-    out = Path(config["workdir"], f"{config['phase']}-{rank}.json")
+    out = Path(config["workdir"], f"{config['label']}-{rank}.json")
     try:
         result = {"ok": worker(config, rank, world)}
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
@@ -297,13 +297,30 @@ def _child(spec: Path, rank: int) -> int:
 # -- the parent: launch, kill, compare -------------------------------------------
 
 
-def _launch(config: dict[str, Any], world: int, phase: str, kill_when_saved: bool = False) -> Any:
+def _launch(
+    config: dict[str, Any],
+    world: int,
+    phase: str,
+    kill_when_saved: bool = False,
+    label: str | None = None,
+) -> Any:
+    label = label or phase
     workdir = Path(config["workdir"])
-    spec = workdir / f"{phase}.json"
-    rendezvous = workdir / f"rendezvous-{phase}"
+    spec = workdir / f"{label}.json"
+    rendezvous = workdir / f"rendezvous-{label}"
     rendezvous.unlink(missing_ok=True)
+    for stale in workdir.glob(f"{label}-*.json"):
+        stale.unlink()
     spec.write_text(
-        json.dumps({**config, "phase": phase, "world": world, "rendezvous": str(rendezvous)})
+        json.dumps(
+            {
+                **config,
+                "phase": phase,
+                "label": label,
+                "world": world,
+                "rendezvous": str(rendezvous),
+            }
+        )
     )
     env = {**os.environ, "PARITY_STARTED": repr(time.time())}
     env.pop("CASTORE_FAULTS", None)
@@ -312,7 +329,7 @@ def _launch(config: dict[str, Any], world: int, phase: str, kill_when_saved: boo
             [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec), str(rank)],
             env=env,
             stdout=subprocess.DEVNULL,
-            stderr=open(workdir / f"{phase}-{rank}.log", "wb"),  # noqa: SIM115
+            stderr=open(workdir / f"{label}-{rank}.log", "wb"),  # noqa: SIM115
         )
         for rank in range(world)
     ]
@@ -338,9 +355,9 @@ def _launch(config: dict[str, Any], world: int, phase: str, kill_when_saved: boo
         return None
     results = []
     for rank in range(world):
-        path = workdir / f"{phase}-{rank}.json"
+        path = workdir / f"{label}-{rank}.json"
         if not path.exists():
-            raise SystemExit(f"{phase} rank {rank} died without a result: {_logs(workdir)}")
+            raise SystemExit(f"{label} rank {rank} died without a result: {_logs(workdir)}")
         results.append(json.loads(path.read_text()))
     return results
 
@@ -362,45 +379,106 @@ def _by_update(records: list[dict[str, Any]]) -> dict[int, list[dict[str, Any]]]
     return grouped
 
 
+def make_config(
+    workdir: str | Path,
+    *,
+    store: str | Path | None = None,
+    ranks: int = 4,
+    updates: int = 12,
+    save_at: int = 5,
+    mid_accumulation: bool = False,
+    timeout: float = 300.0,
+) -> dict[str, Any]:
+    """The settings every launch of one comparison shares."""
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    return {
+        "workdir": str(workdir),
+        "store": str(store if store is not None else Path(workdir, "store")),
+        "ranks": ranks,
+        "updates": updates,
+        "save_at": save_at,
+        "mid_accumulation": mid_accumulation,
+        "resume": "exact",
+        "control": None,
+        "timeout": timeout,
+    }
+
+
+def run_reference(config: dict[str, Any]) -> list[dict[str, Any]]:
+    """The uninterrupted run: every rank's records and final state."""
+    results = _launch(config, config["ranks"], "reference")
+    _raise_errors("reference", results)
+    return results  # type: ignore[no-any-return]
+
+
+def run_interrupted(config: dict[str, Any]) -> None:
+    """Train, save at the save point, train on, and SIGKILL every rank."""
+    _launch(config, config["ranks"], "interrupted", kill_when_saved=True)
+
+
+def run_resume(
+    config: dict[str, Any],
+    *,
+    ranks: int | None = None,
+    resume: str = "exact",
+    control: str | None = None,
+    label: str = "resume",
+) -> list[dict[str, Any]]:
+    """Fresh processes restore from the interrupted run's store and train on."""
+    settings = {**config, "resume": resume, "control": control}
+    return _launch(settings, ranks or config["ranks"], "resume", label=label)  # type: ignore[no-any-return]
+
+
+def judge(
+    config: dict[str, Any],
+    reference: list[dict[str, Any]],
+    resumed: list[dict[str, Any]],
+    *,
+    resume: str = "exact",
+) -> dict[str, Any]:
+    """The receipt's verdict: bitwise parity, or epoch coverage for a continuation."""
+    refused = [r["error"] for r in resumed if "error" in r]
+    if refused:
+        return {"refused": refused[0], "holds": False}
+    info = resumed[0]["ok"]["resumed"]
+    verdict: dict[str, Any] = {"resumed": info}
+    if resume == "continuation" and len(resumed) != config["ranks"]:
+        verdict.update(_coverage(reference, resumed, info))
+    else:
+        verdict.update(_compare(reference, resumed, info))
+    return verdict
+
+
 def run_parity(args: argparse.Namespace) -> dict[str, Any]:
     """Run the three launches and compare; returns the receipt as a dict."""
     resume_ranks = args.resume_ranks or args.ranks
-    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="castore-parity-"))
-    workdir.mkdir(parents=True, exist_ok=True)
-    store = Path(args.store) if args.store else workdir / "store"
-    config = {
-        "workdir": str(workdir),
-        "store": str(store),
-        "ranks": args.ranks,
-        "updates": args.updates,
-        "save_at": args.save_at,
-        "mid_accumulation": args.mid_accumulation,
-        "resume": args.resume,
-        "control": args.control,
-        "timeout": args.timeout,
+    config = make_config(
+        args.workdir or tempfile.mkdtemp(prefix="castore-parity-"),
+        store=args.store,
+        ranks=args.ranks,
+        updates=args.updates,
+        save_at=args.save_at,
+        mid_accumulation=args.mid_accumulation,
+        timeout=args.timeout,
+    )
+    receipt: dict[str, Any] = {
+        "config": {
+            **config,
+            "resume": args.resume,
+            "control": args.control,
+            "resume_ranks": resume_ranks,
+        }
     }
-    receipt: dict[str, Any] = {"config": {**config, "resume_ranks": resume_ranks}}
     clock = time.perf_counter()
-    reference = _launch(config, args.ranks, "reference")
+    reference = run_reference(config)
     receipt["reference_seconds"] = time.perf_counter() - clock
-    _raise_errors("reference", reference)
     clock = time.perf_counter()
-    _launch(config, args.ranks, "interrupted", kill_when_saved=True)
+    run_interrupted(config)
     receipt["interrupted_seconds"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    resumed = _launch(config, resume_ranks, "resume")
+    resumed = run_resume(config, ranks=resume_ranks, resume=args.resume, control=args.control)
     receipt["resume_seconds"] = time.perf_counter() - clock
-    refused = [r["error"] for r in resumed if "error" in r]
-    if refused:
-        receipt["refused"] = refused[0]
-        receipt["holds"] = False
-        return receipt
-    info = resumed[0]["ok"]["resumed"]
-    receipt["resumed"] = info
-    if args.resume == "continuation" and resume_ranks != args.ranks:
-        receipt.update(_coverage(reference, resumed, info))
-    else:
-        receipt.update(_compare(reference, resumed, info))
+    receipt.update(judge(config, reference, resumed, resume=args.resume))
     return receipt
 
 
