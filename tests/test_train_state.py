@@ -84,10 +84,11 @@ def make_rig(
     extra: Any = None,
 ) -> Rig:
     model = make_model(init_seed) if model is None else model
-    if optimizer_factory is None:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-    else:
-        optimizer = optimizer_factory(model)
+    optimizer: torch.optim.Optimizer = (
+        torch.optim.AdamW(model.parameters(), lr=0.05)
+        if optimizer_factory is None
+        else optimizer_factory(model)
+    )
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=4)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
     dataset = make_dataset()
@@ -120,7 +121,7 @@ def microbatch(rig: Rig) -> str:
     loss = nn.functional.mse_loss(rig.model(x + 0.01 * noise), y)
     rig.scaler.scale(loss / rig.state.accumulation_steps).backward()
     rig.state.microbatch_done(len(x))
-    return loss.item().hex()
+    return float(loss.item()).hex()
 
 
 def optimizer_step(rig: Rig) -> None:
@@ -279,7 +280,9 @@ def test_mid_accumulation_save_restores_partial_gradients(store: Store) -> None:
     train(original, 1)
     microbatch(original)
     original.state.save(store, run="r", mid_accumulation=True)
-    saved_grads = {n: p.grad.clone() for n, p in original.model.named_parameters()}
+    saved_grads = {
+        n: p.grad.clone() for n, p in original.model.named_parameters() if p.grad is not None
+    }
     expected_losses = train(original, 1)
 
     resumed = make_rig(init_seed=99)
@@ -336,10 +339,11 @@ def test_exact_resume_names_every_differing_field_and_changes_nothing(store: Sto
     message = str(caught.value)
     for name in ("dataset_hash", "seed", "accumulation_steps"):
         assert name in message
-    assert set(caught.value.differences) == {"dataset_hash", "seed", "accumulation_steps"}
-    assert caught.value.differences["accumulation_steps"] == (ACCUMULATION, 4)
-    assert caught.value.differences["seed"] == (SEED, SEED + 1)
-    assert caught.value.differences["dataset_hash"] == (HASH, other_hash)
+    differences = caught.value.differences  # type: ignore[attr-defined]
+    assert set(differences) == {"dataset_hash", "seed", "accumulation_steps"}
+    assert differences["accumulation_steps"] == (ACCUMULATION, 4)
+    assert differences["seed"] == (SEED, SEED + 1)
+    assert differences["dataset_hash"] == (HASH, other_hash)
     assert_bitwise(params(rig.model), model_before)
     assert_bitwise(optimizer_snapshot(rig.optimizer), optimizer_before)
     assert rig.state.update == 1
@@ -490,9 +494,9 @@ def test_accumulation_steps_must_be_a_positive_int(steps: Any) -> None:
 
 
 def test_a_plain_distributed_sampler_is_refused() -> None:
-    sampler = DistributedSampler(make_dataset(), num_replicas=1, rank=0)
+    sampler: DistributedSampler[Any] = DistributedSampler(make_dataset(), num_replicas=1, rank=0)
     with pytest.raises(TypeError, match="ResumableDistributedSampler"):
-        TrainState(make_model(0), sampler=sampler)
+        TrainState(make_model(0), sampler=sampler)  # type: ignore[arg-type]
 
 
 # -- 13. set_epoch and a loaded position -------------------------------------------
