@@ -93,6 +93,9 @@ def cmd_show(args: argparse.Namespace) -> int:
         print("versions   " + ", ".join(f"{k} {v}" for k, v in sorted(gen.frameworks.items())))
         if gen.metadata:
             print(f"metadata   {gen.metadata}")
+        if gen.data_order:
+            order = ", ".join(f"{k} {v}" for k, v in sorted(gen.data_order.items()))
+            print(f"data order {order}")
         rows = []
         for name, boxes in store.tensor_entries(root).items():
             first = boxes[0]

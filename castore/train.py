@@ -581,11 +581,10 @@ class TrainState:
                 )
             self.sampler.load_state_dict(position)
             self._cursor = self._sampler_cursor()
+            # The loaded position already counts the partial update's samples; its
+            # start lies this rank's accepted examples before that position.
             self._epoch_examples = 0
-            self._update_start_examples = 0
-            if partial == "restored":
-                # This rank already consumed its share of the partial update.
-                self._epoch_examples = self.examples
+            self._update_start_examples = -self.examples
         self.update = int(saved["update"])
         self.extra = state.get("extra")
         return Resumed(

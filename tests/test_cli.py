@@ -129,6 +129,17 @@ def test_show_lists_tensors_and_values(cli_store: Path, target: str) -> None:
     }
 
 
+def test_show_prints_the_data_order_record(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        store.save(make_state(), run="r", step=1, data_order={"seed": 7, "consumed_samples": 96})
+        store.save(make_state(), run="r", step=2)
+    with_order = run_cli("show", path, "r@1")
+    assert with_order.returncode == 0, with_order.stderr
+    assert "data order consumed_samples 96, seed 7" in with_order.stdout
+    assert "data order" not in run_cli("show", path, "r@2").stdout
+
+
 def test_show_by_id_and_by_root_prefix(cli_store: Path) -> None:
     with castore.open(cli_store, create=False) as store:
         first = store.resolve("exp1", 1)
