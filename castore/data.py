@@ -81,6 +81,22 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         # Another rank count: continue the epoch order from the global position.
         return self._fit(order[self.start :], self.num_replicas)
 
+    @property
+    def epoch_size(self) -> int:
+        """Samples the whole job draws in this epoch (padding included), resumed part too."""
+        n = self._dataset_len
+
+        def fitted(count: int) -> int:
+            if count <= 0:
+                return 0
+            if self.drop_last:
+                return count - count % self.num_replicas
+            return count + (-count % self.num_replicas)
+
+        if self.resumed_from in (None, self.num_replicas):
+            return fitted(n)
+        return self.start + fitted(n - self.start)
+
     def __iter__(self) -> Iterator[int]:
         mine = self._remaining()[self.rank :: self.num_replicas]
         self.drawn = 0

@@ -29,7 +29,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── InvalidNameError                 (ValueError) a run name that is unsafe
     ├── InvalidIndexError                (IndexError) a bad read_slice index
     ├── UnsupportedValueError            (TypeError) a value castore cannot encode
-    ├── SaveBoundaryError                (RuntimeError) a save between accumulated microbatches
+    ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
     └── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
 
 Errors carry their context as attributes (``run``, ``generation``, ``tensor``,
@@ -173,9 +173,11 @@ class UnsupportedValueError(CastoreError, TypeError):
 
 
 class SaveBoundaryError(CastoreError, RuntimeError):
-    """A training save was asked for between accumulated microbatches.
+    """A training save was asked for at a point no resume can start from.
 
-    Pass ``mid_accumulation=True`` to save the partial gradients too.
+    Between accumulated microbatches (pass ``mid_accumulation=True`` to save the
+    partial gradients too), with ranks at different updates, or with a data
+    cursor past the end of its epoch.
     """
 
 

@@ -80,9 +80,22 @@ def capture_rng(generators: Mapping[str, np.random.Generator] | None = None) -> 
 def restore_rng(
     state: Mapping[str, Any], generators: Mapping[str, np.random.Generator] | None = None
 ) -> None:
-    """Put back streams captured by :func:`capture_rng` (any tensor type loads)."""
+    """Put back streams captured by :func:`capture_rng` (any tensor type loads).
+
+    Checks everything first: on an error no stream has changed.
+    """
     if state.get("version") != RNG_VERSION:
         raise ValueError(f"unknown RNG state version {state.get('version')!r}")
+    wanted = dict(generators or {})
+    missing = sorted(set(wanted) - set(state["numpy_generators"]))
+    if missing:
+        raise KeyError(f"no saved state for numpy generators {missing}")
+    cuda = list(state["cuda"])
+    if cuda and _cuda_devices() != len(cuda):
+        raise RuntimeError(
+            f"the saved state has {len(cuda)} CUDA generators; this process sees "
+            f"{_cuda_devices()} devices"
+        )
     version, internal, gauss = state["python"]
     random.setstate((version, tuple(internal), gauss))
     saved = state["numpy"]
@@ -95,21 +108,15 @@ def restore_rng(
             saved["cached_gaussian"],
         )
     )
-    wanted = dict(generators or {})
-    missing = sorted(set(wanted) - set(state["numpy_generators"]))
-    if missing:
-        raise KeyError(f"no saved state for numpy generators {missing}")
     for name, gen in wanted.items():
         gen.bit_generator.state = state["numpy_generators"][name]
     torch.set_rng_state(_as_byte_tensor(state["torch"]))
-    cuda = list(state["cuda"])
     if cuda:
-        if not torch.cuda.is_available() or torch.cuda.device_count() != len(cuda):
-            raise RuntimeError(
-                f"the saved state has {len(cuda)} CUDA generators; this process sees "
-                f"{torch.cuda.device_count() if torch.cuda.is_available() else 0} devices"
-            )
         torch.cuda.set_rng_state_all([_as_byte_tensor(s) for s in cuda])
+
+
+def _cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def _as_byte_tensor(value: Any) -> torch.Tensor:
@@ -207,7 +214,10 @@ _EXACT_FIELDS = (
     "drop_last",
     "accumulation_steps",
     "components",
+    "numpy_generators",
+    "cuda_devices",
 )
+_RNG_FIELDS = ("world_size", "numpy_generators", "cuda_devices")  # to restore RNG streams
 _CONTINUATION_FIELDS = ("dataset_hash", "dataset_len", "components")
 
 
@@ -383,10 +393,18 @@ class TrainState:
             "accumulation_steps": self.accumulation_steps,
             "dataset_hash": self.dataset_hash,
             "components": self.components(),
+            "numpy_generators": sorted(self.numpy_generators),
+            "cuda_devices": _cuda_devices(),
         }
         if self.sampler is not None:
             sampler = self.sampler
             consumed = sampler.start + sum(examples)
+            if consumed > sampler.epoch_size:
+                raise SaveBoundaryError(
+                    f"the data cursor is past the end of epoch {sampler.epoch}: {consumed} "
+                    f"samples consumed of {sampler.epoch_size}; call sampler.set_epoch() "
+                    "before each pass over the data"
+                )
             record.update(
                 seed=int(sampler.seed),
                 epoch=int(sampler.epoch),
@@ -504,6 +522,12 @@ class TrainState:
         saved = root_generation.data_order
 
         same_world = saved["world_size"] == comm.world_size
+        current_rng = {
+            "world_size": comm.world_size,
+            "numpy_generators": sorted(self.numpy_generators),
+            "cuda_devices": _cuda_devices(),
+        }
+        rng_differs = [k for k in _RNG_FIELDS if saved.get(k) != current_rng[k]]
         model = unwrap(self.model)
         live = {name: t for name, t in model.state_dict().items()}
         loaded = castore_dist.load(
@@ -531,15 +555,16 @@ class TrainState:
         microbatch = int(saved.get("microbatch", 0))
         partial: str | None = None
         per_rank = state["rank"]
-        if same_world:
+        if not rng_differs:
             restore_rng(per_rank["rng"], self.numpy_generators)
             rng = "restored"
         else:
             _reseed(digest.raw, comm.rank, self.numpy_generators)
             rng = "reseeded"
+            changed = ", ".join(f"{k} {saved.get(k)!r} -> {current_rng[k]!r}" for k in rng_differs)
             notes.append(
-                f"saved by {saved['world_size']} ranks, restored onto {comm.world_size}: "
-                "every rank's RNG streams were reseeded from the generation and rank"
+                f"RNG streams cannot be restored ({changed}): every rank's streams were "
+                "reseeded from the generation and the rank"
             )
         for param in model.parameters():
             param.grad = None
@@ -615,6 +640,8 @@ class TrainState:
             "dataset_hash": self.dataset_hash,
             "accumulation_steps": self.accumulation_steps,
             "components": self.components(),
+            "numpy_generators": sorted(self.numpy_generators),
+            "cuda_devices": _cuda_devices(),
         }
         if self.sampler is not None:
             current.update(

@@ -6,6 +6,7 @@ a group of one (rank 0 of 1).
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,6 +19,7 @@ from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 import castore
 import castore.dist
+import castore.train
 from castore import Store
 from castore.data import ResumableDistributedSampler, dataset_hash
 from castore.errors import (
@@ -283,6 +285,7 @@ def test_mid_accumulation_save_restores_partial_gradients(store: Store) -> None:
     saved_grads = {
         n: p.grad.clone() for n, p in original.model.named_parameters() if p.grad is not None
     }
+    assert len(saved_grads) == 4
     expected_losses = train(original, 1)
 
     resumed = make_rig(init_seed=99)
@@ -304,12 +307,8 @@ def test_mid_accumulation_save_restores_partial_gradients(store: Store) -> None:
     assert_bitwise(optimizer_snapshot(resumed.optimizer), optimizer_snapshot(original.optimizer))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="castore bug: after a mid-accumulation resume, TrainState counts the restored "
-    "microbatch's examples twice, so the next save over-reports consumed_samples",
-)
-def test_save_after_a_mid_accumulation_resume_records_the_true_position(store: Store) -> None:
+def test_saves_after_a_mid_accumulation_resume_record_the_true_position(store: Store) -> None:
+    # Regression: the restored microbatch's examples were once counted twice.
     original = make_rig()
     microbatch(original)
     original.state.save(store, run="r", mid_accumulation=True)
@@ -318,11 +317,20 @@ def test_save_after_a_mid_accumulation_resume_records_the_true_position(store: S
 
     resumed = make_rig(init_seed=99)
     resumed.state.load(store, run="r")
+    resumed.state.save(store, run="again", mid_accumulation=True)  # at once, same point
+    again = store.resolve("again").data_order
+    assert (again["consumed_samples"], again["update_start_consumed"]) == (BATCH, 0)
     train(resumed, 1)
     resumed.state.save(store, run="r")
-    # Both runs consumed 2 microbatches of 4 examples: 8, not 12.
-    assert store.resolve("straight").data_order["consumed_samples"] == 2 * BATCH
+    straight = store.resolve("straight").data_order
+    # Both runs consumed 2 microbatches of 4 examples: 8.
+    assert straight["consumed_samples"] == straight["update_start_consumed"] == 2 * BATCH
     assert store.resolve("r").data_order["consumed_samples"] == 2 * BATCH
+    assert store.resolve("r").data_order["update_start_consumed"] == 2 * BATCH
+    # A second resume continues where the uninterrupted sampler would.
+    second = make_rig(init_seed=5)
+    second.state.load(store, run="r")
+    assert list(second.sampler) == original.sampler.epoch_order()[2 * BATCH :]
 
 
 # -- 6, 7, 8. claims that cannot hold, and the continuation claim -----------------
@@ -407,20 +415,50 @@ def test_an_optimizer_with_other_param_groups_is_refused(store: Store) -> None:
     assert rig.state.update == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="castore bug: a live numpy generator the save lacks fails in restore_rng, after "
-    "the model, optimizer, scheduler and scaler were already overwritten",
-)
-def test_a_numpy_generator_the_save_lacks_changes_nothing(store: Store) -> None:
+def test_a_numpy_generator_the_save_lacks_is_refused_before_anything_changes(
+    store: Store,
+) -> None:
     saved_run(store)
     generators = {"aug": np.random.default_rng(1), "noise": np.random.default_rng(2)}
     rig = make_rig(init_seed=99, numpy_generators=generators)
     before = params(rig.model)
-    with pytest.raises(KeyError, match="noise"):
+    python_before, noise_before = random.getstate(), generators["noise"].bit_generator.state
+    with pytest.raises(ResumeMismatchError, match="numpy_generators: saved \\['aug'\\]"):
         rig.state.load(store, run="r")
     assert_bitwise(params(rig.model), before)
+    assert random.getstate() == python_before
+    assert generators["noise"].bit_generator.state == noise_before
+
+
+def test_a_continuation_reseeds_streams_it_cannot_restore(store: Store) -> None:
+    saved_run(store)
+    generators = {"aug": np.random.default_rng(1), "noise": np.random.default_rng(2)}
+    rig = make_rig(init_seed=99, numpy_generators=generators)
+    result = rig.state.load(store, run="r", resume="continuation")
+    assert result.rng == "reseeded"
+    assert any("numpy_generators" in note for note in result.notes)
+
+
+def test_restore_rng_checks_before_it_changes_any_stream() -> None:
+    state = castore.train.capture_rng({"aug": np.random.default_rng(1)})
+    random.seed(5)
+    before = random.getstate()
+    with pytest.raises(KeyError, match="other"):
+        castore.train.restore_rng(state, {"other": np.random.default_rng(2)})
+    assert random.getstate() == before
+
+
+def test_a_save_with_the_cursor_past_the_epoch_is_refused(store: Store) -> None:
+    model = nn.Linear(2, 1)
+    sampler = ResumableDistributedSampler(list(range(8)), 1, 0, shuffle=False)
+    state = castore.train.TrainState(model, sampler=sampler)
+    for _ in range(2):  # two passes over the data without set_epoch: misuse
+        for _index in sampler:
+            state.microbatch_done(1)
+            state.update_done()
+    with pytest.raises(SaveBoundaryError, match="16 samples consumed of 8"):
+        state.save(store, run="r")
+    assert store.runs() == []
 
 
 # -- 10. extra values ----------------------------------------------------------------
