@@ -589,6 +589,9 @@ def print_receipt(receipt: dict[str, Any]) -> None:
     )
     for note in info.get("notes", []):
         print(f"  note: {note}")
+    if info.get("timings"):
+        phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in info["timings"].items())
+        print(f"restore phases on rank 0: {phases}")
     if receipt["mode"] == "coverage":
         print(
             f"epoch {receipt['epoch']}: {receipt['consumed_before_save']} samples before the "
