@@ -1,4 +1,4 @@
-"""The ``castore`` command: inspect and check a store.
+"""The ``castore`` command: inspect, check, tag, collect and compact a store.
 
 Every failure prints one line to stderr and exits non-zero; set
 ``CASTORE_DEBUG=1`` to get the traceback as well.
@@ -17,6 +17,7 @@ from typing import Any, NoReturn
 from tabulate import tabulate
 
 import castore
+from castore import gc
 from castore.errors import CastoreError
 from castore.store import Generation, Store
 from castore.tree import decode_tree
@@ -57,12 +58,15 @@ def cmd_log(args: argparse.Namespace) -> int:
         runs = [args.run] if args.run else store.runs()
         rows = []
         for run in runs:
+            tags: dict[str, list[str]] = {}
+            for name, value in store.refs.tags(run).items():
+                tags.setdefault(value.root.hex, []).append(name)
             for gen in store.generations(run):
-                rows.append(_log_row(gen, len(runs) > 1))
+                rows.append(_log_row(gen, len(runs) > 1) + [",".join(tags.get(gen.root, []))])
         if not rows:
             print("no generations")
             return 0
-        headers = ["id", "step", "time", "logical", "new", "dedup", "root"]
+        headers = ["id", "step", "time", "logical", "new", "dedup", "root", "tags"]
         print(tabulate(rows, headers=(["run"] if len(runs) > 1 else []) + headers))
     return 0
 
@@ -169,8 +173,114 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_tag(args: argparse.Namespace) -> int:
+    run, generation = _split_target(args.target)
+    with _open(args.store) as store:
+        gen = gc.tag(store, run, generation, args.name)
+    print(f"tagged {run}@{gen.id} ({gen.root[:12]}) as {args.name}")
+    return 0
+
+
+def cmd_untag(args: argparse.Namespace) -> int:
+    with _open(args.store) as store:
+        gc.untag(store, args.run, args.name)
+    print(f"removed tag {args.name} of run {args.run}")
+    return 0
+
+
+def cmd_gc(args: argparse.Namespace) -> int:
+    policy = gc.RetentionPolicy(
+        keep_last=args.keep,
+        every_steps=args.every_steps,
+        every_seconds=gc.parse_duration(args.every) if args.every else None,
+    )
+    with _open(args.store) as store:
+        report = gc.collect_garbage(
+            store,
+            policy,
+            runs=[args.run] if args.run else None,
+            dry_run=args.dry_run,
+            lock_timeout=args.wait,
+        )
+    rows = []
+    for plan in report.plans:
+        for gen in plan.generations:
+            reasons = plan.reasons[gen.id]
+            verdict = "keep" if reasons else ("drop" if args.dry_run else "dropped")
+            rows.append(
+                [plan.run, gen.id, gen.step, _format_time(gen.time), verdict, "; ".join(reasons)]
+            )
+    if rows:
+        print(tabulate(rows, headers=["run", "id", "step", "time", "", "kept by"]))
+        print()
+    dropped = sum(len(ids) for ids in report.dropped.values())
+    verb = "would free" if args.dry_run else "freed"
+    print(
+        f"{'dry run: ' if args.dry_run else ''}{dropped} generation(s) dropped; {verb} "
+        f"{format_bytes(report.bytes_freed)} ({report.chunks_freed} chunk(s), "
+        f"{report.objects_freed} object(s)) in {report.seconds:.2f}s"
+    )
+    return 0
+
+
+def cmd_du(args: argparse.Namespace) -> int:
+    with _open(args.store) as store:
+        usage = gc.disk_usage(store, [args.run] if args.run else None)
+    rows = [
+        [
+            u.run,
+            u.id,
+            u.step,
+            format_bytes(u.logical_bytes),
+            format_bytes(u.referenced_bytes),
+            format_bytes(u.exclusive_bytes),
+        ]
+        for u in usage.generations
+    ]
+    if rows:
+        print(
+            tabulate(
+                rows,
+                headers=[
+                    "run",
+                    "id",
+                    "step",
+                    "logical",
+                    "references",
+                    "only it (freed if dropped)",
+                ],
+            )
+        )
+        print()
+    print(f"logical   {format_bytes(usage.logical_bytes)} in {len(rows)} generation(s)")
+    print(
+        f"stored    {format_bytes(usage.referenced_bytes)} of chunks they reference "
+        f"(dedup {usage.dedup_ratio:.2f}x)"
+    )
+    print(
+        f"physical  {format_bytes(usage.physical_bytes)} of chunks and objects, "
+        f"{format_bytes(usage.garbage_bytes)} of it garbage (castore gc frees it)"
+    )
+    print(
+        f"file      {format_bytes(usage.file_bytes)} LMDB data file "
+        "(freed pages are reused; castore compact shrinks it)"
+    )
+    return 0
+
+
+def cmd_compact(args: argparse.Namespace) -> int:
+    report = gc.compact(args.store)
+    print(
+        f"compacted {args.store}: {format_bytes(report.bytes_before)} -> "
+        f"{format_bytes(report.bytes_after)} in {report.seconds:.2f}s"
+    )
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="castore", description="Inspect and check a castore store.")
+    parser = _Parser(
+        prog="castore", description="Inspect, check, tag, collect and compact a castore store."
+    )
     parser.add_argument("--version", action="version", version=f"castore {castore.__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     log = commands.add_parser("log", help="table of generations with sizes and dedup")
@@ -186,6 +296,40 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("target", nargs="?", metavar="RUN[@GEN]")
     verify.add_argument("--deep", action="store_true", help="re-hash every chunk")
     verify.set_defaults(handler=cmd_verify)
+    tag = commands.add_parser("tag", help="pin a generation under a name (retention keeps it)")
+    tag.add_argument("store")
+    tag.add_argument("target", metavar="RUN@GEN")
+    tag.add_argument("name")
+    tag.set_defaults(handler=cmd_tag)
+    untag = commands.add_parser("untag", help="remove a tag")
+    untag.add_argument("store")
+    untag.add_argument("run")
+    untag.add_argument("name")
+    untag.set_defaults(handler=cmd_untag)
+    collect = commands.add_parser("gc", help="apply the retention policy and free garbage")
+    collect.add_argument("store")
+    collect.add_argument("--run", help="apply the policy to this run only (others keep all)")
+    collect.add_argument("--keep", type=int, default=3, help="newest generations kept per run")
+    collect.add_argument("--every-steps", type=int, help="also keep the first of every N steps")
+    collect.add_argument(
+        "--every",
+        metavar="DURATION",
+        help="also keep the newest of every interval (90s, 30m, 6h, 1d, 2w)",
+    )
+    collect.add_argument(
+        "--dry-run", action="store_true", help="show what each rule keeps and what would be freed"
+    )
+    collect.add_argument(
+        "--wait", type=float, default=30.0, help="seconds to wait for running saves (default 30)"
+    )
+    collect.set_defaults(handler=cmd_gc)
+    du = commands.add_parser("du", help="logical and physical bytes, per generation")
+    du.add_argument("store")
+    du.add_argument("--run", help="only this run's generations")
+    du.set_defaults(handler=cmd_du)
+    compact = commands.add_parser("compact", help="shrink the LMDB file (offline)")
+    compact.add_argument("store")
+    compact.set_defaults(handler=cmd_compact)
     return parser
 
 

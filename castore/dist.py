@@ -16,6 +16,7 @@ Every collective wait is bounded by ``timeout`` seconds.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -146,7 +147,12 @@ def save(
     mine = {leaf.name for leaf in prepared.encoded.leaves if leaf.sharded}
     mine |= {name for name, rank in owners.items() if rank == comm.rank}
 
+    # Held from this rank's first dedup check until the outcome is known, so
+    # garbage collection cannot delete a chunk this save found present.
+    lock = contextlib.ExitStack()
+
     def write() -> dict[str, Any]:
+        lock.enter_context(store.save_lock())
         shard = write_shard(
             store,
             prepared.encoded,
@@ -161,17 +167,20 @@ def save(
         chunks = sum(len(e.chunks) for e in shard.manifest.tensors + shard.manifest.local_tensors)
         return {"shard": shard.digest, "chunks": chunks, **vars(shard.stats)}
 
-    ack, failure = attempt(write)
-    acks = comm.all_gather({"error": describe(failure), **(ack or {})}, "save: write shards")
-    raise_failures(acks, comm, failure)
+    with lock:
+        ack, failure = attempt(write)
+        acks = comm.all_gather({"error": describe(failure), **(ack or {})}, "save: write shards")
+        raise_failures(acks, comm, failure)
 
-    outcome: dict[str, Any] = {}
-    if comm.is_coordinator:
-        published, failure = attempt(
-            lambda: _validate_and_publish(store, prepared, acks, proposal, run, step, comm, started)
-        )
-        outcome = {"error": describe(failure), "root": published}
-    outcome = comm.broadcast(outcome, "save: publish")
+        outcome: dict[str, Any] = {}
+        if comm.is_coordinator:
+            published, failure = attempt(
+                lambda: _validate_and_publish(
+                    store, prepared, acks, proposal, run, step, comm, started
+                )
+            )
+            outcome = {"error": describe(failure), "root": published}
+        outcome = comm.broadcast(outcome, "save: publish")
     if outcome.get("error"):
         if comm.is_coordinator and failure is not None:
             raise failure

@@ -37,7 +37,14 @@ REF_VERSION = 1
 _HEADER = struct.Struct("<8sHI")
 _MAX_PAYLOAD = 1 << 16
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_TAG_NAME = _RUN_NAME
+PUBLISH_ACTIONS = ("advance", "recovered")  # reflog records that name a published root
+_WHOLE_LINE = re.compile(r"[0-9a-f]{32}")
 DEFAULT_LOCK_TIMEOUT = 30.0
+# How long a save waits for a running garbage collection to finish.
+DEFAULT_SAVE_WAIT = 600.0
+STORE_LOCK = "store.lock"  # saves and tags: shared; garbage collection: exclusive
+OPEN_LOCK = "open.lock"  # every open Store: shared; compaction: exclusive
 
 
 def validate_run_name(run: str) -> str:
@@ -49,6 +56,16 @@ def validate_run_name(run: str) -> str:
             run=run if isinstance(run, str) else repr(run),
         )
     return run
+
+
+def validate_tag_name(name: str) -> str:
+    """Return ``name`` if it is a safe tag name (the rules of run names)."""
+    if not isinstance(name, str) or not _TAG_NAME.fullmatch(name) or ".." in name:
+        raise InvalidNameError(
+            f"invalid tag name {name!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
+            "starting with a letter or digit, without '..'"
+        )
+    return name
 
 
 @dataclass(frozen=True)
@@ -105,6 +122,21 @@ def decode_ref(data: bytes, *, run: str) -> RefValue:
     return value
 
 
+def _flock(fd: int, operation: int, timeout: float, busy: str) -> None:
+    """``flock`` with a deadline, polling (flock itself cannot time out)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            fcntl.flock(fd, operation | fcntl.LOCK_NB)
+            return
+        except OSError as exc:
+            if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                raise
+            if time.monotonic() >= deadline:
+                raise StoreLockedError(busy) from None
+            time.sleep(0.01)
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -120,11 +152,43 @@ class RefStore:
         self.refs_dir = root / "refs"
         self.locks_dir = root / "locks"
         self.logs_dir = root / "logs"
+        self.tags_dir = root / "tags"
         self.lock_timeout = lock_timeout
+        self.save_wait = DEFAULT_SAVE_WAIT
 
     def ensure_dirs(self) -> None:
         for directory in (self.refs_dir, self.locks_dir, self.logs_dir):
             directory.mkdir(parents=True, exist_ok=True)
+
+    # -- store-wide locks ---------------------------------------------------
+
+    @contextmanager
+    def store_lock(self, *, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
+        """Hold ``locks/store.lock``: shared by saves and tags, exclusive for GC.
+
+        Waits at most ``timeout`` seconds, then raises StoreLockedError(``busy``).
+        """
+        self.ensure_dirs()
+        fd = os.open(self.locks_dir / STORE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout, busy)
+            yield
+        finally:
+            os.close(fd)  # closing the descriptor releases the flock
+
+    def hold_open(self, *, exclusive: bool = False, busy: str = "") -> int:
+        """Take ``locks/open.lock`` without waiting; the caller closes the returned fd.
+
+        Every open store holds it shared; compaction needs it exclusive.
+        """
+        self.ensure_dirs()
+        fd = os.open(self.locks_dir / OPEN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, 0.0, busy)
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
 
     def runs(self) -> list[str]:
         if not self.refs_dir.is_dir():
@@ -147,19 +211,12 @@ class RefStore:
         self.ensure_dirs()
         fd = os.open(self.locks_dir / f"{run}.lock", os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            deadline = time.monotonic() + self.lock_timeout
-            while True:
-                try:
-                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                    break
-                except OSError as exc:
-                    if exc.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
-                        raise
-                    if time.monotonic() >= deadline:
-                        raise StoreLockedError(
-                            f"ref lock busy for {self.lock_timeout:.0f}s", run=run
-                        ) from None
-                    time.sleep(0.01)
+            _flock(
+                fd,
+                fcntl.LOCK_EX,
+                self.lock_timeout,
+                f"ref lock of run {run!r} busy for {self.lock_timeout:.0f}s",
+            )
             yield
         finally:
             os.close(fd)  # closing the descriptor releases the flock
@@ -202,6 +259,53 @@ class RefStore:
             raise
         fsync_dir(self.refs_dir)
 
+    # -- tags ---------------------------------------------------------------
+
+    def _tag_path(self, run: str, name: str) -> Path:
+        validate_run_name(run)
+        validate_tag_name(name)
+        return self.tags_dir / run / name
+
+    def write_tag(self, run: str, name: str, value: RefValue) -> None:
+        """Point tag ``name`` of ``run`` at a generation (replacing what it named)."""
+        path = self._tag_path(run, name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        temp = path.parent / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            os.write(fd, encode_ref(value))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        try:
+            os.replace(temp, path)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+        fsync_dir(path.parent)
+
+    def delete_tag(self, run: str, name: str) -> bool:
+        """Remove a tag; False when there was none."""
+        path = self._tag_path(run, name)
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return False
+        fsync_dir(path.parent)
+        return True
+
+    def tags(self, run: str) -> dict[str, RefValue]:
+        """Every tag of ``run``: name -> the generation it names (damage raises)."""
+        validate_run_name(run)
+        directory = self.tags_dir / run
+        if not directory.is_dir():
+            return {}
+        found = {}
+        for path in sorted(directory.iterdir()):
+            if _TAG_NAME.fullmatch(path.name):
+                found[path.name] = decode_ref(path.read_bytes(), run=run)
+        return found
+
     # -- reflog -----------------------------------------------------------
 
     def reflog_path(self, run: str) -> Path:
@@ -238,24 +342,44 @@ class RefStore:
 
     def reflog(self, run: str) -> list[dict[str, Any]]:
         """Every intact reflog record of ``run``, oldest first (torn lines skipped)."""
+        return self.read_reflog(run)[0]
+
+    def read_reflog(self, run: str) -> tuple[list[dict[str, Any]], list[int]]:
+        """Intact records, and the line numbers (1-based) of damaged ones.
+
+        A line cut short by a crash mid-append (no complete checksum) is torn,
+        not damaged: the advance it recorded is recovered by the next one. A
+        whole line whose checksum fails is damage.
+        """
         validate_run_name(run)
         try:
             lines = self.reflog_path(run).read_bytes().splitlines()
         except FileNotFoundError:
-            return []
-        records = []
-        for line in lines:
+            return [], []
+        records, damaged = [], []
+        for number, line in enumerate(lines, 1):
             text, _, check = line.decode("utf-8", "replace").rpartition("\t")
             if text and digest_bytes(text.encode()).hex()[:32] == check:
-                records.append(json.loads(text))
-        return records
+                try:
+                    records.append(json.loads(text))
+                    continue
+                except ValueError:
+                    pass
+            if _WHOLE_LINE.fullmatch(check) and text.endswith("}"):
+                damaged.append(number)
+        return records, damaged
+
+    def record_collected(self, run: str, generation: int, root: Digest) -> None:
+        """Log that garbage collection dropped a generation (before deleting it)."""
+        value = RefValue(run, generation, root, time.time())
+        self.append_reflog(run, value, parent=None, action="collect")
 
     def _reconcile_reflog(self, run: str, current: RefValue | None) -> None:
         # A writer killed between the ref replace and its reflog append leaves the
         # ref ahead of the log; record that advance before adding the next one.
         if current is None:
             return
-        records = self.reflog(run)
+        records = [r for r in self.reflog(run) if r.get("action") in PUBLISH_ACTIONS]
         if not records or records[-1]["root"] != current.root.hex:
             parent = Digest.from_hex(records[-1]["root"]) if records else None
             self.append_reflog(run, current, parent=parent, action="recovered")

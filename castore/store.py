@@ -16,6 +16,7 @@ by :mod:`castore.tree`, which imports torch only when it sees one.
 
 from __future__ import annotations
 
+import os
 import platform
 import re
 import sys
@@ -59,7 +60,7 @@ from castore.objects import (
     TensorEntry,
     decode_object,
 )
-from castore.refs import RefStore, RefValue, validate_run_name
+from castore.refs import PUBLISH_ACTIONS, RefStore, RefValue, validate_run_name
 from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree
 
 GenerationSpec = int | str
@@ -159,11 +160,15 @@ class Store:
         self.chunk_size = chunk_size
         self.refs = RefStore(path)
         self.read_counters = ReadCounters()
+        self._open_fd: int | None = None  # the shared open lock (see castore.gc.compact)
 
     # -- lifecycle --------------------------------------------------------
 
     def close(self) -> None:
         self.backend.close()
+        if self._open_fd is not None:
+            os.close(self._open_fd)  # releases the shared open lock
+            self._open_fd = None
 
     def __enter__(self) -> Store:
         return self
@@ -204,6 +209,31 @@ class Store:
                 )
         metadata_bytes = encode_metadata(metadata)
         order = check_data_order(data_order)
+        with self.save_lock():
+            return self._save_locked(encoded, run, step, metadata_bytes, order, started)
+
+    def save_lock(self) -> Any:
+        """The shared store lock a save holds from its first dedup check to its publish.
+
+        Garbage collection takes it exclusively, so it never deletes a chunk a
+        save has found present and skipped (invariant 6).
+        """
+        return self.refs.store_lock(
+            exclusive=False,
+            timeout=self.refs.save_wait,
+            busy=f"store busy: garbage collection held {self.path} for "
+            f"{self.refs.save_wait:.0f}s",
+        )
+
+    def _save_locked(
+        self,
+        encoded: Any,
+        run: str,
+        step: int,
+        metadata_bytes: bytes,
+        order: dict[str, Any],
+        started: float,
+    ) -> Generation:
         parent = self.refs.read(run)
         generation = parent.generation + 1 if parent else 1
         shard = write_shard(self, encoded, run=run, generation=generation, rank=0)
@@ -287,14 +317,49 @@ class Store:
             raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
         return ref
 
+    def published(self, run: str) -> dict[str, int]:
+        """Root hex -> generation id of every published, uncollected generation (by the log).
+
+        The reflog records each ref advance and each generation garbage
+        collection dropped; the ref itself is always included.
+        """
+        latest = self._latest(run)
+        records = self.refs.reflog(run)
+        collected = {r["root"] for r in records if r.get("action") == "collect"}
+        listed = {
+            r["root"]: int(r["generation"])
+            for r in records
+            if r.get("action") in PUBLISH_ACTIONS and r["root"] not in collected
+        }
+        listed[latest.root.hex] = latest.generation
+        return listed
+
     def iter_chain(self, run: str) -> Iterator[tuple[Digest, GenerationRoot]]:
-        """Roots of ``run`` from the newest back to the oldest still stored."""
-        digest: Digest | None = self._latest(run).root
-        while digest is not None:
-            # A missing root anywhere in the chain is damage: fail closed.
+        """Roots of ``run`` still stored, from the newest back to the oldest.
+
+        The reflog's published generations, joined with the parent links of
+        each root (so a lost log line hides nothing the chain still reaches),
+        minus what garbage collection dropped. A listed root that is missing is
+        damage: this fails closed.
+        """
+        collected = {
+            r["root"] for r in self.refs.reflog(run) if r.get("action") == "collect"
+        }
+        pending = dict(sorted(self.published(run).items(), key=lambda item: -item[1]))
+        found: dict[str, tuple[Digest, GenerationRoot]] = {}
+        queue = list(pending)
+        while queue:
+            hex_digest = queue.pop(0)
+            if hex_digest in found:
+                continue
+            digest = Digest.from_hex(hex_digest)
             root = self.read_root(digest, run=run)
-            yield digest, root
-            digest = Digest(root.parent) if root.parent else None
+            found[hex_digest] = (digest, root)
+            if root.parent is not None:
+                parent = root.parent.hex()
+                if parent not in collected and parent not in found:
+                    queue.append(parent)
+        yield from sorted(found.values(), key=lambda item: -item[1].generation)
 
     def resolve_root(
         self, run: str, generation: GenerationSpec = "latest"
@@ -311,6 +376,14 @@ class Store:
                 )
             return ref.root, root
         wanted_id, prefix = _parse_generation(generation)
+        if wanted_id is not None:
+            # The log names most generations directly: read only that root.
+            for hex_digest, listed_id in self.published(run).items():
+                if listed_id == wanted_id:
+                    digest = Digest.from_hex(hex_digest)
+                    root = self.read_root(digest, run=run)
+                    if root.generation == wanted_id:
+                        return digest, root
         by_prefix: list[tuple[Digest, GenerationRoot]] = []
         for digest, root in self.iter_chain(run):
             if root.generation == wanted_id:

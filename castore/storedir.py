@@ -50,8 +50,16 @@ def open_store(
     size = chunk_size or int(config["chunk_size"])
     if size <= 0:
         raise ValueError(f"chunk_size must be positive, got {size}")
-    backend = LmdbBackend(root / "chunks", map_size=map_size)
-    return Store(root, backend, size)
+    refs = RefStore(root)
+    fd = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
+    try:
+        backend = LmdbBackend(root / "chunks", map_size=map_size)
+    except BaseException:
+        os.close(fd)
+        raise
+    store = Store(root, backend, size)
+    store._open_fd = fd
+    return store
 
 
 def _read_marker(marker: Path) -> dict[str, Any]:

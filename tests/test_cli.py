@@ -74,7 +74,7 @@ def test_log_lists_every_generation_of_every_run(cli_store: Path) -> None:
     result = run_cli("log", cli_store)
     assert result.returncode == 0, result.stderr
     header = result.stdout.splitlines()[0].split()
-    assert header == ["run", "id", "step", "time", "logical", "new", "dedup", "root"]
+    assert header == ["run", "id", "step", "time", "logical", "new", "dedup", "root", "tags"]
     table = rows(result.stdout)
     assert [(r[0], r[1], r[2]) for r in table] == [
         ("exp1", "1", "100"),

@@ -1,0 +1,507 @@
+"""Retention, garbage collection, storage accounting and compaction (invariant 6).
+
+**Retention** is decided per run by a :class:`RetentionPolicy`: the newest
+``keep_last`` generations, every tagged generation, and optionally the first
+generation of every ``every_steps`` steps and the newest of every
+``every_seconds`` interval. A generation is kept when any rule keeps it; the
+newest generation of a run is always kept.
+
+**Collection** is mark and sweep over the whole store. Marking reads and
+verifies every retained root of every run and its shard manifests; if any of
+them cannot be read or decoded, nothing is deleted. Every object and chunk not
+marked is garbage: the dropped generations' roots, shards and the chunks only
+they referenced, and what failed saves left behind. A dropped generation is
+first logged as collected in its run's reflog (so listings hide it even if the
+sweep is cut short), then the sweep deletes in batches.
+
+**Concurrency.** A save holds the store lock shared from its first dedup
+check until its ref advance; collection holds it exclusively from marking to
+the end of the sweep. So a save that found chunk X present and skipped it
+cannot overlap a sweep that deletes X: either the save published first (X is
+then marked) or the sweep finished first (X is then absent and the save writes
+it). A collection that cannot take the lock in time fails with
+``StoreLockedError`` ("store busy") and deletes nothing. Readers take no lock:
+a load of a retained generation is never affected; a load of a generation
+being dropped may fail with a missing object, never with wrong bytes.
+
+A collection killed at any point leaves every retained generation intact: only
+unmarked objects are ever deleted, and a later collection finishes the sweep.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from castore.chunkstore.base import Namespace
+from castore.errors import CastoreError, GenerationNotFoundError, IntegrityError
+from castore.faults import fault_point
+from castore.hashing import Digest
+from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest
+from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, validate_run_name
+from castore.store import Generation, Store
+
+DELETE_BATCH = 1024  # keys per delete transaction
+GC_FAULTS = ("gc.before_sweep", "gc.mid_sweep")
+
+
+class GcAbortedError(CastoreError):
+    """Collection stopped before deleting anything; the message says why and where."""
+
+
+# -- retention ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetentionPolicy:
+    """Which generations of a run to keep. Rules compose: any rule keeps."""
+
+    keep_last: int = 3
+    every_steps: int | None = None
+    every_seconds: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ValueError(
+                f"keep_last must be at least 1 (the newest generation is always kept), "
+                f"got {self.keep_last!r}"
+            )
+        if self.every_steps is not None and self.every_steps < 1:
+            raise ValueError(f"every_steps must be positive, got {self.every_steps!r}")
+        if self.every_seconds is not None and not self.every_seconds > 0:
+            raise ValueError(f"every_seconds must be positive, got {self.every_seconds!r}")
+
+    def decide(self, generations: list[Generation], tags: dict[str, int]) -> dict[int, list[str]]:
+        """Generation id -> the rules that keep it (empty list: dropped)."""
+        reasons: dict[int, list[str]] = {g.id: [] for g in generations}
+        newest_first = sorted(generations, key=lambda g: -g.id)
+        for g in newest_first[: self.keep_last]:
+            reasons[g.id].append(f"last {self.keep_last}")
+        for name, gen_id in sorted(tags.items()):
+            if gen_id in reasons:
+                reasons[gen_id].append(f"tag {name}")
+        if self.every_steps:
+            first_of: dict[int, Generation] = {}
+            for g in sorted(generations, key=lambda g: (g.step, g.id)):
+                first_of.setdefault(g.step // self.every_steps, g)
+            for bucket, g in first_of.items():
+                reasons[g.id].append(
+                    f"every {self.every_steps} steps (from {bucket * self.every_steps})"
+                )
+        if self.every_seconds:
+            newest_of: dict[int, Generation] = {}
+            for g in sorted(generations, key=lambda g: (g.time, g.id)):
+                newest_of[math.floor(g.time / self.every_seconds)] = g
+            for g in newest_of.values():
+                reasons[g.id].append(f"newest of its {_duration(self.every_seconds)}")
+        return reasons
+
+
+def parse_duration(text: str) -> float:
+    """Seconds in ``"90"``, ``"90s"``, ``"30m"``, ``"6h"``, ``"1d"``, ``"2w"``."""
+    units = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+    text = text.strip().lower()
+    factor = units.get(text[-1:], None)
+    number = text[:-1] if factor else text
+    try:
+        value = float(number) * (factor or 1)
+    except ValueError:
+        raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 30m, 6h, 1d)") from None
+    if not value > 0:
+        raise ValueError(f"a duration must be positive, got {text!r}")
+    return value
+
+
+def _duration(seconds: float) -> str:
+    for unit, size in (("w", 604800), ("d", 86400), ("h", 3600), ("m", 60)):
+        if seconds >= size and seconds % size == 0:
+            return f"{int(seconds // size)}{unit}"
+    return f"{seconds:g}s"
+
+
+# -- what a generation references -----------------------------------------------------
+
+
+def _references(
+    store: Store, digest: Digest, root: GenerationRoot
+) -> tuple[list[bytes], set[bytes]]:
+    """A generation's object digests (root and shards) and chunk digests (verified reads)."""
+    where = {"run": root.run, "generation": root.generation}
+    objects = [digest.raw]
+    chunks: set[bytes] = set()
+    for rank, shard_digest in enumerate(root.shards):
+        shard: ShardManifest = store.read_object(
+            shard_digest, expect=TYPE_SHARD, rank=rank, **where
+        )
+        objects.append(shard_digest)
+        for entry in shard.tensors + shard.local_tensors:
+            chunks.update(entry.chunks)
+    return objects, chunks
+
+
+def _run_generations(store: Store, run: str) -> list[tuple[Digest, GenerationRoot]]:
+    try:
+        return list(store.iter_chain(run))
+    except (IntegrityError, GenerationNotFoundError) as exc:
+        raise GcAbortedError(
+            f"gc aborted, nothing deleted: run {run!r} cannot be listed: {exc}", run=run
+        ) from exc
+
+
+def _check_reflog(store: Store, run: str) -> None:
+    _, damaged = store.refs.read_reflog(run)
+    if damaged:
+        raise GcAbortedError(
+            f"gc aborted, nothing deleted: the reflog of run {run!r} has damaged lines "
+            f"{damaged[:10]} ({store.refs.reflog_path(run)}); a generation they name could "
+            "be dropped by mistake",
+            run=run,
+        )
+
+
+# -- collection -------------------------------------------------------------------
+
+
+@dataclass
+class RunPlan:
+    """Retention of one run: every listed generation and why it is kept (or not)."""
+
+    run: str
+    generations: list[Generation]
+    reasons: dict[int, list[str]]
+    tags: dict[str, int]
+
+    @property
+    def kept(self) -> list[int]:
+        return [g.id for g in self.generations if self.reasons[g.id]]
+
+    @property
+    def dropped(self) -> list[int]:
+        return [g.id for g in self.generations if not self.reasons[g.id]]
+
+
+@dataclass
+class GcReport:
+    """What a collection kept and freed (or, for a dry run, would free)."""
+
+    dry_run: bool
+    plans: list[RunPlan]
+    objects_freed: int = 0
+    chunks_freed: int = 0
+    bytes_freed: int = 0  # chunk and object bytes no retained generation references
+    seconds: float = 0.0
+    timings: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def dropped(self) -> dict[str, list[int]]:
+        return {p.run: p.dropped for p in self.plans if p.dropped}
+
+
+def plan_retention(
+    store: Store, policy: RetentionPolicy, runs: list[str] | None = None
+) -> list[RunPlan]:
+    """Apply ``policy`` to ``runs`` (default all); other runs keep everything."""
+    chosen = set(store.runs() if runs is None else [validate_run_name(r) for r in runs])
+    unknown = chosen - set(store.runs())
+    if unknown:
+        raise GenerationNotFoundError(f"no run {sorted(unknown)[0]!r} in the store")
+    plans = []
+    for run in store.runs():
+        listed = _run_generations(store, run)
+        generations = [Generation.from_root(d, r) for d, r in listed][::-1]
+        by_root = {g.root: g.id for g in generations}
+        tags = {}
+        for name, value in store.refs.tags(run).items():
+            if value.root.hex in by_root:
+                tags[name] = by_root[value.root.hex]
+        if run in chosen:
+            reasons = policy.decide(generations, tags)
+        else:
+            reasons = {g.id: ["run not selected"] for g in generations}
+        plans.append(RunPlan(run, generations, reasons, tags))
+    return plans
+
+
+def collect_garbage(
+    store: Store,
+    policy: RetentionPolicy | None = None,
+    *,
+    runs: list[str] | None = None,
+    dry_run: bool = False,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+) -> GcReport:
+    """Drop what ``policy`` does not keep and delete every unreferenced object and chunk."""
+    policy = policy or RetentionPolicy()
+    started = time.perf_counter()
+    timings: dict[str, float] = {}
+    lock = (
+        _no_lock()
+        if dry_run
+        else store.refs.store_lock(
+            exclusive=True,
+            timeout=lock_timeout,
+            busy=f"store busy: a save or tag held {store.path} for {lock_timeout:g}s; "
+            "nothing was deleted, try again",
+        )
+    )
+    with lock:
+        clock = time.perf_counter()
+        for run in store.runs():
+            _check_reflog(store, run)
+        plans = plan_retention(store, policy, runs)
+        marked_objects: set[bytes] = set()
+        marked_chunks: set[bytes] = set()
+        dropped_roots: list[tuple[str, Generation]] = []
+        for plan in plans:
+            for gen in plan.generations:
+                if not plan.reasons[gen.id]:
+                    dropped_roots.append((plan.run, gen))
+                    continue
+                digest = Digest.from_hex(gen.root)
+                try:
+                    root = store.read_root(digest, run=plan.run)
+                    objects, chunks = _references(store, digest, root)
+                except IntegrityError as exc:
+                    raise GcAbortedError(
+                        f"gc aborted, nothing deleted: retained generation {plan.run}@{gen.id} "
+                        f"cannot be read: {exc}",
+                        run=plan.run,
+                        generation=gen.id,
+                    ) from exc
+                marked_objects.update(objects)
+                marked_chunks.update(chunks)
+        timings["mark"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        garbage_objects = [
+            (k, n)
+            for k, n in store.backend.value_sizes(Namespace.OBJECTS)
+            if k not in marked_objects
+        ]
+        garbage_chunks = [
+            (k, n) for k, n in store.backend.value_sizes(Namespace.CHUNKS) if k not in marked_chunks
+        ]
+        timings["scan"] = time.perf_counter() - clock
+        report = GcReport(
+            dry_run=dry_run,
+            plans=plans,
+            objects_freed=len(garbage_objects),
+            chunks_freed=len(garbage_chunks),
+            bytes_freed=sum(n for _, n in garbage_objects) + sum(n for _, n in garbage_chunks),
+        )
+        if not dry_run:
+            clock = time.perf_counter()
+            # First the durable intent: listings hide a dropped generation from now on,
+            # so a sweep cut short never leaves a half-deleted generation on show.
+            for run, gen in dropped_roots:
+                with store.refs.locked(run):
+                    store.refs.record_collected(run, gen.id, Digest.from_hex(gen.root))
+            fault_point("gc.before_sweep")
+            # Roots first, then shards, then chunks: whatever stops the sweep, nothing
+            # left behind names an object that is gone, except other garbage.
+            root_set = {Digest.from_hex(g.root).raw for _, g in dropped_roots}
+            ordered = sorted(garbage_objects, key=lambda item: item[0] not in root_set)
+            deleted = 0
+            for namespace, keys in (
+                (Namespace.OBJECTS, [k for k, _ in ordered]),
+                (Namespace.CHUNKS, [k for k, _ in garbage_chunks]),
+            ):
+                for start in range(0, len(keys), DELETE_BATCH):
+                    store.backend.delete_many(namespace, keys[start : start + DELETE_BATCH])
+                    deleted += 1
+                    if deleted == 1:
+                        fault_point("gc.mid_sweep")
+            timings["sweep"] = time.perf_counter() - clock
+    report.seconds = time.perf_counter() - started
+    report.timings = timings
+    return report
+
+
+class _no_lock:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+# -- tags -------------------------------------------------------------------------
+
+
+def tag(store: Store, run: str, generation: int | str, name: str) -> Generation:
+    """Pin a generation under ``name``: retention keeps it until it is untagged."""
+    # Shared store lock: a collection is not dropping this generation right now.
+    with store.refs.store_lock(
+        exclusive=False,
+        timeout=store.refs.lock_timeout,
+        busy=f"store busy: garbage collection held {store.path}",
+    ):
+        gen = store.resolve(run, generation)
+        store.refs.write_tag(
+            run, name, RefValue(run, gen.id, Digest.from_hex(gen.root), time.time())
+        )
+    return gen
+
+
+def untag(store: Store, run: str, name: str) -> None:
+    if not store.refs.delete_tag(run, name):
+        raise GenerationNotFoundError(f"run {run!r} has no tag {name!r}", run=run)
+
+
+# -- accounting -------------------------------------------------------------------
+
+
+@dataclass
+class GenerationUsage:
+    run: str
+    id: int
+    step: int
+    logical_bytes: int  # the state's tensor bytes
+    referenced_bytes: int  # distinct chunk bytes it references
+    exclusive_bytes: int  # chunk bytes no other listed generation references: freed by dropping it
+
+
+@dataclass
+class Usage:
+    generations: list[GenerationUsage]
+    physical_bytes: int  # every chunk and object stored (garbage included)
+    referenced_bytes: int  # distinct chunk bytes the listed generations reference
+    garbage_bytes: int  # stored but referenced by no listed generation
+    file_bytes: int  # size of the LMDB data file (it does not shrink; see compact)
+
+    @property
+    def logical_bytes(self) -> int:
+        return sum(g.logical_bytes for g in self.generations)
+
+    @property
+    def dedup_ratio(self) -> float:
+        """Logical bytes of all generations over the distinct chunk bytes they use."""
+        return self.logical_bytes / self.referenced_bytes if self.referenced_bytes else 1.0
+
+
+def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
+    """Logical and physical bytes; per generation, what only it references.
+
+    Exclusive bytes are counted against every listed generation of every run
+    (a chunk shared with another run is not freed by dropping one generation).
+    """
+    chunk_sizes = dict(store.backend.value_sizes(Namespace.CHUNKS))
+    object_bytes = sum(n for _, n in store.backend.value_sizes(Namespace.OBJECTS))
+    shown = set(store.runs() if runs is None else runs)
+    per_gen: list[tuple[str, Generation, set[bytes]]] = []
+    counts: Counter[bytes] = Counter()
+    referenced_objects = 0
+    for run in store.runs():
+        for digest, root in _run_generations(store, run):
+            objects, chunks = _references(store, digest, root)
+            counts.update(chunks)
+            referenced_objects += len(objects)
+            per_gen.append((run, Generation.from_root(digest, root), chunks))
+    rows = []
+    for run, gen, chunks in reversed(per_gen):
+        if run not in shown:
+            continue
+        rows.append(
+            GenerationUsage(
+                run=run,
+                id=gen.id,
+                step=gen.step,
+                logical_bytes=gen.logical_bytes,
+                referenced_bytes=sum(chunk_sizes.get(c, 0) for c in chunks),
+                exclusive_bytes=sum(chunk_sizes.get(c, 0) for c in chunks if counts[c] == 1),
+            )
+        )
+    rows.sort(key=lambda u: (u.run, u.id))
+    referenced = sum(chunk_sizes.get(c, 0) for c in counts)
+    physical = sum(chunk_sizes.values()) + object_bytes
+    data_file = store.path / "chunks" / "data.mdb"
+    return Usage(
+        generations=rows,
+        physical_bytes=physical,
+        referenced_bytes=referenced,
+        garbage_bytes=sum(chunk_sizes.values()) - referenced,
+        file_bytes=data_file.stat().st_size if data_file.exists() else 0,
+    )
+
+
+# -- compaction -------------------------------------------------------------------
+
+
+@dataclass
+class CompactReport:
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+
+
+def compact(path: str | os.PathLike[str]) -> CompactReport:
+    """Rewrite the LMDB file without its free pages, and swap it in atomically.
+
+    Offline: refused (``StoreLockedError``) while any process has the store
+    open. The compacted copy is checked entry by entry against the original's
+    counts before it replaces ``chunks/data.mdb`` with one ``rename``.
+    """
+    import lmdb
+
+    started = time.perf_counter()
+    root = Path(path)
+    from castore.storedir import MARKER, _read_marker
+
+    _read_marker(root / MARKER)  # a real store, of a format we know
+    refs = RefStore(root)
+    fd = refs.hold_open(
+        exclusive=True,
+        busy=f"store {root} is open (in this or another process): close every user "
+        "before compacting",
+    )
+    try:
+        chunks_dir = root / "chunks"
+        data_file = chunks_dir / "data.mdb"
+        before = data_file.stat().st_size
+        work = chunks_dir / f".compact-{os.getpid()}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        try:
+            env = lmdb.open(str(chunks_dir), readonly=True, max_dbs=4, lock=False)
+            try:
+                expected = _entry_counts(env)
+                env.copy(str(work), compact=True)
+            finally:
+                env.close()
+            copy = lmdb.open(str(work), readonly=True, max_dbs=4, lock=False)
+            try:
+                if _entry_counts(copy) != expected:
+                    raise IntegrityError(
+                        "compaction produced a copy whose entry counts differ; the store is "
+                        "unchanged",
+                        path=str(root),
+                    )
+            finally:
+                copy.close()
+            new_file = work / "data.mdb"
+            with open(new_file, "rb+") as handle:
+                os.fsync(handle.fileno())
+            os.replace(new_file, data_file)  # the atomic swap
+            fsync_dir(chunks_dir)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+        after = data_file.stat().st_size
+    finally:
+        os.close(fd)
+    return CompactReport(before, after, time.perf_counter() - started)
+
+
+def _entry_counts(env: Any) -> dict[bytes, int]:
+    """Entries of every named database of an environment."""
+    counts = {}
+    with env.begin() as txn:
+        names = [bytes(key) for key, _ in txn.cursor()]
+        for name in names:
+            db = env.open_db(name, txn=txn, create=False)
+            counts[name] = txn.stat(db)["entries"]
+    return counts
