@@ -24,6 +24,8 @@ POINTS = (
     "dist.coordinator_before_root",
     "dist.coordinator_before_ref_advance",
     "dist.coordinator_after_ref_advance",
+    "gc.before_sweep",
+    "gc.mid_sweep",
 )
 
 
