@@ -16,6 +16,7 @@ by :mod:`castore.tree`, which imports torch only when it sees one.
 
 from __future__ import annotations
 
+import collections
 import os
 import platform
 import re
@@ -347,9 +348,9 @@ class Store:
         }
         pending = dict(sorted(self.published(run).items(), key=lambda item: -item[1]))
         found: dict[str, tuple[Digest, GenerationRoot]] = {}
-        queue = list(pending)
+        queue = collections.deque(pending)
         while queue:
-            hex_digest = queue.pop(0)
+            hex_digest = queue.popleft()
             if hex_digest in found:
                 continue
             digest = Digest.from_hex(hex_digest)
@@ -384,6 +385,16 @@ class Store:
                     root = self.read_root(digest, run=run)
                     if root.generation == wanted_id:
                         return digest, root
+        if prefix:
+            matches = [h for h in self.published(run) if h.startswith(prefix)]
+            if len(matches) > 1:
+                raise GenerationNotFoundError(
+                    f"root prefix {prefix!r} is ambiguous in run {run!r}: use more digits",
+                    run=run,
+                )
+            if len(matches) == 1:
+                digest = Digest.from_hex(matches[0])
+                return digest, self.read_root(digest, run=run)
         by_prefix: list[tuple[Digest, GenerationRoot]] = []
         for digest, root in self.iter_chain(run):
             if root.generation == wanted_id:
