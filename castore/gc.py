@@ -40,7 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from castore.chunkstore.base import Namespace
-from castore.errors import CastoreError, GenerationNotFoundError, IntegrityError
+from castore.errors import (
+    CastoreError,
+    GenerationNotFoundError,
+    IntegrityError,
+    StoreNotFoundError,
+)
 from castore.faults import fault_point
 from castore.hashing import Digest
 from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest
@@ -113,6 +118,8 @@ def parse_duration(text: str) -> float:
         value = float(number) * (factor or 1)
     except ValueError:
         raise ValueError(f"not a duration: {text!r} (use e.g. 90s, 30m, 6h, 1d)") from None
+    if not math.isfinite(value):
+        raise ValueError(f"a duration must be finite, got {text!r}")
     if not value > 0:
         raise ValueError(f"a duration must be positive, got {text!r}")
     return value
@@ -216,10 +223,20 @@ def plan_retention(
         listed = _run_generations(store, run)
         generations = [Generation.from_root(d, r) for d, r in listed][::-1]
         by_root = {g.root: g.id for g in generations}
+        collected = {r["root"] for r in store.refs.reflog(run) if r.get("action") == "collect"}
         tags = {}
         for name, value in store.refs.tags(run).items():
             if value.root.hex in by_root:
                 tags[name] = by_root[value.root.hex]
+            elif value.root.hex not in collected:
+                # Fail closed: a tag must protect its generation even if the log lost it.
+                raise GcAbortedError(
+                    f"gc aborted, nothing deleted: tag {name!r} of run {run!r} names "
+                    f"generation {value.generation} ({value.root.short}), which the run's "
+                    "history does not list (is its reflog damaged?)",
+                    run=run,
+                    generation=value.generation,
+                )
         if run in chosen:
             reasons = policy.decide(generations, tags)
         else:
@@ -371,7 +388,7 @@ class Usage:
     generations: list[GenerationUsage]
     physical_bytes: int  # every chunk and object stored (garbage included)
     referenced_bytes: int  # distinct chunk bytes the listed generations reference
-    garbage_bytes: int  # stored but referenced by no listed generation
+    garbage_bytes: int  # chunks and objects stored but referenced by no listed generation
     file_bytes: int  # size of the LMDB data file (it does not shrink; see compact)
 
     @property
@@ -391,16 +408,16 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
     (a chunk shared with another run is not freed by dropping one generation).
     """
     chunk_sizes = dict(store.backend.value_sizes(Namespace.CHUNKS))
-    object_bytes = sum(n for _, n in store.backend.value_sizes(Namespace.OBJECTS))
+    object_sizes = dict(store.backend.value_sizes(Namespace.OBJECTS))
     shown = set(store.runs() if runs is None else runs)
     per_gen: list[tuple[str, Generation, set[bytes]]] = []
     counts: Counter[bytes] = Counter()
-    referenced_objects = 0
+    referenced_objects: set[bytes] = set()
     for run in store.runs():
         for digest, root in _run_generations(store, run):
             objects, chunks = _references(store, digest, root)
             counts.update(chunks)
-            referenced_objects += len(objects)
+            referenced_objects.update(objects)
             per_gen.append((run, Generation.from_root(digest, root), chunks))
     rows = []
     for run, gen, chunks in reversed(per_gen):
@@ -418,13 +435,14 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
         )
     rows.sort(key=lambda u: (u.run, u.id))
     referenced = sum(chunk_sizes.get(c, 0) for c in counts)
-    physical = sum(chunk_sizes.values()) + object_bytes
+    physical = sum(chunk_sizes.values()) + sum(object_sizes.values())
+    live_objects = sum(object_sizes.get(o, 0) for o in referenced_objects)
     data_file = store.path / "chunks" / "data.mdb"
     return Usage(
         generations=rows,
         physical_bytes=physical,
         referenced_bytes=referenced,
-        garbage_bytes=sum(chunk_sizes.values()) - referenced,
+        garbage_bytes=physical - referenced - live_objects,
         file_bytes=data_file.stat().st_size if data_file.exists() else 0,
     )
 
@@ -452,6 +470,8 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
     root = Path(path)
     from castore.storedir import MARKER, _read_marker
 
+    if not root.exists():
+        raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
     _read_marker(root / MARKER)  # a real store, of a format we know
     refs = RefStore(root)
     fd = refs.hold_open(

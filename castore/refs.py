@@ -39,7 +39,7 @@ _MAX_PAYLOAD = 1 << 16
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TAG_NAME = _RUN_NAME
 PUBLISH_ACTIONS = ("advance", "recovered")  # reflog records that name a published root
-_WHOLE_LINE = re.compile(r"[0-9a-f]{32}")
+_CHECK_CHARS = 32  # hex digits of blake3 after each reflog line's tab
 DEFAULT_LOCK_TIMEOUT = 30.0
 # How long a save waits for a running garbage collection to finish.
 DEFAULT_SAVE_WAIT = 600.0
@@ -347,9 +347,10 @@ class RefStore:
     def read_reflog(self, run: str) -> tuple[list[dict[str, Any]], list[int]]:
         """Intact records, and the line numbers (1-based) of damaged ones.
 
-        A line cut short by a crash mid-append (no complete checksum) is torn,
-        not damaged: the advance it recorded is recovered by the next one. A
-        whole line whose checksum fails is damage.
+        A line cut short by a crash mid-append (no tab, or fewer than 32
+        characters after it) is torn, not damaged: the advance it recorded is
+        recovered by the next one. Any other line whose checksum fails is
+        damage.
         """
         validate_run_name(run)
         try:
@@ -365,7 +366,9 @@ class RefStore:
                     continue
                 except ValueError:
                     pass
-            if _WHOLE_LINE.fullmatch(check) and text.endswith("}"):
+            if text and len(check) >= _CHECK_CHARS:
+                # A tab with a whole checksum after it: the write was complete (JSON
+                # holds no raw tab, so a torn prefix cannot look like this). Damage.
                 damaged.append(number)
         return records, damaged
 

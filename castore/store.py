@@ -222,8 +222,7 @@ class Store:
         return self.refs.store_lock(
             exclusive=False,
             timeout=self.refs.save_wait,
-            busy=f"store busy: garbage collection held {self.path} for "
-            f"{self.refs.save_wait:.0f}s",
+            busy=f"store busy: garbage collection held {self.path} for {self.refs.save_wait:.0f}s",
         )
 
     def _save_locked(
@@ -343,9 +342,7 @@ class Store:
         minus what garbage collection dropped. A listed root that is missing is
         damage: this fails closed.
         """
-        collected = {
-            r["root"] for r in self.refs.reflog(run) if r.get("action") == "collect"
-        }
+        collected = {r["root"] for r in self.refs.reflog(run) if r.get("action") == "collect"}
         pending = dict(sorted(self.published(run).items(), key=lambda item: -item[1]))
         found: dict[str, tuple[Digest, GenerationRoot]] = {}
         queue = collections.deque(pending)
