@@ -26,6 +26,7 @@ POINTS = (
     "dist.coordinator_after_ref_advance",
     "gc.before_sweep",
     "gc.mid_sweep",
+    "gc.mid_chunks",
 )
 
 

@@ -53,7 +53,7 @@ from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, va
 from castore.store import Generation, Store
 
 DELETE_BATCH = 1024  # keys per delete transaction
-GC_FAULTS = ("gc.before_sweep", "gc.mid_sweep")
+GC_FAULTS = ("gc.before_sweep", "gc.mid_sweep", "gc.mid_chunks")
 
 
 class GcAbortedError(CastoreError):
@@ -323,16 +323,14 @@ def collect_garbage(
             # left behind names an object that is gone, except other garbage.
             root_set = {Digest.from_hex(g.root).raw for _, g in dropped_roots}
             ordered = sorted(garbage_objects, key=lambda item: item[0] not in root_set)
-            deleted = 0
-            for namespace, keys in (
-                (Namespace.OBJECTS, [k for k, _ in ordered]),
-                (Namespace.CHUNKS, [k for k, _ in garbage_chunks]),
+            for namespace, keys, fault in (
+                (Namespace.OBJECTS, [k for k, _ in ordered], "gc.mid_sweep"),
+                (Namespace.CHUNKS, [k for k, _ in garbage_chunks], "gc.mid_chunks"),
             ):
                 for start in range(0, len(keys), DELETE_BATCH):
                     store.backend.delete_many(namespace, keys[start : start + DELETE_BATCH])
-                    deleted += 1
-                    if deleted == 1:
-                        fault_point("gc.mid_sweep")
+                    if start == 0:
+                        fault_point(fault)  # after the first batch of this namespace
             timings["sweep"] = time.perf_counter() - clock
     report.seconds = time.perf_counter() - started
     report.timings = timings
