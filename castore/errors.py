@@ -16,7 +16,8 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   │   └── ChunkMissingError        a referenced chunk is absent
     │   ├── CorruptObjectError           an object's bytes do not decode
     │   ├── CorruptRefError              a ref file is truncated or garbled
-    │   └── CoverageError                a tensor's boxes leave a gap, overlap or disagree
+    │   ├── CoverageError                a tensor's boxes leave a gap, overlap or disagree
+    │   └── NoValidGenerationError       a fallback found no generation that validates
     ├── DistributedError                 a multi-rank save or load failed as a group
     │   ├── RankFailedError              another rank failed (names the rank)
     │   ├── CollectiveError              the group stopped answering (a rank died)
@@ -122,6 +123,10 @@ class CorruptRefError(IntegrityError):
 
 class CoverageError(IntegrityError):
     """A sharded tensor's boxes leave a gap, overlap, or disagree on shape or dtype."""
+
+
+class NoValidGenerationError(IntegrityError):
+    """``fallback="previous"`` walked the whole history and nothing validated."""
 
 
 class DistributedError(CastoreError):

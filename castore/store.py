@@ -22,6 +22,7 @@ import platform
 import re
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,10 +44,13 @@ from castore.commit import (
     write_shard,
 )
 from castore.errors import (
+    CastoreError,
     ChecksumMismatchError,
     CorruptObjectError,
     FormatVersionError,
     GenerationNotFoundError,
+    IntegrityError,
+    NoValidGenerationError,
     ObjectMissingError,
     TensorNotFoundError,
     UnsupportedValueError,
@@ -82,6 +86,30 @@ class SaveStats:
     def dedup_ratio(self) -> float:
         """Fraction of logical bytes that were already stored (0..1)."""
         return 1.0 - self.new_bytes / self.logical_bytes if self.logical_bytes else 1.0
+
+
+class FallbackWarning(UserWarning):
+    """A load with ``fallback="previous"`` skipped generations that did not validate."""
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """A generation a fallback did not load, and why."""
+
+    generation: int
+    root: str
+    error: str  # the exception type
+    reason: str
+
+
+@dataclass
+class Restored:
+    """What :meth:`Store.restore` loaded."""
+
+    state: Any
+    generation: Generation
+    skipped: list[Skipped]
+    timings: dict[str, float]
 
 
 @dataclass(frozen=True)
@@ -418,19 +446,126 @@ class Store:
 
     # -- load -------------------------------------------------------------
 
+    def candidates(self, run: str, below: int | None = None) -> list[tuple[int, Digest]]:
+        """Generations a fallback may try, newest first: (id, root digest).
+
+        From the ref and the reflog, without reading a root, so a damaged ref
+        or root does not hide the generations before it. ``below``: only ids
+        up to it.
+        """
+        validate_run_name(run)
+        records = self.refs.reflog(run)
+        collected = {r["root"] for r in records if r.get("action") == "collect"}
+        listed = {
+            r["root"]: int(r["generation"])
+            for r in records
+            if r.get("action") in PUBLISH_ACTIONS and r["root"] not in collected
+        }
+        try:
+            latest = self.refs.read(run)
+        except CastoreError:
+            latest = None  # a damaged ref: the log still names what was published
+        if latest is not None:
+            listed[latest.root.hex] = latest.generation
+        if not listed:
+            raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
+        found = [(g, Digest.from_hex(h)) for h, g in listed.items() if below is None or g <= below]
+        return sorted(found, key=lambda item: -item[0])
+
+    def restore(
+        self,
+        run: str,
+        generation: GenerationSpec = "latest",
+        *,
+        framework: str = "numpy",
+        fallback: str | None = None,
+    ) -> Restored:
+        """Like :meth:`load`, and says what it loaded, what it skipped and how long it took.
+
+        ``fallback="previous"`` walks back from ``generation`` through the run's
+        history to the newest generation that fully validates (every object and
+        chunk verified), reporting each one skipped and why. The default fails
+        closed: the first problem raises.
+        """
+        _check_framework(framework)
+        if fallback not in (None, "previous"):
+            raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
+        if fallback is None:
+            digest, root = self.resolve_root(run, generation)
+            return self._restore_root(run, digest, root, framework, [])
+        below = None
+        if generation != "latest":
+            below = self.resolve(run, generation).id if not _is_id(generation) else int(generation)
+        skipped: list[Skipped] = []
+        for gen_id, digest in self.candidates(run, below):
+            try:
+                root = self.read_root(digest, run=run)
+                if root.generation != gen_id:
+                    raise CorruptObjectError(
+                        f"the log names generation {gen_id}, its root says {root.generation}",
+                        run=run,
+                    )
+                return self._restore_root(run, digest, root, framework, skipped)
+            except IntegrityError as exc:
+                skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
+        listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
+        raise NoValidGenerationError(
+            f"no generation of run {run!r} validates (skipped {listed})", run=run
+        )
+
+    def _restore_root(
+        self,
+        run: str,
+        digest: Digest,
+        root: GenerationRoot,
+        framework: str,
+        skipped: list[Skipped],
+    ) -> Restored:
+        clock = time.perf_counter()
+        timings: dict[str, float] = {}
+        shards = self.read_shards(root)
+        entries = self.tensor_entries(root, shards)
+        timings["metadata"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        state = self._load_root(run, root, shards, entries, framework)
+        timings["read_verify"] = time.perf_counter() - clock
+        return Restored(state, Generation.from_root(digest, root), list(skipped), timings)
+
     def load(
-        self, run: str, generation: GenerationSpec = "latest", *, framework: str = "numpy"
+        self,
+        run: str,
+        generation: GenerationSpec = "latest",
+        *,
+        framework: str = "numpy",
+        fallback: str | None = None,
     ) -> Any:
         """Rebuild the state saved as ``run@generation``; every byte is verified first.
 
         ``framework`` picks the array type of every tensor: ``"numpy"`` (works
         without torch), ``"torch"``, or ``"auto"``: each as it was saved.
+        ``fallback="previous"`` loads the newest generation at or before it that
+        validates, with a warning naming each one skipped (:meth:`restore`
+        returns them).
         """
-        _check_framework(framework)
-        digest, root = self.resolve_root(run, generation)
-        shards = self.read_shards(root)
-        entries = self.tensor_entries(root, shards)
-        where = {"run": run, "generation": root.generation}
+        restored = self.restore(run, generation, framework=framework, fallback=fallback)
+        if restored.skipped:
+            warnings.warn(
+                f"castore: loaded {run}@{restored.generation.id} after skipping "
+                + "; ".join(f"{s.generation} ({s.error}: {s.reason})" for s in restored.skipped),
+                FallbackWarning,
+                stacklevel=2,
+            )
+        return restored.state
+
+    def _load_root(
+        self,
+        run: str,
+        root: GenerationRoot,
+        shards: list[ShardManifest],
+        entries: dict[str, list[TensorEntry]],
+        framework: str,
+    ) -> Any:
+        where: dict[str, Any] = {"run": run, "generation": root.generation}
         tensors = {
             name: self.read_tensor(boxes, _framework_for(boxes[0], framework), where)
             for name, boxes in entries.items()
@@ -565,6 +700,10 @@ def box_transfer(
         plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
 
     return plan.chunk_indices(entry.chunk_size), scatter
+
+
+def _is_id(spec: GenerationSpec) -> bool:
+    return isinstance(spec, int) or (isinstance(spec, str) and spec.isdigit())
 
 
 def _parse_generation(spec: GenerationSpec) -> tuple[int | None, str | None]:
