@@ -16,13 +16,16 @@ from typing import Any
 
 import numpy as np
 
+from castore import errors
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.chunkio import ChunkRequest, read_agree_deliver
 from castore.commit import check_coverage
 from castore.dtypes import numpy_dtype
 from castore.errors import (
     CorruptObjectError,
+    IntegrityError,
     LayoutMismatchError,
+    NoValidGenerationError,
     RankLocalMismatchError,
     TensorNotFoundError,
 )
@@ -33,6 +36,7 @@ from castore.refs import validate_run_name
 from castore.shard import NotLoaded, Shard
 from castore.store import (
     Generation,
+    Skipped,
     Store,
     _allocate,
     _check_framework,
@@ -52,6 +56,7 @@ class LoadReport:
     bytes_needed: int = 0
     chunks_read: int = 0
     timings: dict[str, float] = field(default_factory=dict)
+    skipped: list[Skipped] = field(default_factory=list)  # generations a fallback passed over
 
 
 @dataclass
@@ -88,6 +93,7 @@ def load(
     rank_local: RankLocalPolicy = "same",
     framework: str = "auto",
     load_rest: bool = False,
+    fallback: str | None = None,
 ) -> LoadResult:
     """Restore ``run@generation`` into this rank's ``targets`` (a collective call).
 
@@ -98,18 +104,75 @@ def load(
     the saved rank whose value this rank takes. Saved tensors that no target
     names come back as :class:`~castore.NotLoaded`, or, with ``load_rest``,
     read whole into new arrays of ``framework`` (``"auto"``: as saved).
+
+    ``fallback="previous"``: when the ranks agree that the generation is
+    damaged (every failure an integrity error), try the one before it, and so
+    on; the report lists each generation skipped and why. Nothing live
+    changes for a skipped generation.
     """
     comm = Group(group, coordinator, timeout)
-    timings: dict[str, float] = {}
-    clock = time.perf_counter()
     validate_run_name(run)
     _check_framework(framework)
-    digest = _agree_on_root(store, run, generation, comm)
+    if fallback not in (None, "previous"):
+        raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
+    options = _Options(targets, rank_local, framework, load_rest)
+    if fallback is None:
+        digest = _agree_on_root(store, run, generation, comm)
+        return _load_root(store, run, digest, None, comm, options, [], _Outcome())
+    skipped: list[Skipped] = []
+    for gen_id, digest in _agree_on_candidates(store, run, generation, comm):
+        outcome = _Outcome()
+        try:
+            return _load_root(store, run, digest, gen_id, comm, options, skipped, outcome)
+        except Exception as exc:
+            if not outcome.every_failure_is_integrity:
+                raise
+            skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
+    listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
+    raise NoValidGenerationError(
+        f"no generation of run {run!r} validates on every rank (skipped {listed})", run=run
+    )
+
+
+@dataclass
+class _Options:
+    targets: Any
+    rank_local: RankLocalPolicy
+    framework: str
+    load_rest: bool
+
+
+@dataclass
+class _Outcome:
+    """Whether the ranks agreed that every failure was damage (the same on every rank)."""
+
+    every_failure_is_integrity: bool = False
+
+
+def _load_root(
+    store: Store,
+    run: str,
+    digest: Digest,
+    expected_id: int | None,
+    comm: Group,
+    options: _Options,
+    skipped: list[Skipped],
+    outcome: _Outcome,
+) -> LoadResult:
+    targets, rank_local = options.targets, options.rank_local
+    framework, load_rest = options.framework, options.load_rest
+    timings: dict[str, float] = {}
+    clock = time.perf_counter()
     read_before = (store.read_counters.chunks, store.read_counters.bytes)
 
     def plan_everything() -> tuple[Any, ...]:
         nonlocal clock
         root = store.read_root(digest, run=run)
+        if expected_id is not None and root.generation != expected_id:
+            raise CorruptObjectError(
+                f"the log names generation {expected_id}, its root says {root.generation}",
+                run=run,
+            )
         shards = store.read_shards(root)
         timings["metadata"] = time.perf_counter() - clock
         clock = time.perf_counter()
@@ -133,6 +196,8 @@ def load(
         nonlocal agreed, clock
         agreed = True
         outcomes = comm.all_gather({"error": describe(error)}, "load: agree")
+        failed = [o["error"]["type"] for o in outcomes if o.get("error")]
+        outcome.every_failure_is_integrity = bool(failed) and all(map(_is_integrity, failed))
         raise_failures(outcomes, comm, error)
         timings["read_verify"] = time.perf_counter() - clock
         clock = time.perf_counter()  # what follows is assembly: copying into the targets
@@ -159,8 +224,38 @@ def load(
         + per_rank_bytes,
         chunks_read=store.read_counters.chunks - read_before[0],
         timings=timings,
+        skipped=list(skipped),
     )
     return LoadResult(state, report)
+
+
+def _is_integrity(type_name: str) -> bool:
+    cls = getattr(errors, type_name, None)
+    return isinstance(cls, type) and issubclass(cls, IntegrityError)
+
+
+def _agree_on_candidates(
+    store: Store, run: str, generation: int | str, comm: Group
+) -> list[tuple[int, Digest]]:
+    """The coordinator's fallback order, newest first, for every rank."""
+    message: dict[str, Any] = {}
+    failure: BaseException | None = None
+    if comm.is_coordinator:
+
+        def candidates() -> list[list[Any]]:
+            below = None
+            if generation != "latest":
+                below = store.resolve(run, generation).id
+            return [[g, d.raw] for g, d in store.candidates(run, below)]
+
+        found, failure = attempt(candidates)
+        message = {"error": describe(failure), "candidates": found}
+    message = comm.broadcast(message, "load: candidates")
+    if message.get("error"):
+        if failure is not None:
+            raise failure
+        raise rebuild(message["error"], comm.coordinator)
+    return [(int(g), Digest(d)) for g, d in message["candidates"]]
 
 
 def _agree_on_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:

@@ -44,11 +44,17 @@ import torch
 from castore import dist as castore_dist
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.data import ResumableDistributedSampler
-from castore.errors import LayoutMismatchError, ResumeMismatchError, SaveBoundaryError
-from castore.hashing import digest_bytes
-from castore.restore import LoadReport, _agree_on_root
+from castore.errors import (
+    IntegrityError,
+    LayoutMismatchError,
+    NoValidGenerationError,
+    ResumeMismatchError,
+    SaveBoundaryError,
+)
+from castore.hashing import Digest, digest_bytes
+from castore.restore import LoadReport, _agree_on_candidates, _agree_on_root
 from castore.shard import RankLocal
-from castore.store import Generation, Store
+from castore.store import Generation, Skipped, Store
 from castore.tree import decode_tree
 
 RNG_VERSION = 1
@@ -244,6 +250,7 @@ class Resumed:
     notes: list[str] = field(default_factory=list)
     extra: Any = None
     report: LoadReport | None = None
+    skipped: list[Skipped] = field(default_factory=list)  # generations a fallback passed over
 
 
 @dataclass
@@ -491,18 +498,51 @@ class TrainState:
         group: Any = None,
         coordinator: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
+        fallback: str | None = None,
     ) -> Resumed:
         """Restore a saved boundary into the live objects, under the claim ``resume``.
 
         Nothing live changes unless every rank verified everything it reads and
         the claim's conditions hold; a mismatch raises
         :class:`~castore.errors.ResumeMismatchError` naming every differing field.
+        ``fallback="previous"`` walks back to the newest generation that
+        validates on every rank (skipped ones are in ``Resumed.skipped``).
         """
         if resume not in ("exact", "continuation"):
             raise ValueError(f"resume must be 'exact' or 'continuation', got {resume!r}")
+        if fallback not in (None, "previous"):
+            raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
         comm = Group(group, coordinator, timeout)
-        digest = _agree_on_root(store, run, generation, comm)
+        where = (store, run, resume, comm, group, coordinator, timeout)
+        if fallback is None:
+            return self._load_root(*where, _agree_on_root(store, run, generation, comm), [])
+        skipped: list[Skipped] = []
+        for gen_id, digest in _agree_on_candidates(store, run, generation, comm):
+            try:
+                return self._load_root(*where, digest, skipped)
+            except Exception as exc:  # noqa: BLE001 - skipped only if every rank saw damage
+                damage = isinstance(exc, IntegrityError)
+                verdicts = comm.all_gather({"damage": damage}, "train.load: fallback")
+                if not all(v["damage"] for v in verdicts):
+                    raise
+                skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
+        listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
+        raise NoValidGenerationError(
+            f"no generation of run {run!r} validates on every rank (skipped {listed})", run=run
+        )
 
+    def _load_root(
+        self,
+        store: Store,
+        run: str,
+        resume: str,
+        comm: Group,
+        group: Any,
+        coordinator: int,
+        timeout: float,
+        digest: Digest,
+        skipped: list[Skipped],
+    ) -> Resumed:
         def check() -> Generation:
             found = Generation.from_root(digest, store.read_root(digest, run=run))
             self._check_claim(found.data_order, resume, comm, found)
@@ -612,8 +652,14 @@ class TrainState:
             self._update_start_examples = -self.examples
         self.update = int(saved["update"])
         self.extra = state.get("extra")
+        if skipped:
+            notes.append(
+                "fell back past "
+                + "; ".join(f"generation {k.generation} ({k.error}: {k.reason})" for k in skipped)
+            )
         return Resumed(
             claim=resume,
+            skipped=list(skipped),
             generation=root_generation,
             update=self.update,
             microbatch=self.microbatch,
