@@ -19,6 +19,7 @@ from tabulate import tabulate
 import castore
 from castore import gc
 from castore.errors import CastoreError
+from castore.repair import repair_store
 from castore.store import Generation, Store
 from castore.tree import decode_tree
 
@@ -155,8 +156,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         run, generation = _split_target(args.target)
         generation = None if generation == "latest" and "@" not in args.target else generation
     with _open(args.store) as store:
-        report = verify_store(store, run=run, generation=generation, deep=args.deep, progress=True)
-    mode = "deep (every chunk re-hashed)" if report.deep else "structural"
+        sample = None if args.sample is None else args.sample / 100
+        report = verify_store(
+            store, run=run, generation=generation, deep=args.deep, progress=True, sample=sample
+        )
+    mode = (
+        f"sampled ({report.chunks_hashed} chunk(s) re-hashed, {args.sample:g}%)"
+        if args.sample is not None
+        else "deep (every chunk re-hashed)"
+        if report.deep
+        else "structural"
+    )
     print(
         f"verified {report.runs} run(s), {report.generations} generation(s), "
         f"{report.objects} object(s), {report.chunks} chunk(s): {mode}"
@@ -268,6 +278,29 @@ def cmd_du(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_repair(args: argparse.Namespace) -> int:
+    with _open(args.store) as store:
+        report = repair_store(store, dry_run=args.dry_run, lock_timeout=args.wait)
+    verb = "would remove" if args.dry_run else "removed"
+    print(
+        f"checked {report.chunks_checked} chunk(s) and {report.objects_checked} object(s); "
+        f"{verb} {len(report.corrupt_chunks)} corrupt chunk(s), "
+        f"{len(report.missing_chunks)} index entr(ies) without bytes, "
+        f"{len(report.corrupt_objects)} corrupt object(s)"
+    )
+    if not report.damaged:
+        print("OK: every generation is whole")
+        return 0
+    for where, lost in sorted(report.damaged.items()):
+        print(f"DAMAGED {where}: {len(lost)} problem(s), first: {lost[0]}")
+    print(
+        "data lost: the chunks and objects above; a later save of the same content "
+        "re-supplies chunks and heals those generations. Generations missing a root or "
+        "shard manifest cannot be healed: load an earlier one (fallback='previous')."
+    )
+    return EXIT_PROBLEMS
+
+
 def cmd_compact(args: argparse.Namespace) -> int:
     report = gc.compact(args.store)
     print(
@@ -295,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
     verify.add_argument("store")
     verify.add_argument("target", nargs="?", metavar="RUN[@GEN]")
     verify.add_argument("--deep", action="store_true", help="re-hash every chunk")
+    verify.add_argument(
+        "--sample", type=float, metavar="P", help="re-hash a random P%% of the chunks"
+    )
     verify.set_defaults(handler=cmd_verify)
     tag = commands.add_parser("tag", help="pin a generation under a name (retention keeps it)")
     tag.add_argument("store")
@@ -327,6 +363,13 @@ def build_parser() -> argparse.ArgumentParser:
     du.add_argument("store")
     du.add_argument("--run", help="only this run's generations")
     du.set_defaults(handler=cmd_du)
+    repair = commands.add_parser(
+        "repair", help="remove corrupt chunks and objects; list what stays damaged"
+    )
+    repair.add_argument("store")
+    repair.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    repair.add_argument("--wait", type=float, default=30.0, help="seconds to wait for saves")
+    repair.set_defaults(handler=cmd_repair)
     compact = commands.add_parser("compact", help="shrink the LMDB file (offline)")
     compact.add_argument("store")
     compact.set_defaults(handler=cmd_compact)

@@ -9,6 +9,7 @@ when many generations share it.
 
 from __future__ import annotations
 
+import random
 import sys
 from collections.abc import Iterable, Iterator
 from concurrent.futures import wait
@@ -53,6 +54,7 @@ class VerifyReport:
     chunks: int = 0
     chunks_hashed: int = 0
     deep: bool = False
+    sample: float | None = None  # the fraction of chunks re-hashed, when sampling
     problems: list[Problem] = field(default_factory=list)
 
     @property
@@ -67,9 +69,14 @@ class VerifyReport:
 class _ChunkStatus:
     """Per-store cache: each chunk is checked (or re-hashed) once."""
 
-    def __init__(self, store: Store, deep: bool, progress: bool) -> None:
+    def __init__(
+        self, store: Store, deep: bool, progress: bool, sample: float | None = None
+    ) -> None:
         self.store = store
-        self.deep = deep
+        self.deep = deep or sample is not None
+        self.sample = sample
+        self.random = random.Random()
+        self.hashed = 0
         self.status: dict[bytes, str] = {}  # "ok", "missing" or "damaged"
         self.bar = tqdm(
             desc="verify chunks",
@@ -90,7 +97,12 @@ class _ChunkStatus:
             self.status.update(dict.fromkeys(hashed, "ok"))
             self.bar.update(len(todo))
             return
+        if self.sample is not None:
+            chosen = [d for d in hashed if self.random.random() < self.sample]
+            self.status.update(dict.fromkeys(set(hashed) - set(chosen), "ok"))
+            hashed = chosen
         self.bar.update(len(todo) - len(hashed))
+        self.hashed += len(hashed)
         for start in range(0, len(hashed), _DEEP_BATCH):
             self._rehash(hashed[start : start + _DEEP_BATCH])
 
@@ -118,34 +130,65 @@ def verify_store(
     generation: int | str | None = None,
     deep: bool = False,
     progress: bool = False,
+    sample: float | None = None,
 ) -> VerifyReport:
-    """Check ``run`` (or every run), one generation or all of them."""
-    report = VerifyReport(deep=deep)
-    chunks = _ChunkStatus(store, deep, progress)
+    """Check ``run`` (or every run), one generation or all of them.
+
+    ``sample`` (a fraction in (0, 1]) re-hashes that random share of the
+    chunks instead of all of them: a cheap periodic check.
+    """
+    if sample is not None and not 0 < sample <= 1:
+        raise ValueError(f"sample must be a fraction in (0, 1], got {sample!r}")
+    report = VerifyReport(deep=deep or sample is not None, sample=sample)
+    chunks = _ChunkStatus(store, deep, progress, sample)
     for name in [run] if run is not None else store.runs():
         report.runs += 1
         for digest, root in _roots(store, name, generation, report):
             _verify_generation(store, digest, root, chunks, report)
     chunks.bar.close()
     report.chunks = len(chunks.status)
-    report.chunks_hashed = len(chunks.status) if deep else 0
+    report.chunks_hashed = chunks.hashed
     return report
 
 
 def _roots(
     store: Store, run: str, generation: int | str | None, report: VerifyReport
 ) -> list[tuple[Digest, GenerationRoot]]:
+    """The generations to check; one that cannot be read is a problem, not a stop."""
     found: list[tuple[Digest, GenerationRoot]] = []
-    try:
-        if generation is not None:
+    if generation is not None:
+        try:
             found.append(store.resolve_root(run, generation))
-        else:
-            latest = store.resolve_root(run, "latest")  # checks the ref against its root
-            found.append(latest)
-            found.extend(item for item in store.iter_chain(run) if item[0] != latest[0])
+        except CastoreError as exc:
+            report.problems.append(Problem(run, None, f"{type(exc).__name__}: {exc}"))
+        return found
+    try:
+        store.resolve_root(run, "latest")  # checks the ref against its root
     except CastoreError as exc:
         report.problems.append(Problem(run, None, f"{type(exc).__name__}: {exc}"))
-    return found
+    try:
+        candidates = store.candidates(run)
+    except CastoreError as exc:
+        report.problems.append(Problem(run, None, f"{type(exc).__name__}: {exc}"))
+        return found
+    collected = {r["root"] for r in store.refs.reflog(run) if r.get("action") == "collect"}
+    queue: list[tuple[int | None, Digest]] = list(candidates)
+    seen: set[bytes] = set()
+    while queue:
+        gen_id, digest = queue.pop(0)
+        if digest.raw in seen:
+            continue
+        seen.add(digest.raw)
+        try:
+            root = store.read_root(digest, run=run)
+        except CastoreError as exc:
+            report.generations += 1
+            report.problems.append(Problem(run, gen_id, f"root: {type(exc).__name__}: {exc}"))
+            continue
+        found.append((digest, root))
+        if root.parent is not None and root.parent.hex() not in collected:
+            queue.append((None, Digest(root.parent)))
+    return sorted(found, key=lambda item: -item[1].generation)
 
 
 def _verify_generation(

@@ -1,0 +1,99 @@
+"""Repair: remove what is corrupt so that later saves can supply it again.
+
+Every chunk and object is re-hashed; only those whose bytes do not hash to
+their name are deleted (with a chunk's ``chunk_index`` entry), as are index
+entries whose chunk is gone. An intact object is never deleted. Afterwards a
+save of the same content writes the removed chunks again (a save skips only
+chunks the index says are present), which heals every generation that needed
+them: the store is content-addressed.
+
+What cannot be healed that way is reported plainly: the generations still
+damaged, and per generation the tensors and bytes that are lost.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import wait
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from castore.chunkio import shared_pool
+from castore.chunkstore.base import Namespace
+from castore.hashing import digest_bytes
+from castore.refs import DEFAULT_LOCK_TIMEOUT
+from castore.verify import verify_store
+
+if TYPE_CHECKING:
+    from castore.store import Store
+
+_BATCH = 64
+
+
+@dataclass
+class RepairReport:
+    chunks_checked: int = 0
+    objects_checked: int = 0
+    corrupt_chunks: list[bytes] = field(default_factory=list)
+    missing_chunks: list[bytes] = field(default_factory=list)  # indexed, but no bytes
+    corrupt_objects: list[bytes] = field(default_factory=list)
+    damaged: dict[str, list[str]] = field(default_factory=dict)  # "run@gen" -> what is lost
+
+    @property
+    def removed(self) -> int:
+        return len(self.corrupt_chunks) + len(self.missing_chunks) + len(self.corrupt_objects)
+
+
+def _check(store: Store, namespace: Namespace, keys: list[bytes]) -> dict[bytes, str]:
+    """Each key's verdict: "ok", "corrupt" (bytes do not hash to it) or "missing"."""
+    verdicts: dict[bytes, str] = {}
+
+    def one(key: bytes, value: memoryview | None) -> str:
+        if value is None:
+            return "missing"
+        return "ok" if digest_bytes(value, threads=1) == key else "corrupt"
+
+    for start in range(0, len(keys), _BATCH):
+        batch = keys[start : start + _BATCH]
+
+        def visit(values: Iterator[memoryview | None], batch: list[bytes] = batch) -> None:
+            pool = shared_pool()
+            futures = [pool.submit(one, k, v) for k, v in zip(batch, values, strict=True)]
+            wait(futures)  # every worker is done before the read transaction ends
+            for key, future in zip(batch, futures, strict=True):
+                verdicts[key] = future.result()
+
+        store.backend.read_many(namespace, batch, visit)
+    return verdicts
+
+
+def repair_store(
+    store: Store, *, dry_run: bool = False, lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+) -> RepairReport:
+    """Delete corrupt chunks and objects; report the generations that stay damaged."""
+    report = RepairReport()
+    # Exclusive, like garbage collection: no save dedups against a chunk being removed.
+    with store.refs.store_lock(
+        exclusive=True,
+        timeout=lock_timeout,
+        busy=f"store busy: a save or tag held {store.path} for {lock_timeout:g}s; "
+        "nothing was changed",
+    ):
+        chunk_keys = [k for k, _ in store.backend.value_sizes(Namespace.CHUNKS)]
+        object_keys = [k for k, _ in store.backend.value_sizes(Namespace.OBJECTS)]
+        chunks = _check(store, Namespace.CHUNKS, chunk_keys)
+        objects = _check(store, Namespace.OBJECTS, object_keys)
+        report.chunks_checked, report.objects_checked = len(chunk_keys), len(object_keys)
+        report.corrupt_chunks = [k for k, v in chunks.items() if v == "corrupt"]
+        report.missing_chunks = [k for k, v in chunks.items() if v == "missing"]
+        report.corrupt_objects = [k for k, v in objects.items() if v == "corrupt"]
+        if not dry_run:
+            store.backend.delete_many(
+                Namespace.CHUNKS, report.corrupt_chunks + report.missing_chunks
+            )
+            store.backend.delete_many(Namespace.OBJECTS, report.corrupt_objects)
+    after = verify_store(store)
+    for problem in after.problems:
+        where = problem.run if problem.generation is None else f"{problem.run}@{problem.generation}"
+        report.damaged.setdefault(where, []).append(problem.what)
+    return report
