@@ -92,7 +92,7 @@ def repair_store(
                 Namespace.CHUNKS, report.corrupt_chunks + report.missing_chunks
             )
             store.backend.delete_many(Namespace.OBJECTS, report.corrupt_objects)
-    after = verify_store(store)
+    after = verify_store(store, deep=dry_run)  # a dry run removed nothing: hash to see it
     for problem in after.problems:
         where = problem.run if problem.generation is None else f"{problem.run}@{problem.generation}"
         report.damaged.setdefault(where, []).append(problem.what)
