@@ -119,8 +119,8 @@ def load(
     if fallback is None:
         digest = _agree_on_root(store, run, generation, comm)
         return _load_root(store, run, digest, None, comm, options, [], _Outcome())
-    skipped: list[Skipped] = []
-    for gen_id, digest in _agree_on_candidates(store, run, generation, comm):
+    candidates, skipped = _agree_on_candidates(store, run, generation, comm)
+    for gen_id, digest in candidates:
         outcome = _Outcome()
         try:
             return _load_root(store, run, digest, gen_id, comm, options, skipped, outcome)
@@ -236,26 +236,31 @@ def _is_integrity(type_name: str) -> bool:
 
 def _agree_on_candidates(
     store: Store, run: str, generation: int | str, comm: Group
-) -> list[tuple[int, Digest]]:
-    """The coordinator's fallback order, newest first, for every rank."""
+) -> tuple[list[tuple[int, Digest]], list[Skipped]]:
+    """The coordinator's fallback order, newest first, and a damaged ref, for every rank."""
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:
 
-        def candidates() -> list[list[Any]]:
+        def candidates() -> dict[str, Any]:
             below = None
             if generation != "latest":
                 below = store.resolve(run, generation).id
-            return [[g, d.raw] for g, d in store.candidates(run, below)]
+            bad_ref = store.ref_problem(run) if generation == "latest" else []
+            return {
+                "candidates": [[g, d.raw] for g, d in store.candidates(run, below)],
+                "ref": [[k.error, k.reason] for k in bad_ref],
+            }
 
         found, failure = attempt(candidates)
-        message = {"error": describe(failure), "candidates": found}
+        message = {"error": describe(failure), **(found or {})}
     message = comm.broadcast(message, "load: candidates")
     if message.get("error"):
         if failure is not None:
             raise failure
         raise rebuild(message["error"], comm.coordinator)
-    return [(int(g), Digest(d)) for g, d in message["candidates"]]
+    skipped = [Skipped(0, "ref", error, reason) for error, reason in message["ref"]]
+    return [(int(g), Digest(d)) for g, d in message["candidates"]], skipped
 
 
 def _agree_on_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:

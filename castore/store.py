@@ -96,8 +96,8 @@ class FallbackWarning(UserWarning):
 class Skipped:
     """A generation a fallback did not load, and why."""
 
-    generation: int
-    root: str
+    generation: int  # 0 for the run's ref itself, when it was damaged
+    root: str  # hex digest, or "ref"
     error: str  # the exception type
     reason: str
 
@@ -317,12 +317,24 @@ class Store:
 
     def read_shards(self, root: GenerationRoot) -> list[ShardManifest]:
         where = {"run": root.run, "generation": root.generation}
+        if len(root.shards) != root.world_size:
+            raise CorruptObjectError(
+                f"root says {root.world_size} rank(s) wrote it but lists "
+                f"{len(root.shards)} shard manifest(s)",
+                **where,
+            )
         shards: list[ShardManifest] = []
         for index, digest in enumerate(root.shards):
             shard: ShardManifest = self.read_object(digest, expect=TYPE_SHARD, shard=index, **where)
             if shard.run != root.run or shard.generation != root.generation:
                 raise CorruptObjectError(
                     f"shard {index} belongs to {shard.run}@{shard.generation}", **where
+                )
+            if shard.rank != index:
+                raise CorruptObjectError(
+                    f"shard {index} is rank {shard.rank}'s manifest (listed twice or out of "
+                    "rank order)",
+                    **where,
                 )
             shards.append(shard)
         return shards
@@ -351,7 +363,6 @@ class Store:
         The reflog records each ref advance and each generation garbage
         collection dropped; the ref itself is always included.
         """
-        latest = self._latest(run)
         records = self.refs.reflog(run)
         collected = {r["root"] for r in records if r.get("action") == "collect"}
         listed = {
@@ -359,6 +370,12 @@ class Store:
             for r in records
             if r.get("action") in PUBLISH_ACTIONS and r["root"] not in collected
         }
+        try:
+            latest = self._latest(run)
+        except CastoreError:
+            if not listed:
+                raise
+            return listed  # a damaged ref: the log still names what was published
         listed[latest.root.hex] = latest.generation
         return listed
 
@@ -470,7 +487,17 @@ class Store:
         if not listed:
             raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
         found = [(g, Digest.from_hex(h)) for h, g in listed.items() if below is None or g <= below]
-        return sorted(found, key=lambda item: -item[0])
+        # Newest first; for one id, the root the ref names (the commit point) first.
+        ref_root = latest.root.hex if latest is not None else None
+        return sorted(found, key=lambda item: (-item[0], item[1].hex != ref_root))
+
+    def ref_problem(self, run: str) -> list[Skipped]:
+        """A damaged ref as a skipped entry, so a fallback past it is never silent."""
+        try:
+            self.refs.read(run)
+        except CastoreError as exc:
+            return [Skipped(0, "ref", type(exc).__name__, str(exc))]
+        return []
 
     def restore(
         self,
@@ -496,7 +523,7 @@ class Store:
         below = None
         if generation != "latest":
             below = self.resolve(run, generation).id if not _is_id(generation) else int(generation)
-        skipped: list[Skipped] = []
+        skipped = self.ref_problem(run) if generation == "latest" else []
         for gen_id, digest in self.candidates(run, below):
             try:
                 root = self.read_root(digest, run=run)

@@ -516,8 +516,8 @@ class TrainState:
         where = (store, run, resume, comm, group, coordinator, timeout)
         if fallback is None:
             return self._load_root(*where, _agree_on_root(store, run, generation, comm), [])
-        skipped: list[Skipped] = []
-        for gen_id, digest in _agree_on_candidates(store, run, generation, comm):
+        candidates, skipped = _agree_on_candidates(store, run, generation, comm)
+        for gen_id, digest in candidates:
             try:
                 return self._load_root(*where, digest, skipped)
             except Exception as exc:  # noqa: BLE001 - skipped only if every rank saw damage
