@@ -357,7 +357,7 @@ class Store:
             raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
         return ref
 
-    def published(self, run: str) -> dict[str, int]:
+    def published(self, run: str, *, tolerate_bad_ref: bool = False) -> dict[str, int]:
         """Root hex -> generation id of every published, uncollected generation (by the log).
 
         The reflog records each ref advance and each generation garbage
@@ -373,7 +373,7 @@ class Store:
         try:
             latest = self._latest(run)
         except CastoreError:
-            if not listed:
+            if not listed or not tolerate_bad_ref:
                 raise
             return listed  # a damaged ref: the log still names what was published
         listed[latest.root.hex] = latest.generation
@@ -421,14 +421,16 @@ class Store:
         wanted_id, prefix = _parse_generation(generation)
         if wanted_id is not None:
             # The log names most generations directly: read only that root.
-            for hex_digest, listed_id in self.published(run).items():
+            for hex_digest, listed_id in self.published(run, tolerate_bad_ref=True).items():
                 if listed_id == wanted_id:
                     digest = Digest.from_hex(hex_digest)
                     root = self.read_root(digest, run=run)
                     if root.generation == wanted_id:
                         return digest, root
         if prefix:
-            matches = [h for h in self.published(run) if h.startswith(prefix)]
+            matches = [
+                h for h in self.published(run, tolerate_bad_ref=True) if h.startswith(prefix)
+            ]
             if len(matches) > 1:
                 raise GenerationNotFoundError(
                     f"root prefix {prefix!r} is ambiguous in run {run!r}: use more digits",
