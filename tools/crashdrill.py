@@ -1,0 +1,900 @@
+"""Crash drill: real multi-rank saves, real SIGKILLs, fresh readers, bitwise resumes.
+
+Every scenario runs real processes in a real gloo group (CPU, deterministic
+algorithms) training the small DDP job of tools/resume_parity.py (dropout,
+AdamW, warmup scheduler, GradScaler, 2 accumulated microbatches per update, a
+NumPy noise generator, a ResumableDistributedSampler). The job saves with
+``castore.train.TrainState.save`` after every update, so generations 1..U of
+run "drill" hold updates 1..U. Then, per scenario:
+
+1. crash: a fault point is armed (``castore.faults.arm(point, "kill")``) in
+   one process only, right before the save of update U; that process SIGKILLs
+   itself at that point of the two-phase commit. Worker points arm rank 1,
+   coordinator points rank 0. The other ranks must fail on their own with a
+   castore error (none may return from the save, none may outlive
+   ``--save-timeout`` by 10 s; the drill SIGKILLs and fails any that do). GC
+   points instead let the job finish its U saves, then run the CLI's
+   ``castore gc STORE --keep 2`` (``castore.cli.main``) in a fresh process
+   with ``CASTORE_FAULTS=<point>=kill``.
+2. read: a fresh process opens the store and resolves "latest" (the
+   generation a resume selects), runs ``verify_store(deep=True)`` (every chunk
+   re-hashed) and restores every generation still listed.
+3. resume: fresh processes at the same rank count run
+   ``TrainState.load(resume="exact")`` and ONE update; its sample ids,
+   weights, losses (per microbatch and rank) and resulting parameters,
+   optimizer moments, scheduler and scaler must equal bitwise the same update
+   of an uninterrupted reference run (no castore involved) at the same rank
+   count. Recovery time is from the parent's clock just before it starts the
+   resume processes to the end of that first resumed update (slowest rank).
+
+Scenarios and the generation a fresh reader must select:
+
+  worker_mid_shard      dist.worker_mid_shard on rank 1, after its first
+                        committed write batch of several           -> U-1
+  coordinator_before_ref_advance                                   -> U-1
+  coordinator_after_ref_advance  new, and every checksum passes    -> U
+  worker_before_ack     rank 1's shard manifest is committed       -> U-1
+  coordinator_before_root                                          -> U-1
+  gc_mid_sweep          gc killed after its first batch of objects -> U
+  gc_mid_chunks         gc killed after its first batch of chunks  -> U
+
+So that "mid" really is mid with a state of ~70 KiB, the drill writes with
+4 KiB chunks and shrinks castore's write batch (``chunkio.WRITE_BATCH_BYTES``,
+256 MiB) to 8 KiB in its training processes and the collector's delete batch
+(``gc.DELETE_BATCH``, 1024 keys) to 2 in its ``castore gc`` process: at the
+defaults a shard or a sweep this small is one batch, and the "mid" points fire
+only after the last one. The row's evidence column shows how far the killed
+process got (bytes of its shard durable; objects and chunks swept).
+
+A GC row also checks that the run lists exactly U-1 and U, and runs the
+collection again without the fault: it must finish the sweep (no garbage
+left, the store still verifies).
+
+The table has one row per scenario; the exit status is 1 if any row fails.
+``--quick`` (2 ranks, 3 updates, every scenario) takes about a minute on a
+2-core machine. ``--control skip-optimizer`` is a broken control: the resume
+restores only the weights (``castore.train.load_weights``) and the data
+position, so its rows must FAIL the bitwise comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+TOOLS = Path(__file__).resolve().parent
+sys.path.insert(0, str(TOOLS))
+import resume_parity  # noqa: E402 - the training job this drill crashes and resumes
+
+RUN = "drill"
+CHUNK_SIZE = 4096  # the store's chunk size: a shard spans many chunks
+WRITE_BATCH = 2 * CHUNK_SIZE  # castore.chunkio.WRITE_BATCH_BYTES in the drill's savers
+DELETE_BATCH = 2  # castore.gc.DELETE_BATCH in the drill's collector
+GC_KEEP = 2
+GRACE = 10.0  # seconds beyond --save-timeout the survivors get to fail on their own
+STARTED_ENV = "CRASHDRILL_STARTED"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    point: str
+    kind: str  # "save" (armed in one rank of the job) or "gc" (armed in castore gc)
+    rank: int | None  # the rank whose process dies (None: the collector)
+    expect: str  # "previous" (U-1) or "new" (U)
+
+
+SCENARIOS = (
+    Scenario("worker_mid_shard", "dist.worker_mid_shard", "save", 1, "previous"),
+    Scenario(
+        "coordinator_before_ref_advance",
+        "dist.coordinator_before_ref_advance",
+        "save",
+        0,
+        "previous",
+    ),
+    Scenario(
+        "coordinator_after_ref_advance", "dist.coordinator_after_ref_advance", "save", 0, "new"
+    ),
+    Scenario("worker_before_ack", "dist.worker_before_ack", "save", 1, "previous"),
+    Scenario("coordinator_before_root", "dist.coordinator_before_root", "save", 0, "previous"),
+    Scenario("gc_mid_sweep", "gc.mid_sweep", "gc", None, "new"),
+    Scenario("gc_mid_chunks", "gc.mid_chunks", "gc", None, "new"),
+)
+BY_NAME = {s.name: s for s in SCENARIOS}
+
+
+# -- the training job (runs in each rank's process) ------------------------------
+
+
+def _state_digest(job: dict[str, Any]) -> str:
+    """One digest of the parameters, optimizer moments, scheduler and scaler bits."""
+    final = resume_parity._final(job)
+    return hashlib.sha256(json.dumps(final, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _train(
+    job: dict[str, Any], *, until: int, after_update: Any = None
+) -> dict[int, dict[str, Any]]:
+    """Train to update ``until``; per update: its microbatches and the state after it."""
+    import contextlib
+
+    import torch
+
+    model, state, sampler = job["model"], job["state"], job["sampler"]
+    optimizer, scheduler, scaler = job["optimizer"], job["scheduler"], job["scaler"]
+    updates: dict[int, dict[str, Any]] = {}
+    epoch = sampler.epoch
+    while state.update < until:
+        sampler.set_epoch(epoch)  # keeps a just-loaded position of this epoch
+        for ids, x, y in job["loader"]:
+            last = state.microbatch + 1 == resume_parity.ACCUMULATION
+            noise = job["noise"].normal(0.0, 0.01, x.shape).astype("float32")
+            x = x + torch.from_numpy(noise)
+            record = updates.setdefault(state.update + 1, {"microbatches": []})
+            record["microbatches"].append(
+                {"ids": ids.tolist(), "weights": resume_parity._weights_digest(job["inner"])}
+            )
+            with contextlib.nullcontext() if last else model.no_sync():
+                loss = torch.nn.functional.cross_entropy(model(x), y)
+                scaler.scale(loss / resume_parity.ACCUMULATION).backward()
+            record["microbatches"][-1]["loss"] = float(loss.item()).hex()
+            state.microbatch_done(len(ids))
+            if state.microbatch == resume_parity.ACCUMULATION:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                scheduler.step()
+                state.update_done()
+                record["state"] = _state_digest(job)
+                record["at"] = time.time()
+                if after_update is not None:
+                    after_update(state.update)
+                if state.update >= until:
+                    return updates
+        epoch += 1
+    return updates
+
+
+def _note(path: Path, entry: dict[str, Any]) -> None:
+    """Append one line; it reaches the page cache before a SIGKILL can stop us."""
+    with path.open("a") as handle:
+        handle.write(json.dumps(entry) + "\n")
+
+
+def _arm(config: dict[str, Any], rank: int, update: int) -> None:
+    """Arm the scenario's fault point in this process, and watch how far the save gets."""
+    import castore.chunkio
+    import castore.commit
+    import castore.faults
+
+    point = config["point"]
+    progress = Path(config["workdir"], f"progress-{rank}.jsonl")
+    _note(progress, {"armed": point, "update": update})
+    if point == "dist.worker_mid_shard":
+        # Observation only: record the shard's size and each committed batch.
+        write_leaves, flush = castore.commit.write_leaves, castore.chunkio._flush
+
+        def watched_write(backend: Any, leaves: Any, chunk_size: int, **kwargs: Any) -> Any:
+            total = sum(leaf.data.nbytes for leaf in leaves)
+            _note(
+                progress, {"shard_bytes": total, "batch_bytes": castore.chunkio.WRITE_BATCH_BYTES}
+            )
+            return write_leaves(backend, leaves, chunk_size, **kwargs)
+
+        def watched_flush(backend: Any, batch: Any, stats: Any) -> None:
+            flush(backend, batch, stats)
+            _note(progress, {"committed_bytes": sum(piece.nbytes for _, piece in batch)})
+
+        castore.commit.write_leaves = watched_write  # type: ignore[assignment]
+        castore.chunkio._flush = watched_flush
+    castore.faults.arm(point, "kill")
+
+
+def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+    """One rank of one launch: ``reference``, ``train`` (saving) or ``resume``."""
+    import torch
+
+    import castore
+    import castore.chunkio
+    import castore.train
+
+    torch.use_deterministic_algorithms(True)
+    torch.set_num_threads(1)
+    job = resume_parity._job(config, rank, world)
+    phase = config["phase"]
+    if phase == "reference":
+        return {"updates": _train(job, until=config["updates"] + 1)}
+    store = castore.open(config["store"], create=False)
+    if phase == "train":
+        castore.chunkio.WRITE_BATCH_BYTES = config["write_batch"]
+
+        def save(update: int) -> None:
+            if update == config["updates"] and config.get("armed_rank") == rank:
+                _arm(config, rank, update)
+            job["state"].save(store, run=RUN, timeout=config["save_timeout"])
+
+        _train(job, until=config["updates"], after_update=save)
+        return {"saved": config["updates"]}
+    # phase == "resume"
+    started = float(os.environ[STARTED_ENV])
+    if config["control"] == "skip-optimizer":
+        # The broken control: weights and data position only; optimizer, scheduler,
+        # scaler and RNG streams stay as freshly built.
+        loaded = castore.train.load_weights(store, RUN, job["model"], timeout=config["timeout"])
+        generation = loaded.generation
+        order = generation.data_order
+        job["sampler"].load_state_dict(
+            {
+                "version": 1,
+                "seed": order["seed"],
+                "epoch": order["epoch"],
+                "consumed_samples": order["consumed_samples"],
+                "num_replicas": order["world_size"],
+                "dataset_len": order["dataset_len"],
+                "shuffle": order["shuffle"],
+                "drop_last": order["drop_last"],
+            }
+        )
+        job["state"].update = order["update"]
+    else:
+        resumed = job["state"].load(store, run=RUN, resume="exact", timeout=config["timeout"])
+        generation = resumed.generation
+    loaded_update = job["state"].update
+    first = _train(job, until=loaded_update + 1)[loaded_update + 1]
+    return {
+        "generation": generation.id,
+        "update": loaded_update + 1,
+        "record": first,
+        "recovery_seconds": first["at"] - started,
+    }
+
+
+def _child(spec: Path, rank: int) -> int:
+    import torch.distributed as dist
+
+    config = json.loads(spec.read_text())
+    world = config["world"]
+    dist.init_process_group(
+        "gloo", init_method=f"file://{config['rendezvous']}", rank=rank, world_size=world
+    )
+    out = Path(config["workdir"], f"{config['label']}-{rank}.json")
+    try:
+        result: dict[str, Any] = {"ok": worker(config, rank, world)}
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which judges
+        error = {"type": type(exc).__name__, "message": str(exc)[:500], "at": time.time()}
+        result = {"error": error}
+    out.write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "error" in result:
+        os._exit(0)  # a peer may be dead: tearing down the group could block
+    dist.destroy_process_group()
+    return 0
+
+
+# -- fresh processes without torch: the reader and the collector -----------------
+
+
+def _reader(path: str, plan_keep: int | None) -> int:
+    """What a fresh reader of the store sees, as one JSON line on stdout."""
+    import castore
+    from castore.errors import CastoreError
+    from castore.gc import RetentionPolicy, collect_garbage
+    from castore.verify import verify_store
+
+    out: dict[str, Any] = {}
+    with _closing(castore.open(path, create=False)) as store:
+        try:
+            out["selected"] = store.resolve(RUN, "latest").id
+        except CastoreError as exc:
+            out["selected"] = None
+            out["select_error"] = f"{type(exc).__name__}: {exc}"
+        report = verify_store(store, deep=True)
+        out["verify_ok"] = report.ok
+        out["verify_generations"] = report.generations
+        out["verify_chunks_hashed"] = report.chunks_hashed
+        out["problems"] = [str(p) for p in report.problems][:10]
+        loads: dict[str, str] = {}
+        try:
+            listed = [g.id for g in store.generations(RUN)]
+        except CastoreError as exc:
+            listed = []
+            loads["listing"] = f"{type(exc).__name__}: {exc}"
+        for gen_id in listed:
+            try:
+                store.restore(RUN, gen_id)
+                loads[str(gen_id)] = "ok"
+            except CastoreError as exc:
+                loads[str(gen_id)] = f"{type(exc).__name__}: {exc}"
+        out["listed"] = listed
+        out["loads"] = loads
+        # Unreferenced bytes right now: a dry run that keeps every generation.
+        garbage = collect_garbage(store, RetentionPolicy(keep_last=10**9), dry_run=True)
+        out["garbage"] = {"objects": garbage.objects_freed, "chunks": garbage.chunks_freed}
+        if plan_keep is not None:
+            plan = collect_garbage(store, RetentionPolicy(keep_last=plan_keep), dry_run=True)
+            out["would_free"] = {"objects": plan.objects_freed, "chunks": plan.chunks_freed}
+    print(json.dumps(out))
+    return 0
+
+
+class _closing:
+    def __init__(self, store: Any) -> None:
+        self.store = store
+
+    def __enter__(self) -> Any:
+        return self.store
+
+    def __exit__(self, *exc: object) -> None:
+        self.store.close()
+
+
+def _collector(path: str, keep: int, delete_batch: int) -> int:
+    """``castore gc STORE --keep K``: the CLI's own code, with a smaller delete batch."""
+    import castore.gc
+    from castore.cli import main as castore_cli
+
+    castore.gc.DELETE_BATCH = delete_batch
+    return castore_cli(["gc", path, "--keep", str(keep)])
+
+
+def _self_command(*args: str) -> list[str]:
+    return [sys.executable, str(Path(__file__).resolve()), *args]
+
+
+def read_store(path: Path, *, plan_keep: int | None = None) -> dict[str, Any]:
+    command = _self_command("--reader", str(path))
+    if plan_keep is not None:
+        command += ["--plan-keep", str(plan_keep)]
+    env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    if done.returncode != 0:
+        return {"selected": None, "reader_error": done.stderr[-800:]}
+    return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def collect(path: Path, *, fault: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
+    if fault:
+        env["CASTORE_FAULTS"] = f"{fault}=kill"
+    command = _self_command("--collector", str(path), str(GC_KEEP), str(DELETE_BATCH))
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+
+
+# -- launching ranks ---------------------------------------------------------------
+
+
+@dataclass
+class Launch:
+    """How the processes of one launch ended."""
+
+    returncodes: list[int]
+    results: list[dict[str, Any] | None]
+    killed_by_drill: list[int]
+    seconds: float
+    logs: str = ""
+    armed_died_at: float | None = None  # when the parent saw the armed rank gone
+
+
+def launch(
+    config: dict[str, Any], phase: str, label: str, *, armed_rank: int | None = None
+) -> Launch:
+    """Start every rank of one launch; if ``armed_rank`` dies, let the others fail alone."""
+    world = config["ranks"]
+    workdir = Path(config["workdir"])
+    spec = workdir / f"{label}.json"
+    rendezvous = workdir / f"rendezvous-{label}"
+    rendezvous.unlink(missing_ok=True)
+    spec.write_text(
+        json.dumps(
+            {
+                **config,
+                "phase": phase,
+                "label": label,
+                "world": world,
+                "rendezvous": str(rendezvous),
+                "armed_rank": armed_rank,
+            }
+        )
+    )
+    env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
+    started = time.time()
+    env[STARTED_ENV] = repr(started)
+    logs = [workdir / f"{label}-{rank}.log" for rank in range(world)]
+    procs = []
+    for rank in range(world):
+        with logs[rank].open("wb") as log:
+            procs.append(
+                subprocess.Popen(
+                    _self_command("--worker", str(spec), str(rank)),
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=log,
+                )
+            )
+    deadline = time.monotonic() + config["timeout"]
+    armed_died: float | None = None
+    armed_died_at: float | None = None
+    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+        if armed_rank is not None and armed_died is None and procs[armed_rank].poll() is not None:
+            armed_died, armed_died_at = time.monotonic(), time.time()
+        if armed_died is not None and time.monotonic() - armed_died > config["grace"]:
+            break
+        time.sleep(0.01)
+    killed = []
+    for rank, proc in enumerate(procs):
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGKILL)
+            killed.append(rank)
+        proc.wait()
+    results = []
+    for rank in range(world):
+        path = workdir / f"{label}-{rank}.json"
+        results.append(json.loads(path.read_text()) if path.exists() else None)
+    tails = [f"{p.name}: {p.read_text(errors='replace')[-600:]}" for p in logs if p.stat().st_size]
+    return Launch(
+        [p.returncode for p in procs],
+        results,
+        killed,
+        time.time() - started,
+        "\n".join(tails),
+        armed_died_at,
+    )
+
+
+def _require_ok(launch_: Launch, what: str) -> list[dict[str, Any]]:
+    oks = []
+    for rank, result in enumerate(launch_.results):
+        if result is None or "ok" not in result:
+            detail = result["error"] if result else f"exit {launch_.returncodes[rank]}"
+            raise SystemExit(f"{what}: rank {rank} failed: {detail}\n{launch_.logs}")
+        oks.append(result["ok"])
+    return oks
+
+
+# -- one scenario --------------------------------------------------------------------
+
+
+@dataclass
+class Row:
+    scenario: str
+    point: str
+    killed: str
+    exit_code: int | None = None
+    survivors: str = ""
+    evidence: str = ""
+    expected: int | None = None
+    selected: int | None = None
+    verify: bool = False
+    listed: list[int] = field(default_factory=list)
+    all_listed_load: bool = False
+    garbage_left: dict[str, int] = field(default_factory=dict)
+    resumed_generation: int | None = None
+    resumed_equal: bool = False
+    recovery_seconds: float | None = None
+    failures: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+
+def _new_store(path: Path) -> None:
+    import castore
+
+    castore.open(path, chunk_size=CHUNK_SIZE).close()
+
+
+def _survivors(crash: Launch, armed: int) -> tuple[str, list[str]]:
+    """How the ranks that were not armed ended, and what is wrong with that.
+
+    Each must fail on its own with a castore error within its save timeout: a
+    survivor that returned published a generation without the dead rank, and
+    one the drill had to kill broke castore's bounded waits.
+    """
+    ends: dict[str, list[int]] = {}
+    problems = []
+    latest = None
+    for rank, result in enumerate(crash.results):
+        if rank == armed:
+            continue
+        if rank in crash.killed_by_drill:
+            end = "killed by drill"
+            problems.append(f"rank {rank} still ran {GRACE:g}s past its save timeout")
+        elif result is None:
+            end = f"exit {crash.returncodes[rank]}"
+            problems.append(f"rank {rank} died without a result (exit {crash.returncodes[rank]})")
+        elif "error" in result:
+            end = result["error"]["type"]
+            latest = max(latest or 0.0, result["error"]["at"])
+        else:
+            end = "returned"
+            problems.append(f"rank {rank} finished the save although rank {armed} died")
+        ends.setdefault(end, []).append(rank)
+    text = ", ".join(f"{end} (r{','.join(map(str, ranks))})" for end, ranks in ends.items())
+    if latest is not None and crash.armed_died_at is not None:
+        text += f" in {max(0.0, latest - crash.armed_died_at):.2f}s"
+    return text, problems
+
+
+def _mid_shard_evidence(progress: Path) -> tuple[str, bool]:
+    """Bytes of the killed rank's shard durable when it died (mid-shard: some, not all)."""
+    if not progress.exists():
+        return "no progress recorded", False
+    entries = [json.loads(line) for line in progress.read_text().splitlines()]
+    total = next((e["shard_bytes"] for e in entries if "shard_bytes" in e), None)
+    committed = [e["committed_bytes"] for e in entries if "committed_bytes" in e]
+    if total is None:
+        return "the shard write never started", False
+    done = sum(committed)
+    text = f"{len(committed)} batch(es), {done} of {total} B durable"
+    return text, 0 < done < total
+
+
+def run_save_scenario(
+    config: dict[str, Any], scenario: Scenario, row: Row, scenario_dir: Path
+) -> Path:
+    store = scenario_dir / "store"
+    _new_store(store)
+    settings = {
+        **config,
+        "store": str(store),
+        "point": scenario.point,
+        "workdir": str(scenario_dir),
+    }
+    assert scenario.rank is not None
+    crash = launch(settings, "train", "crash", armed_rank=scenario.rank)
+    row.exit_code = crash.returncodes[scenario.rank]
+    row.survivors, problems = _survivors(crash, scenario.rank)
+    row.failures += problems
+    if row.exit_code != -signal.SIGKILL:
+        row.failures.append(
+            f"rank {scenario.rank} was to die by SIGKILL at {scenario.point}, exit {row.exit_code}"
+            f"\n{crash.logs}"
+        )
+    progress = scenario_dir / f"progress-{scenario.rank}.jsonl"
+    armed = progress.exists() and json.loads(progress.read_text().splitlines()[0])
+    if not armed or armed.get("update") != config["updates"]:
+        row.failures.append(f"the fault was not armed at the save of update {config['updates']}")
+    if scenario.point == "dist.worker_mid_shard":
+        row.evidence, mid = _mid_shard_evidence(progress)
+        if not mid:
+            row.failures.append(f"not killed mid-shard: {row.evidence}")
+    return store
+
+
+def run_gc_scenario(
+    config: dict[str, Any], scenario: Scenario, row: Row, scenario_dir: Path, trained: Path
+) -> Path:
+    store = scenario_dir / "store"
+    shutil.copytree(trained, store)
+    before = read_store(store, plan_keep=GC_KEEP)
+    would = before.get("would_free", {"objects": 0, "chunks": 0})
+    killed = collect(store, fault=scenario.point)
+    row.exit_code = killed.returncode
+    if killed.returncode != -signal.SIGKILL:
+        row.failures.append(
+            f"castore gc was to die by SIGKILL at {scenario.point}, exit {killed.returncode}: "
+            f"{(killed.stdout + killed.stderr)[-400:]}"
+        )
+    after = read_store(store)
+    left = after.get("garbage", {"objects": -1, "chunks": -1})
+    swept = {kind: would[kind] - left[kind] for kind in ("objects", "chunks")}
+    row.evidence = (
+        f"swept {swept['objects']}/{would['objects']} objects, "
+        f"{swept['chunks']}/{would['chunks']} chunks"
+    )
+    if scenario.point == "gc.mid_sweep":
+        mid = 0 < swept["objects"] < would["objects"] and swept["chunks"] == 0
+    else:
+        mid = swept["objects"] == would["objects"] and 0 < swept["chunks"] < would["chunks"]
+    if not mid:
+        row.failures.append(f"not killed mid-sweep at {scenario.point}: {row.evidence}")
+    return store
+
+
+def _compare(
+    reference: list[dict[str, Any]], resumed: list[dict[str, Any]], update: int
+) -> list[str]:
+    """Every rank's first resumed update against the reference's same update, bitwise."""
+    differences = []
+    for rank, (ref, new) in enumerate(zip(reference, resumed, strict=True)):
+        want = ref["updates"].get(str(update))
+        got = new["record"]
+        if want is None:
+            differences.append(f"the reference has no update {update}")
+            continue
+        for key in ("microbatches", "state"):
+            if want[key] != got[key]:
+                differences.append(f"rank {rank} update {update}: {key} differ")
+    return differences
+
+
+def run_scenario(
+    config: dict[str, Any],
+    scenario: Scenario,
+    reference: list[dict[str, Any]],
+    trained: Path | None,
+) -> Row:
+    clock = time.perf_counter()
+    updates = config["updates"]
+    row = Row(
+        scenario=scenario.name,
+        point=scenario.point,
+        killed="castore gc" if scenario.rank is None else f"rank {scenario.rank}",
+        expected=updates - 1 if scenario.expect == "previous" else updates,
+    )
+    scenario_dir = Path(config["workdir"], scenario.name)
+    scenario_dir.mkdir(parents=True, exist_ok=True)
+    if scenario.kind == "save":
+        store = run_save_scenario(config, scenario, row, scenario_dir)
+    else:
+        assert trained is not None
+        store = run_gc_scenario(config, scenario, row, scenario_dir, trained)
+
+    seen = read_store(store)
+    row.selected = seen.get("selected")
+    row.verify = bool(seen.get("verify_ok"))
+    row.listed = seen.get("listed", [])
+    row.all_listed_load = bool(row.listed) and all(
+        v == "ok" for v in seen.get("loads", {}).values()
+    )
+    row.garbage_left = seen.get("garbage", {})
+    if scenario.kind == "save" and not row.evidence:
+        row.evidence = (
+            f"garbage left: {row.garbage_left.get('objects')} objects, "
+            f"{row.garbage_left.get('chunks')} chunks"
+        )
+    if row.selected != row.expected:
+        row.failures.append(
+            f"a fresh reader selects generation {row.selected}, expected {row.expected}"
+            + (
+                f" ({seen.get('select_error') or seen.get('reader_error')})"
+                if not row.selected
+                else ""
+            )
+        )
+    if not row.verify:
+        row.failures.append(f"verify --deep: {seen.get('problems') or seen.get('reader_error')}")
+    if not row.all_listed_load:
+        row.failures.append(f"not every listed generation loads: {seen.get('loads')}")
+    if scenario.kind == "gc" and row.listed != list(range(updates - GC_KEEP + 1, updates + 1)):
+        row.failures.append(f"after gc --keep {GC_KEEP} the run lists {row.listed}")
+
+    resume = launch(
+        {**config, "store": str(store), "workdir": str(scenario_dir)}, "resume", "resume"
+    )
+    results = resume.results
+    if any(r is None or "ok" not in r for r in results):
+        errors = [
+            r["error"] if r else f"exit {c}"
+            for r, c in zip(results, resume.returncodes, strict=True)
+        ]
+        row.failures.append(f"the resume failed: {errors}\n{resume.logs}")
+    else:
+        resumed = [r["ok"] for r in results]  # type: ignore[index]
+        row.resumed_generation = resumed[0]["generation"]
+        row.recovery_seconds = max(r["recovery_seconds"] for r in resumed)
+        differences = _compare(reference, resumed, resumed[0]["update"])
+        row.resumed_equal = not differences
+        if differences:
+            row.failures.append(
+                "first resumed update differs from the reference: " + "; ".join(differences)
+            )
+        if row.resumed_generation != row.expected:
+            row.failures.append(f"the resume loaded generation {row.resumed_generation}")
+
+    if scenario.kind == "gc":
+        finished = collect(store, fault=None)
+        again = read_store(store)
+        if finished.returncode != 0 or again.get("garbage") != {"objects": 0, "chunks": 0}:
+            row.failures.append(
+                f"a second gc did not finish the sweep: exit {finished.returncode}, "
+                f"garbage {again.get('garbage')}"
+            )
+        elif not again.get("verify_ok"):
+            row.failures.append(f"after the second gc: {again.get('problems')}")
+    row.seconds = time.perf_counter() - clock
+    return row
+
+
+# -- the drill -------------------------------------------------------------------------
+
+
+def run_drill(args: argparse.Namespace) -> dict[str, Any]:
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="castore-crashdrill-"))
+    workdir.mkdir(parents=True, exist_ok=True)
+    config: dict[str, Any] = {
+        "workdir": str(workdir),
+        "ranks": args.ranks,
+        "updates": args.updates,
+        "save_timeout": args.save_timeout,
+        "grace": args.save_timeout + GRACE,
+        "timeout": args.timeout,
+        "write_batch": WRITE_BATCH,
+        "control": args.control,
+    }
+    scenarios = [BY_NAME[name] for name in args.scenarios]
+    clock = time.perf_counter()
+    timings: dict[str, float] = {}
+    ref_dir = workdir / "reference"
+    ref_dir.mkdir(exist_ok=True)
+    reference = _require_ok(
+        launch({**config, "workdir": str(ref_dir)}, "reference", "reference"), "reference"
+    )
+    timings["reference"] = time.perf_counter() - clock
+    trained: Path | None = None
+    if any(s.kind == "gc" for s in scenarios):
+        step = time.perf_counter()
+        trained_dir = workdir / "trained"
+        trained_dir.mkdir(exist_ok=True)
+        trained = trained_dir / "store"
+        _new_store(trained)
+        _require_ok(
+            launch(
+                {**config, "store": str(trained), "workdir": str(trained_dir)}, "train", "train"
+            ),
+            "uninterrupted training for the gc scenarios",
+        )
+        timings["train_for_gc"] = time.perf_counter() - step
+    rows = []
+    for scenario in scenarios:
+        row = run_scenario(config, scenario, reference, trained)
+        rows.append(row)
+        if args.verbose:
+            print(f"{row.scenario}: {'PASS' if row.passed else 'FAIL'} ({row.seconds:.1f}s)")
+    timings["total"] = time.perf_counter() - clock
+    return {"config": config, "rows": rows, "timings": timings}
+
+
+def print_table(drill: dict[str, Any]) -> None:
+    from tabulate import tabulate
+
+    config = drill["config"]
+    updates = config["updates"]
+    print(
+        f"crash drill: {config['ranks']} ranks, generations 1..{updates} (fault armed at the "
+        f"save of update {updates}), chunks {CHUNK_SIZE} B, write batch {WRITE_BATCH} B, "
+        f"gc --keep {GC_KEEP} with delete batch {DELETE_BATCH}"
+        + (f", CONTROL {config['control']}" if config["control"] else "")
+    )
+    rows = []
+    for index, row in enumerate(drill["rows"], 1):
+        rows.append(
+            [
+                index,
+                row.scenario,
+                row.point,
+                f"{row.killed} ({row.exit_code})",
+                row.survivors or "-",
+                row.evidence,
+                f"{row.selected} ({row.expected})",
+                "ok" if row.verify else "FAIL",
+                "yes" if row.resumed_equal else "NO",
+                "-" if row.recovery_seconds is None else f"{row.recovery_seconds:.2f}",
+                "PASS" if row.passed else "FAIL",
+            ]
+        )
+    print(
+        tabulate(
+            rows,
+            headers=[
+                "#",
+                "scenario",
+                "fault point",
+                "killed (exit)",
+                "other ranks",
+                "crash evidence",
+                "selects (expected)",
+                "verify --deep",
+                "resume == ref",
+                "recovery s",
+                "result",
+            ],
+        )
+    )
+    for row in drill["rows"]:
+        for failure in row.failures:
+            print(f"FAIL {row.scenario}: {failure}")
+    timings = drill["timings"]
+    recovery = [r.recovery_seconds for r in drill["rows"] if r.recovery_seconds is not None]
+    print(
+        f"wall time {timings['total']:.1f}s (reference {timings['reference']:.1f}s"
+        + (f", training for gc {timings['train_for_gc']:.1f}s" if "train_for_gc" in timings else "")
+        + "); recovery (resume process start to first resumed update, slowest rank): "
+        + (
+            f"median {sorted(recovery)[len(recovery) // 2]:.2f}s, max {max(recovery):.2f}s"
+            if recovery
+            else "-"
+        )
+    )
+    passed = sum(r.passed for r in drill["rows"])
+    print(f"RESULT: {passed}/{len(drill['rows'])} scenarios pass")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0],
+        epilog="\n\n".join(__doc__.split("\n\n")[1:]),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--ranks", type=int, default=None, help="world size (default 4; quick 2)")
+    parser.add_argument(
+        "--updates",
+        type=int,
+        default=None,
+        help="updates (= generations) of the job; the fault hits the last save "
+        "(default 4; quick 3)",
+    )
+    parser.add_argument(
+        "--scenarios",
+        default=",".join(s.name for s in SCENARIOS),
+        help="comma list (default: all): " + ", ".join(s.name for s in SCENARIOS),
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="2 ranks, 3 updates, every scenario (~1 min)"
+    )
+    parser.add_argument(
+        "--control",
+        choices=["skip-optimizer"],
+        default=None,
+        help="a broken control: resume the weights and data position only (must FAIL)",
+    )
+    parser.add_argument("--save-timeout", type=float, default=20.0, help="castore timeout (s)")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per launch")
+    parser.add_argument("--workdir", default=None, help="keep every launch's files here")
+    parser.add_argument("--json", default=None, help="write the rows here")
+    parser.add_argument("-v", "--verbose", action="store_true", help="a line per scenario")
+    args = parser.parse_args(argv)
+    args.ranks = args.ranks or (2 if args.quick else 4)
+    args.updates = args.updates or (3 if args.quick else 4)
+    args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    unknown = [s for s in args.scenarios if s not in BY_NAME]
+    if unknown:
+        parser.error(f"unknown scenarios {unknown}; known: {', '.join(BY_NAME)}")
+    if args.ranks < 2:
+        parser.error("--ranks must be at least 2 (worker faults need a rank besides rank 0)")
+    if args.updates < GC_KEEP + 1:
+        parser.error(f"--updates must be at least {GC_KEEP + 1} (gc --keep {GC_KEEP} drops one)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        return _child(Path(argv[1]), int(argv[2]))
+    if argv[:1] == ["--reader"]:
+        keep = int(argv[3]) if argv[2:3] == ["--plan-keep"] else None
+        return _reader(argv[1], keep)
+    if argv[:1] == ["--collector"]:
+        return _collector(argv[1], int(argv[2]), int(argv[3]))
+    args = parse_args(argv)
+    drill = run_drill(args)
+    print_table(drill)
+    if args.json:
+        rows = [{**asdict(r), "passed": r.passed} for r in drill["rows"]]
+        Path(args.json).write_text(
+            json.dumps(
+                {"config": drill["config"], "timings": drill["timings"], "rows": rows}, indent=1
+            )
+        )
+    if args.workdir is None:
+        shutil.rmtree(drill["config"]["workdir"], ignore_errors=True)
+    return 0 if all(r.passed for r in drill["rows"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
