@@ -172,7 +172,7 @@ def _train(
                     "microbatch": state.microbatch,
                     "epoch": epoch,
                     "ids": ids.tolist(),
-                    "loss": loss.item().hex(),
+                    "loss": float(loss.item()).hex(),
                     "weights": _weights_digest(job["inner"]),
                     "at": time.time(),
                 }
