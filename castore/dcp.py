@@ -1,0 +1,524 @@
+"""castore as a storage backend for ``torch.distributed.checkpoint`` (DCP).
+
+``dcp.save(state_dict, storage_writer=CastoreWriter(store, run="r", step=100))``
+and ``dcp.load(state_dict, storage_reader=CastoreReader(store, run="r"))`` use
+DCP's own planners (DTensor and FSDP resharding included); castore stores the
+bytes:
+
+* every tensor write item is one box of its global tensor, chunked into the
+  CAS like every castore tensor (so unchanged chunks are never written twice,
+  and every read is verified); a bytes item (a non-tensor value, which DCP's
+  planner pickles) is unpickled with ``weights_only=True`` and stored as
+  castore's msgpack encoding in a uint8 box, so no pickle reaches the store;
+* DCP's ``Metadata`` is kept without pickle, as plain values in the root's
+  metadata (``{"dcp": ...}``: dtypes by name, sizes and chunk boxes as lists);
+* ``finish`` publishes through castore's compare-and-swap ref advance, after
+  re-reading every rank's shard manifest and checking coverage and chunk
+  presence: a DCP save is a castore generation (``castore log``, ``verify``,
+  ``gc``), and nothing is visible before ``finish`` succeeds;
+* a read item fetches only the chunks that overlap its element range; every
+  rank stages and verifies all it reads, the ranks agree, and only then does
+  any rank hand tensors to the planner (invariant 4).
+
+A checkpoint id ``castore://STORE/RUN[@GEN]`` is accepted by ``reset`` and
+``validate_checkpoint_id``. torch 2.13 picks a backend from ``checkpoint_id``
+alone only among its own (file system, fsspec), so pass the writer or reader
+explicitly: ``storage_writer=CastoreWriter.from_checkpoint_id("castore://...")``.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+    WriteItemType,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
+
+from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
+from castore.chunkio import WriteStats
+from castore.commit import (
+    COORDINATOR_FAULTS,
+    check_coverage,
+    commit_objects,
+    group_entries,
+    make_root,
+    publish,
+    root_stats,
+    write_shard,
+)
+from castore.errors import (
+    CastoreError,
+    ChunkMissingError,
+    CorruptObjectError,
+    InvalidNameError,
+    UnsupportedValueError,
+)
+from castore.hashing import Digest
+from castore.layout import Box
+from castore.objects import TYPE_SHARD, ShardManifest
+from castore.refs import validate_run_name
+from castore.shard import Shard
+from castore.store import Generation, Store, _allocate, encode_metadata, framework_versions
+from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key
+
+SCHEME = "castore://"
+TENSORS = "t"  # state-tree key of DCP's tensors: t/<fqn>
+BYTES = "b"  # and of its bytes items: b/<fqn>
+
+
+def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str, str]:
+    """``castore://STORE/RUN[@GEN]`` -> (store path, run, generation)."""
+    text = str(checkpoint_id)
+    if not text.startswith(SCHEME):
+        raise InvalidNameError(f"not a castore checkpoint id: {text!r} (castore://STORE/RUN[@GEN])")
+    path, _, target = text[len(SCHEME) :].rpartition("/")
+    run, _, generation = target.partition("@")
+    if not path or not run:
+        raise InvalidNameError(f"castore checkpoint id {text!r} needs a store path and a run")
+    validate_run_name(run)
+    return path, run, generation or "latest"
+
+
+def _open(store: Store | str | os.PathLike[str]) -> Store:
+    if isinstance(store, Store):
+        return store
+    import castore
+
+    return castore.open(Path(store))
+
+
+def _name(kind: str, fqn: str) -> str:
+    return f"{kind}/{escape_key(fqn)}"
+
+
+# -- Metadata without pickle --------------------------------------------------------
+
+
+def _encode_metadata(md: Metadata) -> dict[str, Any]:
+    tensors: dict[str, Any] = {}
+    blobs: list[str] = []
+    for fqn, item in md.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            blobs.append(fqn)
+            continue
+        props = item.properties
+        tensors[fqn] = {
+            "dtype": str(props.dtype).removeprefix("torch."),
+            "size": list(item.size),
+            "chunks": [[list(c.offsets), list(c.sizes)] for c in item.chunks],
+            "requires_grad": bool(props.requires_grad),
+            "pin_memory": bool(props.pin_memory),
+        }
+    return {
+        "format": 1,
+        "version": md.version,
+        "tensors": tensors,
+        "bytes": blobs,
+        "planner_data": md.planner_data,
+    }
+
+
+def _decode_metadata(wire: dict[str, Any], storage_data: Any) -> Metadata:
+    state: dict[str, Any] = {}
+    for fqn, t in wire["tensors"].items():
+        props = TensorProperties(
+            dtype=getattr(torch, t["dtype"]),
+            requires_grad=t["requires_grad"],
+            pin_memory=t["pin_memory"],
+        )
+        chunks = [
+            ChunkStorageMetadata(offsets=torch.Size(o), sizes=torch.Size(s)) for o, s in t["chunks"]
+        ]
+        state[fqn] = TensorStorageMetadata(props, torch.Size(t["size"]), chunks)
+    for fqn in wire["bytes"]:
+        state[fqn] = BytesStorageMetadata()
+    return Metadata(
+        state_dict_metadata=state,
+        planner_data=wire.get("planner_data"),
+        storage_data=storage_data,
+        version=wire.get("version"),
+    )
+
+
+def _plain_bytes(data: Any, fqn: str) -> bytes:
+    """A bytes item as castore's own msgpack encoding instead of DCP's pickle.
+
+    DCP's planners serialize non-tensor values with ``torch.save`` (pickle).
+    castore keeps pickle out of the store: the value is unpickled with
+    ``weights_only=True`` (the restricted unpickler that runs no code) and
+    stored as a plain-value tree; a value that is not plain is refused, named.
+    """
+    raw = data.getvalue() if isinstance(data, io.BytesIO) else bytes(data.read())
+    try:
+        value = torch.load(io.BytesIO(raw), weights_only=True)
+    except Exception as exc:
+        raise UnsupportedValueError(
+            f"the non-tensor value at {fqn!r} is not plain data (torch.load with "
+            f"weights_only=True refused it: {type(exc).__name__}); castore stores no pickle",
+            key_path=fqn,
+        ) from exc
+    skeleton, _ = encode_tree(value, allow_tensors=False)
+    return skeleton
+
+
+def _pickle_for_planner(encoded: bytes, fqn: str, where: dict[str, Any]) -> bytes:
+    """What DCP's planner expects to unpickle, rebuilt from the stored plain value."""
+    try:
+        value = decode_tree(encoded)
+    except CastoreError as exc:
+        raise CorruptObjectError(f"bytes item {fqn!r} does not decode: {exc}", **where) from exc
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _skeleton(md: Metadata) -> bytes:
+    """The root's state tree: every tensor and bytes item as a tensor reference."""
+
+    def ref(name: str) -> msgpack.ExtType:
+        return msgpack.ExtType(EXT_TENSOR, msgpack.packb([name, "torch"], use_bin_type=True))
+
+    tree: dict[str, Any] = {TENSORS: {}, BYTES: {}}
+    for fqn, item in md.state_dict_metadata.items():
+        kind = BYTES if isinstance(item, BytesStorageMetadata) else TENSORS
+        tree[kind][escape_key(fqn)] = ref(_name(kind, fqn))
+    return msgpack.packb(tree, use_bin_type=True)
+
+
+# -- writer -------------------------------------------------------------------------
+
+
+class CastoreWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that saves a castore generation of ``run``."""
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str] | None = None,
+        *,
+        run: str | None = None,
+        step: int = 0,
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        self._store_arg: Store | str | os.PathLike[str] | None = store
+        self.run = validate_run_name(run) if run is not None else None
+        self.step = step
+        self.timeout = timeout
+        self.is_coordinator = False
+        self.generation: Generation | None = None  # set by finish on the coordinator
+
+    @classmethod
+    def from_checkpoint_id(cls, checkpoint_id: str, *, step: int = 0) -> CastoreWriter:
+        path, run, _ = parse_checkpoint_id(checkpoint_id)
+        return cls(path, run=run, step=step)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith(SCHEME)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            path, run, _ = parse_checkpoint_id(checkpoint_id)
+            self._store_arg, self.run = path, run
+        self.generation = None
+
+    @property
+    def store(self) -> Store:
+        if self._store_arg is None or self.run is None:
+            raise InvalidNameError("CastoreWriter needs a store and a run (or a castore:// id)")
+        if not isinstance(self._store_arg, Store):
+            self._store_arg = _open(self._store_arg)
+        return self._store_arg
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        self.is_coordinator = is_coordinator
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{SCHEME}{self.store.path}/{self.run}")
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """The coordinator proposes the generation; ranks with items get shard indices."""
+        assert self.run is not None
+        parent = self.store.refs.read(self.run)
+        writers = [i for i, plan in enumerate(plans) if plan.items]
+        proposal = {
+            "generation": parent.generation + 1 if parent else 1,
+            "parent": None if parent is None else [parent.generation, parent.root.hex, parent.time],
+            "writers": len(writers),
+        }
+        return [
+            replace(
+                plan, storage_data={**proposal, "shard": writers.index(i) if plan.items else -1}
+            )
+            for i, plan in enumerate(plans)
+        ]
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        store, run = self.store, self.run
+        assert run is not None
+        proposal = plan.storage_data
+        results: list[WriteResult] = []
+        if plan.items:
+            tree: dict[str, Any] = {TENSORS: {}, BYTES: {}}
+            sizes: dict[str, int] = {}
+            for item in plan.items:
+                data = planner.resolve_data(item)
+                fqn = item.index.fqn
+                if item.type == WriteItemType.BYTE_IO:
+                    raw = _plain_bytes(data, fqn)
+                    blob = np.frombuffer(raw, dtype=np.uint8).copy()
+                    tree[BYTES][escape_key(fqn)] = Shard(blob, (len(raw),), (0,))
+                    sizes[_name(BYTES, fqn)] = len(raw)
+                    continue
+                assert isinstance(data, torch.Tensor) and item.tensor_data is not None
+                tensor = data.detach()
+                chunk = item.tensor_data.chunk
+                key = escape_key(fqn)
+                if key in tree[TENSORS]:
+                    raise CorruptObjectError(
+                        f"DCP gave this rank two chunks of {fqn!r}; castore stores one box "
+                        "per tensor per rank",
+                        run=run,
+                    )
+                tree[TENSORS][key] = Shard(tensor, item.tensor_data.size, chunk.offsets)
+                sizes[_name(TENSORS, fqn)] = tensor.numel() * tensor.element_size()
+            encoded = encode_state(tree, allow_rank_local=False)
+            with store.save_lock():
+                shard = write_shard(
+                    store,
+                    encoded,
+                    run=run,
+                    generation=proposal["generation"],
+                    rank=proposal["shard"],
+                    midway_fault="dist.worker_mid_shard",
+                )
+                commit_objects(store, [(shard.digest, shard.data)])
+            stats = vars(shard.stats)
+            for item in plan.items:
+                kind = BYTES if item.type == WriteItemType.BYTE_IO else TENSORS
+                results.append(
+                    WriteResult(
+                        index=item.index,
+                        size_in_bytes=sizes[_name(kind, item.index.fqn)],
+                        storage_data={
+                            "shard": shard.digest.hex(),
+                            "rank": proposal["shard"],
+                            "stats": stats,
+                        },
+                    )
+                )
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Check every rank's shard, then commit the root and advance the ref."""
+        store, run = self.store, self.run
+        assert run is not None
+        shard_digests: dict[int, str] = {}
+        stats = WriteStats()
+        for rank_results in results:
+            for result in rank_results[:1]:
+                info = result.storage_data
+                shard_digests[info["rank"]] = info["shard"]
+                s = info["stats"]
+                stats += WriteStats(
+                    s["logical_bytes"], s["new_bytes"], s["new_chunks"], s["reused_chunks"]
+                )
+        with store.save_lock():
+            parent = store.refs.read(run)
+            generation = parent.generation + 1 if parent else 1
+            where = {"run": run, "generation": generation}
+            shards: list[ShardManifest] = []
+            for index in range(len(shard_digests)):
+                if index not in shard_digests:
+                    raise CorruptObjectError(f"no shard manifest for writer {index}", **where)
+                shard: ShardManifest = store.read_object(
+                    bytes.fromhex(shard_digests[index]), expect=TYPE_SHARD, shard=index, **where
+                )
+                if (shard.run, shard.generation, shard.rank) != (run, generation, index):
+                    raise CorruptObjectError(
+                        f"writer {index} wrote a shard of {shard.run}@{shard.generation} rank "
+                        f"{shard.rank}: the ref moved during the save; save again",
+                        **where,
+                    )
+                shards.append(shard)
+            entries = group_entries(shards, where)
+            for boxes in entries.values():
+                check_coverage(boxes, where)
+            digests = list({c for s in shards for e in s.tensors for c in e.chunks})
+            for digest, found in zip(
+                digests, store.backend.has_many(_chunks_ns(), digests), strict=True
+            ):
+                if not found:
+                    raise ChunkMissingError(
+                        f"a shard names chunk {digest.hex()[:16]} that is not in the store", **where
+                    )
+            root = make_root(
+                run=run,
+                generation=generation,
+                step=self.step,
+                parent=parent,
+                world_size=len(shards),
+                shards=[bytes.fromhex(shard_digests[i]) for i in range(len(shards))],
+                state=_skeleton(metadata),
+                metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
+                stats=root_stats(stats, 0.0, len(entries)),
+                frameworks=framework_versions(),
+            )
+            published = publish(store, parent=parent, root=root, faults=COORDINATOR_FAULTS)
+        self.generation = Generation.from_root(published, root)
+
+
+def _chunks_ns() -> Any:
+    from castore.chunkstore.base import Namespace
+
+    return Namespace.CHUNKS
+
+
+# -- reader -------------------------------------------------------------------------
+
+
+class CastoreReader(StorageReader):
+    """A DCP ``StorageReader`` that loads a castore generation of ``run``."""
+
+    def __init__(
+        self,
+        store: Store | str | os.PathLike[str] | None = None,
+        *,
+        run: str | None = None,
+        generation: int | str = "latest",
+        timeout: float = DEFAULT_TIMEOUT,
+    ) -> None:
+        super().__init__()
+        self._store_arg: Store | str | os.PathLike[str] | None = store
+        self.run = validate_run_name(run) if run is not None else None
+        self.generation_spec = generation
+        self.timeout = timeout
+        self.root_hex: str | None = None
+        self.generation: Generation | None = None
+
+    @classmethod
+    def from_checkpoint_id(cls, checkpoint_id: str) -> CastoreReader:
+        path, run, generation = parse_checkpoint_id(checkpoint_id)
+        return cls(path, run=run, generation=generation)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith(SCHEME)
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id is not None:
+            path, run, generation = parse_checkpoint_id(checkpoint_id)
+            self._store_arg, self.run, self.generation_spec = path, run, generation
+        self.root_hex = None
+
+    @property
+    def store(self) -> Store:
+        if self._store_arg is None or self.run is None:
+            raise InvalidNameError("CastoreReader needs a store and a run (or a castore:// id)")
+        if not isinstance(self._store_arg, Store):
+            self._store_arg = _open(self._store_arg)
+        return self._store_arg
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        """Resolve the generation (on the coordinator) and rebuild DCP's Metadata."""
+        assert self.run is not None
+        digest, root = self.store.resolve_root(self.run, self.generation_spec)
+        self.generation = Generation.from_root(digest, root)
+        wire = self.generation.metadata.get("dcp")
+        if not isinstance(wire, dict):
+            raise CorruptObjectError(
+                f"{self.run}@{root.generation} was not saved through castore.dcp", run=self.run
+            )
+        return _decode_metadata(wire, {"castore_run": self.run, "castore_root": digest.hex})
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        # Invariant 5: every rank reads the root the coordinator resolved.
+        self.root_hex = metadata.storage_data["castore_root"]
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        store, run = self.store, self.run
+        assert run is not None and self.root_hex is not None
+        comm = Group(None, 0, self.timeout)
+
+        def stage() -> list[tuple[Any, Any]]:
+            digest = Digest.from_hex(self.root_hex or "")
+            root = store.read_root(digest, run=run)
+            entries = store.tensor_entries(root)
+            where = {"run": run, "generation": root.generation}
+            staged = []
+            for item in plan.items:
+                fqn = item.storage_index.fqn
+                if item.type == LoadItemType.BYTE_IO:
+                    boxes = entries.get(_name(BYTES, fqn))
+                    if not boxes:
+                        raise CorruptObjectError(f"no saved bytes item {fqn!r}", **where)
+                    array = store.read_tensor(boxes, "numpy", {**where, "tensor": fqn})
+                    staged.append((item, _pickle_for_planner(array.tobytes(), fqn, where)))
+                    continue
+                boxes = entries.get(_name(TENSORS, fqn))
+                saved_offsets = tuple(item.storage_index.offset or ())
+                entry = next((b for b in boxes or [] if tuple(b.offsets) == saved_offsets), None)
+                if entry is None:
+                    raise CorruptObjectError(
+                        f"no saved chunk of {fqn!r} at offsets {list(saved_offsets)}", **where
+                    )
+                start = [o + s for o, s in zip(saved_offsets, item.storage_offsets, strict=True)]
+                region = Box(tuple(start), tuple(item.lengths))
+                tensor, flat = _allocate(entry.dtype, region.shape, "torch")
+                store._copy_box(entry, region, region.shape, region, flat, {**where, "tensor": fqn})
+                staged.append((item, tensor))
+            return staged
+
+        staged, failure = attempt(stage)
+        # Every rank verified all it read before any rank hands a tensor to the planner.
+        outcomes = comm.all_gather({"error": describe(failure)}, "dcp.read: agree")
+        raise_failures(outcomes, comm, failure)
+        for item, value in staged or []:
+            if item.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(item, io.BytesIO(value))
+                continue
+            target = planner.resolve_tensor(item).detach()
+            target.copy_(value.reshape(target.shape))
+            planner.commit_tensor(item, target)
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+
+__all__ = ["CastoreReader", "CastoreWriter", "MetadataIndex", "parse_checkpoint_id"]
