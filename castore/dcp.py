@@ -28,6 +28,7 @@ explicitly: ``storage_writer=CastoreWriter.from_checkpoint_id("castore://...")``
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 from dataclasses import replace
@@ -74,6 +75,7 @@ from castore.errors import (
     ChunkMissingError,
     CorruptObjectError,
     InvalidNameError,
+    RefConflictError,
     UnsupportedValueError,
 )
 from castore.hashing import Digest
@@ -208,6 +210,19 @@ def _skeleton(md: Metadata) -> bytes:
     return msgpack.packb(tree, use_bin_type=True)
 
 
+def _closes_store(method: Any) -> Any:
+    """Close a store opened from a path when the step returns (futures are done by then)."""
+
+    @functools.wraps(method)
+    def step(self: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._release()
+
+    return step
+
+
 # -- writer -------------------------------------------------------------------------
 
 
@@ -224,6 +239,7 @@ class CastoreWriter(StorageWriter):
     ) -> None:
         super().__init__()
         self._store_arg: Store | str | os.PathLike[str] | None = store
+        self._opened: Store | None = None
         self.run = validate_run_name(run) if run is not None else None
         self.step = step
         self.timeout = timeout
@@ -249,19 +265,28 @@ class CastoreWriter(StorageWriter):
     def store(self) -> Store:
         if self._store_arg is None or self.run is None:
             raise InvalidNameError("CastoreWriter needs a store and a run (or a castore:// id)")
-        if not isinstance(self._store_arg, Store):
-            self._store_arg = _open(self._store_arg)
-        return self._store_arg
+        if isinstance(self._store_arg, Store):
+            return self._store_arg
+        if self._opened is None:  # opened from a path: closed again after each step
+            self._opened = _open(self._store_arg)
+        return self._opened
+
+    def _release(self) -> None:
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
 
     def storage_meta(self) -> StorageMeta | None:
-        return StorageMeta(checkpoint_id=f"{SCHEME}{self.store.path}/{self.run}")
+        where = self._store_arg.path if isinstance(self._store_arg, Store) else self._store_arg
+        return StorageMeta(checkpoint_id=f"{SCHEME}{where}/{self.run}")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
         return plan
 
+    @_closes_store
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The coordinator proposes the generation; ranks with items get shard indices."""
         assert self.run is not None
@@ -279,6 +304,7 @@ class CastoreWriter(StorageWriter):
             for i, plan in enumerate(plans)
         ]
 
+    @_closes_store
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         store, run = self.store, self.run
         assert run is not None
@@ -337,6 +363,7 @@ class CastoreWriter(StorageWriter):
         future.set_result(results)
         return future
 
+    @_closes_store
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Check every rank's shard, then commit the root and advance the ref."""
         store, run = self.store, self.run
@@ -415,10 +442,16 @@ class CastoreReader(StorageReader):
         run: str | None = None,
         generation: int | str = "latest",
         timeout: float = DEFAULT_TIMEOUT,
+        process_group: Any = None,
+        collective: bool = True,
     ) -> None:
         super().__init__()
         self._store_arg: Store | str | os.PathLike[str] | None = store
+        self._opened: Store | None = None
         self.run = validate_run_name(run) if run is not None else None
+        self.process_group = process_group
+        # False for a load by some ranks alone (dcp.load(..., no_dist=True) inside a group).
+        self.collective = collective
         self.generation_spec = generation
         self.timeout = timeout
         self.root_hex: str | None = None
@@ -443,10 +476,18 @@ class CastoreReader(StorageReader):
     def store(self) -> Store:
         if self._store_arg is None or self.run is None:
             raise InvalidNameError("CastoreReader needs a store and a run (or a castore:// id)")
-        if not isinstance(self._store_arg, Store):
-            self._store_arg = _open(self._store_arg)
-        return self._store_arg
+        if isinstance(self._store_arg, Store):
+            return self._store_arg
+        if self._opened is None:  # opened from a path: closed again after each step
+            self._opened = _open(self._store_arg)
+        return self._opened
 
+    def _release(self) -> None:
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
+
+    @_closes_store
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Resolve the generation (on the coordinator) and rebuild DCP's Metadata."""
         assert self.run is not None
@@ -462,19 +503,30 @@ class CastoreReader(StorageReader):
     def set_up_storage_reader(
         self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
     ) -> None:
-        # Invariant 5: every rank reads the root the coordinator resolved.
         self.root_hex = metadata.storage_data["castore_root"]
+        if kwargs.get("use_collectives") is False:
+            self.collective = False
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
+        # Each rank says which root it resolved; the coordinator checks they agree.
+        return replace(plan, storage_data={"castore_root": self.root_hex})
 
     def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        """Invariant 5: every rank must read the one generation (DCP resolves per rank)."""
+        roots = {(plan.storage_data or {}).get("castore_root") for plan in plans}
+        if len(roots) > 1:
+            raise RefConflictError(
+                f"the ranks resolved different generations of {self.run!r} (the ref moved "
+                "while they read it); load again, or pin generation=",
+                run=self.run,
+            )
         return plans
 
+    @_closes_store
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         store, run = self.store, self.run
         assert run is not None and self.root_hex is not None
-        comm = Group(None, 0, self.timeout)
+        comm = Group(self.process_group, 0, self.timeout) if self.collective else None
 
         def stage() -> list[tuple[Any, Any]]:
             digest = Digest.from_hex(self.root_hex or "")
@@ -506,9 +558,13 @@ class CastoreReader(StorageReader):
             return staged
 
         staged, failure = attempt(stage)
-        # Every rank verified all it read before any rank hands a tensor to the planner.
-        outcomes = comm.all_gather({"error": describe(failure)}, "dcp.read: agree")
-        raise_failures(outcomes, comm, failure)
+        if comm is None:
+            if failure is not None:
+                raise failure
+        else:
+            # Every rank verified all it read before any rank hands a tensor to the planner.
+            outcomes = comm.all_gather({"error": describe(failure)}, "dcp.read: agree")
+            raise_failures(outcomes, comm, failure)
         for item, value in staged or []:
             if item.type == LoadItemType.BYTE_IO:
                 planner.load_bytes(item, io.BytesIO(value))

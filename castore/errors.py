@@ -47,11 +47,16 @@ class CastoreError(Exception):
     """Base of every error castore raises on purpose."""
 
     def __init__(self, message: str, **context: Any) -> None:
+        self.message = message
         self.context = {k: v for k, v in context.items() if v is not None}
         for key, value in context.items():
             setattr(self, key, value)
         where = ", ".join(f"{k}={v}" for k, v in self.context.items() if k not in _UNSHOWN)
         super().__init__(f"{message} ({where})" if where else message)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Pickle-able whatever a subclass's constructor takes (DCP gathers errors by pickle).
+        return (_rebuild, (type(self), self.message, self.context))
 
     @classmethod
     def from_remote(cls, message: str, **context: Any) -> CastoreError:
@@ -63,6 +68,12 @@ class CastoreError(Exception):
         error = cls.__new__(cls)
         CastoreError.__init__(error, message, **context)
         return error
+
+
+def _rebuild(cls: type[CastoreError], message: str, context: dict[str, Any]) -> CastoreError:
+    error = cls.__new__(cls)
+    CastoreError.__init__(error, message, **context)
+    return error
 
 
 # Context keys that are already spelled out in the message.
