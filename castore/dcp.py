@@ -17,8 +17,9 @@ bytes:
   presence: a DCP save is a castore generation (``castore log``, ``verify``,
   ``gc``), and nothing is visible before ``finish`` succeeds;
 * a read item fetches only the chunks that overlap its element range; every
-  rank stages and verifies all it reads, the ranks agree, and only then does
-  any rank hand tensors to the planner (invariant 4).
+  rank verifies all it reads where it lies in the store's memory map, the
+  ranks agree, and only then are the bytes copied once into the planner's
+  tensors (invariant 4).
 
 A checkpoint id ``castore://STORE/RUN[@GEN]`` is accepted by ``reset`` and
 ``validate_checkpoint_id``. torch 2.13 picks a backend from ``checkpoint_id``
@@ -59,7 +60,7 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
-from castore.chunkio import WriteStats
+from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.commit import (
     COORDINATOR_FAULTS,
     check_coverage,
@@ -83,7 +84,14 @@ from castore.layout import Box
 from castore.objects import TYPE_SHARD, ShardManifest
 from castore.refs import validate_run_name
 from castore.shard import Shard
-from castore.store import Generation, Store, _allocate, encode_metadata, framework_versions
+from castore.store import (
+    Generation,
+    Store,
+    _allocate,
+    box_transfer,
+    encode_metadata,
+    framework_versions,
+)
 from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key
 
 SCHEME = "castore://"
@@ -423,6 +431,17 @@ class CastoreWriter(StorageWriter):
         self.generation = Generation.from_root(published, root)
 
 
+def _writable(target: torch.Tensor, dtype: str) -> np.ndarray | None:
+    """The target's own bytes, when chunks can be delivered straight into them."""
+    from castore.dtypes import name_of_torch_dtype
+
+    if target.device.type != "cpu" or not target.is_contiguous():
+        return None
+    if name_of_torch_dtype(target.dtype, "target") != dtype:
+        return None
+    return target.reshape(-1).view(torch.uint8).numpy()
+
+
 def _chunks_ns() -> Any:
     from castore.chunkstore.base import Namespace
 
@@ -527,13 +546,25 @@ class CastoreReader(StorageReader):
         store, run = self.store, self.run
         assert run is not None and self.root_hex is not None
         comm = Group(self.process_group, 0, self.timeout) if self.collective else None
+        agreed = False
 
-        def stage() -> list[tuple[Any, Any]]:
+        def agree(error: BaseException | None) -> None:
+            # Every rank verified all it reads before any rank writes a target (invariant 4).
+            nonlocal agreed
+            agreed = True
+            if comm is None:
+                if error is not None:
+                    raise error
+                return
+            outcomes = comm.all_gather({"error": describe(error)}, "dcp.read: agree")
+            raise_failures(outcomes, comm, error)
+
+        def plan_reads() -> tuple[list[Any], list[Any], list[ChunkRequest], dict[str, Any]]:
             digest = Digest.from_hex(self.root_hex or "")
             root = store.read_root(digest, run=run)
             entries = store.tensor_entries(root)
-            where = {"run": run, "generation": root.generation}
-            staged = []
+            where: dict[str, Any] = {"run": run, "generation": root.generation}
+            blobs, targets, requests = [], [], []
             for item in plan.items:
                 fqn = item.storage_index.fqn
                 if item.type == LoadItemType.BYTE_IO:
@@ -541,7 +572,7 @@ class CastoreReader(StorageReader):
                     if not boxes:
                         raise CorruptObjectError(f"no saved bytes item {fqn!r}", **where)
                     array = store.read_tensor(boxes, "numpy", {**where, "tensor": fqn})
-                    staged.append((item, _pickle_for_planner(array.tobytes(), fqn, where)))
+                    blobs.append((item, _pickle_for_planner(array.tobytes(), fqn, where)))
                     continue
                 boxes = entries.get(_name(TENSORS, fqn))
                 saved_offsets = tuple(item.storage_index.offset or ())
@@ -552,25 +583,32 @@ class CastoreReader(StorageReader):
                     )
                 start = [o + s for o, s in zip(saved_offsets, item.storage_offsets, strict=True)]
                 region = Box(tuple(start), tuple(item.lengths))
-                tensor, flat = _allocate(entry.dtype, region.shape, "torch")
-                store._copy_box(entry, region, region.shape, region, flat, {**where, "tensor": fqn})
-                staged.append((item, tensor))
-            return staged
+                target = planner.resolve_tensor(item).detach()  # not written before `agree`
+                flat = _writable(target, entry.dtype)
+                staging = None
+                if flat is None:  # another device, dtype or layout: stage, copy once agreed
+                    staging, flat = _allocate(entry.dtype, region.shape, "torch")
+                indices, deliver = box_transfer(entry, region, region, flat)
+                requests += [ChunkRequest(entry, int(i), deliver) for i in indices]
+                targets.append((item, target, staging))
+            return blobs, targets, requests, where
 
-        staged, failure = attempt(stage)
-        if comm is None:
-            if failure is not None:
-                raise failure
-        else:
-            # Every rank verified all it read before any rank hands a tensor to the planner.
-            outcomes = comm.all_gather({"error": describe(failure)}, "dcp.read: agree")
-            raise_failures(outcomes, comm, failure)
-        for item, value in staged or []:
-            if item.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(item, io.BytesIO(value))
-                continue
-            target = planner.resolve_tensor(item).detach()
-            target.copy_(value.reshape(target.shape))
+        planned, failure = attempt(plan_reads)
+        if failure is not None:
+            agree(failure)
+        blobs, targets, requests, where = planned
+        try:
+            # Verified where they lie in the memory map, delivered only after `agree`.
+            read_agree_deliver(store.backend, requests, store.read_counters, where, agree)
+        except Exception as exc:
+            if not agreed:
+                agree(exc)
+            raise
+        for item, value in blobs:
+            planner.load_bytes(item, io.BytesIO(value))
+        for item, target, staging in targets:
+            if staging is not None:
+                target.copy_(staging.reshape(target.shape))
             planner.commit_tensor(item, target)
         future: Future[None] = Future()
         future.set_result(None)
