@@ -21,11 +21,22 @@ import msgpack
 
 from castore.chunkio import WriteStats, write_leaves
 from castore.chunkstore.base import Namespace
-from castore.errors import CoverageError, UnsupportedValueError
+from castore.errors import (
+    ChunkMissingError,
+    CorruptObjectError,
+    CoverageError,
+    UnsupportedValueError,
+)
 from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
 from castore.layout import Box
-from castore.objects import GenerationRoot, ShardManifest, TensorEntry, encode_object
+from castore.objects import (
+    TYPE_SHARD,
+    GenerationRoot,
+    ShardManifest,
+    TensorEntry,
+    encode_object,
+)
 from castore.refs import RefValue
 from castore.tree import EncodedTree, encode_local_state
 
@@ -239,3 +250,32 @@ def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
             tensor=name,
             **where,
         )
+
+
+def read_written_shards(
+    store: Store, digests: list[bytes], *, run: str, generation: int, hint: str = ""
+) -> list[ShardManifest]:
+    """Re-read the shard manifests the writers reported, and check whose they are."""
+    where = {"run": run, "generation": generation}
+    shards: list[ShardManifest] = []
+    for rank, digest in enumerate(digests):
+        shard: ShardManifest = store.read_object(digest, expect=TYPE_SHARD, rank=rank, **where)
+        if (shard.run, shard.generation, shard.rank) != (run, generation, rank):
+            raise CorruptObjectError(
+                f"rank {rank} reported a shard of {shard.run}@{shard.generation} "
+                f"rank {shard.rank}{hint}",
+                **where,
+            )
+        shards.append(shard)
+    return shards
+
+
+def check_chunks_present(store: Store, shards: list[ShardManifest], where: dict[str, Any]) -> None:
+    """Every chunk the shards name is in the store (a collection may not have raced a save)."""
+    digests = list({c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks})
+    present = store.backend.has_many(Namespace.CHUNKS, digests)
+    for digest, found in zip(digests, present, strict=True):
+        if not found:
+            raise ChunkMissingError(
+                f"a shard names chunk {digest.hex()[:16]} that is not in the store", **where
+            )

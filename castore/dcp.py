@@ -63,17 +63,18 @@ from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failu
 from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.commit import (
     COORDINATOR_FAULTS,
+    check_chunks_present,
     check_coverage,
     commit_objects,
     group_entries,
     make_root,
     publish,
+    read_written_shards,
     root_stats,
     write_shard,
 )
 from castore.errors import (
     CastoreError,
-    ChunkMissingError,
     CorruptObjectError,
     InvalidNameError,
     RefConflictError,
@@ -81,7 +82,6 @@ from castore.errors import (
 )
 from castore.hashing import Digest
 from castore.layout import Box
-from castore.objects import TYPE_SHARD, ShardManifest
 from castore.refs import validate_run_name
 from castore.shard import Shard
 from castore.store import (
@@ -390,38 +390,28 @@ class CastoreWriter(StorageWriter):
             parent = store.refs.read(run)
             generation = parent.generation + 1 if parent else 1
             where = {"run": run, "generation": generation}
-            shards: list[ShardManifest] = []
-            for index in range(len(shard_digests)):
-                if index not in shard_digests:
-                    raise CorruptObjectError(f"no shard manifest for writer {index}", **where)
-                shard: ShardManifest = store.read_object(
-                    bytes.fromhex(shard_digests[index]), expect=TYPE_SHARD, shard=index, **where
-                )
-                if (shard.run, shard.generation, shard.rank) != (run, generation, index):
-                    raise CorruptObjectError(
-                        f"writer {index} wrote a shard of {shard.run}@{shard.generation} rank "
-                        f"{shard.rank}: the ref moved during the save; save again",
-                        **where,
-                    )
-                shards.append(shard)
+            missing = sorted(set(range(len(shard_digests))) - set(shard_digests))
+            if missing:
+                raise CorruptObjectError(f"no shard manifest for writer {missing[0]}", **where)
+            digests = [bytes.fromhex(shard_digests[i]) for i in range(len(shard_digests))]
+            shards = read_written_shards(
+                store,
+                digests,
+                run=run,
+                generation=generation,
+                hint=": the ref moved during the save; save again",
+            )
             entries = group_entries(shards, where)
             for boxes in entries.values():
                 check_coverage(boxes, where)
-            digests = list({c for s in shards for e in s.tensors for c in e.chunks})
-            for digest, found in zip(
-                digests, store.backend.has_many(_chunks_ns(), digests), strict=True
-            ):
-                if not found:
-                    raise ChunkMissingError(
-                        f"a shard names chunk {digest.hex()[:16]} that is not in the store", **where
-                    )
+            check_chunks_present(store, shards, where)
             root = make_root(
                 run=run,
                 generation=generation,
                 step=self.step,
                 parent=parent,
                 world_size=len(shards),
-                shards=[bytes.fromhex(shard_digests[i]) for i in range(len(shards))],
+                shards=digests,
                 state=_skeleton(metadata),
                 metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
                 stats=root_stats(stats, 0.0, len(entries)),
@@ -440,12 +430,6 @@ def _writable(target: torch.Tensor, dtype: str) -> np.ndarray | None:
     if name_of_torch_dtype(target.dtype, "target") != dtype:
         return None
     return target.reshape(-1).view(torch.uint8).numpy()
-
-
-def _chunks_ns() -> Any:
-    from castore.chunkstore.base import Namespace
-
-    return Namespace.CHUNKS
 
 
 # -- reader -------------------------------------------------------------------------

@@ -25,26 +25,25 @@ import msgpack
 
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.chunkio import WriteStats
-from castore.chunkstore.base import Namespace
 from castore.commit import (
     COORDINATOR_FAULTS,
+    check_chunks_present,
     check_coverage,
     check_data_order,
     commit_objects,
     group_entries,
     make_root,
     publish,
+    read_written_shards,
     root_stats,
     write_shard,
 )
 from castore.errors import (
-    ChunkMissingError,
-    CorruptObjectError,
     LayoutMismatchError,
 )
 from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
-from castore.objects import TYPE_SHARD, ShardManifest, TensorEntry
+from castore.objects import TensorEntry
 from castore.refs import RefValue, validate_run_name
 from castore.restore import LoadReport, LoadResult, load
 from castore.store import (
@@ -232,23 +231,14 @@ def _validate_and_publish(
 ) -> bytes:
     generation = proposal["generation"]
     where = {"run": run, "generation": generation}
-    shards: list[ShardManifest] = []
-    for rank, ack in enumerate(acks):
-        shard: ShardManifest = store.read_object(
-            ack["shard"], expect=TYPE_SHARD, rank=rank, **where
-        )
-        if (shard.run, shard.generation, shard.rank) != (run, generation, rank):
-            raise CorruptObjectError(
-                f"rank {rank} acknowledged a shard of {shard.run}@{shard.generation} "
-                f"rank {shard.rank}",
-                **where,
-            )
-        shards.append(shard)
+    shards = read_written_shards(
+        store, [ack["shard"] for ack in acks], run=run, generation=generation
+    )
     entries = group_entries(shards, where)
     for boxes in entries.values():
         check_coverage(boxes, where)
     _check_names(prepared.encoded.skeleton, entries, where)
-    _check_chunks_present(store, shards, where)
+    check_chunks_present(store, shards, where)
     stats = WriteStats()
     for ack in acks:
         stats += WriteStats(
@@ -285,13 +275,3 @@ def _check_names(
             f"saved tensors do not match the state: missing {missing[:5]}, unexpected {extra[:5]}",
             **where,
         )
-
-
-def _check_chunks_present(store: Store, shards: list[ShardManifest], where: dict[str, Any]) -> None:
-    digests = list({c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks})
-    present = store.backend.has_many(Namespace.CHUNKS, digests)
-    for digest, found in zip(digests, present, strict=True):
-        if not found:
-            raise ChunkMissingError(
-                f"a shard names chunk {digest.hex()[:16]} that is not in the store", **where
-            )

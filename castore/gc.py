@@ -223,7 +223,7 @@ def plan_retention(
         listed = _run_generations(store, run)
         generations = [Generation.from_root(d, r) for d, r in listed][::-1]
         by_root = {g.root: g.id for g in generations}
-        collected = {r["root"] for r in store.refs.reflog(run) if r.get("action") == "collect"}
+        _, collected = store.logged(run)
         tags = {}
         for name, value in store.refs.tags(run).items():
             if value.root.hex in by_root:

@@ -357,12 +357,9 @@ class Store:
             raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
         return ref
 
-    def published(self, run: str, *, tolerate_bad_ref: bool = False) -> dict[str, int]:
-        """Root hex -> generation id of every published, uncollected generation (by the log).
-
-        The reflog records each ref advance and each generation garbage
-        collection dropped; the ref itself is always included.
-        """
+    def logged(self, run: str) -> tuple[dict[str, int], set[str]]:
+        """From the reflog: root hex -> id of every published, uncollected generation,
+        and the root hexes garbage collection dropped."""
         records = self.refs.reflog(run)
         collected = {r["root"] for r in records if r.get("action") == "collect"}
         listed = {
@@ -370,6 +367,15 @@ class Store:
             for r in records
             if r.get("action") in PUBLISH_ACTIONS and r["root"] not in collected
         }
+        return listed, collected
+
+    def published(self, run: str, *, tolerate_bad_ref: bool = False) -> dict[str, int]:
+        """Root hex -> generation id of every published, uncollected generation (by the log).
+
+        The reflog records each ref advance and each generation garbage
+        collection dropped; the ref itself is always included.
+        """
+        listed, _ = self.logged(run)
         try:
             latest = self._latest(run)
         except CastoreError:
@@ -387,7 +393,7 @@ class Store:
         minus what garbage collection dropped. A listed root that is missing is
         damage: this fails closed.
         """
-        collected = {r["root"] for r in self.refs.reflog(run) if r.get("action") == "collect"}
+        _, collected = self.logged(run)
         pending = dict(sorted(self.published(run).items(), key=lambda item: -item[1]))
         found: dict[str, tuple[Digest, GenerationRoot]] = {}
         queue = collections.deque(pending)
@@ -473,13 +479,7 @@ class Store:
         up to it.
         """
         validate_run_name(run)
-        records = self.refs.reflog(run)
-        collected = {r["root"] for r in records if r.get("action") == "collect"}
-        listed = {
-            r["root"]: int(r["generation"])
-            for r in records
-            if r.get("action") in PUBLISH_ACTIONS and r["root"] not in collected
-        }
+        listed, _ = self.logged(run)
         try:
             latest = self.refs.read(run)
         except CastoreError:

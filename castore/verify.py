@@ -171,7 +171,7 @@ def _roots(
     except CastoreError as exc:
         report.problems.append(Problem(run, None, f"{type(exc).__name__}: {exc}"))
         return found
-    collected = {r["root"] for r in store.refs.reflog(run) if r.get("action") == "collect"}
+    _, collected = store.logged(run)
     queue: list[tuple[int | None, Digest]] = list(candidates)
     seen: set[bytes] = set()
     while queue:
