@@ -231,10 +231,40 @@ def _closes_store(method: Any) -> Any:
     return step
 
 
+class _StoreUser:
+    """The store a writer or reader works on; one opened from a path is closed after
+    each step (see :func:`_closes_store`)."""
+
+    _store_arg: Store | str | os.PathLike[str] | None
+    _opened: Store | None
+    run: str | None
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        return str(checkpoint_id).startswith(SCHEME)
+
+    @property
+    def store(self) -> Store:
+        if self._store_arg is None or self.run is None:
+            raise InvalidNameError(
+                f"{type(self).__name__} needs a store and a run (or a castore:// id)"
+            )
+        if isinstance(self._store_arg, Store):
+            return self._store_arg
+        if self._opened is None:
+            self._opened = _open(self._store_arg)
+        return self._opened
+
+    def _release(self) -> None:
+        if self._opened is not None:
+            self._opened.close()
+            self._opened = None
+
+
 # -- writer -------------------------------------------------------------------------
 
 
-class CastoreWriter(StorageWriter):
+class CastoreWriter(_StoreUser, StorageWriter):
     """A DCP ``StorageWriter`` that saves a castore generation of ``run``."""
 
     def __init__(
@@ -259,30 +289,11 @@ class CastoreWriter(StorageWriter):
         path, run, _ = parse_checkpoint_id(checkpoint_id)
         return cls(path, run=run, step=step)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return str(checkpoint_id).startswith(SCHEME)
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             path, run, _ = parse_checkpoint_id(checkpoint_id)
             self._store_arg, self.run = path, run
         self.generation = None
-
-    @property
-    def store(self) -> Store:
-        if self._store_arg is None or self.run is None:
-            raise InvalidNameError("CastoreWriter needs a store and a run (or a castore:// id)")
-        if isinstance(self._store_arg, Store):
-            return self._store_arg
-        if self._opened is None:  # opened from a path: closed again after each step
-            self._opened = _open(self._store_arg)
-        return self._opened
-
-    def _release(self) -> None:
-        if self._opened is not None:
-            self._opened.close()
-            self._opened = None
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
@@ -435,7 +446,7 @@ def _writable(target: torch.Tensor, dtype: str) -> np.ndarray | None:
 # -- reader -------------------------------------------------------------------------
 
 
-class CastoreReader(StorageReader):
+class CastoreReader(_StoreUser, StorageReader):
     """A DCP ``StorageReader`` that loads a castore generation of ``run``."""
 
     def __init__(
@@ -465,30 +476,11 @@ class CastoreReader(StorageReader):
         path, run, generation = parse_checkpoint_id(checkpoint_id)
         return cls(path, run=run, generation=generation)
 
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        return str(checkpoint_id).startswith(SCHEME)
-
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id is not None:
             path, run, generation = parse_checkpoint_id(checkpoint_id)
             self._store_arg, self.run, self.generation_spec = path, run, generation
         self.root_hex = None
-
-    @property
-    def store(self) -> Store:
-        if self._store_arg is None or self.run is None:
-            raise InvalidNameError("CastoreReader needs a store and a run (or a castore:// id)")
-        if isinstance(self._store_arg, Store):
-            return self._store_arg
-        if self._opened is None:  # opened from a path: closed again after each step
-            self._opened = _open(self._store_arg)
-        return self._opened
-
-    def _release(self) -> None:
-        if self._opened is not None:
-            self._opened.close()
-            self._opened = None
 
     @_closes_store
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
