@@ -2,8 +2,8 @@
 
 Save: a tensor's flat buffer is cut into ``chunk_size`` slices (memoryviews,
 no copies), hashed on a thread pool (blake3 releases the GIL) while the main
-thread checks which digests the backend already has and writes the rest in
-batched transactions. Load: chunks are fetched inside one read transaction
+thread hands each hashed chunk to the backend, which writes it unless it has
+it already; one commit per batch. Load: chunks are fetched inside one read transaction
 and each is verified against its name, then copied into place, on the pool.
 """
 
@@ -66,21 +66,20 @@ def write_leaves(
         pieces += [(index, flat[at : at + chunk_size]) for at in range(0, flat.nbytes, chunk_size)]
     digests: list[list[bytes]] = [[] for _ in leaves]
     stats = WriteStats(logical_bytes=sum(leaf.data.nbytes for leaf in leaves))
-    batch: list[tuple[bytes, memoryview]] = []
-    batch_bytes = 0
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="castore-hash") as pool:
-        for (index, piece), digest in zip(
-            pieces, pool.map(_hash_one, [p for _, p in pieces]), strict=True
-        ):
-            digests[index].append(digest)
-            batch.append((digest, piece))
-            batch_bytes += piece.nbytes
-            if batch_bytes >= WRITE_BATCH_BYTES:
-                _flush(backend, batch, stats)
-                fault_point(midway_fault)
-                batch, batch_bytes = [], 0
-        if batch:
-            _flush(backend, batch, stats)
+        hashed = zip(pieces, pool.map(_hash_one, [p for _, p in pieces]), strict=True)
+        remaining = len(pieces)
+        while remaining:
+            # The backend takes each chunk as its digest arrives, so writing
+            # overlaps the hashing of the chunks after it.
+            taken = [0]
+            result = backend.put_many(Namespace.CHUNKS, _batch(hashed, digests, taken))
+            if not taken[0]:
+                raise RuntimeError("chunk backend returned without taking any chunk")
+            remaining -= taken[0]
+            stats.new_chunks += result.written
+            stats.new_bytes += result.written_bytes
+            stats.reused_chunks += taken[0] - result.written
             fault_point(midway_fault)
     entries = [
         TensorEntry(
@@ -99,18 +98,20 @@ def write_leaves(
     return entries, stats
 
 
-def _flush(backend: ChunkBackend, batch: list[tuple[bytes, memoryview]], stats: WriteStats) -> None:
-    if not batch:
-        return
-    present = backend.has_many(Namespace.CHUNKS, [key for key, _ in batch])
-    missing = [item for item, found in zip(batch, present, strict=True) if not found]
-    written = 0
-    if missing:
-        result = backend.put_many(Namespace.CHUNKS, missing)
-        written = result.written
-        stats.new_bytes += result.written_bytes
-    stats.new_chunks += written
-    stats.reused_chunks += len(batch) - written
+def _batch(
+    hashed: Iterator[tuple[tuple[int, memoryview], bytes]],
+    digests: list[list[bytes]],
+    taken: list[int],
+) -> Iterator[tuple[bytes, memoryview]]:
+    """Yield (digest, piece) until ``WRITE_BATCH_BYTES`` are out, recording each digest."""
+    size = 0
+    for (index, piece), digest in hashed:
+        digests[index].append(digest)
+        taken[0] += 1
+        size += piece.nbytes
+        yield digest, piece
+        if size >= WRITE_BATCH_BYTES:
+            return
 
 
 _POOL: tuple[int, ThreadPoolExecutor] | None = None

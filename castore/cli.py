@@ -229,6 +229,11 @@ def cmd_gc(args: argparse.Namespace) -> int:
         f"{'dry run: ' if args.dry_run else ''}{dropped} generation(s) dropped; {verb} "
         f"{format_bytes(report.bytes_freed)} ({report.chunks_freed} chunk(s), "
         f"{report.objects_freed} object(s)) in {report.seconds:.2f}s"
+        + (
+            f"; gave back {format_bytes(report.file_bytes_freed)} of pack files"
+            if report.file_bytes_freed
+            else ""
+        )
     )
     return 0
 
@@ -272,8 +277,8 @@ def cmd_du(args: argparse.Namespace) -> int:
         f"{format_bytes(usage.garbage_bytes)} of it garbage (castore gc frees it)"
     )
     print(
-        f"file      {format_bytes(usage.file_bytes)} LMDB data file "
-        "(freed pages are reused; castore compact shrinks it)"
+        f"files     {format_bytes(usage.file_bytes)} on disk: LMDB file and chunk packs "
+        "(gc rewrites sparse packs; castore compact rewrites every pack and the LMDB file)"
     )
     return 0
 

@@ -16,6 +16,7 @@ from castore.errors import CastoreError
 
 POINTS = (
     "save.mid_chunks",
+    "save.pack_unindexed",
     "save.before_objects",
     "save.before_ref_advance",
     "save.after_ref_advance",
@@ -27,6 +28,7 @@ POINTS = (
     "gc.before_sweep",
     "gc.mid_sweep",
     "gc.mid_chunks",
+    "gc.reclaim_rewritten",
 )
 
 

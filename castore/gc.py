@@ -53,7 +53,9 @@ from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, va
 from castore.store import Generation, Store
 
 DELETE_BATCH = 1024  # keys per delete transaction
-GC_FAULTS = ("gc.before_sweep", "gc.mid_sweep", "gc.mid_chunks")
+# A pack less than this fraction live is rewritten by a collection; compact rewrites all.
+RECLAIM_MIN_LIVE = 0.5
+GC_FAULTS = ("gc.before_sweep", "gc.mid_sweep", "gc.mid_chunks", "gc.reclaim_rewritten")
 
 
 class GcAbortedError(CastoreError):
@@ -202,6 +204,8 @@ class GcReport:
     objects_freed: int = 0
     chunks_freed: int = 0
     bytes_freed: int = 0  # chunk and object bytes no retained generation references
+    file_bytes_freed: int = 0  # pack file bytes given back to the filesystem
+    packs_rewritten: int = 0  # packs whose live chunks were copied out (see reclaim)
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -332,6 +336,11 @@ def collect_garbage(
                     if start == 0:
                         fault_point(fault)  # after the first batch of this namespace
             timings["sweep"] = time.perf_counter() - clock
+            clock = time.perf_counter()
+            reclaimed = store.backend.reclaim(min_live=RECLAIM_MIN_LIVE)
+            report.file_bytes_freed = reclaimed.bytes_freed
+            report.packs_rewritten = reclaimed.packs_rewritten
+            timings["reclaim"] = time.perf_counter() - clock
     report.seconds = time.perf_counter() - started
     report.timings = timings
     return report
@@ -387,7 +396,7 @@ class Usage:
     physical_bytes: int  # every chunk and object stored (garbage included)
     referenced_bytes: int  # distinct chunk bytes the listed generations reference
     garbage_bytes: int  # chunks and objects stored but referenced by no listed generation
-    file_bytes: int  # size of the LMDB data file (it does not shrink; see compact)
+    file_bytes: int  # LMDB data file plus pack files (dead space included; see compact)
 
     @property
     def logical_bytes(self) -> int:
@@ -435,13 +444,12 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
     referenced = sum(chunk_sizes.get(c, 0) for c in counts)
     physical = sum(chunk_sizes.values()) + sum(object_sizes.values())
     live_objects = sum(object_sizes.get(o, 0) for o in referenced_objects)
-    data_file = store.path / "chunks" / "data.mdb"
     return Usage(
         generations=rows,
         physical_bytes=physical,
         referenced_bytes=referenced,
         garbage_bytes=physical - referenced - live_objects,
-        file_bytes=data_file.stat().st_size if data_file.exists() else 0,
+        file_bytes=store.backend.file_bytes(),
     )
 
 
@@ -456,13 +464,16 @@ class CompactReport:
 
 
 def compact(path: str | os.PathLike[str]) -> CompactReport:
-    """Rewrite the LMDB file without its free pages, and swap it in atomically.
+    """Rewrite every pack with dead space and the LMDB file without its free pages.
 
     Offline: refused (``StoreLockedError``) while any process has the store
-    open. The compacted copy is checked entry by entry against the original's
+    open. Packs are rewritten first (see ``LmdbBackend.reclaim``). Then the
+    compacted LMDB copy is checked entry by entry against the original's
     counts before it replaces ``chunks/data.mdb`` with one ``rename``.
     """
     import lmdb
+
+    from castore.chunkstore.lmdb_backend import LmdbBackend
 
     started = time.perf_counter()
     root = Path(path)
@@ -480,7 +491,12 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
     try:
         chunks_dir = root / "chunks"
         data_file = chunks_dir / "data.mdb"
-        before = data_file.stat().st_size
+        backend = LmdbBackend(chunks_dir)
+        try:
+            before = backend.file_bytes()
+            backend.reclaim(min_live=1.0)  # no process has the store open: no pack in flight
+        finally:
+            backend.close()
         work = chunks_dir / f".compact-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
@@ -508,7 +524,11 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
             fsync_dir(chunks_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        after = data_file.stat().st_size
+        backend = LmdbBackend(chunks_dir)
+        try:
+            after = backend.file_bytes()
+        finally:
+            backend.close()
     finally:
         os.close(fd)
     return CompactReport(before, after, time.perf_counter() - started)

@@ -22,7 +22,9 @@ from castore.store import Store
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
-STORE_VERSION = 1
+STORE_VERSION = 2
+# Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files.
+OLDEST_STORE_VERSION = 2
 
 
 def open_store(
@@ -76,6 +78,13 @@ def _read_marker(marker: Path) -> dict[str, Any]:
         raise FormatVersionError(
             f"store written by format version {version}; this castore reads up to "
             f"{STORE_VERSION}: upgrade castore",
+            path=str(marker.parent),
+        )
+    if version < OLDEST_STORE_VERSION:
+        raise FormatVersionError(
+            f"store written by format version {version}, which kept chunk bytes inside LMDB; "
+            f"this castore reads formats {OLDEST_STORE_VERSION} to {STORE_VERSION}: "
+            "restore it with the castore that wrote it and save into a new store",
             path=str(marker.parent),
         )
     if not isinstance(config.get("chunk_size"), int):

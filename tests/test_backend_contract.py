@@ -103,10 +103,11 @@ def test_lmdb_map_grows_when_full(tmp_path: Path) -> None:
     backend = LmdbBackend(tmp_path / "env", map_size=1 << 20)
     try:
         big = [(digest_bytes(v), v) for v in (os.urandom(1 << 20) for _ in range(4))]
-        result = backend.put_many(Namespace.CHUNKS, big)
+        # Objects live in the map itself (chunk bytes go to packs).
+        result = backend.put_many(Namespace.OBJECTS, big)
         assert result.written == 4
         assert backend.map_size > 1 << 20
-        assert all(backend.get(Namespace.CHUNKS, k) == v for k, v in big)
+        assert all(backend.get(Namespace.OBJECTS, k) == v for k, v in big)
     finally:
         backend.close()
 
@@ -130,22 +131,33 @@ def test_lmdb_refuses_use_after_fork(tmp_path: Path) -> None:
     backend.close()
 
 
-def test_lmdb_chunk_index_tracks_the_chunks_database_exactly(tmp_path: Path) -> None:
+def test_lmdb_chunk_index_names_pack_records_exactly(tmp_path: Path) -> None:
+    """Read the files with plain I/O: each index entry names a pack record of its own digest."""
+    import struct
+
     import lmdb
 
     backend = LmdbBackend(tmp_path / "env")
     pairs = items(6, size=50)
     backend.put_many(Namespace.CHUNKS, pairs)
-    backend.put_many(Namespace.CHUNKS, pairs[:2])  # already present: no index change
+    backend.put_many(Namespace.CHUNKS, pairs[:2])  # already present: no index change, no pack
     backend.delete_many(Namespace.CHUNKS, [pairs[0][0]])
     backend.close()
+    packs = sorted((tmp_path / "env" / "packs").iterdir())
+    assert len(packs) == 1
     env = lmdb.open(str(tmp_path / "env"), max_dbs=4, readonly=True, lock=False)
     try:
-        chunks_db = env.open_db(b"chunks", create=False)
         index_db = env.open_db(b"chunk_index", create=False)
         with env.begin() as txn:
-            stored = {bytes(k): len(v) for k, v in txn.cursor(db=chunks_db)}
-            indexed = {bytes(k): int.from_bytes(v, "little") for k, v in txn.cursor(db=index_db)}
+            indexed = {bytes(k): struct.unpack("<QQQ", v) for k, v in txn.cursor(db=index_db)}
     finally:
         env.close()
-    assert stored == indexed == {k: len(v) for k, v in pairs[1:]}
+    raw = packs[0].read_bytes()
+    assert raw[:8] == b"CASTPACK"
+    found = {}
+    for key, (length, pack, offset) in indexed.items():
+        assert packs[0].name == f"{pack:016x}.pack"
+        digest, size = struct.unpack("<32sQ", raw[offset - 40 : offset])
+        assert (digest, size) == (key, length)
+        found[key] = raw[offset : offset + length]
+    assert found == dict(pairs[1:])

@@ -795,7 +795,7 @@ def test_disk_usage_of_a_fine_tuning_run(store: Store) -> None:
     objects = sum(n for _, n in store.backend.value_sizes(Namespace.OBJECTS))
     assert usage.physical_bytes == stored + objects
     assert usage.garbage_bytes == 0
-    assert usage.file_bytes == (store.path / "chunks" / "data.mdb").stat().st_size > 0
+    assert usage.file_bytes == files_on_disk(store.path) > stored
 
     # A chunk shared with another run is not exclusive to a@1 any more; rows of
     # one run still count the other run's references.
@@ -856,6 +856,46 @@ def test_storage_growth_of_twenty_fine_tuning_saves(tmp_path: Path) -> None:
     assert control / stored > 6
 
 
+def files_on_disk(path: Path) -> int:
+    """The LMDB data file plus every pack, measured with plain stat calls."""
+    chunks = path / "chunks"
+    packs = sum(p.stat().st_size for p in (chunks / "packs").glob("*.pack"))
+    return (chunks / "data.mdb").stat().st_size + packs
+
+
+def pack_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in (path / "chunks" / "packs").glob("*.pack"))
+
+
+def dense_pack_bytes(store: Store) -> int:
+    """What the live chunks take in packs with no dead record (headers included, 1 pack)."""
+    sizes = [n for _, n in store.backend.value_sizes(Namespace.CHUNKS)]
+    return sum(sizes) + 40 * len(sizes) + 16
+
+
+def test_gc_gives_pack_space_back(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with open_new(path) as store:
+        for i in range(20):
+            store.save(finetune_state(700 + i), run="a", step=i)
+        before = pack_bytes(path)
+        assert before >= chunk_bytes(store)  # 20 heads and one backbone
+        report = gc.collect_garbage(store, gc.RetentionPolicy(keep_last=2))
+        live = chunk_bytes(store)
+        assert live == STATE_BYTES + HEAD_BYTES
+        after = pack_bytes(path)
+        # 18 heads' packs held nothing live and are gone; what is left is at most
+        # twice the live bytes (a pack under half live is rewritten).
+        assert report.file_bytes_freed == before - after > 0
+        assert after <= 2 * dense_pack_bytes(store)
+        # Every remaining pack is named by the index: nothing orphaned.
+        named = {store.backend.locate(k).pack for k in store.backend.iter_keys(Namespace.CHUNKS)}
+        assert set(store.backend.pack_files()) == named
+        for gen_id in (19, 20):
+            assert_bitwise_equal(store.load("a", gen_id), finetune_state(700 + gen_id - 1))
+        assert verify_store(store, deep=True).ok
+
+
 # -- 9. compaction ------------------------------------------------------------------
 
 
@@ -874,11 +914,17 @@ def test_compact_after_gc_shrinks_and_keeps_everything(tmp_path: Path) -> None:
         assert ids(store, "a") == [5, 19, 20]
         keys = all_sizes(store)
     size_before = data_file.stat().st_size
+    files_before = files_on_disk(path)
 
     report = gc.compact(path)
-    assert report.bytes_before == size_before
-    assert report.bytes_after == data_file.stat().st_size
-    assert report.bytes_after < report.bytes_before  # 17 heads' pages were free
+    assert report.bytes_before == files_before
+    assert report.bytes_after == files_on_disk(path)
+    assert data_file.stat().st_size < size_before  # 17 heads' pages were free
+    with castore.open(path, create=False) as store:
+        # Every pack is dense now: the live records and nothing else.
+        named = {store.backend.locate(k).pack for k in store.backend.iter_keys(Namespace.CHUNKS)}
+        assert set(store.backend.pack_files()) == named
+        assert pack_bytes(path) == dense_pack_bytes(store) + 16 * (len(named) - 1)
     assert not list((path / "chunks").glob(".compact-*"))
 
     with castore.open(path, create=False) as store:
@@ -897,11 +943,12 @@ def test_compact_after_gc_shrinks_and_keeps_everything(tmp_path: Path) -> None:
 def test_compact_is_refused_while_the_store_is_open(store: Store, store_path: Path) -> None:
     save_steps(store, "a", [1, 2, 3])
     gc.collect_garbage(store, gc.RetentionPolicy(keep_last=1))
-    data_file = store_path / "chunks" / "data.mdb"
-    before = _file_digest(data_file)
+    files = [store_path / "chunks" / "data.mdb", *(store_path / "chunks" / "packs").iterdir()]
+    before = [_file_digest(f) for f in files]
     with pytest.raises(StoreLockedError, match="open"):
         gc.compact(store_path)
-    assert _file_digest(data_file) == before
+    assert [_file_digest(f) for f in files] == before
+    assert len(list((store_path / "chunks" / "packs").iterdir())) == len(files) - 1
     assert not list((store_path / "chunks").glob(".compact-*"))
     assert ids(store, "a") == [3]
     assert_bitwise_equal(store.load("a", 3), small_state(2))
@@ -1019,7 +1066,7 @@ def test_cli_du(cli_store: Path) -> None:
         (3 * STATE_BYTES + 3 * CHUNK) / (BACKBONE_CHUNKS * CHUNK + 3 * HEAD_BYTES + 3 * CHUNK)
     )
     assert "of it garbage" in lines["physical"]
-    assert "LMDB data file" in lines["file"]
+    assert "LMDB file and chunk packs" in lines["files"]
 
 
 def test_cli_compact(cli_store: Path) -> None:

@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import lmdb
 import msgpack
 import numpy as np
 import pytest
@@ -123,22 +122,21 @@ def test_flipped_chunk_byte_fails_load_naming_the_tensor(
     assert "'w'" in str(exc) and f"chunk {DAMAGED_CHUNK}" in str(exc)
 
 
-def test_byte_flipped_in_the_lmdb_file_itself_is_caught(store_path: Path) -> None:
+def test_byte_flipped_in_the_pack_file_itself_is_caught(store_path: Path) -> None:
     state = make_state()
     with castore.open(store_path, chunk_size=1024) as store:
         store.save(state, run=RUN, step=1)
         key = chunk_key(store, "b", 0)
+        where = store.backend.locate(key)
+        assert where is not None and where.length == 64
+        pack = store.backend.pack_path(where.pack)
 
-    # Edit the record with the lmdb package directly, the store closed.
-    env = lmdb.open(str(store_path / "chunks"), max_dbs=4, subdir=True)
-    try:
-        chunks = env.open_db(b"chunks", create=False)
-        with env.begin(write=True) as txn:
-            value = txn.get(key, db=chunks)
-            assert value is not None and len(value) == 64
-            txn.put(key, flipped(value, len(value) - 1), db=chunks)
-    finally:
-        env.close()
+    # Flip the chunk's last byte in the pack file with plain I/O, the store closed.
+    with open(pack, "r+b") as handle:
+        handle.seek(where.offset + where.length - 1)
+        byte = handle.read(1)
+        handle.seek(where.offset + where.length - 1)
+        handle.write(bytes([byte[0] ^ 0x01]))
 
     with castore.open(store_path) as store:
         with pytest.raises(ChecksumMismatchError) as info:

@@ -223,7 +223,7 @@ def test_future_store_marker_version_is_refused(store_path: Path) -> None:
     castore.open(store_path).close()
     marker = store_path / "castore.json"
     config = json.loads(marker.read_text())
-    assert config["format_version"] == 1  # control: what we are about to bump
+    assert config["format_version"] == 2  # control: what we are about to bump
     config["format_version"] = 999
     marker.write_text(json.dumps(config))
 
@@ -231,6 +231,21 @@ def test_future_store_marker_version_is_refused(store_path: Path) -> None:
         with pytest.raises(FormatVersionError, match="upgrade castore"):
             castore.open(store_path, create=create)
     assert json.loads(marker.read_text())["format_version"] == 999  # not rewritten
+
+
+def test_store_of_format_1_is_refused_with_what_to_do(
+    store_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    castore.open(store_path).close()
+    marker = store_path / "castore.json"
+    config = json.loads(marker.read_text())
+    config["format_version"] = 1  # chunk bytes inside LMDB: not readable any more
+    marker.write_text(json.dumps(config))
+    with pytest.raises(FormatVersionError, match="format version 1, which kept chunk bytes"):
+        castore.open(store_path)
+    assert cli.main(["log", str(store_path)]) != 0
+    err = capsys.readouterr().err
+    assert "format version 1" in err and len(err.strip().splitlines()) == 1
 
 
 def _put_object(store: Store, data: bytes) -> Digest:
@@ -574,26 +589,26 @@ def test_unsupported_metadata_is_refused(store: Store) -> None:
 
 
 def test_a_tiny_lmdb_map_grows_to_fit_a_save(tmp_path: Path) -> None:
+    # Chunk bytes go to pack files; what fills the map is the manifest, here one
+    # entry for each of 6000 small tensors (over 1 MiB of msgpack).
     path = tmp_path / "tiny"
     rng = np.random.default_rng(0)
-    big = {"x": rng.standard_normal(1 << 20)}  # 8 MiB of float64
+    many = {f"t{i:05d}": rng.standard_normal(2) for i in range(6000)}
     with castore.open(path, map_size=1 << 20) as store:
         assert store.backend.map_size == 1 << 20
-        gen = store.save(big, run=RUN, step=1)
-        assert gen.new_bytes == 8 << 20
-        assert store.backend.map_size >= 8 << 20
-        assert_state_equal(store.load(RUN), big)
+        store.save(many, run=RUN, step=1)
+        assert store.backend.map_size > 1 << 20
+        assert_state_equal(store.load(RUN), many)
 
     # Reopened with the same tiny map: LMDB rounds up to what is used, and the
     # map grows again for more data.
-    more = {"x": big["x"] + 1.0}
+    more = {name: value + 1.0 for name, value in many.items()}
     with castore.open(path, map_size=1 << 20) as store:
-        assert_state_equal(store.load(RUN), big)
+        grown = store.backend.map_size
         store.save(more, run=RUN, step=2)
-        assert_state_equal(store.load(RUN), more)
-        assert store.backend.map_size >= 16 << 20
+        assert store.backend.map_size > grown
     with castore.open(path) as store:
-        assert_state_equal(store.load(RUN, 1), big)
+        assert_state_equal(store.load(RUN, 1), many)
         assert_state_equal(store.load(RUN, 2), more)
 
 

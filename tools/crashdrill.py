@@ -184,21 +184,37 @@ def _arm(config: dict[str, Any], rank: int, update: int) -> None:
     _note(progress, {"armed": point, "update": update})
     if point == "dist.worker_mid_shard":
         # Observation only: record the shard's size and each committed batch.
-        write_leaves, flush = castore.commit.write_leaves, castore.chunkio._flush
+        from castore.chunkstore.base import Namespace
+
+        write_leaves = castore.commit.write_leaves
 
         def watched_write(backend: Any, leaves: Any, chunk_size: int, **kwargs: Any) -> Any:
             total = sum(leaf.data.nbytes for leaf in leaves)
             _note(
                 progress, {"shard_bytes": total, "batch_bytes": castore.chunkio.WRITE_BATCH_BYTES}
             )
-            return write_leaves(backend, leaves, chunk_size, **kwargs)
+            put_many = backend.put_many
 
-        def watched_flush(backend: Any, batch: Any, stats: Any) -> None:
-            flush(backend, batch, stats)
-            _note(progress, {"committed_bytes": sum(piece.nbytes for _, piece in batch)})
+            def watched_put(namespace: Any, items: Any) -> Any:
+                sizes: list[int] = []
+
+                def tee() -> Any:
+                    for key, value in items:
+                        sizes.append(memoryview(value).nbytes)
+                        yield key, value
+
+                result = put_many(namespace, tee())
+                if namespace is Namespace.CHUNKS:
+                    _note(progress, {"committed_bytes": sum(sizes)})
+                return result
+
+            backend.put_many = watched_put
+            try:
+                return write_leaves(backend, leaves, chunk_size, **kwargs)
+            finally:
+                del backend.put_many
 
         castore.commit.write_leaves = watched_write  # type: ignore[assignment]
-        castore.chunkio._flush = watched_flush
     castore.faults.arm(point, "kill")
 
 

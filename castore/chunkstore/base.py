@@ -33,6 +33,16 @@ class PutResult:
     already_present: int = 0
 
 
+@dataclass(frozen=True)
+class ReclaimStats:
+    """What one ``reclaim`` call did to the space behind deleted chunks."""
+
+    packs_deleted: int = 0
+    packs_rewritten: int = 0
+    chunks_moved: int = 0
+    bytes_freed: int = 0
+
+
 # Called once, inside the read transaction, with an iterator that yields one
 # value per key in key order (None for a missing key), fetching each lazily. The
 # buffers are valid only during the call: copy what you keep. The callback may
@@ -81,6 +91,18 @@ class ChunkBackend(abc.ABC):
     @abc.abstractmethod
     def close(self) -> None:
         """Release the backend's resources; further use is an error."""
+
+    def reclaim(self, *, min_live: float = 0.5) -> ReclaimStats:
+        """Give back the space of deleted chunks, where the backend keeps it after a delete.
+
+        Backends that free space on delete do nothing. ``min_live`` is the
+        live fraction below which a container of chunks is rewritten.
+        """
+        return ReclaimStats()
+
+    def file_bytes(self) -> int:
+        """Bytes the backend occupies on disk (0 for one that uses no files)."""
+        return 0
 
     def get(self, namespace: Namespace, key: bytes) -> bytes | None:
         """Return a copy of one value, or None when the key is absent."""

@@ -1,50 +1,107 @@
-"""LMDB, the embedded default backend.
+"""LMDB plus pack files, the embedded default backend.
+
+Chunk bytes live in append-only **pack files** under ``packs/``; LMDB holds
+the objects (manifests) and ``chunk_index``, which names where each chunk
+lies. Why packs: a chunk written into LMDB is copied into freshly allocated
+pages and written out by a commit that holds the environment's one writer
+lock, so ranks on a node save one after another. A pack is written straight
+from the tensor's buffer by each rank in parallel, like any per-rank file.
 
 Choices that matter for correctness:
 
+* A pack is complete and ``fdatasync``'d, and its directory entry synced,
+  before the index transaction that names its chunks commits. A crash in
+  between leaves a pack the index does not name: garbage, reclaimed later.
 * ``sync=True``/``metasync=True`` and no ``writemap``: a commit is durable when
   it returns, and a full disk raises instead of killing the process (SIGBUS).
 * The map grows when full, by aborting the transaction, enlarging the map
   outside any transaction and retrying; a map grown by another process is
   adopted (``MapResizedError``).
-* Reads use zero-copy buffers that never outlive their transaction: values are
-  handed to a callback inside it.
+* Reads hand out zero-copy views (LMDB buffers, memory maps of packs) that
+  never outlive the call: values are handed to a callback.
 * An environment is never used across ``fork()``: it records the pid that
   opened it and refuses use from another process.
-* Chunk presence is answered from ``chunk_index`` (digest -> u64 length),
-  written in the same transaction as the chunk. Looking a key up in ``chunks``
-  itself faults in the whole value, so a re-save of a store that is not in the
-  page cache would otherwise read back every chunk it skips.
+* Pack space is reclaimed only by :meth:`LmdbBackend.reclaim`, which deletes
+  packs the index no longer names, so it must not run while another process
+  may be writing a pack it has not indexed yet: garbage collection holds the
+  store lock exclusively, ``compact`` holds the open lock exclusively.
 """
 
 from __future__ import annotations
 
+import errno
+import mmap
 import os
+import secrets
 import struct
 import threading
+from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import lmdb
 
-from castore.chunkstore.base import ChunkBackend, Namespace, PutResult, ReadSink
+from castore.chunkstore.base import ChunkBackend, Namespace, PutResult, ReadSink, ReclaimStats
 from castore.errors import StoreError
+from castore.faults import fault_point
 from castore.hashing import Buffer
 
-DEFAULT_MAP_SIZE = 4 << 30
+DEFAULT_MAP_SIZE = 1 << 30
 _INDEX_DB = b"chunk_index"
-_LENGTH = struct.Struct("<Q")
 MAX_READERS = 1024
 _MAX_GROW_ATTEMPTS = 32
 
+PACK_DIR = "packs"
+PACK_SUFFIX = ".pack"
+PACK_MAGIC = b"CASTPACK"
+PACK_VERSION = 1
+_PACK_HEADER = struct.Struct("<8sII")  # magic, version, reserved
+_RECORD_HEADER = struct.Struct("<32sQ")  # digest, length; the chunk's bytes follow
+# chunk_index value: length, pack id, offset of the chunk's first byte in the pack.
+_LOCATION = struct.Struct("<QQQ")
+_IOV_MAX = 512  # pieces per writev call (two iovecs per record)
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one chunk's bytes lie."""
+
+    length: int
+    pack: int
+    offset: int
+
+
+def pack_name(pack: int) -> str:
+    return f"{pack:016x}{PACK_SUFFIX}"
+
+
+def _pack_id(name: str) -> int | None:
+    stem = name[: -len(PACK_SUFFIX)] if name.endswith(PACK_SUFFIX) else ""
+    if len(stem) != 16:
+        return None
+    try:
+        return int(stem, 16)
+    except ValueError:
+        return None
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
 
 class LmdbBackend(ChunkBackend):
-    """Chunks and objects in two named databases of one LMDB environment."""
+    """Objects and the chunk index in LMDB; chunk bytes in pack files beside it."""
 
     def __init__(self, path: str | os.PathLike[str], *, map_size: int | None = None) -> None:
         self.path = Path(path)
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.pack_dir = self.path / PACK_DIR
+        self.pack_dir.mkdir(parents=True, exist_ok=True)
         data_file = self.path / "data.mdb"
         existing = data_file.stat().st_size if data_file.exists() else 0
         initial = map_size if map_size is not None else max(DEFAULT_MAP_SIZE, 2 * existing)
@@ -60,12 +117,11 @@ class LmdbBackend(ChunkBackend):
                 sync=True,
                 metasync=True,
                 writemap=False,
-                readahead=True,  # chunks are large sequential values
                 lock=True,
             )
         except lmdb.Error as exc:
             raise StoreError(f"cannot open LMDB environment: {exc}", path=str(self.path)) from exc
-        self._dbs = {ns: self._env.open_db(ns.value.encode(), create=True) for ns in Namespace}
+        self._objects = self._env.open_db(Namespace.OBJECTS.value.encode(), create=True)
         self._index = self._env.open_db(_INDEX_DB, create=True)
         self._closed = False
 
@@ -95,44 +151,13 @@ class LmdbBackend(ChunkBackend):
         new_size = self._env.info()["map_size"] * 2
         self._env.set_mapsize(new_size)
 
-    @property
-    def map_size(self) -> int:
-        return int(self._env.info()["map_size"])
-
-    # -- contract ---------------------------------------------------------
-
-    def _key_db(self, namespace: Namespace) -> Any:
-        """The database that answers presence and sizes without touching values."""
-        return self._index if Namespace(namespace) is Namespace.CHUNKS else self._dbs[namespace]
-
-    def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
-        db = self._key_db(namespace)
-        with self._lock:
-            txn = self._begin(write=False, buffers=True)
-            try:
-                cursor = txn.cursor(db=db)
-                return [cursor.set_key(bytes(k)) for k in keys]
-            finally:
-                txn.abort()
-
-    def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
-        db = self._dbs[Namespace(namespace)]
-        with self._lock:
-            txn = self._begin(write=False, buffers=True)
-            try:
-                sink(txn.get(bytes(key), db=db) for key in keys)
-            finally:
-                txn.abort()
-
-    def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
-        db = self._dbs[Namespace(namespace)]
-        index = self._index if Namespace(namespace) is Namespace.CHUNKS else None
-        batch = list(items)
+    def _write_txn(self, work: Any) -> Any:
+        """Run ``work(txn)`` in a write transaction and commit, growing the map if full."""
         with self._lock:
             for _ in range(_MAX_GROW_ATTEMPTS):
                 txn = self._begin(write=True)
                 try:
-                    result = self._put_batch(txn, db, index, batch)
+                    result = work(txn)
                     txn.commit()
                     return result
                 except lmdb.MapFullError:
@@ -143,36 +168,143 @@ class LmdbBackend(ChunkBackend):
                     raise
         raise StoreError("LMDB map could not grow enough for one batch", path=str(self.path))
 
-    @staticmethod
-    def _put_batch(txn: Any, db: Any, index: Any, batch: list[tuple[bytes, Buffer]]) -> PutResult:
-        written = written_bytes = present = 0
-        for key, value in batch:
-            if txn.put(bytes(key), value, db=db, overwrite=False):
-                size = memoryview(value).nbytes
-                if index is not None:
-                    txn.put(bytes(key), _LENGTH.pack(size), db=index)
-                written += 1
-                written_bytes += size
-            else:
-                present += 1
-        return PutResult(written, written_bytes, present)
+    @property
+    def map_size(self) -> int:
+        return int(self._env.info()["map_size"])
+
+    def _db(self, namespace: Namespace) -> Any:
+        """The database that holds a namespace's keys (chunks: the index)."""
+        return self._index if Namespace(namespace) is Namespace.CHUNKS else self._objects
+
+    # -- contract ---------------------------------------------------------
+
+    def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        db = self._db(namespace)
+        with self._lock:
+            txn = self._begin(write=False, buffers=True)
+            try:
+                cursor = txn.cursor(db=db)
+                return [cursor.set_key(bytes(k)) for k in keys]
+            finally:
+                txn.abort()
+
+    def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
+        if Namespace(namespace) is Namespace.CHUNKS:
+            self._read_chunks(keys, sink)
+            return
+        with self._lock:
+            txn = self._begin(write=False, buffers=True)
+            try:
+                sink(txn.get(bytes(key), db=self._objects) for key in keys)
+            finally:
+                txn.abort()
+
+    def _read_chunks(self, keys: Sequence[bytes], sink: ReadSink) -> None:
+        maps = _PackMaps(self.pack_dir)
+        with self._lock:
+            txn = self._begin(write=False, buffers=True)
+            try:
+
+                def values() -> Iterator[memoryview | None]:
+                    for key in keys:
+                        found = txn.get(bytes(key), db=self._index)
+                        if found is None:
+                            yield None
+                            continue
+                        where = Location(*_LOCATION.unpack(found))
+                        view = maps.get(where.pack)
+                        if view is None:
+                            # Moved by a reclaim since this snapshot began? Look again.
+                            where_now = self.locate(key)
+                            if where_now is not None and where_now != where:
+                                where, view = where_now, maps.get(where_now.pack)
+                        if view is None:
+                            yield None
+                        else:
+                            yield view[where.offset : where.offset + where.length]
+
+                sink(values())
+            finally:
+                txn.abort()
+                maps.close()
+
+    def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
+        if Namespace(namespace) is Namespace.CHUNKS:
+            return self._put_chunks(items)
+        batch = list(items)
+
+        def work(txn: Any) -> PutResult:
+            written = written_bytes = present = 0
+            for key, value in batch:
+                if txn.put(bytes(key), value, db=self._objects, overwrite=False):
+                    written += 1
+                    written_bytes += memoryview(value).nbytes
+                else:
+                    present += 1
+            return PutResult(written, written_bytes, present)
+
+        result: PutResult = self._write_txn(work)
+        return result
+
+    def _put_chunks(self, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
+        """Append the absent chunks to a new pack, sync it, then index them in one commit.
+
+        ``items`` may be lazy (a hashing pipeline): each chunk is written as it comes.
+        """
+        with self._lock:
+            self._check_usable()
+            present = 0
+            written: dict[bytes, Location] = {}
+            writer: _PackWriter | None = None
+            try:
+                for key, value in items:
+                    key = bytes(key)
+                    if key in written or self.has_many(Namespace.CHUNKS, [key])[0]:
+                        present += 1
+                        continue
+                    if writer is None:
+                        writer = _PackWriter.create(self.pack_dir)
+                    written[key] = writer.add(key, value)
+                if writer is not None:
+                    writer.finish()
+            except OSError as exc:
+                if writer is not None:
+                    writer.discard()
+                raise StoreError(
+                    f"cannot write a chunk pack: {exc.strerror or exc}",
+                    path=str(self.pack_dir),
+                ) from exc
+            except BaseException:
+                if writer is not None:
+                    writer.discard()
+                raise
+            if not written:
+                return PutResult(0, 0, present)
+            fault_point("save.pack_unindexed")  # durable bytes that nothing names yet
+
+            def work(txn: Any) -> PutResult:
+                count = nbytes = 0
+                lost = 0
+                for key, where in written.items():
+                    value = _LOCATION.pack(where.length, where.pack, where.offset)
+                    if txn.put(key, value, db=self._index, overwrite=False):
+                        count += 1
+                        nbytes += where.length
+                    else:
+                        lost += 1  # another process indexed it first; our copy is garbage
+                return PutResult(count, nbytes, present + lost)
+
+            result: PutResult = self._write_txn(work)
+            return result
 
     def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:
-        db = self._dbs[Namespace(namespace)]
-        index = self._index if Namespace(namespace) is Namespace.CHUNKS else None
-        with self._lock:
-            txn = self._begin(write=True)
-            try:
-                deleted = 0
-                for key in keys:
-                    if index is not None:
-                        txn.delete(bytes(key), db=index)
-                    deleted += bool(txn.delete(bytes(key), db=db))
-                txn.commit()
-                return deleted
-            except BaseException:
-                txn.abort()
-                raise
+        db = self._db(namespace)
+
+        def work(txn: Any) -> int:
+            return sum(bool(txn.delete(bytes(key), db=db)) for key in keys)
+
+        deleted: int = self._write_txn(work)
+        return deleted
 
     def iter_keys(self, namespace: Namespace) -> Iterator[bytes]:
         for key, _size in self.value_sizes(namespace):
@@ -180,25 +312,259 @@ class LmdbBackend(ChunkBackend):
 
     def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
         chunks = Namespace(namespace) is Namespace.CHUNKS
-        db = self._key_db(namespace)
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
                 snapshot = [
-                    (bytes(k), _LENGTH.unpack(v)[0] if chunks else len(v))
-                    for k, v in txn.cursor(db=db)
+                    (bytes(k), _LOCATION.unpack(v)[0] if chunks else len(v))
+                    for k, v in txn.cursor(db=self._db(namespace))
                 ]
             finally:
                 txn.abort()
         yield from snapshot
 
-    def raw_put(self, namespace: Namespace, key: bytes, value: bytes) -> None:
-        """Overwrite one value unconditionally: for tests that damage a store."""
-        with self._lock:
-            with self._begin(write=True) as txn:
-                txn.put(bytes(key), value, db=self._dbs[Namespace(namespace)])
-
     def close(self) -> None:
         if not self._closed and os.getpid() == self._pid:
             self._env.close()
         self._closed = True
+
+    # -- packs ------------------------------------------------------------
+
+    def locate(self, key: bytes) -> Location | None:
+        """Where the index says a chunk lies (None when it is not indexed)."""
+        with self._lock:
+            txn = self._begin(write=False)
+            try:
+                found = txn.get(bytes(key), db=self._index)
+            finally:
+                txn.abort()
+        return None if found is None else Location(*_LOCATION.unpack(found))
+
+    def pack_path(self, pack: int) -> Path:
+        return self.pack_dir / pack_name(pack)
+
+    def pack_files(self) -> dict[int, int]:
+        """Every pack file: id -> size in bytes (temp files and strangers excluded)."""
+        sizes = {}
+        for entry in os.scandir(self.pack_dir):
+            pack = _pack_id(entry.name)
+            if pack is not None:
+                try:
+                    sizes[pack] = entry.stat().st_size
+                except FileNotFoundError:
+                    continue
+        return sizes
+
+    def file_bytes(self) -> int:
+        data_file = self.path / "data.mdb"
+        size = data_file.stat().st_size if data_file.exists() else 0
+        return size + sum(self.pack_files().values())
+
+    def reclaim(self, *, min_live: float = 0.5) -> ReclaimStats:
+        """Delete packs the index no longer names; rewrite those less than ``min_live`` live.
+
+        A rewrite copies the live chunks into a new synced pack, re-points
+        their index entries in one commit, then deletes the old packs. A
+        pack whose indexed chunks run past its end (damaged) is left alone.
+        The caller guarantees no other process is writing packs (see module doc).
+        """
+        with self._lock:
+            self._check_usable()
+            live: dict[int, list[tuple[bytes, Location]]] = defaultdict(list)
+            for key, found in self._index_entries():
+                where = Location(*_LOCATION.unpack(found))
+                live[where.pack].append((key, where))
+            files = self.pack_files()
+            dead = [pack for pack in files if pack not in live]
+            sparse = []
+            for pack, size in files.items():
+                entries = live.get(pack)
+                if not entries:
+                    continue
+                live_bytes = sum(w.length + _RECORD_HEADER.size for _, w in entries)
+                intact = all(w.offset + w.length <= size for _, w in entries)
+                if intact and live_bytes < min_live * (size - _PACK_HEADER.size):
+                    sparse.append(pack)
+            moved = 0
+            if sparse:
+                moved = self._rewrite(sparse, live)
+                fault_point("gc.reclaim_rewritten")  # the old packs are unnamed, not yet deleted
+            freed = 0
+            for pack in dead + sparse:
+                try:
+                    freed += files[pack]
+                    self.pack_path(pack).unlink()
+                except FileNotFoundError:
+                    pass
+            if dead or sparse:
+                _fsync_dir(self.pack_dir)
+            after = sum(self.pack_files().values())
+            return ReclaimStats(
+                packs_deleted=len(dead),
+                packs_rewritten=len(sparse),
+                chunks_moved=moved,
+                bytes_freed=sum(files.values()) - after,
+            )
+
+    def _index_entries(self) -> list[tuple[bytes, bytes]]:
+        txn = self._begin(write=False)
+        try:
+            return [(bytes(k), bytes(v)) for k, v in txn.cursor(db=self._index)]
+        finally:
+            txn.abort()
+
+    def _rewrite(self, packs: list[int], live: dict[int, list[tuple[bytes, Location]]]) -> int:
+        maps = _PackMaps(self.pack_dir)
+        writer = _PackWriter.create(self.pack_dir)
+        moves: list[tuple[bytes, Location, Location]] = []
+        try:
+            for pack in packs:
+                view = maps.get(pack)
+                if view is None:
+                    continue
+                for key, where in live[pack]:
+                    piece = view[where.offset : where.offset + where.length]
+                    moves.append((key, where, writer.add(key, piece)))
+            writer.finish()
+        except BaseException:
+            writer.discard()
+            raise
+        finally:
+            maps.close()
+
+        def work(txn: Any) -> int:
+            for key, old, new in moves:
+                current = txn.get(key, db=self._index)
+                if current == _LOCATION.pack(old.length, old.pack, old.offset):
+                    txn.put(key, _LOCATION.pack(new.length, new.pack, new.offset), db=self._index)
+            return len(moves)
+
+        moved: int = self._write_txn(work)
+        return moved
+
+    def raw_put(self, namespace: Namespace, key: bytes, value: bytes) -> None:
+        """Overwrite one value unconditionally: for tests that damage a store.
+
+        A chunk of the same length is overwritten in place in its pack (as a
+        bit flip on disk would); any other length is indexed from a new pack.
+        """
+        key = bytes(key)
+        if Namespace(namespace) is Namespace.OBJECTS:
+            self._write_txn(lambda txn: txn.put(key, value, db=self._objects))
+            return
+        where = self.locate(key)
+        if where is not None and where.length == len(value):
+            fd = os.open(self.pack_path(where.pack), os.O_WRONLY)
+            try:
+                os.pwrite(fd, value, where.offset)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            return
+        writer = _PackWriter.create(self.pack_dir)
+        new = writer.add(key, value)
+        writer.finish()
+        self._write_txn(
+            lambda txn: txn.put(
+                key, _LOCATION.pack(new.length, new.pack, new.offset), db=self._index
+            )
+        )
+
+
+class _PackWriter:
+    """One new pack file, written by ``add`` and made durable by ``finish``."""
+
+    def __init__(self, directory: Path, pack: int, fd: int) -> None:
+        self.directory, self.pack, self.fd = directory, pack, fd
+        self.offset = _PACK_HEADER.size
+        os.write(fd, _PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0))
+
+    @classmethod
+    def create(cls, directory: Path) -> _PackWriter:
+        for _ in range(16):
+            pack = secrets.randbits(63)
+            try:
+                fd = os.open(
+                    directory / pack_name(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+                )
+            except FileExistsError:
+                continue
+            return cls(directory, pack, fd)
+        raise StoreError("could not pick a new pack name", path=str(directory))
+
+    def add(self, key: bytes, value: Buffer) -> Location:
+        view = memoryview(value).cast("B")
+        header = _RECORD_HEADER.pack(key, view.nbytes)
+        _write_all(self.fd, [header, view])
+        where = Location(view.nbytes, self.pack, self.offset + len(header))
+        self.offset = where.offset + where.length
+        return where
+
+    def finish(self) -> None:
+        """Make the pack's bytes and its directory entry durable."""
+        os.fdatasync(self.fd)
+        os.close(self.fd)
+        self.fd = -1
+        _fsync_dir(self.directory)
+
+    def discard(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+        try:
+            (self.directory / pack_name(self.pack)).unlink()
+        except FileNotFoundError:
+            pass
+
+
+def _write_all(fd: int, buffers: list[Any]) -> None:
+    views = [memoryview(b).cast("B") for b in buffers]
+    while views:
+        done = os.writev(fd, views[:_IOV_MAX])
+        if done == 0:
+            raise OSError(errno.EIO, "writev wrote nothing")
+        while done and views:
+            if done >= views[0].nbytes:
+                done -= views[0].nbytes
+                views.pop(0)
+            else:
+                views[0] = views[0][done:]
+                done = 0
+
+
+class _PackMaps:
+    """Read-only memory maps of packs, opened on first use and closed together."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = directory
+        self._maps: dict[int, tuple[mmap.mmap | None, memoryview | None]] = {}
+
+    def get(self, pack: int) -> memoryview | None:
+        if pack not in self._maps:
+            self._maps[pack] = self._open(pack)
+        return self._maps[pack][1]
+
+    def _open(self, pack: int) -> tuple[mmap.mmap | None, memoryview | None]:
+        try:
+            fd = os.open(self.directory / pack_name(pack), os.O_RDONLY)
+        except FileNotFoundError:
+            return None, None
+        try:
+            size = os.fstat(fd).st_size
+            if size == 0:
+                return None, memoryview(b"")
+            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return mapped, memoryview(mapped)
+
+    def close(self) -> None:
+        for mapped, view in self._maps.values():
+            if view is not None:
+                view.release()
+            if mapped is not None:
+                try:
+                    mapped.close()
+                except BufferError:
+                    pass  # a consumer kept a view; the map goes when it does
+        self._maps.clear()
