@@ -22,7 +22,7 @@ values; the backbone never changes. The same states are saved twice:
 castore's bytes are shown three ways: the distinct chunk bytes the 20
 generations reference (``castore.gc.disk_usage(store).referenced_bytes``),
 every chunk and manifest stored (``physical_bytes``), and the store directory
-as the file system sees it (LMDB file, lock file, refs and logs). Sizes "on
+as the file system sees it (LMDB files, packs, refs and logs). Sizes "on
 disk" are allocated blocks (``st_blocks * 512``, as ``du``), taken after
 ``sync``; "apparent" is the sum of file sizes. Every ratio is against the
 allocated bytes of the DCP directories written in the same run. The
@@ -189,7 +189,7 @@ def part_bytes(work: Path, state_mib: float, saves: int) -> dict[str, Any]:
         "castore_chunk_size": chunk_size,
         "castore_referenced_bytes": usage.referenced_bytes,
         "castore_physical_bytes": usage.physical_bytes,
-        "castore_lmdb_file_bytes": usage.file_bytes,
+        "castore_file_bytes": usage.file_bytes,
         "castore_dedup_ratio": usage.dedup_ratio,
         "castore_new_bytes_per_save": new_bytes,
         "castore_dir_apparent_bytes": store_apparent,
@@ -216,7 +216,7 @@ def bytes_table(r: dict[str, Any]) -> list[list[str]]:
             None,
         ),
         (
-            "castore: store directory (LMDB file, refs, logs)",
+            "castore: store directory (LMDB file, packs, refs, logs)",
             r["castore_dir_apparent_bytes"],
             r["castore_dir_allocated_bytes"],
         ),
@@ -300,6 +300,7 @@ def one_gc(work: Path, state_mib: float, k: int, cold: bool, verify: bool) -> di
             "store_bytes": before.physical_bytes,
             "kept_bytes": k * state_bytes,
             "bytes_freed": report.bytes_freed,
+            "file_bytes_freed": report.file_bytes_freed,
             "chunks_freed": report.chunks_freed,
             "objects_freed": report.objects_freed,
             "chunks_per_state": chunks_per_state,
@@ -328,7 +329,7 @@ def gc_summary(runs: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
         first = samples[0]
         phase = {
             name: statistics.median(s["timings"].get(name, 0.0) for s in samples)
-            for name in ("mark", "scan", "sweep")
+            for name in ("mark", "scan", "sweep", "reclaim")
         }
         seconds = statistics.median(s["seconds"] for s in samples)
         records.append(
@@ -339,6 +340,7 @@ def gc_summary(runs: dict[int, list[dict[str, Any]]]) -> list[dict[str, Any]]:
                 "store_bytes": first["store_bytes"],
                 "kept_bytes": first["kept_bytes"],
                 "bytes_freed": first["bytes_freed"],
+                "file_bytes_freed": first["file_bytes_freed"],
                 "chunks_freed": first["chunks_freed"],
                 "objects_freed": first["objects_freed"],
                 "median_s": seconds,
@@ -366,6 +368,8 @@ def gc_table(records: list[dict[str, Any]]) -> list[list[str]]:
                 f"{phase['mark'] * 1000:.1f}",
                 f"{phase['scan'] * 1000:.1f}",
                 f"{phase['sweep'] * 1000:.1f}",
+                f"{phase['reclaim'] * 1000:.1f}",
+                f"{r['file_bytes_freed'] / GIB:.3f}",
                 f"{r['s_per_gib_store']:.3f}",
                 f"{r['median_s'] / base['median_s']:.2f}x",
             ]
@@ -481,6 +485,8 @@ def main(argv: list[str] | None = None) -> int:
         "mark ms",
         "scan ms",
         "sweep ms",
+        "reclaim ms",
+        "pack GiB freed",
         "s per GiB",
         "x time at " + f"{sizes[0]}x",
     ]
