@@ -61,7 +61,8 @@ def open(  # noqa: A001 - the public name the API promises
 ) -> Store:
     """Open the castore store at ``path``, creating it (when ``create``) if absent.
 
-    The embedded default backend is LMDB inside the store directory.
+    The embedded default backend keeps chunk bytes in pack files and their index
+    and the manifests in LMDB, all inside the store directory.
     ``chunk_size`` (bytes) sets the default for a new store, or overrides it
     for this handle's saves; dedup works between saves of equal chunk size.
     """

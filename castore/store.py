@@ -3,7 +3,7 @@
 A store is a directory::
 
     castore.json    store marker: format name and version, default chunk size
-    chunks/         the LMDB environment (chunks and objects)
+    chunks/         the LMDB environment (chunk index and objects); chunks/packs/ the bytes
     refs/RUN        one self-checking ref per run (the commit point)
     logs/RUN.reflog every ref advance, one checksummed JSON line each
     locks/RUN.lock  flock target for compare-and-swap ref advances
