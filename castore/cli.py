@@ -375,7 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     repair.add_argument("--dry-run", action="store_true", help="report, change nothing")
     repair.add_argument("--wait", type=float, default=30.0, help="seconds to wait for saves")
     repair.set_defaults(handler=cmd_repair)
-    compact = commands.add_parser("compact", help="rewrite packs and the LMDB file without dead space (offline)")
+    compact = commands.add_parser(
+        "compact", help="rewrite packs and the LMDB file without dead space (offline)"
+    )
     compact.add_argument("store")
     compact.set_defaults(handler=cmd_compact)
     return parser
