@@ -340,9 +340,12 @@ def _launch(
             break
         time.sleep(0.05)
     timed_out = not kill_when_saved and any(p.poll() is None for p in procs)
+    # Every rank is signalled before any is waited for: a rank must not outlive a
+    # killed peer long enough to notice it and exit by itself.
     for proc in procs:
         if proc.poll() is None:
             proc.send_signal(signal.SIGKILL)  # the interruption, or a launch past its timeout
+    for proc in procs:
         proc.wait()
     if timed_out:
         raise SystemExit(
