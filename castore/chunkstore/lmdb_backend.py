@@ -87,6 +87,11 @@ def _pack_id(name: str) -> int | None:
         return None
 
 
+# fdatasync flushes the data and the file size, which is all a pack needs;
+# platforms without it (macOS) get fsync.
+_datasync = getattr(os, "fdatasync", os.fsync)
+
+
 def _fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
     try:
@@ -389,13 +394,8 @@ class LmdbBackend(ChunkBackend):
             if sparse:
                 moved = self._rewrite(sparse, live)
                 fault_point("gc.reclaim_rewritten")  # the old packs are unnamed, not yet deleted
-            freed = 0
             for pack in dead + sparse:
-                try:
-                    freed += files[pack]
-                    self.pack_path(pack).unlink()
-                except FileNotFoundError:
-                    pass
+                self.pack_path(pack).unlink(missing_ok=True)
             if dead or sparse:
                 _fsync_dir(self.pack_dir)
             after = sum(self.pack_files().values())
@@ -403,7 +403,7 @@ class LmdbBackend(ChunkBackend):
                 packs_deleted=len(dead),
                 packs_rewritten=len(sparse),
                 chunks_moved=moved,
-                bytes_freed=sum(files.values()) - after,
+                bytes_freed=sum(files.values()) - after,  # net: rewritten copies count against
             )
 
     def _index_entries(self) -> list[tuple[bytes, bytes]]:
@@ -502,7 +502,7 @@ class _PackWriter:
 
     def finish(self) -> None:
         """Make the pack's bytes and its directory entry durable."""
-        os.fdatasync(self.fd)
+        _datasync(self.fd)
         os.close(self.fd)
         self.fd = -1
         _fsync_dir(self.directory)
