@@ -3,8 +3,9 @@
 Save: a tensor's flat buffer is cut into ``chunk_size`` slices (memoryviews,
 no copies), hashed on a thread pool (blake3 releases the GIL) while the main
 thread hands each hashed chunk to the backend, which writes it unless it has
-it already; one commit per batch. Load: chunks are fetched inside one read transaction
-and each is verified against its name, then copied into place, on the pool.
+it already; one commit per batch. Load: chunks are fetched inside one read
+transaction and each is verified against its name, then copied into place, on
+the pool.
 """
 
 from __future__ import annotations
@@ -68,18 +69,18 @@ def write_leaves(
     stats = WriteStats(logical_bytes=sum(leaf.data.nbytes for leaf in leaves))
     with ThreadPoolExecutor(_WORKERS, thread_name_prefix="castore-hash") as pool:
         hashed = zip(pieces, pool.map(_hash_one, [p for _, p in pieces]), strict=True)
-        remaining = len(pieces)
-        while remaining:
+        handed = 0  # chunks given to the backend so far
+        while handed < len(pieces):
             # The backend takes each chunk as its digest arrives, so writing
             # overlaps the hashing of the chunks after it.
-            taken = [0]
-            result = backend.put_many(Namespace.CHUNKS, _batch(hashed, digests, taken))
-            if not taken[0]:
+            result = backend.put_many(Namespace.CHUNKS, _batch(hashed, digests))
+            taken = sum(map(len, digests)) - handed
+            if not taken:
                 raise RuntimeError("chunk backend returned without taking any chunk")
-            remaining -= taken[0]
+            handed += taken
             stats.new_chunks += result.written
             stats.new_bytes += result.written_bytes
-            stats.reused_chunks += taken[0] - result.written
+            stats.reused_chunks += taken - result.written
             fault_point(midway_fault)
     entries = [
         TensorEntry(
@@ -99,15 +100,12 @@ def write_leaves(
 
 
 def _batch(
-    hashed: Iterator[tuple[tuple[int, memoryview], bytes]],
-    digests: list[list[bytes]],
-    taken: list[int],
+    hashed: Iterator[tuple[tuple[int, memoryview], bytes]], digests: list[list[bytes]]
 ) -> Iterator[tuple[bytes, memoryview]]:
     """Yield (digest, piece) until ``WRITE_BATCH_BYTES`` are out, recording each digest."""
     size = 0
     for (index, piece), digest in hashed:
         digests[index].append(digest)
-        taken[0] += 1
         size += piece.nbytes
         yield digest, piece
         if size >= WRITE_BATCH_BYTES:

@@ -47,6 +47,7 @@ from castore.chunkstore.base import ChunkBackend, Namespace, PutResult, ReadSink
 from castore.errors import StoreError
 from castore.faults import fault_point
 from castore.hashing import Buffer
+from castore.refs import fsync_dir
 
 DEFAULT_MAP_SIZE = 1 << 30
 _INDEX_DB = b"chunk_index"
@@ -72,6 +73,13 @@ class Location:
     pack: int
     offset: int
 
+    def encode(self) -> bytes:
+        return _LOCATION.pack(self.length, self.pack, self.offset)
+
+    @classmethod
+    def decode(cls, value: bytes) -> Location:
+        return cls(*_LOCATION.unpack(value))
+
 
 def pack_name(pack: int) -> str:
     return f"{pack:016x}{PACK_SUFFIX}"
@@ -90,14 +98,6 @@ def _pack_id(name: str) -> int | None:
 # fdatasync flushes the data and the file size, which is all a pack needs;
 # platforms without it (macOS) get fsync.
 _datasync = getattr(os, "fdatasync", os.fsync)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class LmdbBackend(ChunkBackend):
@@ -216,7 +216,7 @@ class LmdbBackend(ChunkBackend):
                         if found is None:
                             yield None
                             continue
-                        where = Location(*_LOCATION.unpack(found))
+                        where = Location.decode(found)
                         view = maps.get(where.pack)
                         if view is None:
                             # Moved by a reclaim since this snapshot began? Look again.
@@ -257,14 +257,16 @@ class LmdbBackend(ChunkBackend):
         ``items`` may be lazy (a hashing pipeline): each chunk is written as it comes.
         """
         with self._lock:
-            self._check_usable()
             present = 0
             written: dict[bytes, Location] = {}
             writer: _PackWriter | None = None
+            # One read transaction answers the presence of every chunk of the batch.
+            snapshot = self._begin(write=False, buffers=True)
             try:
+                index = snapshot.cursor(db=self._index)
                 for key, value in items:
                     key = bytes(key)
-                    if key in written or self.has_many(Namespace.CHUNKS, [key])[0]:
+                    if key in written or index.set_key(key):
                         present += 1
                         continue
                     if writer is None:
@@ -283,6 +285,8 @@ class LmdbBackend(ChunkBackend):
                 if writer is not None:
                     writer.discard()
                 raise
+            finally:
+                snapshot.abort()
             if not written:
                 return PutResult(0, 0, present)
             fault_point("save.pack_unindexed")  # durable bytes that nothing names yet
@@ -291,8 +295,7 @@ class LmdbBackend(ChunkBackend):
                 count = nbytes = 0
                 lost = 0
                 for key, where in written.items():
-                    value = _LOCATION.pack(where.length, where.pack, where.offset)
-                    if txn.put(key, value, db=self._index, overwrite=False):
+                    if txn.put(key, where.encode(), db=self._index, overwrite=False):
                         count += 1
                         nbytes += where.length
                     else:
@@ -343,7 +346,7 @@ class LmdbBackend(ChunkBackend):
                 found = txn.get(bytes(key), db=self._index)
             finally:
                 txn.abort()
-        return None if found is None else Location(*_LOCATION.unpack(found))
+        return None if found is None else Location.decode(found)
 
     def pack_path(self, pack: int) -> Path:
         return self.pack_dir / pack_name(pack)
@@ -377,7 +380,7 @@ class LmdbBackend(ChunkBackend):
             self._check_usable()
             live: dict[int, list[tuple[bytes, Location]]] = defaultdict(list)
             for key, found in self._index_entries():
-                where = Location(*_LOCATION.unpack(found))
+                where = Location.decode(found)
                 live[where.pack].append((key, where))
             files = self.pack_files()
             dead = [pack for pack in files if pack not in live]
@@ -397,7 +400,7 @@ class LmdbBackend(ChunkBackend):
             for pack in dead + sparse:
                 self.pack_path(pack).unlink(missing_ok=True)
             if dead or sparse:
-                _fsync_dir(self.pack_dir)
+                fsync_dir(self.pack_dir)
             after = sum(self.pack_files().values())
             return ReclaimStats(
                 packs_deleted=len(dead),
@@ -434,9 +437,8 @@ class LmdbBackend(ChunkBackend):
 
         def work(txn: Any) -> int:
             for key, old, new in moves:
-                current = txn.get(key, db=self._index)
-                if current == _LOCATION.pack(old.length, old.pack, old.offset):
-                    txn.put(key, _LOCATION.pack(new.length, new.pack, new.offset), db=self._index)
+                if txn.get(key, db=self._index) == old.encode():
+                    txn.put(key, new.encode(), db=self._index)
             return len(moves)
 
         moved: int = self._write_txn(work)
@@ -464,11 +466,7 @@ class LmdbBackend(ChunkBackend):
         writer = _PackWriter.create(self.pack_dir)
         new = writer.add(key, value)
         writer.finish()
-        self._write_txn(
-            lambda txn: txn.put(
-                key, _LOCATION.pack(new.length, new.pack, new.offset), db=self._index
-            )
-        )
+        self._write_txn(lambda txn: txn.put(key, new.encode(), db=self._index))
 
 
 class _PackWriter:
@@ -505,7 +503,7 @@ class _PackWriter:
         _datasync(self.fd)
         os.close(self.fd)
         self.fd = -1
-        _fsync_dir(self.directory)
+        fsync_dir(self.directory)
 
     def discard(self) -> None:
         if self.fd >= 0:
