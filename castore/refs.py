@@ -145,6 +145,23 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def _replace_file(path: Path, data: bytes) -> None:
+    """Write ``data`` to a synced temp file ``.NAME.PID.NS.tmp`` and rename it over ``path``."""
+    temp = path.parent / f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
+
+
 class RefStore:
     """The ref files, locks and reflogs of one store directory."""
 
@@ -245,19 +262,7 @@ class RefStore:
             self.append_reflog(run, new, parent=current_root, action="advance")
 
     def _replace_ref(self, run: str, value: RefValue) -> None:
-        temp = self.refs_dir / f".{run}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, encode_ref(value))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.replace(temp, self.refs_dir / run)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        fsync_dir(self.refs_dir)
+        _replace_file(self.refs_dir / run, encode_ref(value))
 
     # -- tags ---------------------------------------------------------------
 
@@ -270,19 +275,7 @@ class RefStore:
         """Point tag ``name`` of ``run`` at a generation (replacing what it named)."""
         path = self._tag_path(run, name)
         path.parent.mkdir(parents=True, exist_ok=True)
-        temp = path.parent / f".{name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-        try:
-            os.write(fd, encode_ref(value))
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        try:
-            os.replace(temp, path)
-        except BaseException:
-            temp.unlink(missing_ok=True)
-            raise
-        fsync_dir(path.parent)
+        _replace_file(path, encode_ref(value))
 
     def delete_tag(self, run: str, name: str) -> bool:
         """Remove a tag; False when there was none."""
