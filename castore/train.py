@@ -627,18 +627,7 @@ class TrainState:
                 "update restarts from its first microbatch"
             )
         if self.sampler is not None:
-            position = {
-                "version": 1,
-                "seed": saved["seed"],
-                "epoch": saved["epoch"],
-                "consumed_samples": saved["consumed_samples"]
-                if partial != "discarded"
-                else saved["update_start_consumed"],
-                "num_replicas": saved["world_size"],
-                "dataset_len": saved["dataset_len"],
-                "shuffle": saved["shuffle"],
-                "drop_last": saved["drop_last"],
-            }
+            position = sampler_position(saved, rewind_partial_update=partial == "discarded")
             if resume == "continuation" and same_world and saved["seed"] != self.sampler.seed:
                 notes.append(
                     f"sampler seed {self.sampler.seed} replaced by the saved {saved['seed']} "
@@ -765,6 +754,27 @@ def _reseed(root: bytes, rank: int, generators: Mapping[str, np.random.Generator
     torch.manual_seed(seed("torch"))  # also every CUDA device
     for name, gen in generators.items():
         gen.bit_generator.state = type(gen.bit_generator)(seed(f"numpy/{name}")).state
+
+
+def sampler_position(
+    data_order: Mapping[str, Any], *, rewind_partial_update: bool = False
+) -> dict[str, Any]:
+    """The ``ResumableDistributedSampler`` state a generation's data-order record names.
+
+    ``rewind_partial_update`` puts the cursor back at the start of the update
+    a mid-accumulation save was in (for partial gradients that were dropped).
+    """
+    consumed = "update_start_consumed" if rewind_partial_update else "consumed_samples"
+    return {
+        "version": 1,
+        "seed": data_order["seed"],
+        "epoch": data_order["epoch"],
+        "consumed_samples": data_order[consumed],
+        "num_replicas": data_order["world_size"],
+        "dataset_len": data_order["dataset_len"],
+        "shuffle": data_order["shuffle"],
+        "drop_last": data_order["drop_last"],
+    }
 
 
 def load_weights(

@@ -251,18 +251,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         loaded = castore.train.load_weights(store, RUN, job["model"], timeout=config["timeout"])
         generation = loaded.generation
         order = generation.data_order
-        job["sampler"].load_state_dict(
-            {
-                "version": 1,
-                "seed": order["seed"],
-                "epoch": order["epoch"],
-                "consumed_samples": order["consumed_samples"],
-                "num_replicas": order["world_size"],
-                "dataset_len": order["dataset_len"],
-                "shuffle": order["shuffle"],
-                "drop_last": order["drop_last"],
-            }
-        )
+        job["sampler"].load_state_dict(castore.train.sampler_position(order))
         job["state"].update = order["update"]
     else:
         resumed = job["state"].load(store, run=RUN, resume="exact", timeout=config["timeout"])

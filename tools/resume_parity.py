@@ -235,18 +235,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     if config["control"] == "weights-only":
         loaded = castore.train.load_weights(store, RUN, job["model"])
         order = loaded.generation.data_order
-        job["sampler"].load_state_dict(
-            {
-                "version": 1,
-                "seed": order["seed"],
-                "epoch": order["epoch"],
-                "consumed_samples": order["consumed_samples"],
-                "num_replicas": order["world_size"],
-                "dataset_len": order["dataset_len"],
-                "shuffle": order["shuffle"],
-                "drop_last": order["drop_last"],
-            }
-        )
+        job["sampler"].load_state_dict(castore.train.sampler_position(order))
         job["state"].update = order["update"]
         resumed = {"claim": "weights-only", "rng": "fresh", "partial_update": None, "notes": []}
     else:
