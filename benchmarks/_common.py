@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import multiprocessing as mp
 import os
+import socket
 import stat
+import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+REPLY_TIMEOUT = 900.0  # seconds a rank may take to answer one command
 
 
 def drop_caches() -> bool:
@@ -48,3 +54,68 @@ def tree_bytes(path: Path) -> tuple[int, int]:
             apparent += info.st_size
             allocated += info.st_blocks * 512
     return apparent, allocated
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class PipedRanks:
+    """``world`` spawned worker processes, one pipe each, driven by commands.
+
+    ``worker(rank, port, *args, conn)`` answers each command it receives on
+    ``conn`` with a dict (``{"error": text}`` on failure) and returns on
+    ``("stop",)``; its first reply, after start-up, is collected here.
+    """
+
+    def __init__(
+        self, world: int, worker: Callable[..., None], args: tuple[Any, ...], name: str
+    ) -> None:
+        context = mp.get_context("spawn")
+        port = free_port()
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # many ranks on few cores
+        self.procs: list[Any] = []
+        self.conns: list[Any] = []
+        for rank in range(world):
+            parent_end, child_end = context.Pipe()
+            proc = context.Process(
+                target=worker, args=(rank, port, *args, child_end), name=f"{name}-{rank}"
+            )
+            proc.start()
+            child_end.close()
+            self.procs.append(proc)
+            self.conns.append(parent_end)
+        self.collect("start")
+
+    def collect(self, what: str) -> list[dict[str, Any]]:
+        replies = []
+        deadline = time.monotonic() + REPLY_TIMEOUT
+        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
+            while not conn.poll(0.2):
+                if not proc.is_alive() or time.monotonic() > deadline:
+                    raise RuntimeError(f"rank {rank} died or hung during {what}")
+            reply = conn.recv()
+            if "error" in reply:
+                raise RuntimeError(f"rank {rank} failed during {what}:\n{reply['error']}")
+            replies.append(reply)
+        return replies
+
+    def command(self, *command: Any) -> list[dict[str, Any]]:
+        for conn in self.conns:
+            conn.send(command)
+        return self.collect(str(command[:2]))
+
+    def close(self) -> None:
+        for proc, conn in zip(self.procs, self.conns, strict=True):
+            if proc.is_alive():
+                try:
+                    conn.send(("stop",))
+                except OSError:
+                    pass
+        for proc in self.procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()  # our own child, by its handle
+                proc.join()

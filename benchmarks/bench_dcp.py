@@ -74,11 +74,9 @@ import argparse
 import datetime
 import gc
 import json
-import multiprocessing as mp
 import os
 import platform
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -89,7 +87,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import disk_free, drop_caches, print_goals, tree_bytes
+from _common import PipedRanks, disk_free, drop_caches, print_goals, tree_bytes
 from tabulate import tabulate
 
 import castore
@@ -101,7 +99,6 @@ COLS = 1024  # 4 KiB fp32 rows
 CHANGED_EVERY = 10  # every 10th tensor changes in the re-save: 10% of tensors and bytes
 DELTA = 1e-3
 COLLECTIVE_TIMEOUT = 300.0
-REPLY_TIMEOUT = 900.0
 METHODS = ["FS", "castore"]
 
 # Goals (checked on medians): castore against FileSystemWriter/Reader, same run
@@ -274,61 +271,11 @@ def worker(rank: int, port: int, layout: Layout, conn: Any) -> None:
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-class Ranks:
+class Ranks(PipedRanks):
     """``layout.world`` live worker processes in one gloo group, driven over pipes."""
 
     def __init__(self, layout: Layout) -> None:
-        context = mp.get_context("spawn")
-        port = free_port()
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        self.procs, self.conns = [], []
-        for rank in range(layout.world):
-            parent_end, child_end = context.Pipe()
-            proc = context.Process(
-                target=worker, args=(rank, port, layout, child_end), name=f"bench-dcp-{rank}"
-            )
-            proc.start()
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
-        self._collect("start")
-
-    def _collect(self, what: str) -> list[dict[str, Any]]:
-        replies = []
-        deadline = time.monotonic() + REPLY_TIMEOUT
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
-            while not conn.poll(0.2):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {rank} died or hung during {what}")
-            reply = conn.recv()
-            if "error" in reply:
-                raise RuntimeError(f"rank {rank} failed during {what}:\n{reply['error']}")
-            replies.append(reply)
-        return replies
-
-    def command(self, *command: Any) -> list[dict[str, Any]]:
-        for conn in self.conns:
-            conn.send(command)
-        return self._collect(str(command[:2]))
-
-    def close(self) -> None:
-        for proc, conn in zip(self.procs, self.conns, strict=True):
-            if proc.is_alive():
-                try:
-                    conn.send(("stop",))
-                except OSError:
-                    pass
-        for proc in self.procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()  # our own child, by its handle
-                proc.join()
+        super().__init__(layout.world, worker, (layout,), "bench-dcp")
 
 
 # -- the run -----------------------------------------------------------------

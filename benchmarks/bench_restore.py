@@ -81,12 +81,10 @@ import datetime
 import importlib.metadata
 import json
 import math
-import multiprocessing as mp
 import os
 import platform
 import resource
 import shutil
-import socket
 import statistics
 import sys
 import tempfile
@@ -98,7 +96,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import disk_free, drop_caches, print_goals
+from _common import PipedRanks, disk_free, drop_caches, print_goals
 from tabulate import tabulate
 
 import castore
@@ -116,7 +114,6 @@ PHASES = ["metadata", "planning", "read_verify", "assembly"]
 SUBSETS = ["aligned", "unaligned", "replicated"]
 COLLECTIVE_TIMEOUT = 300.0
 FOREIGN_WARN = 0.10  # warn when other processes used more of the CPUs during a restore
-REPLY_TIMEOUT = 900.0
 
 # Goals (checked in evaluate_goals, on medians and summed bytes)
 TIME_GOAL = 1.15  # resharded restore time <= 1.15x the same-topology restore time
@@ -435,40 +432,12 @@ def worker(rank: int, port: int, store_path: str, specs: list[TensorSpec], conn:
     dist.destroy_process_group()
 
 
-class Ranks:
+class Ranks(PipedRanks):
     """Eight live worker processes in one gloo group, driven over pipes."""
 
     def __init__(self, store_path: Path, specs: list[TensorSpec]) -> None:
-        context = mp.get_context("spawn")
-        port = free_port()
-        os.environ.setdefault("OMP_NUM_THREADS", "1")  # 8 ranks on few cores
-        self.procs, self.conns = [], []
         self.foreign_cpu_s = 0.0
-        for rank in range(SAVE_RANKS):
-            parent_end, child_end = context.Pipe()
-            proc = context.Process(
-                target=worker,
-                args=(rank, port, str(store_path), specs, child_end),
-                name=f"bench-rank-{rank}",
-            )
-            proc.start()
-            child_end.close()
-            self.procs.append(proc)
-            self.conns.append(parent_end)
-        self._collect("start")
-
-    def _collect(self, what: str) -> list[dict[str, Any]]:
-        replies = []
-        deadline = time.monotonic() + REPLY_TIMEOUT
-        for rank, (proc, conn) in enumerate(zip(self.procs, self.conns, strict=True)):
-            while not conn.poll(0.2):
-                if not proc.is_alive() or time.monotonic() > deadline:
-                    raise RuntimeError(f"rank {rank} died or hung during {what}")
-            reply = conn.recv()
-            if "error" in reply:
-                raise RuntimeError(f"rank {rank} failed during {what}:\n{reply['error']}")
-            replies.append(reply)
-        return replies
+        super().__init__(SAVE_RANKS, worker, (str(store_path), specs), "bench-rank")
 
     def command(self, *command: Any) -> list[dict[str, Any]]:
         """Send ``command`` to every rank; their replies, plus the CPU others used meanwhile.
@@ -477,28 +446,13 @@ class Ranks:
         command minus what this parent and the ranks used: other work on the machine.
         """
         before = machine_busy_s(), self.own_cpu_s()
-        for conn in self.conns:
-            conn.send(command)
-        replies = self._collect(str(command[:2]))
+        replies = super().command(*command)
         self.foreign_cpu_s = (machine_busy_s() - before[0]) - (self.own_cpu_s() - before[1])
         return replies
 
     def own_cpu_s(self) -> float:
         parent = os.times()
         return parent.user + parent.system + sum(process_cpu_s(p.pid) for p in self.procs)
-
-    def close(self) -> None:
-        for proc, conn in zip(self.procs, self.conns, strict=True):
-            if proc.is_alive():
-                try:
-                    conn.send(("stop",))
-                except OSError:
-                    pass
-        for proc in self.procs:
-            proc.join(30)
-            if proc.is_alive():
-                proc.kill()  # our own child, by its handle
-                proc.join()
 
 
 _TICK = os.sysconf("SC_CLK_TCK")
@@ -520,12 +474,6 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / _TICK
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 # -- page cache --------------------------------------------------------------
