@@ -266,29 +266,6 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     }
 
 
-def _child(spec: Path, rank: int) -> int:
-    import torch.distributed as dist
-
-    config = json.loads(spec.read_text())
-    world = config["world"]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{config['rendezvous']}", rank=rank, world_size=world
-    )
-    out = Path(config["workdir"], f"{config['label']}-{rank}.json")
-    try:
-        result: dict[str, Any] = {"ok": worker(config, rank, world)}
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which judges
-        error = {"type": type(exc).__name__, "message": str(exc)[:500], "at": time.time()}
-        result = {"error": error}
-    out.write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if "error" in result:
-        os._exit(0)  # a peer may be dead: tearing down the group could block
-    dist.destroy_process_group()
-    return 0
-
-
 # -- fresh processes without torch: the reader and the collector -----------------
 
 
@@ -880,7 +857,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return _child(Path(argv[1]), int(argv[2]))
+        return resume_parity.run_child(Path(argv[1]), int(argv[2]), worker)
     if argv[:1] == ["--reader"]:
         keep = int(argv[3]) if argv[2:3] == ["--plan-keep"] else None
         return _reader(argv[1], keep)

@@ -265,7 +265,11 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return {"records": records, "final": _final(job), "resumed": resumed}
 
 
-def _child(spec: Path, rank: int) -> int:
+def run_child(spec: Path, rank: int, work: Any) -> int:
+    """One rank: join the gloo group, run ``work(config, rank, world)``, write its result.
+
+    A failure is written as ``{"error": {type, message, at}}`` for the parent to judge.
+    """
     import torch.distributed as dist
 
     config = json.loads(spec.read_text())
@@ -275,10 +279,15 @@ def _child(spec: Path, rank: int) -> int:
     )
     out = Path(config["workdir"], f"{config['label']}-{rank}.json")
     try:
-        result = {"ok": worker(config, rank, world)}
+        result: dict[str, Any] = {"ok": work(config, rank, world)}
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
-        result = {"error": {"type": type(exc).__name__, "message": str(exc)}}
+        error = {"type": type(exc).__name__, "message": str(exc), "at": time.time()}
+        result = {"error": error}
     out.write_text(json.dumps(result))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if "error" in result:
+        os._exit(0)  # a peer may be dead: tearing down the group could block
     dist.destroy_process_group()
     return 0
 
@@ -670,7 +679,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        return _child(Path(sys.argv[2]), int(sys.argv[3]))
+        return run_child(Path(sys.argv[2]), int(sys.argv[3]), worker)
     args = parse_args(argv)
     keep = args.workdir is not None
     receipt = run_parity(args)
