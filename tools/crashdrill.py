@@ -415,12 +415,7 @@ def launch(
         if armed_died is not None and time.monotonic() - armed_died > config["grace"]:
             break
         time.sleep(0.01)
-    killed = []
-    for rank, proc in enumerate(procs):
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
-            killed.append(rank)
-        proc.wait()
+    killed = resume_parity.kill_remaining(procs)
     results = []
     for rank in range(world):
         path = workdir / f"{label}-{rank}.json"

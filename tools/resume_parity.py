@@ -295,6 +295,20 @@ def run_child(spec: Path, rank: int, work: Any) -> int:
 # -- the parent: launch, kill, compare -------------------------------------------
 
 
+def kill_remaining(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+    """SIGKILL every process still running and reap all; the indices of those killed.
+
+    Every one is signalled before any is waited for: a rank must not outlive a
+    killed peer long enough to notice it and exit by itself.
+    """
+    killed = [i for i, proc in enumerate(procs) if proc.poll() is None]
+    for i in killed:
+        procs[i].send_signal(signal.SIGKILL)
+    for proc in procs:
+        proc.wait()
+    return killed
+
+
 def _launch(
     config: dict[str, Any],
     world: int,
@@ -338,13 +352,7 @@ def _launch(
             break
         time.sleep(0.05)
     timed_out = not kill_when_saved and any(p.poll() is None for p in procs)
-    # Every rank is signalled before any is waited for: a rank must not outlive a
-    # killed peer long enough to notice it and exit by itself.
-    for proc in procs:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)  # the interruption, or a launch past its timeout
-    for proc in procs:
-        proc.wait()
+    kill_remaining(procs)  # the interruption, or a launch past its timeout
     if timed_out:
         raise SystemExit(
             f"{phase}: ranks still running after {config['timeout']:g}s: {_logs(workdir)}"
