@@ -8,7 +8,10 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── StoreError                       the store as a whole cannot be used
     │   ├── StoreNotFoundError           (FileNotFoundError) nothing at the path
     │   ├── NotAStoreError               the path is a file or a foreign directory
-    │   └── StoreLockedError             a lock could not be taken in time
+    │   ├── StoreLockedError             a lock could not be taken in time
+    │   ├── StoreFullError               (OSError) the disk or the LMDB map is full
+    │   ├── UnsafeStoreFileError         a store file is a symlink, pipe or other non-regular file
+    │   └── AllocationError              (MemoryError) a tensor too large to allocate
     ├── FormatVersionError               written by a newer castore format
     ├── IntegrityError                   stored bytes are not what was named
     │   ├── ChecksumMismatchError        digest of the bytes != the name
@@ -17,6 +20,8 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── CorruptObjectError           an object's bytes do not decode
     │   ├── CorruptRefError              a ref file is truncated or garbled
     │   ├── CoverageError                a tensor's boxes leave a gap, overlap or disagree
+    │   ├── IndexCorruptError            the LMDB chunk index or its file is damaged
+    │   ├── LostRunError                 a run has history (a reflog) but no ref
     │   └── NoValidGenerationError       a fallback found no generation that validates
     ├── DistributedError                 a multi-rank save or load failed as a group
     │   ├── RankFailedError              another rank failed (names the rank)
@@ -96,6 +101,25 @@ class StoreLockedError(StoreError):
     """A lock on the store could not be taken within the timeout."""
 
 
+class StoreFullError(StoreError, OSError):
+    """The disk (or the LMDB map) is full; ``phase`` names what was being written.
+
+    Nothing half-written is published: the last committed generation is intact.
+    """
+
+
+class UnsafeStoreFileError(StoreError):
+    """A file or directory of the store is a symlink, a pipe or another non-regular file.
+
+    castore never follows it (a store from an untrusted source must not make
+    castore write outside it, or block on a pipe).
+    """
+
+
+class AllocationError(StoreError, MemoryError):
+    """A tensor the manifest names is too large to allocate in this process."""
+
+
 class FormatVersionError(CastoreError):
     """An object or store was written by a newer (or unknown) format version."""
 
@@ -130,6 +154,17 @@ class CorruptObjectError(IntegrityError):
 
 class CorruptRefError(IntegrityError):
     """A ref file is truncated, garbled or fails its checksum."""
+
+
+class IndexCorruptError(IntegrityError):
+    """The LMDB file holding the chunk index and the objects is damaged.
+
+    ``castore repair`` rebuilds the chunk index from the pack files.
+    """
+
+
+class LostRunError(IntegrityError):
+    """A run has durable history (a reflog or tags) but its ref file is gone."""
 
 
 class CoverageError(IntegrityError):
