@@ -293,6 +293,9 @@ def cmd_repair(args: argparse.Namespace) -> int:
         f"{len(report.missing_chunks)} index entr(ies) without bytes, "
         f"{len(report.corrupt_objects)} corrupt object(s)"
     )
+    for run, generation in sorted(report.refs_restored.items()):
+        verb = "would restore" if args.dry_run else "restored"
+        print(f"{verb} the lost ref of run {run} from its reflog: it names generation {generation}")
     if not report.damaged:
         print("OK: every generation is whole")
         return 0

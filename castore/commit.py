@@ -31,6 +31,7 @@ from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
 from castore.layout import Box
 from castore.objects import (
+    MAX_FIELD_DEPTH,
     TYPE_SHARD,
     GenerationRoot,
     ShardManifest,
@@ -38,7 +39,7 @@ from castore.objects import (
     encode_object,
 )
 from castore.refs import RefValue
-from castore.tree import EncodedTree, encode_local_state
+from castore.tree import EncodedTree, check_depth, encode_local_state
 
 if TYPE_CHECKING:
     from castore.store import Store
@@ -152,6 +153,10 @@ def check_data_order(data_order: dict[str, Any] | None) -> dict[str, Any]:
     if not isinstance(data_order, dict) or not all(isinstance(k, str) for k in data_order):
         raise UnsupportedValueError("data_order must be a dict with string keys")
     try:
+        check_depth(data_order, "data_order", MAX_FIELD_DEPTH)
+    except CorruptObjectError as exc:
+        raise UnsupportedValueError(f"{exc}: flatten it") from None
+    try:
         msgpack.packb(data_order, use_bin_type=True, strict_types=False)
     except (TypeError, ValueError) as exc:
         raise UnsupportedValueError(
@@ -224,12 +229,12 @@ def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
     """The boxes of one tensor must agree and cover it exactly once."""
     first = boxes[0]
     name = first.name
+    where = {**where, "tensor": name}
     for box in boxes:
         if box.shape != first.shape or box.dtype != first.dtype:
             raise CoverageError(
                 f"boxes of tensor {name!r} disagree: {first.dtype}{list(first.shape)} vs "
                 f"{box.dtype}{list(box.shape)}",
-                tensor=name,
                 **where,
             )
     spans = [Box(b.offsets, b.local_shape) for b in boxes]
@@ -247,7 +252,6 @@ def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
     if covered != total:
         raise CoverageError(
             f"boxes of tensor {name!r} cover {covered} of its {total} elements",
-            tensor=name,
             **where,
         )
 

@@ -92,7 +92,7 @@ from castore.store import (
     encode_metadata,
     framework_versions,
 )
-from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key
+from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key, torch_bytes
 
 SCHEME = "castore://"
 TENSORS = "t"  # state-tree key of DCP's tensors: t/<fqn>
@@ -440,7 +440,7 @@ def _writable(target: torch.Tensor, dtype: str) -> np.ndarray | None:
         return None
     if name_of_torch_dtype(target.dtype, "target") != dtype:
         return None
-    return target.reshape(-1).view(torch.uint8).numpy()
+    return torch_bytes(target)
 
 
 # -- reader -------------------------------------------------------------------------
@@ -559,6 +559,13 @@ class CastoreReader(_StoreUser, StorageReader):
                     )
                 start = [o + s for o, s in zip(saved_offsets, item.storage_offsets, strict=True)]
                 region = Box(tuple(start), tuple(item.lengths))
+                inside = Box(entry.offsets, entry.local_shape).intersect(region) == region
+                if region.numel and not inside:
+                    raise CorruptObjectError(
+                        f"DCP metadata places {fqn!r} at {start}+{list(item.lengths)}, outside "
+                        f"its saved box at {list(saved_offsets)}+{list(entry.local_shape)}",
+                        **where,
+                    )
                 target = planner.resolve_tensor(item).detach()  # not written before `agree`
                 flat = _writable(target, entry.dtype)
                 staging = None

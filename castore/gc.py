@@ -159,7 +159,7 @@ def _run_generations(store: Store, run: str) -> list[tuple[Digest, GenerationRoo
         return list(store.iter_chain(run))
     except (IntegrityError, GenerationNotFoundError) as exc:
         raise GcAbortedError(
-            f"gc aborted, nothing deleted: run {run!r} cannot be listed: {exc}", run=run
+            f"gc aborted, nothing deleted: run {run!r} cannot be listed: {exc.message}", run=run
         ) from exc
 
 

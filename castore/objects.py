@@ -8,15 +8,24 @@ objects get equal names. See docs/FORMAT.md for the field reference.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
 
+from castore.dtypes import SUPPORTED_DTYPES, numpy_dtype
 from castore.errors import CorruptObjectError, FormatVersionError
 from castore.hashing import Digest, digest_of
+from castore.tree import check_depth
 
 FORMAT_VERSION = 1
+# Limits a manifest must keep; a file never chooses a size beyond them.
+MAX_DIMS = 64
+MAX_CHUNK_SIZE = 1 << 30
+FRAMEWORKS = ("numpy", "torch")
+# Free-form maps in a root (data order, stats, versions) nest at most this deep.
+MAX_FIELD_DEPTH = 8
 
 TYPE_ROOT = "root"
 TYPE_SHARD = "shard"
@@ -71,25 +80,45 @@ class TensorEntry:
         return entry
 
     def check(self) -> None:
-        """Raise CorruptObjectError unless the entry is self-consistent."""
+        """Raise CorruptObjectError unless every field agrees with every other.
+
+        Called before anything is allocated or read for the entry, so a
+        well-hashed but inconsistent manifest can never size a buffer.
+        """
+        problem = self._inconsistency()
+        if problem:
+            raise CorruptObjectError(f"tensor entry {problem}", tensor=self.name)
+
+    def _inconsistency(self) -> str | None:
+        if not self.name:
+            return "has an empty name"
+        if self.dtype not in SUPPORTED_DTYPES:
+            return f"has unknown dtype {self.dtype!r}"
+        if self.framework not in FRAMEWORKS:
+            return f"has unknown framework {self.framework!r}"
         n_dims = len(self.shape)
+        if n_dims > MAX_DIMS:
+            return f"has {n_dims} dimensions (at most {MAX_DIMS})"
         if len(self.offsets) != n_dims or len(self.local_shape) != n_dims:
-            raise CorruptObjectError("tensor entry rank mismatch", tensor=self.name)
+            return "rank mismatch between shape, offsets and local_shape"
+        if any(g < 0 for g in self.shape):
+            return f"has a negative dimension in shape {list(self.shape)}"
         if any(
             o < 0 or s < 0 or o + s > g
             for o, s, g in zip(self.offsets, self.local_shape, self.shape, strict=True)
         ):
-            raise CorruptObjectError("tensor entry box outside its shape", tensor=self.name)
-        if self.chunk_size <= 0 or self.nbytes < 0:
-            raise CorruptObjectError("tensor entry has a bad size", tensor=self.name)
+            return "box outside its shape"
+        if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
+            return f"has chunk size {self.chunk_size} (1 to {MAX_CHUNK_SIZE})"
+        expected_bytes = math.prod(self.local_shape) * numpy_dtype(self.dtype).itemsize
+        if self.nbytes != expected_bytes:
+            return f"says {self.nbytes} bytes, its box of {self.dtype} holds {expected_bytes}"
         expected_chunks = -(-self.nbytes // self.chunk_size)
         if len(self.chunks) != expected_chunks:
-            raise CorruptObjectError(
-                f"tensor entry lists {len(self.chunks)} chunks, its size needs {expected_chunks}",
-                tensor=self.name,
-            )
+            return f"lists {len(self.chunks)} chunks, its size needs {expected_chunks}"
         if not all(isinstance(c, bytes) and len(c) == 32 for c in self.chunks):
-            raise CorruptObjectError("tensor entry has a malformed chunk digest", tensor=self.name)
+            return "has a malformed chunk digest"
+        return None
 
 
 @dataclass(frozen=True)
@@ -124,13 +153,15 @@ class ShardManifest:
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> ShardManifest:
+        writer = _typed(wire, "writer", dict)
+        check_depth(writer, "shard field 'writer'", MAX_FIELD_DEPTH)
         return cls(
             run=_typed(wire, "run", str),
-            generation=_typed(wire, "generation", int),
-            rank=_typed(wire, "rank", int),
+            generation=_positive(wire, "generation"),
+            rank=_non_negative(wire, "rank"),
             tensors=tuple(TensorEntry.from_wire(t) for t in _typed(wire, "tensors", list)),
             local_state=_typed(wire, "local_state", bytes),
-            writer=_typed(wire, "writer", dict),
+            writer=writer,
             local_tensors=tuple(
                 TensorEntry.from_wire(t) for t in _typed(wire, "local_tensors", list)
             ),
@@ -180,19 +211,33 @@ class GenerationRoot:
         shards = tuple(_typed(wire, "shards", list))
         if not all(isinstance(s, bytes) and len(s) == 32 for s in shards):
             raise CorruptObjectError("root has a malformed shard digest")
+        stamp = float(_typed(wire, "time", (int, float)))
+        if not math.isfinite(stamp):
+            raise CorruptObjectError(f"root has a non-finite time {stamp}")
+        frameworks = _typed(wire, "frameworks", dict)
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in frameworks.items()):
+            raise CorruptObjectError("root field 'frameworks' must map names to version strings")
+        stats = _typed(wire, "stats", dict)
+        if not all(
+            isinstance(k, str) and isinstance(v, (int, float)) and math.isfinite(v)
+            for k, v in stats.items()
+        ):
+            raise CorruptObjectError("root field 'stats' must map names to finite numbers")
+        data_order = _typed(wire, "data_order", dict)
+        check_depth(data_order, "root field 'data_order'", MAX_FIELD_DEPTH)
         return cls(
             run=_typed(wire, "run", str),
-            generation=_typed(wire, "generation", int),
+            generation=_positive(wire, "generation"),
             step=_typed(wire, "step", int),
             parent=parent,
-            time=float(_typed(wire, "time", (int, float))),
-            world_size=_typed(wire, "world_size", int),
+            time=stamp,
+            world_size=_non_negative(wire, "world_size"),
             shards=shards,
             state=_typed(wire, "state", bytes),
             metadata=_typed(wire, "metadata", bytes),
-            frameworks=_typed(wire, "frameworks", dict),
-            data_order=_typed(wire, "data_order", dict),
-            stats=_typed(wire, "stats", dict),
+            frameworks=frameworks,
+            data_order=data_order,
+            stats=stats,
         )
 
 
@@ -241,6 +286,20 @@ def _typed(wire: dict[str, Any], key: str, kind: Any) -> Any:
     value = wire[key]
     if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
         raise CorruptObjectError(f"object field {key!r} has type {type(value).__name__}")
+    return value
+
+
+def _positive(wire: dict[str, Any], key: str) -> int:
+    value: int = _typed(wire, key, int)
+    if value < 1:
+        raise CorruptObjectError(f"object field {key!r} is {value}, must be at least 1")
+    return value
+
+
+def _non_negative(wire: dict[str, Any], key: str) -> int:
+    value: int = _typed(wire, key, int)
+    if value < 0:
+        raise CorruptObjectError(f"object field {key!r} is {value}, must not be negative")
     return value
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import json
+import math
 import os
 import re
 import socket
@@ -115,8 +116,12 @@ def decode_ref(data: bytes, *, run: str) -> RefValue:
         value = RefValue(
             wire["run"], int(wire["generation"]), Digest(wire["root"]), float(wire["time"])
         )
-    except (ValueError, KeyError, TypeError, msgpack.ExtraData) as exc:
+    except (ValueError, KeyError, TypeError, OverflowError, msgpack.ExtraData) as exc:
         raise CorruptRefError(f"ref payload does not decode: {exc}", run=run) from exc
+    if value.generation < 1 or not math.isfinite(value.time):
+        raise CorruptRefError(
+            f"ref names generation {value.generation} at time {value.time}", run=run
+        )
     if value.run != run:
         raise CorruptRefError(f"ref file names run {value.run!r}", run=run)
     return value
@@ -160,6 +165,42 @@ def _replace_file(path: Path, data: bytes) -> None:
         temp.unlink(missing_ok=True)
         raise
     fsync_dir(path.parent)
+
+
+_HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
+REFLOG_ACTIONS = (*PUBLISH_ACTIONS, "collect")
+
+
+def _is_reflog_record(record: Any, run: str) -> bool:
+    """A checksummed line is only trusted if it has the shape castore writes."""
+    if not isinstance(record, dict):
+        return False
+    generation, stamp, parent = record.get("generation"), record.get("time"), record.get("parent")
+    return (
+        record.get("action") in REFLOG_ACTIONS
+        and record.get("run") == run
+        and isinstance(generation, int)
+        and not isinstance(generation, bool)
+        and generation >= 1
+        and isinstance(record.get("root"), str)
+        and bool(_HEX_DIGEST.fullmatch(record["root"]))
+        and (parent is None or (isinstance(parent, str) and bool(_HEX_DIGEST.fullmatch(parent))))
+        and isinstance(stamp, (int, float))
+        and not isinstance(stamp, bool)
+        and math.isfinite(stamp)
+    )
+
+
+def _names_in(directory: Path, run_of: Any) -> list[str]:
+    """Run names ``run_of(entry name)`` gives for the entries of ``directory``."""
+    if not directory.is_dir():
+        return []
+    found = []
+    for entry in directory.iterdir():
+        run = run_of(entry.name)
+        if run and _RUN_NAME.fullmatch(run) and ".." not in run:
+            found.append(run)
+    return found
 
 
 class RefStore:
@@ -208,9 +249,28 @@ class RefStore:
         return fd
 
     def runs(self) -> list[str]:
-        if not self.refs_dir.is_dir():
-            return []
-        return sorted(p.name for p in self.refs_dir.iterdir() if _RUN_NAME.fullmatch(p.name))
+        """Every run any durable record names: a ref, a reflog or a tag directory.
+
+        A run whose ref was lost still has history that garbage collection must
+        see (and refuse to collect), so refs alone are not enough.
+        """
+        return sorted(set(self.ref_runs()) | set(self._logged_runs()) | set(self._tagged_runs()))
+
+    def ref_runs(self) -> list[str]:
+        """The runs that have a ref file."""
+        return _names_in(self.refs_dir, lambda name: name)
+
+    def _logged_runs(self) -> list[str]:
+        suffix = ".reflog"
+        return _names_in(
+            self.logs_dir, lambda name: name[: -len(suffix)] if name.endswith(suffix) else None
+        )
+
+    def _tagged_runs(self) -> list[str]:
+        # An untagged run leaves its empty directory behind: that names nothing.
+        return _names_in(
+            self.tags_dir, lambda name: name if any((self.tags_dir / name).iterdir()) else None
+        )
 
     def read(self, run: str) -> RefValue | None:
         """The current ref of ``run``, or None if the run has none."""
@@ -355,10 +415,12 @@ class RefStore:
             text, _, check = line.decode("utf-8", "replace").rpartition("\t")
             if text and digest_bytes(text.encode()).hex()[:32] == check:
                 try:
-                    records.append(json.loads(text))
+                    record = json.loads(text)
+                except (ValueError, RecursionError):
+                    record = None
+                if _is_reflog_record(record, run):
+                    records.append(record)
                     continue
-                except ValueError:
-                    pass
             if text and len(check) >= _CHECK_CHARS:
                 # A tab with a whole checksum after it: the write was complete (JSON
                 # holds no raw tab, so a torn prefix cannot look like this). Damage.

@@ -20,8 +20,9 @@ from typing import TYPE_CHECKING
 
 from castore.chunkio import shared_pool
 from castore.chunkstore.base import Namespace
+from castore.errors import IntegrityError
 from castore.hashing import digest_bytes
-from castore.refs import DEFAULT_LOCK_TIMEOUT
+from castore.refs import DEFAULT_LOCK_TIMEOUT, RefValue
 from castore.verify import verify_store
 
 if TYPE_CHECKING:
@@ -37,6 +38,7 @@ class RepairReport:
     corrupt_chunks: list[bytes] = field(default_factory=list)
     missing_chunks: list[bytes] = field(default_factory=list)  # indexed, but no bytes
     corrupt_objects: list[bytes] = field(default_factory=list)
+    refs_restored: dict[str, int] = field(default_factory=dict)  # run -> generation its ref names
     damaged: dict[str, list[str]] = field(default_factory=dict)  # "run@gen" -> what is lost
 
     @property
@@ -92,8 +94,36 @@ def repair_store(
                 Namespace.CHUNKS, report.corrupt_chunks + report.missing_chunks
             )
             store.backend.delete_many(Namespace.OBJECTS, report.corrupt_objects)
+        report.refs_restored = restore_lost_refs(store, dry_run=dry_run)
     after = verify_store(store, deep=dry_run)  # a dry run removed nothing: hash to see it
     for problem in after.problems:
         where = problem.run if problem.generation is None else f"{problem.run}@{problem.generation}"
         report.damaged.setdefault(where, []).append(problem.what)
     return report
+
+
+def restore_lost_refs(store: Store, *, dry_run: bool = False) -> dict[str, int]:
+    """Point each run whose ref file is gone at the newest logged generation whose root reads.
+
+    The reflog records every root a ref named, so the ref can be rebuilt from
+    it; the generation chosen is then checked by the verify that follows.
+    """
+    restored: dict[str, int] = {}
+    with_ref = set(store.refs.ref_runs())
+    for run in store.runs():
+        if run in with_ref:
+            continue
+        for gen_id, digest in store.candidates(run):
+            try:
+                root = store.read_root(digest, run=run)
+            except IntegrityError:
+                continue
+            if root.generation != gen_id:
+                continue
+            if not dry_run:
+                store.refs.advance(
+                    run, expected=None, new=RefValue(run, root.generation, digest, root.time)
+                )
+            restored[run] = root.generation
+            break
+    return restored

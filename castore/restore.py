@@ -44,7 +44,7 @@ from castore.store import (
     box_transfer,
     numpy_as_torch,
 )
-from castore.tree import decode_tree, join_path
+from castore.tree import decode_tree, join_path, torch_bytes
 
 
 @dataclass
@@ -361,10 +361,9 @@ def _writable_bytes(tensor: Any) -> np.ndarray | None:
         if tensor.flags.c_contiguous and tensor.flags.writeable:
             return tensor.reshape(-1).view(np.uint8)
         return None
-    import torch
 
     if tensor.device.type == "cpu" and tensor.is_contiguous():
-        return tensor.detach().reshape(-1).view(torch.uint8).numpy()
+        return torch_bytes(tensor.detach())
     return None
 
 

@@ -44,12 +44,14 @@ from castore.commit import (
     write_shard,
 )
 from castore.errors import (
+    AllocationError,
     CastoreError,
     ChecksumMismatchError,
     CorruptObjectError,
     FormatVersionError,
     GenerationNotFoundError,
     IntegrityError,
+    LostRunError,
     NoValidGenerationError,
     ObjectMissingError,
     TensorNotFoundError,
@@ -66,7 +68,7 @@ from castore.objects import (
     decode_object,
 )
 from castore.refs import PUBLISH_ACTIONS, RefStore, RefValue, validate_run_name
-from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree
+from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree, torch_bytes
 
 GenerationSpec = int | str
 
@@ -354,8 +356,20 @@ class Store:
     def _latest(self, run: str) -> RefValue:
         ref = self.refs.read(run)
         if ref is None:
+            self._check_not_lost(run)
             raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
         return ref
+
+    def _check_not_lost(self, run: str) -> None:
+        """A run without a ref but with history lost its ref: damage, not an empty run."""
+        listed, _ = self.logged(run)
+        if listed or run in self.refs.runs():
+            raise LostRunError(
+                f"run {run!r} has history ({len(listed)} published generation(s) in its "
+                f"reflog) but its ref file refs/{run} is missing: load a generation by id or "
+                "with fallback='previous', or run `castore repair` to restore the ref",
+                run=run,
+            )
 
     def logged(self, run: str) -> tuple[dict[str, int], set[str]]:
         """From the reflog: root hex -> id of every published, uncollected generation,
@@ -641,8 +655,8 @@ class Store:
 
     def read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
         first = boxes[0]
+        check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
         tensor, flat = _allocate(first.dtype, first.shape, framework)
-        check_coverage(boxes, where)
         for entry in boxes:
             self._copy_box(
                 entry,
@@ -686,6 +700,7 @@ class Store:
         if not boxes:
             raise TensorNotFoundError(f"no tensor {name!r} in {run}@{root.generation}", **where)
         shape, dtype = boxes[0].shape, boxes[0].dtype
+        check_coverage(boxes, where)  # no region of the result may be left unwritten
         box, selector = normalize_index(index, shape)
         out, flat = _allocate(dtype, box.shape, "numpy")
         for entry in boxes:
@@ -761,14 +776,23 @@ def _framework_for(entry: TensorEntry, requested: str) -> str:
 
 
 def _allocate(dtype: str, shape: tuple[int, ...], framework: str) -> tuple[Any, np.ndarray]:
-    """A new tensor and a flat uint8 view of its memory."""
-    if framework == "torch":
-        import torch
+    """A new tensor and a flat uint8 view of its memory.
 
-        tensor = torch.empty(shape, dtype=dtypes.torch_dtype(dtype))
-        return tensor, tensor.reshape(-1).view(torch.uint8).numpy()
-    array = np.empty(shape, dtype=dtypes.numpy_dtype(dtype))
-    return array, array.reshape(-1).view(np.uint8)
+    Callers check the saved boxes' coverage first, so the size is one the
+    manifest's chunks account for; this process may still lack the memory.
+    """
+    try:
+        if framework == "torch":
+            import torch
+
+            tensor = torch.empty(shape, dtype=dtypes.torch_dtype(dtype))
+            return tensor, torch_bytes(tensor)
+        array = np.empty(shape, dtype=dtypes.numpy_dtype(dtype))
+        return array, array.reshape(-1).view(np.uint8)
+    except (MemoryError, RuntimeError) as exc:  # torch reports a failed allocation as RuntimeError
+        raise AllocationError(
+            f"cannot allocate a {dtype} tensor of shape {list(shape)}: {exc}",
+        ) from exc
 
 
 def numpy_as_torch(array: np.ndarray, dtype: str) -> Any:

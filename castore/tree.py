@@ -17,8 +17,13 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from castore.dtypes import name_of_numpy_dtype, name_of_torch_dtype, numpy_dtype
-from castore.errors import CorruptObjectError, UnsupportedValueError
+from castore.dtypes import (
+    SUPPORTED_DTYPES,
+    name_of_numpy_dtype,
+    name_of_torch_dtype,
+    numpy_dtype,
+)
+from castore.errors import CastoreError, CorruptObjectError, UnsupportedValueError
 from castore.shard import RankLocal, Shard
 
 EXT_TUPLE = 1
@@ -29,6 +34,11 @@ EXT_NUMPY_SCALAR = 5
 EXT_RANK_LOCAL = 6
 
 _INT_MIN, _UINT_MAX = -(1 << 63), (1 << 64) - 1
+# Containers may nest this deep in a state (real states nest a handful of levels).
+# The bound keeps every walk of a tree shallow: decoding nests one msgpack unpack
+# (with its own C stack frame of tens of KiB) per tuple or ordered-dict level,
+# so a file must never choose the depth.
+MAX_DEPTH = 64
 
 
 @dataclass(frozen=True)
@@ -78,7 +88,13 @@ class _Encoder:
         self.names: set[str] = set()
         self.rank_local: dict[str, Any] = {}
 
-    def encode(self, value: Any, path: str) -> Any:
+    def encode(self, value: Any, path: str, depth: int = 0) -> Any:
+        if depth > MAX_DEPTH:
+            raise UnsupportedValueError(
+                f"containers nest more than {MAX_DEPTH} levels deep at {path or '<root>'}; "
+                "flatten the state",
+                key_path=path,
+            )
         if isinstance(value, (Shard, RankLocal)):
             return self._marker(value, path)
         if isinstance(value, np.generic):  # before float: np.float64 subclasses float
@@ -97,17 +113,19 @@ class _Encoder:
             return self._tensor(value, path)
         if isinstance(value, OrderedDict):
             pairs = [
-                [self._key(k, path), self.encode(v, join_path(path, k))] for k, v in value.items()
+                [self._key(k, path), self.encode(v, join_path(path, k), depth + 1)]
+                for k, v in value.items()
             ]
             return msgpack.ExtType(EXT_ORDERED_DICT, _pack(pairs))
         if isinstance(value, dict):
             return {
-                self._key(k, path): self.encode(v, join_path(path, k)) for k, v in value.items()
+                self._key(k, path): self.encode(v, join_path(path, k), depth + 1)
+                for k, v in value.items()
             }
         if isinstance(value, list):
-            return [self.encode(v, join_path(path, i)) for i, v in enumerate(value)]
+            return [self.encode(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
         if isinstance(value, tuple):
-            items = [self.encode(v, join_path(path, i)) for i, v in enumerate(value)]
+            items = [self.encode(v, join_path(path, i), depth + 1) for i, v in enumerate(value)]
             return msgpack.ExtType(EXT_TUPLE, _pack(items))
         raise UnsupportedValueError(
             f"cannot store a value of type {type(value).__module__}.{type(value).__qualname__} "
@@ -190,8 +208,21 @@ def _torch_leaf(tensor: Any, name: str) -> TensorLeaf:
         )
     dtype = name_of_torch_dtype(tensor.dtype, name)
     host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
-    flat = host.reshape(-1).view(torch.uint8).numpy()
+    flat = torch_bytes(host)
     return TensorLeaf(name, dtype, tuple(tensor.shape), flat, "torch")
+
+
+def torch_bytes(tensor: Any) -> np.ndarray:
+    """A flat uint8 view of a contiguous CPU tensor's memory.
+
+    An empty tensor may have zero strides (``torch.from_numpy(np.zeros(0))``),
+    which torch refuses to view as bytes; it has no bytes to view.
+    """
+    import torch
+
+    if tensor.numel() == 0:
+        return np.empty(0, dtype=np.uint8)
+    return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
 def _pack(value: Any) -> bytes:
@@ -257,7 +288,13 @@ def decode_tree(
     data: bytes, tensors: TensorLookup | None = None, rank_local: RankLocalLookup | None = None
 ) -> Any:
     """Rebuild a state; ``tensors(name, framework)`` supplies each tensor and
-    ``rank_local(path)`` each per-rank value."""
+    ``rank_local(path)`` each per-rank value.
+
+    Hostile bytes give CorruptObjectError: extension payloads nest at most
+    ``MAX_DEPTH`` unpacks deep, and the rebuilt tree at most ``MAX_DEPTH``
+    containers deep.
+    """
+    nested = 0
 
     def ext_hook(code: int, payload: bytes) -> Any:
         if code == EXT_TUPLE:
@@ -267,11 +304,7 @@ def decode_tree(
         if code == EXT_BIG_INT:
             return int(payload.decode())
         if code == EXT_NUMPY_SCALAR:
-            dtype, raw = _unpack(payload)
-            values = np.frombuffer(raw, dtype=numpy_dtype(dtype))
-            if values.size != 1:
-                raise CorruptObjectError(f"numpy scalar of {dtype} has {len(raw)} bytes")
-            return values[0]
+            return _numpy_scalar(_unpack(payload))
         if code == EXT_TENSOR:
             name, framework = _unpack(payload)
             if tensors is None:
@@ -285,12 +318,53 @@ def decode_tree(
         raise CorruptObjectError(f"unknown msgpack extension code {code} in a state")
 
     def _unpack(payload: bytes) -> Any:
-        return msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=ext_hook)
+        nonlocal nested
+        if nested > MAX_DEPTH:  # the top-level unpack plus one per nested extension
+            raise CorruptObjectError(f"state nests more than {MAX_DEPTH} levels deep")
+        nested += 1
+        try:
+            return msgpack.unpackb(payload, raw=False, strict_map_key=False, ext_hook=ext_hook)
+        finally:
+            nested -= 1
 
     try:
-        return _unpack(data)
-    except (ValueError, TypeError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        tree = _unpack(data)
+    except CastoreError:
+        raise
+    except (ValueError, TypeError, RecursionError, msgpack.ExtraData, msgpack.FormatError) as exc:
+        # StackError (nesting past msgpack's own stack) is a ValueError.
         raise CorruptObjectError(f"state does not decode: {exc}") from exc
+    check_depth(tree, "state")
+    return tree
+
+
+def _numpy_scalar(payload: Any) -> Any:
+    dtype, raw = payload
+    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES or not isinstance(raw, bytes):
+        raise CorruptObjectError(f"numpy scalar of unknown dtype {dtype!r}")
+    values = np.frombuffer(raw, dtype=numpy_dtype(dtype))
+    if values.size != 1 or len(raw) != values.itemsize:
+        raise CorruptObjectError(f"numpy scalar of {dtype} has {len(raw)} bytes")
+    return values[0]
+
+
+def check_depth(value: Any, what: str, limit: int = MAX_DEPTH) -> None:
+    """Raise CorruptObjectError if containers in ``value`` nest deeper than ``limit``.
+
+    Iterative, so the check itself cannot be driven into deep recursion.
+    """
+    stack = [(value, 0)]
+    while stack:
+        node, depth = stack.pop()
+        if isinstance(node, dict):
+            children: Any = node.values()
+        elif isinstance(node, (list, tuple)):
+            children = node
+        else:
+            continue
+        if depth > limit:
+            raise CorruptObjectError(f"{what} nests more than {limit} levels deep")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def tensor_names(data: bytes) -> list[tuple[str, str]]:

@@ -23,7 +23,7 @@ from castore.chunkstore.base import Namespace
 from castore.errors import CastoreError
 from castore.hashing import Digest, digest_bytes
 from castore.objects import GenerationRoot, TensorEntry
-from castore.tree import tensor_names
+from castore.tree import decode_tree, tensor_names
 
 if TYPE_CHECKING:
     from castore.store import Store
@@ -143,12 +143,32 @@ def verify_store(
     chunks = _ChunkStatus(store, deep, progress, sample)
     for name in [run] if run is not None else store.runs():
         report.runs += 1
+        _check_reflog(store, name, report)
         for digest, root in _roots(store, name, generation, report):
             _verify_generation(store, digest, root, chunks, report)
     chunks.bar.close()
     report.chunks = len(chunks.status)
     report.chunks_hashed = chunks.hashed
     return report
+
+
+def _check_reflog(store: Store, run: str, report: VerifyReport) -> None:
+    """Damaged reflog lines are damage: gc refuses to run past them, so verify names them."""
+    try:
+        _, damaged = store.refs.read_reflog(run)
+    except CastoreError as exc:
+        report.problems.append(Problem(run, None, f"reflog: {type(exc).__name__}: {exc}"))
+        return
+    if damaged:
+        report.problems.append(
+            Problem(
+                run,
+                None,
+                f"reflog {store.refs.reflog_path(run).name} has {len(damaged)} damaged "
+                f"line(s) {damaged[:10]}: complete but failing their checksum or not a "
+                "castore record",
+            )
+        )
 
 
 def _roots(
@@ -203,6 +223,8 @@ def _verify_generation(
     try:
         shards = store.read_shards(root)
         entries = store.tensor_entries(root, shards)
+        if root.metadata:
+            decode_tree(root.metadata)  # listings decode it: it must decode here too
         referenced = {name for name, _ in tensor_names(root.state)}
         for name in sorted(referenced - entries.keys()):
             problems.append(

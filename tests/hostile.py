@@ -1,0 +1,162 @@
+"""Hostile stores: generations whose hashes are all valid and whose meaning is wrong.
+
+Each forged generation is written through castore's own object encoding and
+published with the ordinary ref compare-and-swap, so every digest matches its
+bytes; only the fields say something inconsistent (a byte count smaller than
+the shape implies, a box outside its tensor, a time of infinity, ...). A
+reader must answer each with a typed error or with bytes that are exactly
+what the chunks hold, never with memory it did not fill.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgpack
+
+from castore import Store
+from castore.chunkstore.base import Namespace
+from castore.hashing import Digest, digest_bytes
+from castore.objects import TYPE_SHARD
+from castore.refs import RefValue
+
+Wire = dict[str, Any]
+EntryMutation = Callable[[Wire], None]
+RootMutation = Callable[[Wire], None]
+
+
+def _packed(wire: Any) -> bytes:
+    return msgpack.packb(wire, use_bin_type=True, use_single_float=False)
+
+
+def put_object(store: Store, data: bytes) -> bytes:
+    """Store encoded object bytes under their digest (valid hash, any meaning)."""
+    digest = digest_bytes(data)
+    store.backend.put_many(Namespace.OBJECTS, [(digest, data)])
+    return digest
+
+
+def latest_wires(
+    store: Store, run: str, generation: int | str = "latest"
+) -> tuple[Digest, Wire, list[Wire]]:
+    """A root of ``run`` (default the newest) and its shard manifests, as plain wire maps."""
+    digest, root = store.resolve_root(run, generation)
+    shards = [store.read_object(d, expect=TYPE_SHARD, run=run).to_wire() for d in root.shards]
+    return digest, root.to_wire(), shards
+
+
+def publish_forged(store: Store, run: str, root_wire: Wire, shard_wires: list[Wire]) -> int:
+    """Write the shards and root as the run's next generation and advance the ref to it."""
+    current = store.refs.read(run)
+    assert current is not None
+    parent = current.root
+    generation = root_wire["generation"] = current.generation + 1
+    for shard in shard_wires:
+        shard["generation"] = generation
+    root_wire["shards"] = [put_object(store, _packed(s)) for s in shard_wires]
+    root_wire["parent"] = parent.raw
+    root_bytes = _packed(root_wire)
+    root_digest = Digest(put_object(store, root_bytes))
+    # The ref stays well-formed: only the objects lie.
+    store.refs.advance(
+        run, expected=parent, new=RefValue(run, generation, root_digest, time.time())
+    )
+    return generation
+
+
+def forge_entry(
+    store: Store,
+    run: str,
+    tensor: str,
+    mutate: EntryMutation,
+    *,
+    rank: int = 0,
+    base: int | str = "latest",
+) -> int:
+    """Publish the next generation of ``run``: generation ``base`` with ``tensor``'s entry
+    (of ``rank``) mutated."""
+    _, root, shards = latest_wires(store, run, base)
+    root, shards = copy.deepcopy(root), copy.deepcopy(shards)
+    entries = [e for e in shards[rank]["tensors"] if e["name"] == tensor]
+    if not entries:
+        raise KeyError(f"rank {rank} saved no box of {tensor!r}")
+    mutate(entries[0])
+    return publish_forged(store, run, root, shards)
+
+
+def forge_root(store: Store, run: str, mutate: RootMutation) -> int:
+    """Publish the next generation of ``run`` with root fields mutated."""
+    _, root, shards = latest_wires(store, run)
+    root, shards = copy.deepcopy(root), copy.deepcopy(shards)
+    mutate(root)
+    return publish_forged(store, run, root, shards)
+
+
+def nested_tuple_payload(depth: int) -> bytes:
+    """A state skeleton of ``depth`` nested tuples, encoded as castore encodes one."""
+    from castore.tree import EXT_TUPLE
+
+    value: Any = 1
+    for _ in range(depth):
+        value = msgpack.ExtType(EXT_TUPLE, _packed([value]))
+    return _packed({"x": value})
+
+
+def shard_bytes_unchecked(shard_wire: Wire) -> bytes:
+    """Encode a shard wire map (for tests that compare with castore's own encoding)."""
+    return _packed(shard_wire)
+
+
+# Entry mutations a reader must refuse (name -> mutation), each consistent in its hashes.
+def _shrink_nbytes(entry: Wire) -> None:
+    # The bug: fewer bytes (and chunks) than the shape needs left the tail uninitialised.
+    entry["nbytes"] = entry["chunk_size"]
+    entry["chunks"] = entry["chunks"][:1]
+
+
+def _grow_shape(entry: Wire) -> None:
+    entry["shape"] = [10**15] + entry["shape"][1:]
+    entry["local_shape"] = [10**15] + entry["local_shape"][1:]
+
+
+def _huge_shape_consistent_bytes(entry: Wire) -> None:
+    entry["shape"] = [10**15]
+    entry["local_shape"] = [10**15]
+    entry["offsets"] = [0]
+
+
+def _leave_a_gap(entry: Wire) -> None:
+    # Consistent in itself (bytes and chunks fit the smaller box): only coverage is wrong.
+    import math
+
+    from castore.dtypes import numpy_dtype
+
+    entry["local_shape"] = [entry["local_shape"][0] - 1, *entry["local_shape"][1:]]
+    entry["nbytes"] = math.prod(entry["local_shape"]) * numpy_dtype(entry["dtype"]).itemsize
+    entry["chunks"] = entry["chunks"][: -(-entry["nbytes"] // entry["chunk_size"])]
+
+
+BAD_ENTRIES: dict[str, EntryMutation] = {
+    "nbytes and chunks smaller than the shape": _shrink_nbytes,
+    "shape of 1e15 rows": _grow_shape,
+    "one-dimensional shape of 1e15": _huge_shape_consistent_bytes,
+    "unknown dtype": lambda e: e.update(dtype="float128"),
+    "dtype of another item size": lambda e: e.update(dtype="float64"),
+    "negative dimension": lambda e: e.update(
+        shape=[-e["shape"][0], *e["shape"][1:]], local_shape=[-e["shape"][0], *e["shape"][1:]]
+    ),
+    "box past the shape": lambda e: e.update(offsets=[1] + e["offsets"][1:]),
+    "negative offset": lambda e: e.update(offsets=[-1] + e["offsets"][1:]),
+    "rank mismatch": lambda e: e.update(offsets=e["offsets"] + [0]),
+    "zero chunk size": lambda e: e.update(chunk_size=0),
+    "huge chunk size": lambda e: e.update(chunk_size=1 << 40),
+    "chunk list too short": lambda e: e.update(chunks=e["chunks"][:-1]),
+    "chunk list too long": lambda e: e.update(chunks=e["chunks"] + e["chunks"][:1]),
+    "malformed chunk digest": lambda e: e.update(chunks=[b"x"] + e["chunks"][1:]),
+    "unknown framework": lambda e: e.update(framework="jax"),
+    "empty name": lambda e: e.update(name=""),
+    "box smaller than the shape (a gap)": _leave_a_gap,
+}
