@@ -45,6 +45,7 @@ from castore import dist as castore_dist
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.data import ResumableDistributedSampler
 from castore.errors import (
+    CorruptObjectError,
     IntegrityError,
     LayoutMismatchError,
     NoValidGenerationError,
@@ -223,6 +224,45 @@ _EXACT_FIELDS = (
     "numpy_generators",
     "cuda_devices",
 )
+# The data-order record TrainState writes: field -> its type (see docs/FORMAT.md).
+_RECORD_FIELDS: dict[str, Any] = {
+    "update": int,
+    "microbatch": int,
+    "world_size": int,
+    "accumulation_steps": int,
+    "components": list,
+    "numpy_generators": list,
+    "cuda_devices": int,
+}
+_SAMPLER_FIELDS: dict[str, Any] = {
+    "seed": int,
+    "epoch": int,
+    "consumed_samples": int,
+    "update_start_consumed": int,
+    "dataset_len": int,
+    "shuffle": bool,
+    "drop_last": bool,
+}
+
+
+def _check_record(saved: dict[str, Any], where: dict[str, Any]) -> None:
+    """A record read from a store is checked field by field before anything uses it."""
+    fields = dict(_RECORD_FIELDS)
+    if "seed" in saved:
+        fields.update(_SAMPLER_FIELDS)
+    bad = [
+        name
+        for name, kind in fields.items()
+        if not isinstance(saved.get(name), kind)
+        or (kind is int and (isinstance(saved[name], bool) or saved[name] < 0))
+    ]
+    if bad or saved["world_size"] < 1 or saved["accumulation_steps"] < 1:
+        raise CorruptObjectError(
+            f"the training data-order record has missing or malformed fields {bad or ['ranks']}",
+            **where,
+        )
+
+
 _RNG_FIELDS = ("world_size", "numpy_generators", "cuda_devices")  # to restore RNG streams
 _CONTINUATION_FIELDS = ("dataset_hash", "dataset_len", "components")
 
@@ -670,6 +710,7 @@ class TrainState:
                 "load_weights",
                 **where,
             )
+        _check_record(saved, where)
         current: dict[str, Any] = {
             "world_size": comm.world_size,
             "dataset_hash": self.dataset_hash,

@@ -583,3 +583,22 @@ def test_dist_save_and_load_work_as_a_group_of_one(store: Store) -> None:
     target = torch.zeros(2, 3)
     castore.dist.load(store, "d", {"w": target})
     assert torch.equal(target, tensor)
+
+
+@pytest.mark.parametrize("field", ["update", "world_size", "consumed_samples", "shuffle"])
+def test_a_forged_record_with_a_missing_field_is_damage_not_a_key_error(
+    store: Store, field: str
+) -> None:
+    from hostile import forge_root
+
+    from castore.errors import CorruptObjectError
+
+    saved_run(store)
+    forge_root(store, "r", lambda root: root["data_order"].pop(field))
+    before = params(make_rig(init_seed=5).model)
+    rig = make_rig(init_seed=5)
+    with pytest.raises(CorruptObjectError, match=f"malformed fields \\['{field}'\\]"):
+        rig.state.load(store, run="r")
+    assert_bitwise(params(rig.model), before)  # nothing live changed
+    result = rig.state.load(store, run="r", fallback="previous")
+    assert result.generation.id == 1 and [s.generation for s in result.skipped] == [2]
