@@ -73,6 +73,7 @@ from castore.commit import (
     root_stats,
     write_shard,
 )
+from castore.dtypes import SUPPORTED_DTYPES, torch_dtype
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -152,10 +153,24 @@ def _encode_metadata(md: Metadata) -> dict[str, Any]:
 
 
 def _decode_metadata(wire: dict[str, Any], storage_data: Any) -> Metadata:
+    """DCP's Metadata from its stored plain values; anything malformed is damage."""
+    try:
+        return _metadata_from_wire(wire, storage_data)
+    except CastoreError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as exc:
+        raise CorruptObjectError(
+            f"the stored DCP metadata is malformed: {type(exc).__name__}: {exc}"
+        ) from exc
+
+
+def _metadata_from_wire(wire: dict[str, Any], storage_data: Any) -> Metadata:
     state: dict[str, Any] = {}
     for fqn, t in wire["tensors"].items():
+        if t["dtype"] not in SUPPORTED_DTYPES:
+            raise CorruptObjectError(f"the stored DCP metadata gives {fqn!r} dtype {t['dtype']!r}")
         props = TensorProperties(
-            dtype=getattr(torch, t["dtype"]),
+            dtype=torch_dtype(t["dtype"]),
             requires_grad=t["requires_grad"],
             pin_memory=t["pin_memory"],
         )

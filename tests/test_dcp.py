@@ -481,3 +481,45 @@ def test_a_collected_writer_given_a_path_leaves_no_lock_behind(tmp_path: Path) -
         assert [g.id for g in store.generations("r")] == [1]
     castore.gc.compact(path)
     assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def _forge_dcp_metadata(store: castore.Store, change: Any) -> None:
+    """Publish the next generation with its stored DCP metadata changed (hashes valid)."""
+    from hostile import forge_root
+
+    from castore.store import encode_metadata
+
+    def mutate(root: dict[str, Any]) -> None:
+        metadata = decode_tree(root["metadata"])
+        change(metadata["dcp"])
+        root["metadata"] = encode_metadata(metadata)
+
+    forge_root(store, "r", mutate)
+
+
+@pytest.mark.parametrize(
+    "case, change",
+    [
+        ("a dtype that is not one", lambda md: md["tensors"]["m"].update(dtype="save")),
+        ("chunks that are not pairs", lambda md: md["tensors"]["m"].update(chunks="xy")),
+        ("no tensors field", lambda md: md.pop("tensors")),
+        # The read region runs past the box that was saved: never read outside it.
+        (
+            "a chunk larger than its saved box",
+            lambda md: md["tensors"]["m"].update(size=[16], chunks=[[[0], [12]]]),
+        ),
+    ],
+)
+def test_forged_dcp_metadata_is_a_typed_error_and_changes_nothing(
+    tmp_path: Path, case: str, change: Any
+) -> None:
+    with castore.open(tmp_path / "store", chunk_size=16) as store:
+        writer = CastoreWriter(store, run="r")
+        dcp.save({"m": torch.arange(8.0)}, storage_writer=writer, no_dist=True)
+        _forge_dcp_metadata(store, change)
+        target = torch.full((16,), -1.0)
+        # DCP wraps a storage reader's errors in its own; castore's names the damage.
+        with pytest.raises(CheckpointException, match="DCP metadata") as info:
+            dcp.load({"m": target}, storage_reader=CastoreReader(store, run="r"), no_dist=True)
+        assert "IndexError" not in repr(info.value), case  # the untyped error it replaced
+        assert torch.equal(target, torch.full((16,), -1.0)), case
