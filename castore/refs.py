@@ -171,13 +171,18 @@ class ReflogWarning(UserWarning):
     """
 
 
+class DurabilityWarning(UserWarning):
+    """A ref or tag was replaced (readers see it) but its directory could not be synced."""
+
+
 def _replace_file(path: Path, data: bytes, *, phase: str) -> None:
     """Write ``data`` to a synced temp file ``.NAME.PID.NS.tmp`` and rename it over ``path``.
 
     The caller has checked ``path.parent`` is a real directory. ``O_EXCL``
     never follows a symlink, and ``rename`` replaces a symlink at ``path``
     rather than writing through it: nothing lands outside the store. On any
-    failure the temp file is removed and the error names ``phase``.
+    failure before the rename the temp file is removed and the error names
+    ``phase``; after it, a failure only warns (``DurabilityWarning``).
     """
     temp = path.parent / f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
     try:
@@ -195,8 +200,17 @@ def _replace_file(path: Path, data: bytes, *, phase: str) -> None:
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    with writing(phase, path):
+    try:
         fsync_dir(path.parent)
+    except OSError as exc:
+        # The rename is done and readers already see the new file: raising would tell
+        # the caller "not published" when it is. Say what is uncertain instead.
+        warnings.warn(
+            f"{path} is replaced, but syncing its directory failed while {phase} "
+            f"({exc.strerror or exc}): it may not survive a crash",
+            DurabilityWarning,
+            stacklevel=3,
+        )
 
 
 class RefStore:

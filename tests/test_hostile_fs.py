@@ -29,7 +29,7 @@ import castore.chunkstore.lmdb_backend as lmdb_backend
 import castore.storedir as storedir
 from castore.errors import NotAStoreError, StoreError, StoreFullError, UnsafeStoreFileError
 from castore.gc import RetentionPolicy, collect_garbage, tag, untag
-from castore.refs import ReflogWarning
+from castore.refs import DurabilityWarning, ReflogWarning
 from castore.verify import verify_store
 
 RUN = "a"
@@ -313,15 +313,18 @@ def fd_path(fd: int) -> str:
 
 @pytest.fixture
 def fail_writes(monkeypatch: pytest.MonkeyPatch) -> Callable[..., list[str]]:
-    """Make ``os.write`` (or ``os.fsync``) fail with ``code`` for files whose path has ``part``."""
+    """Make ``os.write`` (or ``os.fsync``) fail with ``code`` for files whose path has
+    ``part`` (or ends with it: ``whole``)."""
 
-    def install(part: str, code: int = errno.ENOSPC, call: str = "write") -> list[str]:
+    def install(
+        part: str, code: int = errno.ENOSPC, call: str = "write", *, whole: bool = False
+    ) -> list[str]:
         real = getattr(os, call)
         hits: list[str] = []
 
         def failing(fd: int, *args: Any) -> Any:
             path = fd_path(fd)
-            if part in path:
+            if path.endswith(part) if whole else part in path:
                 hits.append(path)
                 raise OSError(code, os.strerror(code))
             return real(fd, *args)
@@ -363,6 +366,19 @@ def test_an_io_error_syncing_the_ref_is_a_typed_store_error(
         assert not isinstance(info.value, StoreFullError)
         assert temp_files(store_path) == []
         assert [g.id for g in store.generations(RUN)] == [1, 2, 3]
+
+
+def test_a_failed_sync_of_the_refs_directory_after_the_rename_warns_not_raises(
+    store_path: Path, fail_writes: Callable[..., list[str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Readers see the renamed ref at once: the save must not report failure."""
+    with castore.open(store_path, create=False) as store:
+        hits = fail_writes("/store/refs", errno.EIO, "fsync", whole=True)
+        with pytest.warns(DurabilityWarning, match="may not survive a crash"):
+            gen = store.save(state(4), run=RUN, step=4)
+        monkeypatch.undo()
+        assert hits and gen.id == 4 and store.resolve(RUN).id == 4
+        assert store.refs.reflog(RUN)[-1]["generation"] == 4
 
 
 def test_a_full_disk_appending_the_reflog_after_publishing_warns_and_the_next_save_repairs(
