@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import os
 import shutil
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -497,9 +498,9 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
             backend.reclaim(min_live=1.0)  # no process has the store open: no pack in flight
         finally:
             backend.close()
-        work = chunks_dir / f".compact-{os.getpid()}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
+        # A fresh name (mkdir fails on anything already there, a symlink included):
+        # the compacted copy is never written through an entry the store brought.
+        work = Path(tempfile.mkdtemp(prefix=f".compact-{os.getpid()}-", dir=chunks_dir))
         try:
             env = lmdb.open(str(chunks_dir), readonly=True, max_dbs=4, lock=False)
             try:

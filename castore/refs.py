@@ -22,6 +22,7 @@ import re
 import socket
 import struct
 import time
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,13 +31,30 @@ from typing import Any
 
 import msgpack
 
-from castore.errors import CorruptRefError, InvalidNameError, RefConflictError, StoreLockedError
+from castore.errors import (
+    CastoreError,
+    CorruptRefError,
+    InvalidNameError,
+    RefConflictError,
+    StoreLockedError,
+)
 from castore.hashing import DIGEST_SIZE, Digest, digest_bytes
+from castore.safefs import (
+    is_store_dir,
+    make_store_dir,
+    open_store_file,
+    read_store_file,
+    write_all,
+    write_error,
+    writing,
+)
 
 REF_MAGIC = b"CASTREF\n"
 REF_VERSION = 1
 _HEADER = struct.Struct("<8sHI")
 _MAX_PAYLOAD = 1 << 16
+# No valid ref or tag file is longer; reading stops there, so a file cannot pick a huge read.
+_MAX_REF_FILE = _HEADER.size + _MAX_PAYLOAD + DIGEST_SIZE
 _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TAG_NAME = _RUN_NAME
 PUBLISH_ACTIONS = ("advance", "recovered")  # reflog records that name a published root
@@ -150,21 +168,54 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _replace_file(path: Path, data: bytes) -> None:
-    """Write ``data`` to a synced temp file ``.NAME.PID.NS.tmp`` and rename it over ``path``."""
+class ReflogWarning(UserWarning):
+    """A generation was published but its reflog record could not be written.
+
+    The ref is the commit point, so the save stands; the next advance of the
+    run appends the missing record (action ``recovered``).
+    """
+
+
+class DurabilityWarning(UserWarning):
+    """A ref or tag was replaced (readers see it) but its directory could not be synced."""
+
+
+def _replace_file(path: Path, data: bytes, *, phase: str) -> None:
+    """Write ``data`` to a synced temp file ``.NAME.PID.NS.tmp`` and rename it over ``path``.
+
+    The caller has checked ``path.parent`` is a real directory. ``O_EXCL``
+    never follows a symlink, and ``rename`` replaces a symlink at ``path``
+    rather than writing through it: nothing lands outside the store. On any
+    failure before the rename the temp file is removed and the error names
+    ``phase``; after it, a failure only warns (``DurabilityWarning``).
+    """
     temp = path.parent / f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp"
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        fd = open_store_file(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    except OSError as exc:
+        raise write_error(phase, temp, exc) from exc
     try:
-        os.replace(temp, path)
+        with writing(phase, path):
+            try:
+                write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(temp, path)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-    fsync_dir(path.parent)
+    try:
+        fsync_dir(path.parent)
+    except OSError as exc:
+        # The rename is done and readers already see the new file: raising would tell
+        # the caller "not published" when it is. Say what is uncertain instead.
+        warnings.warn(
+            f"{path} is replaced, but syncing its directory failed while {phase} "
+            f"({exc.strerror or exc}): it may not survive a crash",
+            DurabilityWarning,
+            stacklevel=3,
+        )
 
 
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -192,12 +243,15 @@ def _is_reflog_record(record: Any, run: str) -> bool:
 
 
 def _names_in(directory: Path, run_of: Any) -> list[str]:
-    """Run names ``run_of(entry name)`` gives for the entries of ``directory``."""
-    if not directory.is_dir():
+    """Run names ``run_of(entry name)`` gives for the entries of ``directory``.
+
+    Names only, nothing followed: a symlinked ref is listed and refused when read.
+    """
+    if not is_store_dir(directory):
         return []
     found = []
-    for entry in directory.iterdir():
-        run = run_of(entry.name)
+    for name in os.listdir(directory):
+        run = run_of(name)
         if run and _RUN_NAME.fullmatch(run) and ".." not in run:
             found.append(run)
     return found
@@ -216,7 +270,17 @@ class RefStore:
 
     def ensure_dirs(self) -> None:
         for directory in (self.refs_dir, self.locks_dir, self.logs_dir):
-            directory.mkdir(parents=True, exist_ok=True)
+            with writing(f"creating {directory.name}/", directory):
+                make_store_dir(directory)
+
+    def _open_lock_file(self, name: str) -> int:
+        """Open (creating) ``locks/NAME`` for ``flock``; never through a symlink."""
+        self.ensure_dirs()
+        path = self.locks_dir / name
+        try:
+            return open_store_file(path, os.O_RDWR | os.O_CREAT)
+        except OSError as exc:
+            raise write_error(f"creating the lock file {name}", path, exc) from exc
 
     # -- store-wide locks ---------------------------------------------------
 
@@ -226,8 +290,7 @@ class RefStore:
 
         Waits at most ``timeout`` seconds, then raises StoreLockedError(``busy``).
         """
-        self.ensure_dirs()
-        fd = os.open(self.locks_dir / STORE_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock_file(STORE_LOCK)
         try:
             _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, timeout, busy)
             yield
@@ -239,8 +302,7 @@ class RefStore:
 
         Every open store holds it shared; compaction needs it exclusive.
         """
-        self.ensure_dirs()
-        fd = os.open(self.locks_dir / OPEN_LOCK, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock_file(OPEN_LOCK)
         try:
             _flock(fd, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, 0.0, busy)
         except BaseException:
@@ -268,25 +330,24 @@ class RefStore:
 
     def _tagged_runs(self) -> list[str]:
         # An untagged run leaves its empty directory behind: that names nothing.
-        return _names_in(
-            self.tags_dir, lambda name: name if any((self.tags_dir / name).iterdir()) else None
-        )
+        def tagged(name: str) -> str | None:
+            directory = self.tags_dir / name
+            return name if is_store_dir(directory) and os.listdir(directory) else None
+
+        return _names_in(self.tags_dir, tagged)
 
     def read(self, run: str) -> RefValue | None:
         """The current ref of ``run``, or None if the run has none."""
         validate_run_name(run)
-        try:
-            data = (self.refs_dir / run).read_bytes()
-        except FileNotFoundError:
+        if not is_store_dir(self.refs_dir):
             return None
-        return decode_ref(data, run=run)
+        return _read_ref_file(self.refs_dir / run, run=run)
 
     @contextmanager
     def locked(self, run: str) -> Iterator[None]:
         """Hold the run's exclusive ref lock, waiting at most ``lock_timeout``."""
         validate_run_name(run)
-        self.ensure_dirs()
-        fd = os.open(self.locks_dir / f"{run}.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        fd = self._open_lock_file(f"{run}.lock")
         try:
             _flock(
                 fd,
@@ -319,10 +380,23 @@ class RefStore:
                 )
             self._reconcile_reflog(run, current)
             self._replace_ref(run, new)
-            self.append_reflog(run, new, parent=current_root, action="advance")
+            # Published: readers see the new root now, so the caller must hear success.
+            # A missing record is appended by the next advance (_reconcile_reflog).
+            try:
+                self.append_reflog(run, new, parent=current_root, action="advance")
+            except CastoreError as exc:
+                warnings.warn(
+                    f"generation {new.generation} of run {run!r} is published, but its reflog "
+                    f"record was not written ({exc}); the next save of the run records it",
+                    ReflogWarning,
+                    stacklevel=2,
+                )
 
     def _replace_ref(self, run: str, value: RefValue) -> None:
-        _replace_file(self.refs_dir / run, encode_ref(value))
+        self.ensure_dirs()
+        _replace_file(
+            self.refs_dir / run, encode_ref(value), phase=f"writing the ref of run {run!r}"
+        )
 
     # -- tags ---------------------------------------------------------------
 
@@ -334,12 +408,17 @@ class RefStore:
     def write_tag(self, run: str, name: str, value: RefValue) -> None:
         """Point tag ``name`` of ``run`` at a generation (replacing what it named)."""
         path = self._tag_path(run, name)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        _replace_file(path, encode_ref(value))
+        with writing(f"creating the tag directory of run {run!r}", path.parent):
+            make_store_dir(self.tags_dir)
+            make_store_dir(path.parent)
+        _replace_file(path, encode_ref(value), phase=f"writing tag {name!r} of run {run!r}")
 
     def delete_tag(self, run: str, name: str) -> bool:
         """Remove a tag; False when there was none."""
         path = self._tag_path(run, name)
+        # Checked, or a symlinked tags/RUN/ would have us delete a file outside the store.
+        if not (is_store_dir(self.tags_dir) and is_store_dir(path.parent)):
+            return False
         try:
             path.unlink()
         except FileNotFoundError:
@@ -351,12 +430,14 @@ class RefStore:
         """Every tag of ``run``: name -> the generation it names (damage raises)."""
         validate_run_name(run)
         directory = self.tags_dir / run
-        if not directory.is_dir():
+        if not (is_store_dir(self.tags_dir) and is_store_dir(directory)):
             return {}
         found = {}
-        for path in sorted(directory.iterdir()):
-            if _TAG_NAME.fullmatch(path.name):
-                found[path.name] = decode_ref(path.read_bytes(), run=run)
+        for name in sorted(os.listdir(directory)):
+            if _TAG_NAME.fullmatch(name):
+                value = _read_ref_file(directory / name, run=run)
+                if value is not None:  # deleted since the listing
+                    found[name] = value
         return found
 
     # -- reflog -----------------------------------------------------------
@@ -379,19 +460,23 @@ class RefStore:
         }
         text = json.dumps(record, sort_keys=True, separators=(",", ":"))
         line = f"{text}\t{digest_bytes(text.encode()).hex()[:32]}\n".encode()
+        with writing("creating logs/", self.logs_dir):
+            make_store_dir(self.logs_dir)
         path = self.reflog_path(run)
-        created = not path.exists()
-        fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        created = not os.path.lexists(path)
+        phase = f"appending to the reflog of run {run!r}"
         try:
-            size = os.fstat(fd).st_size
-            if size and os.pread(fd, 1, size - 1) != b"\n":
-                line = b"\n" + line  # end a torn record so this one stays whole
-            os.write(fd, line)
-            os.fsync(fd)
+            fd = open_store_file(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
+        except OSError as exc:
+            raise write_error(phase, path, exc) from exc
+        try:
+            with writing(phase, path):
+                _append_line(fd, line)
         finally:
             os.close(fd)
         if created:
-            fsync_dir(self.logs_dir)
+            with writing(phase, path):
+                fsync_dir(self.logs_dir)
 
     def reflog(self, run: str) -> list[dict[str, Any]]:
         """Every intact reflog record of ``run``, oldest first (torn lines skipped)."""
@@ -406,8 +491,10 @@ class RefStore:
         damage.
         """
         validate_run_name(run)
+        if not is_store_dir(self.logs_dir):
+            return [], []
         try:
-            lines = self.reflog_path(run).read_bytes().splitlines()
+            lines = read_store_file(self.reflog_path(run)).splitlines()
         except FileNotFoundError:
             return [], []
         records, damaged = [], []
@@ -441,3 +528,36 @@ class RefStore:
         if not records or records[-1]["root"] != current.root.hex:
             parent = Digest.from_hex(records[-1]["root"]) if records else None
             self.append_reflog(run, current, parent=parent, action="recovered")
+
+
+def _read_ref_file(path: Path, *, run: str) -> RefValue | None:
+    """Decode a ref or tag file; None when it is absent."""
+    try:
+        data = read_store_file(path, limit=_MAX_REF_FILE)
+    except FileNotFoundError:
+        return None
+    if len(data) > _MAX_REF_FILE:
+        raise CorruptRefError(
+            f"{path} is larger than any ref file ({_MAX_REF_FILE} bytes)", run=run
+        )
+    return decode_ref(data, run=run)
+
+
+def _append_line(fd: int, line: bytes) -> None:
+    """Append one whole reflog line and sync it; a failed append leaves no torn record.
+
+    Appends to a run's reflog happen under its ref lock, so the size read
+    here is the end this line starts at.
+    """
+    size = os.fstat(fd).st_size
+    if size and os.pread(fd, 1, size - 1) != b"\n":
+        line = b"\n" + line  # end a torn record (a crash mid-append) so this one stays whole
+    try:
+        write_all(fd, line)
+        os.fsync(fd)
+    except OSError:
+        try:
+            os.ftruncate(fd, size)
+        except OSError:
+            pass  # the torn tail is skipped by readers and ended by the next append
+        raise

@@ -9,6 +9,7 @@ same store at once.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.errors import FormatVersionError, NotAStoreError, StoreError, StoreNotFoundError
 from castore.refs import RefStore, fsync_dir
+from castore.safefs import open_store_file, read_store_file, write_all, writing
 from castore.store import Store
 
 MARKER = "castore.json"
@@ -25,6 +27,8 @@ STORE_FORMAT = "castore-store"
 STORE_VERSION = 2
 # Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files.
 OLDEST_STORE_VERSION = 2
+MAX_CHUNK_SIZE = 1 << 30  # a marker naming more is refused: it would size every save buffer
+_MAX_MARKER = 1 << 16
 
 
 def open_store(
@@ -36,22 +40,12 @@ def open_store(
 ) -> Store:
     """Open (or create) the store at ``path``; see :func:`castore.open`."""
     root = Path(path)
+    if chunk_size is not None:
+        chunk_size = _check_chunk_size(chunk_size)
     if root.exists() and not root.is_dir():
         raise NotAStoreError(f"{root} is a file, not a castore store", path=str(root))
-    marker = root / MARKER
-    if marker.is_file():
-        config = _read_marker(marker)
-    elif not root.exists() or _is_empty(root):
-        if not create:
-            raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
-        config = _create_store(root, chunk_size or DEFAULT_CHUNK_SIZE)
-    else:
-        raise NotAStoreError(
-            f"{root} is a non-empty directory without {MARKER}: not a castore store", path=str(root)
-        )
+    config = _marker_or_new_store(root, create=create, chunk_size=chunk_size)
     size = chunk_size or int(config["chunk_size"])
-    if size <= 0:
-        raise ValueError(f"chunk_size must be positive, got {size}")
     refs = RefStore(root)
     fd = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
     try:
@@ -64,9 +58,44 @@ def open_store(
     return store
 
 
+def _check_chunk_size(chunk_size: int) -> int:
+    """A chunk size a caller asks for: positive, and one the marker check accepts later."""
+    try:
+        size = operator.index(chunk_size)
+    except TypeError:
+        raise ValueError(f"chunk_size must be an integer, got {chunk_size!r}") from None
+    if not 0 < size <= MAX_CHUNK_SIZE:
+        raise ValueError(
+            f"chunk_size must be positive and at most {MAX_CHUNK_SIZE} bytes, got {size}"
+        )
+    return size
+
+
+def _marker_or_new_store(root: Path, *, create: bool, chunk_size: int | None) -> dict[str, Any]:
+    """The marker's settings, creating the store first if the directory is empty."""
+    marker = root / MARKER
+    if os.path.lexists(marker):  # lexists: a symlinked marker is refused by the read, not skipped
+        return _read_marker(marker)
+    if not root.exists() or _is_empty(root):
+        if not create:
+            raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
+        return _create_store(root, chunk_size or DEFAULT_CHUNK_SIZE)
+    # Another process may have created the store since the first look: its marker
+    # is the first entry it makes, so a directory with entries and no marker now
+    # has one if (and only if) it is a store being created.
+    if os.path.lexists(marker):
+        return _read_marker(marker)
+    raise NotAStoreError(
+        f"{root} is a non-empty directory without {MARKER}: not a castore store", path=str(root)
+    )
+
+
 def _read_marker(marker: Path) -> dict[str, Any]:
     try:
-        config = json.loads(marker.read_text())
+        data = read_store_file(marker, limit=_MAX_MARKER)
+        if len(data) > _MAX_MARKER:
+            raise ValueError(f"larger than {_MAX_MARKER} bytes")
+        config = json.loads(data)
     except (OSError, ValueError) as exc:
         raise NotAStoreError(
             f"store marker {marker} is unreadable: {exc}", path=str(marker)
@@ -87,9 +116,21 @@ def _read_marker(marker: Path) -> dict[str, Any]:
             "restore it with the castore that wrote it and save into a new store",
             path=str(marker.parent),
         )
-    if not isinstance(config.get("chunk_size"), int):
-        raise NotAStoreError(f"store marker {marker} has no chunk size", path=str(marker))
+    _check_marker_chunk_size(marker, config.get("chunk_size"))
     return config
+
+
+def _check_marker_chunk_size(marker: Path, chunk_size: Any) -> None:
+    # The marker may come from anywhere: a chunk size it names sizes every buffer a save cuts.
+    if chunk_size is None:
+        raise NotAStoreError(f"store marker {marker} has no chunk size", path=str(marker))
+    valid = isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
+    if not valid or not 0 < chunk_size <= MAX_CHUNK_SIZE:
+        raise NotAStoreError(
+            f"store marker {marker} has chunk_size {chunk_size!r}: must be a positive "
+            f"integer of at most {MAX_CHUNK_SIZE} bytes",
+            path=str(marker),
+        )
 
 
 def _is_empty(root: Path) -> bool:
@@ -116,17 +157,28 @@ def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
         "created": time.time(),
     }
     temp = root / f".{MARKER}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    text = json.dumps(config, indent=2, sort_keys=True) + "\n"
+    phase = f"creating the store marker {root / MARKER}"
     try:
-        with open(temp, "w") as handle:
-            json.dump(config, handle, indent=2, sort_keys=True)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.link(temp, root / MARKER)
-    except FileExistsError:
-        return _read_marker(root / MARKER)  # another process created it first
+        with writing(phase, root):
+            _write_synced(temp, text.encode())
+            try:
+                os.link(temp, root / MARKER)
+            except FileExistsError:
+                return _read_marker(root / MARKER)  # another process created it first
     finally:
         temp.unlink(missing_ok=True)
-    fsync_dir(root)
+    with writing(phase, root):
+        fsync_dir(root)
     RefStore(root).ensure_dirs()
     return config
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    """Create ``path`` (never through a symlink) holding ``data``, synced."""
+    fd = open_store_file(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)

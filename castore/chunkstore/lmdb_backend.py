@@ -33,6 +33,7 @@ import errno
 import mmap
 import os
 import secrets
+import stat
 import struct
 import threading
 from collections import defaultdict
@@ -44,10 +45,11 @@ from typing import Any
 import lmdb
 
 from castore.chunkstore.base import ChunkBackend, Namespace, PutResult, ReadSink, ReclaimStats
-from castore.errors import StoreError
+from castore.errors import StoreError, StoreFullError
 from castore.faults import fault_point
 from castore.hashing import Buffer
 from castore.refs import fsync_dir
+from castore.safefs import DISK_FULL, make_store_dir, open_store_file, regular_file_size
 
 DEFAULT_MAP_SIZE = 1 << 30
 _INDEX_DB = b"chunk_index"
@@ -106,9 +108,7 @@ class LmdbBackend(ChunkBackend):
     def __init__(self, path: str | os.PathLike[str], *, map_size: int | None = None) -> None:
         self.path = Path(path)
         self.pack_dir = self.path / PACK_DIR
-        self.pack_dir.mkdir(parents=True, exist_ok=True)
-        data_file = self.path / "data.mdb"
-        existing = data_file.stat().st_size if data_file.exists() else 0
+        existing = _check_environment_files(self.path)
         initial = map_size if map_size is not None else max(DEFAULT_MAP_SIZE, 2 * existing)
         self._pid = os.getpid()
         self._lock = threading.RLock()
@@ -126,11 +126,19 @@ class LmdbBackend(ChunkBackend):
             )
         except lmdb.Error as exc:
             raise StoreError(f"cannot open LMDB environment: {exc}", path=str(self.path)) from exc
-        self._objects = self._env.open_db(Namespace.OBJECTS.value.encode(), create=True)
-        self._index = self._env.open_db(_INDEX_DB, create=True)
+        self._objects = self._open_db(Namespace.OBJECTS.value.encode())
+        self._index = self._open_db(_INDEX_DB)
         self._closed = False
 
     # -- plumbing ---------------------------------------------------------
+
+    def _open_db(self, name: bytes) -> Any:
+        try:
+            return self._env.open_db(name, create=True)
+        except lmdb.MapResizedError:
+            # Another process grew the map since our open: adopt its size, then retry once.
+            self._env.set_mapsize(0)
+            return self._env.open_db(name, create=True)
 
     def _check_usable(self) -> None:
         if self._closed:
@@ -277,8 +285,10 @@ class LmdbBackend(ChunkBackend):
             except OSError as exc:
                 if writer is not None:
                     writer.discard()
-                raise StoreError(
+                error = StoreFullError if exc.errno in DISK_FULL else StoreError
+                raise error(
                     f"cannot write a chunk pack: {exc.strerror or exc}",
+                    phase="writing a chunk pack",
                     path=str(self.pack_dir),
                 ) from exc
             except BaseException:
@@ -356,11 +366,16 @@ class LmdbBackend(ChunkBackend):
         sizes = {}
         for entry in os.scandir(self.pack_dir):
             pack = _pack_id(entry.name)
-            if pack is not None:
-                try:
-                    sizes[pack] = entry.stat().st_size
-                except FileNotFoundError:
-                    continue
+            if pack is None:
+                continue
+            try:
+                found = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            # A symlink or pipe named like a pack is not one of ours: never followed,
+            # never counted, never deleted (a reader that needs it refuses it).
+            if stat.S_ISREG(found.st_mode):
+                sizes[pack] = found.st_size
         return sizes
 
     def file_bytes(self) -> int:
@@ -469,6 +484,19 @@ class LmdbBackend(ChunkBackend):
         self._write_txn(lambda txn: txn.put(key, new.encode(), db=self._index))
 
 
+def _check_environment_files(path: Path) -> int:
+    """Refuse a symlinked ``chunks/`` or LMDB file; return data.mdb's size (0 if none).
+
+    LMDB follows symlinks when it opens (and writes its lock table into
+    ``lock.mdb``), so the files are checked before it sees them.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)  # above the store: the caller's choice
+    make_store_dir(path)
+    make_store_dir(path / PACK_DIR)
+    regular_file_size(path / "lock.mdb")
+    return regular_file_size(path / "data.mdb") or 0
+
+
 class _PackWriter:
     """One new pack file, written by ``add`` and made durable by ``finish``."""
 
@@ -543,8 +571,10 @@ class _PackMaps:
         return self._maps[pack][1]
 
     def _open(self, pack: int) -> tuple[mmap.mmap | None, memoryview | None]:
+        # A symlinked or non-regular pack raises UnsafeStoreFileError: never read
+        # outside the store, never block on a pipe.
         try:
-            fd = os.open(self.directory / pack_name(pack), os.O_RDONLY)
+            fd = open_store_file(self.directory / pack_name(pack), os.O_RDONLY)
         except FileNotFoundError:
             return None, None
         try:
