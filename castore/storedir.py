@@ -18,6 +18,7 @@ from typing import Any
 from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.errors import FormatVersionError, NotAStoreError, StoreError, StoreNotFoundError
+from castore.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.refs import RefStore, fsync_dir
 from castore.safefs import open_store_file, read_store_file, write_all, writing
 from castore.store import Store
@@ -27,7 +28,6 @@ STORE_FORMAT = "castore-store"
 STORE_VERSION = 2
 # Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files.
 OLDEST_STORE_VERSION = 2
-MAX_CHUNK_SIZE = 1 << 30  # a marker naming more is refused: it would size every save buffer
 _MAX_MARKER = 1 << 16
 
 
@@ -96,7 +96,7 @@ def _read_marker(marker: Path) -> dict[str, Any]:
         if len(data) > _MAX_MARKER:
             raise ValueError(f"larger than {_MAX_MARKER} bytes")
         config = json.loads(data)
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise NotAStoreError(
             f"store marker {marker} is unreadable: {exc}", path=str(marker)
         ) from exc
