@@ -44,6 +44,7 @@ from castore.safefs import (
     make_store_dir,
     open_store_file,
     read_store_file,
+    regular_file_size,
     write_all,
     write_error,
     writing,
@@ -418,6 +419,8 @@ class RefStore:
         path = self._tag_path(run, name)
         # Checked, or a symlinked tags/RUN/ would have us delete a file outside the store.
         if not (is_store_dir(self.tags_dir) and is_store_dir(path.parent)):
+            return False
+        if regular_file_size(path) is None:  # refuses a directory or a device in its place
             return False
         try:
             path.unlink()

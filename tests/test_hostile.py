@@ -432,3 +432,13 @@ def test_empty_tensor_with_zero_strides_saves_and_loads(store: Store) -> None:
     target = torch.from_numpy(np.zeros(0))
     result = castore.dist.load(store, RUN, {"t": target})
     assert result.state["t"] is target
+
+
+def test_untag_of_a_directory_in_a_tags_place_is_refused(store: Store) -> None:
+    from castore.errors import UnsafeStoreFileError
+
+    _three_generations(store)
+    (store.path / "tags" / "a" / "best").mkdir(parents=True)
+    with pytest.raises(UnsafeStoreFileError, match="is a directory"):
+        castore.gc.untag(store, "a", "best")
+    assert (store.path / "tags" / "a" / "best").is_dir()
