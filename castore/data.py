@@ -18,6 +18,7 @@ from typing import Any
 
 import msgpack
 import torch
+import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
 from castore.hashing import digest_bytes
@@ -33,6 +34,9 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
     data parallelism): after each rank drew ``k`` samples, the job consumed
     ``k * num_replicas``. A DataLoader that prefetches draws ahead of the
     training loop: pass the true count to :meth:`state_dict` then.
+
+    Without ``num_replicas``/``rank`` and outside an initialized process group
+    it is the whole job: one replica, rank 0 (torch's own sampler refuses).
     """
 
     def __init__(
@@ -44,6 +48,10 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         seed: int = 0,
         drop_last: bool = False,
     ) -> None:
+        if not (dist.is_available() and dist.is_initialized()):
+            # A single process saves "alone" (README): be the one replica it is.
+            num_replicas = 1 if num_replicas is None else num_replicas
+            rank = 0 if rank is None else rank
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self.start = 0  # global samples of this epoch consumed before this iteration
         self.drawn = 0  # samples this rank has handed out in this iteration
