@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,20 @@ from torch.utils.data.distributed import DistributedSampler
 from castore.hashing import digest_bytes
 
 STATE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class SamplerPass:
+    """What one rank's sampler handed out at one position (epoch, start) before it moved on.
+
+    ``yielded`` counts every index handed out there, over every iterator;
+    ``exhausted`` says an iterator reached the end of this rank's share.
+    """
+
+    epoch: int
+    start: int
+    yielded: int
+    exhausted: bool
 
 
 class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
@@ -55,6 +70,11 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)
         self.start = 0  # global samples of this epoch consumed before this iteration
         self.drawn = 0  # samples this rank has handed out in this iteration
+        # Since the position was last set, over every iterator: TrainState checks
+        # the examples it was told about against these (see SamplerPass).
+        self.yielded = 0
+        self.exhausted = False
+        self.last_pass: SamplerPass | None = None  # the position set_epoch moved away from
         self.resumed_from: int | None = None  # the rank count that consumed `start`
         self._resume_pending = False  # a loaded position not yet iterated from
 
@@ -111,7 +131,9 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         self._resume_pending = False
         for index in mine:
             self.drawn += 1
+            self.yielded += 1
             yield index
+        self.exhausted = True
 
     def __len__(self) -> int:
         return len(self._remaining()[self.rank :: self.num_replicas])
@@ -126,10 +148,16 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         if self._resume_pending and epoch == self.epoch:
             return
         self._resume_pending = False
+        self.last_pass = SamplerPass(self.epoch, self.start, self.yielded, self.exhausted)
         super().set_epoch(epoch)
         self.start = 0
         self.drawn = 0
         self.resumed_from = None
+        self._reset_pass()
+
+    def _reset_pass(self) -> None:
+        self.yielded = 0
+        self.exhausted = False
 
     # -- state ------------------------------------------------------------
 
@@ -171,6 +199,8 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         self.drawn = 0
         self.resumed_from = int(state["num_replicas"])
         self._resume_pending = True
+        self.last_pass = None  # a loaded position replaces the pass; nothing finished
+        self._reset_pass()
 
 
 def dataset_hash(samples: Iterable[str | int | bytes]) -> str:

@@ -34,6 +34,7 @@ torch CPU and every CUDA device) and ``optimizer_state_by_name()`` /
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -267,6 +268,54 @@ _RNG_FIELDS = ("world_size", "numpy_generators", "cuda_devices")  # to restore R
 _CONTINUATION_FIELDS = ("dataset_hash", "dataset_len", "components")
 
 
+class DataCursorWarning(UserWarning):
+    """The examples counted by ``microbatch_done`` fell short of what the sampler handed out."""
+
+
+def examples_in(batch: Any) -> int:
+    """The number of examples in ``batch``, as :meth:`TrainState.microbatch_done` counts them.
+
+    A non-negative int is the count; a tensor or array has its leading
+    dimension; a tuple, list or dict (nested too) the leading dimension its
+    tensors share, other values in it (strings, ids) aside. Anything else, no
+    tensor, a 0-d tensor, or tensors that disagree is a ``ValueError``.
+    """
+    if isinstance(batch, (int, np.integer)) and not isinstance(batch, (bool, np.bool_)):
+        if batch < 0:
+            raise ValueError(f"examples must not be negative, got {batch}")
+        return int(batch)
+    sizes: dict[str, int] = {}
+    _leading_dims(batch, "batch", sizes)
+    if not sizes:
+        raise ValueError(
+            f"cannot count the examples of a {type(batch).__name__}: it holds no tensor or "
+            "array; pass the number of examples instead"
+        )
+    if len(set(sizes.values())) > 1:
+        listed = ", ".join(f"{path}: {size}" for path, size in sizes.items())
+        raise ValueError(
+            f"the batch's tensors disagree on the number of examples ({listed}); pass the "
+            "number of examples instead"
+        )
+    return next(iter(sizes.values()))
+
+
+def _leading_dims(value: Any, path: str, sizes: dict[str, int]) -> None:
+    if isinstance(value, (torch.Tensor, np.ndarray)):
+        if value.ndim == 0:
+            raise ValueError(
+                f"{path} is a 0-d tensor: it has no leading dimension to count examples "
+                "by; pass the number of examples instead"
+            )
+        sizes[path] = int(value.shape[0])
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            _leading_dims(item, f"{path}[{key!r}]", sizes)
+    elif isinstance(value, (tuple, list)):
+        for index, item in enumerate(value):
+            _leading_dims(item, f"{path}[{index}]", sizes)
+
+
 @dataclass
 class Resumed:
     """What :meth:`TrainState.load` restored, and the claim that holds for it.
@@ -347,19 +396,28 @@ class TrainState:
         self.microbatch = 0  # microbatches accumulated toward the next update
         self.examples = 0  # examples this rank accepted into the next update
         self._epoch_examples = 0  # examples this rank consumed since the sampler's start
+        self._largest_microbatch = 0  # since the sampler's start (see _check_finished_pass)
         self._cursor = self._sampler_cursor()
         self._update_start_examples = 0
 
     # -- the loop tells us where it is --------------------------------------
 
-    def microbatch_done(self, examples: int) -> None:
-        """One microbatch's backward pass ran on this rank, using ``examples`` samples."""
-        if not isinstance(examples, int) or examples < 0:
-            raise ValueError(f"examples must be a non-negative int, got {examples!r}")
+    def microbatch_done(self, examples: Any) -> None:
+        """One microbatch's backward pass ran on this rank, on ``examples``.
+
+        ``examples`` is the number of examples it used, or the batch itself: a
+        tensor or array counts its leading dimension, a tuple, list or dict its
+        tensors' common leading dimension (see :func:`examples_in`). With a
+        sampler, counting more examples of an epoch than it handed out to this
+        rank is a ``ValueError``.
+        """
+        count = examples_in(examples)
         self._follow_sampler()
+        self._check_within_sampler(count)
         self.microbatch += 1
-        self.examples += examples
-        self._epoch_examples += examples
+        self.examples += count
+        self._epoch_examples += count
+        self._largest_microbatch = max(self._largest_microbatch, count)
 
     def update_done(self) -> None:
         """The optimizer stepped: one more update is complete."""
@@ -386,9 +444,61 @@ class TrainState:
         """A new epoch, or a loaded position, restarts the per-epoch count."""
         cursor = self._sampler_cursor()
         if cursor != self._cursor:
+            self._check_finished_pass()
             self._cursor = cursor
             self._epoch_examples = 0
+            self._largest_microbatch = 0
             self._update_start_examples = 0
+
+    def _check_within_sampler(self, count: int) -> None:
+        """No loop trains on examples its sampler never handed out to this rank.
+
+        A loader draws ahead of the loop (prefetching), never behind it, so the
+        examples counted this epoch never exceed the sampler's draws; more means
+        the count is not this rank's examples (a global batch, a repeated call)
+        and the saved cursor would skip unseen data.
+        """
+        if self.sampler is None:
+            return
+        handed_out = self.sampler.yielded
+        if self._epoch_examples + count > handed_out:
+            raise ValueError(
+                f"microbatch_done({count}) would count {self._epoch_examples + count} examples "
+                f"of epoch {self.sampler.epoch} on rank {self.sampler.rank}, but its sampler "
+                f"has handed out only {handed_out}: pass this rank's microbatch (or its "
+                "example count), once per microbatch"
+            )
+
+    def _check_finished_pass(self) -> None:
+        """Warn when a pass the sampler finished was counted short by a microbatch or more.
+
+        A warning, not an error: a loader with ``drop_last=True`` drops a last
+        batch smaller than a full one, and a loop may skip examples on purpose;
+        both count fewer than were drawn, correctly. A shortfall of a whole
+        microbatch or more is the usual sign of ``microbatch_done(len(batch))``
+        on an ``(x, y)`` batch, which counts 2; its saved cursors make a resume
+        train on seen data again. Saves cannot check this (a prefetching loader
+        may have finished drawing while the loop still trains), so it is checked
+        once the loop has moved on to the next epoch.
+        """
+        sampler = self.sampler
+        finished = sampler.last_pass if sampler is not None else None
+        if sampler is None or finished is None or not finished.exhausted:
+            return
+        if (finished.epoch, finished.start) != self._cursor:
+            return
+        shortfall = finished.yielded - self._epoch_examples
+        if shortfall >= max(1, self._largest_microbatch):
+            warnings.warn(
+                f"castore: epoch {finished.epoch} ended with {self._epoch_examples} examples "
+                f"counted by microbatch_done() on rank {sampler.rank}, but its sampler "
+                f"handed out {finished.yielded}: the saved data cursors "
+                "under-count, so a resume trains on seen samples again. Pass each batch "
+                "itself (microbatch_done(batch)) or its number of examples, not len() of "
+                "an (x, y) tuple",
+                DataCursorWarning,
+                stacklevel=4,
+            )
 
     # -- capture -------------------------------------------------------------
 
