@@ -357,8 +357,23 @@ class Store:
         ref = self.refs.read(run)
         if ref is None:
             self._check_not_lost(run)
-            raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
+            raise self._no_generations(run)
         return ref
+
+    def _no_generations(self, run: str) -> GenerationNotFoundError:
+        """``run`` has no generations; in a store with no runs at all, say the store is empty.
+
+        ``castore.open`` creates a store at a mistyped path: an empty store is the
+        likelier cause than a missing run, and the message should say so.
+        """
+        if self.refs.runs():
+            return GenerationNotFoundError(f"run {run!r} has no generations", run=run)
+        return GenerationNotFoundError(
+            f"run {run!r} has no generations: the store at {self.path} is empty "
+            "(castore.open created it just now? pass create=False to open only existing "
+            "stores)",
+            run=run,
+        )
 
     def _check_not_lost(self, run: str) -> None:
         """A run without a ref but with history lost its ref: damage, not an empty run."""
@@ -501,7 +516,7 @@ class Store:
         if latest is not None:
             listed[latest.root.hex] = latest.generation
         if not listed:
-            raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
+            raise self._no_generations(run)
         found = [(g, Digest.from_hex(h)) for h, g in listed.items() if below is None or g <= below]
         # Newest first; for one id, the root the ref names (the commit point) first.
         ref_root = latest.root.hex if latest is not None else None
