@@ -97,6 +97,9 @@ class _Encoder:
             )
         if isinstance(value, (Shard, RankLocal)):
             return self._marker(value, path)
+        if isinstance(value, (np.str_, np.bytes_)):
+            # Text has no numpy_dtype name (those are numeric): stored as plain str/bytes.
+            return str(value) if isinstance(value, np.str_) else bytes(value)
         if isinstance(value, np.generic):  # before float: np.float64 subclasses float
             dtype = name_of_numpy_dtype(value.dtype, path)
             payload = [dtype, np.asarray(value).astype(numpy_dtype(dtype)).tobytes()]
@@ -199,17 +202,34 @@ def _numpy_leaf(array: np.ndarray, name: str) -> TensorLeaf:
 
 
 def _torch_leaf(tensor: Any, name: str) -> TensorLeaf:
-    import torch
-
-    if tensor.layout != torch.strided or tensor.is_quantized:
-        raise UnsupportedValueError(
-            f"tensor at {name} has layout {tensor.layout}; only dense tensors are stored",
-            key_path=name,
-        )
+    _check_torch_storable(tensor, name)
     dtype = name_of_torch_dtype(tensor.dtype, name)
     host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     flat = torch_bytes(host)
     return TensorLeaf(name, dtype, tuple(tensor.shape), flat, "torch")
+
+
+def _check_torch_storable(tensor: Any, name: str) -> None:
+    """Refuse, naming the key path, a tensor whose bytes castore cannot take as they are."""
+    import torch
+
+    if tensor.is_quantized:  # strided, so the layout check below would call it dense
+        raise UnsupportedValueError(
+            f"tensor at {name} is quantized ({tensor.dtype}): quantized tensors are not "
+            "stored; dequantize first (tensor.dequantize())",
+            key_path=name,
+        )
+    if tensor.layout != torch.strided:
+        raise UnsupportedValueError(
+            f"tensor at {name} has layout {tensor.layout}; only dense (strided) tensors are "
+            "stored: convert it first (tensor.to_dense())",
+            key_path=name,
+        )
+    if tensor.device.type == "meta":
+        raise UnsupportedValueError(
+            f"tensor at {name} is on the meta device: it has no data; materialize it first",
+            key_path=name,
+        )
 
 
 def torch_bytes(tensor: Any) -> np.ndarray:

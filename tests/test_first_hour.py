@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
+import torch
 
 import castore
-from castore.errors import GenerationNotFoundError
+import castore.dist
+from castore import Store
+from castore.errors import GenerationNotFoundError, UnsupportedValueError
 
 
 def test_loading_from_a_store_open_just_created_says_it_is_empty(tmp_path: Path) -> None:
@@ -34,3 +39,39 @@ def test_opening_without_create_refuses_a_missing_store(tmp_path: Path) -> None:
     with pytest.raises(castore.errors.StoreNotFoundError):
         castore.open(tmp_path / "typo", create=False)
     assert not (tmp_path / "typo").exists()
+
+
+# -- values a state may hold ---------------------------------------------------------
+
+
+def test_a_meta_tensor_is_refused_naming_its_key_path(store: Store) -> None:
+    with pytest.raises(UnsupportedValueError, match="at model/w is on the meta device"):
+        store.save({"model": {"w": torch.empty(4, device="meta")}}, run="r", step=1)
+    assert store.runs() == []
+
+
+def test_a_quantized_tensor_is_refused_as_quantized_not_as_a_layout(store: Store) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates quantize_per_tensor
+        quantized = torch.quantize_per_tensor(torch.randn(4), 0.1, 0, torch.qint8)
+    with pytest.raises(UnsupportedValueError) as caught:
+        store.save({"q": {"w": quantized}}, run="r", step=1)
+    message = str(caught.value)
+    assert "tensor at q/w is quantized" in message
+    assert "dequantize first" in message
+    assert "dense" not in message
+
+
+def test_a_sparse_tensor_is_refused_naming_its_layout(store: Store) -> None:
+    with pytest.raises(UnsupportedValueError, match=r"at s has layout torch.sparse_coo.*dense"):
+        store.save({"s": torch.eye(3).to_sparse()}, run="r", step=1)
+
+
+def test_numpy_text_scalars_are_stored_as_plain_text(store: Store) -> None:
+    state = {"name": np.str_("hi"), "tag": np.bytes_(b"\x00yo"), "n": np.float32(1.5)}
+    store.save(state, run="r", step=1)
+    loaded = store.load("r")
+    assert loaded == {"name": "hi", "tag": b"\x00yo", "n": np.float32(1.5)}
+    assert type(loaded["name"]) is str  # a numpy text scalar comes back as plain text
+    assert type(loaded["tag"]) is bytes
+    assert type(loaded["n"]) is np.float32  # numeric numpy scalars keep their type
