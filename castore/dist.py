@@ -49,6 +49,8 @@ from castore.restore import LoadReport, LoadResult, load
 from castore.store import (
     Generation,
     Store,
+    annotate_interrupt,
+    check_step,
     encode_metadata,
     framework_versions,
 )
@@ -73,8 +75,7 @@ class _Prepared:
 def _prepare(
     state: Any, step: int, metadata: dict[str, Any] | None, data_order: dict[str, Any] | None
 ) -> _Prepared:
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise TypeError(f"step must be an int, got {type(step).__name__}")
+    check_step(step)
     encoded = encode_state(state)
     layout = sorted(
         (leaf.name, "shard" if leaf.sharded else "replicated", leaf.dtype, list(leaf.shape))
@@ -125,6 +126,25 @@ def save(
     ``torch.distributed`` initialized, the process saves as a group of one.
     """
     comm = Group(group, coordinator, timeout)
+    before = store.ref_or_problem(run)
+    try:
+        return _save_in_group(store, state, comm, run, step, metadata, data_order)
+    except KeyboardInterrupt as interrupt:
+        # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
+        note = store.interrupted_note(run, before, publisher=comm.is_coordinator)
+        annotate_interrupt(interrupt, f"{note} (rank {comm.rank})")
+        raise
+
+
+def _save_in_group(
+    store: Store,
+    state: Any,
+    comm: Group,
+    run: str,
+    step: int,
+    metadata: dict[str, Any] | None,
+    data_order: dict[str, Any] | None,
+) -> Generation:
     started = time.perf_counter()
     validate_run_name(run)
     prepared, failure = attempt(lambda: _prepare(state, step, metadata, data_order))

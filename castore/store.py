@@ -163,6 +163,28 @@ class Generation:
         )
 
 
+def annotate_interrupt(interrupt: KeyboardInterrupt, note: str) -> None:
+    """Put ``note`` in the interrupt's message, keeping its type and traceback.
+
+    The message, not ``add_note`` (Python 3.11+): Ctrl-C's interrupt has none,
+    and the traceback's last line then says what the save left.
+    """
+    message = " ".join(str(arg) for arg in interrupt.args)
+    interrupt.args = (f"{message}; {note}" if message else note,)
+
+
+MAX_STEP = (1 << 63) - 1  # a root's step is an int64 (msgpack and every reader's int)
+
+
+def check_step(step: Any) -> int:
+    """A generation's ``step``: a non-negative int that fits int64 (a count of steps)."""
+    if not isinstance(step, int) or isinstance(step, bool):
+        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+    if not 0 <= step <= MAX_STEP:
+        raise ValueError(f"step must be a non-negative int64 (0 to 2**63-1), got {step}")
+    return step
+
+
 def encode_metadata(metadata: dict[str, Any] | None) -> bytes:
     """User metadata: plain values only, encoded like a state without tensors."""
     return encode_tree(dict(metadata or {}), allow_tensors=False)[0]
@@ -227,8 +249,7 @@ class Store:
         ``docs/FORMAT.md``.
         """
         validate_run_name(run)
-        if not isinstance(step, int) or isinstance(step, bool):
-            raise TypeError(f"step must be an int, got {type(step).__name__}")
+        check_step(step)
         started = time.perf_counter()
         encoded = encode_state(state)
         for leaf in encoded.leaves:
@@ -240,8 +261,54 @@ class Store:
                 )
         metadata_bytes = encode_metadata(metadata)
         order = check_data_order(data_order)
-        with self.save_lock():
-            return self._save_locked(encoded, run, step, metadata_bytes, order, started)
+        before = self.ref_or_problem(run)
+        try:
+            with self.save_lock():
+                return self._save_locked(encoded, run, step, metadata_bytes, order, started)
+        except KeyboardInterrupt as interrupt:
+            # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
+            annotate_interrupt(interrupt, self.interrupted_note(run, before))
+            raise
+
+    def ref_or_problem(self, run: str) -> RefValue | str | None:
+        """The ref of ``run`` now (None: no ref), or why it cannot be read; never raises."""
+        try:
+            return self.refs.read(run)
+        except CastoreError as exc:
+            return f"unreadable ({type(exc).__name__})"
+
+    def interrupted_note(
+        self, run: str, before: RefValue | str | None, *, publisher: bool = True
+    ) -> str:
+        """What an interrupted save of ``run`` left, from its ref before the save and now.
+
+        Generation ids only grow, so a ref that names what it named before the
+        save did not advance: nothing was published. ``publisher`` is False on a
+        rank that is not the coordinator, which may still publish after it.
+        """
+        now = self.ref_or_problem(run)
+        if isinstance(before, str) or isinstance(now, str):
+            return (
+                f"castore: save of run {run!r} interrupted; its ref is {now or 'absent'}: "
+                f"check what is published with `castore log {self.path} --run {run}`"
+            )
+        if before != now:
+            assert now is not None
+            return (
+                f"castore: save of run {run!r} interrupted after its ref advanced: generation "
+                f"{now.generation} is published"
+            )
+        previous = (
+            f"the previous generation of {run!r} ({before.generation}) is intact"
+            if before is not None
+            else f"run {run!r} still has no generations"
+        )
+        if not publisher:
+            return (
+                f"castore: save of run {run!r} interrupted on this rank before its ref moved; "
+                f"{previous} unless the coordinator publishes: ask the store what is latest"
+            )
+        return f"castore: save interrupted: nothing was published; {previous}"
 
     def save_lock(self) -> Any:
         """The shared store lock a save holds from its first dedup check to its publish.

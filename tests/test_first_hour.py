@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
+import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -75,3 +81,133 @@ def test_numpy_text_scalars_are_stored_as_plain_text(store: Store) -> None:
     assert type(loaded["name"]) is str  # a numpy text scalar comes back as plain text
     assert type(loaded["tag"]) is bytes
     assert type(loaded["n"]) is np.float32  # numeric numpy scalars keep their type
+
+
+# -- step --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("step", "error", "message"),
+    [
+        (-1, ValueError, "step must be a non-negative int64.*got -1"),
+        (2**63, ValueError, "step must be a non-negative int64"),
+        (2**70, ValueError, "step must be a non-negative int64"),
+        (1.0, TypeError, "step must be an int, got float"),
+        (True, TypeError, "step must be an int, got bool"),
+    ],
+)
+def test_a_step_is_a_non_negative_int64(
+    store: Store, step: Any, error: type[Exception], message: str
+) -> None:
+    with pytest.raises(error, match=message):
+        store.save({"x": 1}, run="r", step=step)
+    with pytest.raises(error, match=message):
+        castore.dist.save(store, {"x": 1}, run="r", step=step)  # a group of one
+    assert store.runs() == []
+
+
+def test_the_largest_step_round_trips(store: Store) -> None:
+    assert store.save({"x": 1}, run="r", step=2**63 - 1).step == 2**63 - 1
+    assert store.save({"x": 1}, run="r", step=0).step == 0
+    assert [g.step for g in store.generations("r")] == [2**63 - 1, 0]
+
+
+# -- Ctrl-C during a save -----------------------------------------------------------------
+
+
+def interrupt_advance(store: Store, monkeypatch: pytest.MonkeyPatch, *, after: bool) -> None:
+    """Make the ref advance raise KeyboardInterrupt, before or after it moves the ref."""
+    advance = store.refs.advance
+
+    def interrupted(*args: Any, **kwargs: Any) -> Any:
+        if after:
+            advance(*args, **kwargs)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(store.refs, "advance", interrupted)
+
+
+def test_ctrl_c_before_the_ref_advance_says_nothing_was_published(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first = store.save({"w": np.arange(10)}, run="r", step=1)
+    interrupt_advance(store, monkeypatch, after=False)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        store.save({"w": np.arange(20)}, run="r", step=2)
+    assert str(caught.value) == (
+        "castore: save interrupted: nothing was published; the previous generation of "
+        "'r' (1) is intact"
+    )
+    assert store.resolve("r").root == first.root
+    np.testing.assert_array_equal(store.load("r")["w"], np.arange(10))
+
+
+def test_ctrl_c_before_any_generation_says_the_run_has_none(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    interrupt_advance(store, monkeypatch, after=False)
+    with pytest.raises(KeyboardInterrupt, match="nothing was published; run 'r' still has no"):
+        store.save({"w": np.arange(20)}, run="r", step=2)
+
+
+def test_ctrl_c_after_the_ref_advance_says_it_is_published(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.save({"w": np.arange(10)}, run="r", step=1)
+    interrupt_advance(store, monkeypatch, after=True)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        store.save({"w": np.arange(20)}, run="r", step=2)
+    assert "after its ref advanced: generation 2 is published" in str(caught.value)
+    assert "nothing was published" not in str(caught.value)
+    np.testing.assert_array_equal(store.load("r")["w"], np.arange(20))
+
+
+def test_ctrl_c_in_a_dist_save_of_one_rank_says_nothing_was_published(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store.save({"w": np.arange(10)}, run="r", step=1)
+    interrupt_advance(store, monkeypatch, after=False)
+    with pytest.raises(KeyboardInterrupt, match=r"nothing was published; .*\(1\) is intact"):
+        castore.dist.save(store, {"w": np.arange(20)}, run="r", step=2)
+
+
+SLOW_SAVE = """
+import os, sys, time
+import numpy as np
+import castore
+
+store = castore.open(sys.argv[1], chunk_size=1 << 16)
+store.save({"w": np.zeros(4)}, run="r", step=1)
+writev = os.writev
+def slow_writev(fd, buffers):  # a slow disk: a window in which Ctrl-C lands
+    time.sleep(0.01)
+    return writev(fd, buffers)
+os.writev = slow_writev
+print("saving", flush=True)
+store.save({"w": np.random.default_rng(0).random(1 << 20)}, run="r", step=2)  # 128 chunks
+print("saved", flush=True)
+"""
+
+
+def test_a_real_sigint_during_a_save_leaves_the_previous_generation(tmp_path: Path) -> None:
+    child = subprocess.Popen(
+        [sys.executable, "-c", SLOW_SAVE, str(tmp_path / "s")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert child.stdout is not None
+    assert child.stdout.readline() == "saving\n"
+    time.sleep(0.3)
+    child.send_signal(signal.SIGINT)
+    out, err = child.communicate(timeout=60)
+    assert "saved" not in out
+    last = err.strip().splitlines()[-1]
+    assert last == (
+        "KeyboardInterrupt: castore: save interrupted: nothing was published; "
+        "the previous generation of 'r' (1) is intact"
+    ), err
+    with castore.open(tmp_path / "s") as store:
+        assert [g.id for g in store.generations("r")] == [1]
+        np.testing.assert_array_equal(store.load("r")["w"], np.zeros(4))
