@@ -211,3 +211,23 @@ def test_a_real_sigint_during_a_save_leaves_the_previous_generation(tmp_path: Pa
     with castore.open(tmp_path / "s") as store:
         assert [g.id for g in store.generations("r")] == [1]
         np.testing.assert_array_equal(store.load("r")["w"], np.zeros(4))
+
+
+# -- castore.retention ---------------------------------------------------------------
+
+
+def test_retention_is_castore_gc_under_a_name_that_does_not_shadow_gc() -> None:
+    import gc as stdlib_gc
+
+    from castore import gc as castore_gc
+    from castore import retention
+
+    public = {
+        name
+        for name, value in vars(castore_gc).items()
+        if not name.startswith("_") and getattr(value, "__module__", None) == "castore.gc"
+    }
+    assert public == set(retention.__all__)
+    for name in public:
+        assert getattr(retention, name) is getattr(castore_gc, name)
+    assert stdlib_gc.collect  # the standard library's gc is untouched
