@@ -1,0 +1,180 @@
+"""Every ```python and ```sh block of README.md and docs/*.md runs as written.
+
+The blocks of one file run in order, in one fresh process, in an empty
+directory, sharing one namespace (sh blocks run with bash, ``set -e``, with
+``castore`` on PATH). Names a block uses but does not define (``state``,
+``weights``, ``dataset``, ``ddp_model``...) come from PRELUDE below, never from
+editing the document. The process is a gloo group of one, so the multi-rank
+examples run their collective code paths. A block that cannot run here is
+skipped only by an HTML comment right before its fence, visible in the raw
+file: ``<!-- readme-test: skip (why) -->``.
+
+A ``castore.train.DataCursorWarning`` is an error here: the training example
+must count its examples correctly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+RUNNABLE = {"python", "sh", "console"}
+SKIP = re.compile(r"<!-- readme-test: skip \((?P<why>[^)]+)\) -->")
+FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
+
+# Stand-ins for what a real job has at hand; the documents use them as given.
+PRELUDE = """
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import TensorDataset
+
+torch.manual_seed(0)
+_rng = np.random.default_rng(0)
+state = {
+    "model": {
+        "embed.weight": _rng.standard_normal((256, 64)).astype(np.float32),
+        "head.bias": np.zeros(64, dtype=np.float32),
+    },
+    "optimizer": {"lr": 1e-3, "betas": (0.9, 0.999)},
+    "epoch": 1,
+}
+weights = {"embed.weight": torch.randn(1024, 256), "head.weight": torch.randn(1024, 256)}
+state_dict = {"w": torch.randn(16, 16), "epoch": 1}
+sample_ids = [f"sample-{i}" for i in range(400)]
+dataset = TensorDataset(torch.randn(400, 8), torch.randn(400, 1))
+b, epochs = 4, 2  # 2 epochs of 100 microbatches: 100 updates, one save
+ddp_model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+optimizer = torch.optim.AdamW(ddp_model.parameters(), lr=1e-3)
+scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=10)
+scaler = torch.amp.GradScaler("cpu")
+rng = np.random.default_rng(1)
+loss_fn = nn.functional.mse_loss
+"""
+
+# Runs in the child: the group of one, warnings as errors, then each block.
+RUNNER = """
+import os, subprocess, sys, warnings
+import torch.distributed as dist
+from castore.train import DataCursorWarning
+
+warnings.simplefilter("error", DataCursorWarning)
+dist.init_process_group("gloo", init_method="file://" + os.path.abspath("pg"), rank=0, world_size=1)
+namespace = {"__name__": "__readme__"}
+exec(compile(sys.argv[1], "<prelude>", "exec"), namespace)
+for path, line, lang, source in eval(sys.argv[2]):
+    print(f"--- {path}:{line} ({lang})", flush=True)
+    if lang == "python":
+        # Padded so that a traceback names the document's own line numbers.
+        exec(compile("\\n" * line + source, path, "exec"), namespace)
+    else:
+        subprocess.run(["bash", "-euo", "pipefail", "-c", source], check=True)
+dist.destroy_process_group()
+print("--- all blocks ran", flush=True)
+"""
+
+
+@dataclass(frozen=True)
+class Block:
+    path: str
+    line: int  # the fence's line (1-based); the code starts on the next line
+    lang: str
+    source: str
+    skip: str | None
+
+
+def blocks(document: Path) -> list[Block]:
+    """The fenced code blocks of a document, with their skip reason if marked."""
+    lines = document.read_text().splitlines()
+    found: list[Block] = []
+    index = 0
+    while index < len(lines):
+        opening = FENCE.match(lines[index])
+        if not opening:
+            index += 1
+            continue
+        end = next(i for i in range(index + 1, len(lines)) if lines[i].startswith("```"))
+        before = next((lines[i] for i in range(index - 1, -1, -1) if lines[i].strip()), "")
+        marked = SKIP.fullmatch(before.strip())
+        found.append(
+            Block(
+                document.name if document.parent == REPO else f"docs/{document.name}",
+                index + 1,
+                opening["lang"],
+                "\n".join(lines[index + 1 : end]) + "\n",
+                marked["why"] if marked else None,
+            )
+        )
+        index = end + 1
+    return found
+
+
+def castore_command(bin_dir: Path) -> None:
+    """A ``castore`` command that runs this checkout's castore, with this interpreter."""
+    bin_dir.mkdir()
+    script = bin_dir / "castore"
+    script.write_text(f'#!/bin/sh\nexec "{sys.executable}" -m castore.cli "$@"\n')
+    script.chmod(0o755)
+
+
+@pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
+def test_every_code_block_runs_as_written(document: Path, tmp_path: Path) -> None:
+    found = blocks(document)
+    runnable = [b for b in found if b.lang in RUNNABLE and b.skip is None]
+    stray = [b for b in found if b.skip is not None and b.lang not in RUNNABLE]
+    assert not stray, f"skip markers on blocks that would not run anyway: {stray}"
+    if not runnable:
+        pytest.skip(f"{document.name}: every code block is marked skip or is not code")
+    castore_command(tmp_path / "bin")
+    work = tmp_path / "work"
+    work.mkdir()
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+        "PATH": os.pathsep.join([str(tmp_path / "bin"), os.environ.get("PATH", "")]),
+    }
+    listed = repr([(b.path, b.line, b.lang, b.source) for b in runnable])
+    done = subprocess.run(
+        [sys.executable, "-c", RUNNER, PRELUDE, listed],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0 and "--- all blocks ran" in done.stdout, (
+        f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
+    )
+
+
+def test_skip_markers_say_why_and_stay_few() -> None:
+    skipped = [b for document in DOCUMENTS for b in blocks(document) if b.skip is not None]
+    for block in skipped:
+        assert block.skip and block.skip.strip(), block
+    readme = [b for b in skipped if b.path == "README.md"]
+    assert len(readme) <= 2, [f"{b.path}:{b.line} ({b.skip})" for b in readme]
+
+
+def test_the_extractor_finds_a_marked_block(tmp_path: Path) -> None:
+    doc = tmp_path / "X.md"
+    doc.write_text(
+        "text\n\n<!-- readme-test: skip (needs 4 ranks) -->\n```python\nx = 1\n```\n"
+        "```sh\necho hi\n```\n"
+    )
+    first, second = blocks(doc)
+    assert (first.lang, first.line, first.source, first.skip) == (
+        "python",
+        4,
+        "x = 1\n",
+        "needs 4 ranks",
+    )
+    assert (second.lang, second.skip, second.source) == ("sh", None, "echo hi\n")
