@@ -29,6 +29,7 @@ Choices that matter for correctness:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import mmap
 import os
@@ -43,8 +44,33 @@ from typing import Any
 
 import lmdb
 
-from castore.chunkstore.base import ChunkBackend, Namespace, PutResult, ReadSink, ReclaimStats
-from castore.errors import StoreError
+from castore.chunkstore.base import (
+    ChunkBackend,
+    IndexCheck,
+    Namespace,
+    PutResult,
+    ReadSink,
+    ReclaimStats,
+)
+from castore.chunkstore.index_check import LOCATION_SIZE, IndexEntry, cross_check
+from castore.chunkstore.lmdb_file import (
+    REPAIR_HINT,
+    audit_pages,
+    check_data_file,
+    lmdb_guarded,
+    read_committed_meta,
+    translate,
+)
+from castore.chunkstore.packfile import (
+    PACK_DIR,
+    PACK_HEADER,
+    PACK_MAGIC,
+    PACK_SUFFIX,
+    PACK_VERSION,
+    RECORD_HEADER,
+    scan_pack,
+)
+from castore.errors import IndexCorruptError, StoreError, StoreFullError
 from castore.faults import fault_point
 from castore.hashing import Buffer
 from castore.refs import fsync_dir
@@ -54,12 +80,8 @@ _INDEX_DB = b"chunk_index"
 MAX_READERS = 1024
 _MAX_GROW_ATTEMPTS = 32
 
-PACK_DIR = "packs"
-PACK_SUFFIX = ".pack"
-PACK_MAGIC = b"CASTPACK"
-PACK_VERSION = 1
-_PACK_HEADER = struct.Struct("<8sII")  # magic, version, reserved
-_RECORD_HEADER = struct.Struct("<32sQ")  # digest, length; the chunk's bytes follow
+# The pack format lives in packfile.py (a rebuild reads packs without LMDB).
+_PACK_HEADER, _RECORD_HEADER = PACK_HEADER, RECORD_HEADER
 # chunk_index value: length, pack id, offset of the chunk's first byte in the pack.
 _LOCATION = struct.Struct("<QQQ")
 _IOV_MAX = 512  # pieces per writev call (two iovecs per record)
@@ -78,6 +100,11 @@ class Location:
 
     @classmethod
     def decode(cls, value: bytes) -> Location:
+        if len(value) != _LOCATION.size:
+            raise IndexCorruptError(
+                f"a chunk_index value is {len(value)} bytes, not {_LOCATION.size}: the LMDB "
+                f"file is damaged; {REPAIR_HINT}"
+            )
         return cls(*_LOCATION.unpack(value))
 
 
@@ -103,11 +130,13 @@ _datasync = getattr(os, "fdatasync", os.fsync)
 class LmdbBackend(ChunkBackend):
     """Objects and the chunk index in LMDB; chunk bytes in pack files beside it."""
 
+    @lmdb_guarded("open the LMDB environment")
     def __init__(self, path: str | os.PathLike[str], *, map_size: int | None = None) -> None:
         self.path = Path(path)
         self.pack_dir = self.path / PACK_DIR
         self.pack_dir.mkdir(parents=True, exist_ok=True)
         data_file = self.path / "data.mdb"
+        check_data_file(data_file)  # a truncated file would be mapped, then SIGBUS
         existing = data_file.stat().st_size if data_file.exists() else 0
         initial = map_size if map_size is not None else max(DEFAULT_MAP_SIZE, 2 * existing)
         self._pid = os.getpid()
@@ -125,7 +154,7 @@ class LmdbBackend(ChunkBackend):
                 lock=True,
             )
         except lmdb.Error as exc:
-            raise StoreError(f"cannot open LMDB environment: {exc}", path=str(self.path)) from exc
+            raise translate(exc, self.path, "open the LMDB environment") from exc
         self._objects = self._env.open_db(Namespace.OBJECTS.value.encode(), create=True)
         self._index = self._env.open_db(_INDEX_DB, create=True)
         self._closed = False
@@ -171,9 +200,15 @@ class LmdbBackend(ChunkBackend):
                 except BaseException:
                     txn.abort()
                     raise
-        raise StoreError("LMDB map could not grow enough for one batch", path=str(self.path))
+        raise StoreFullError(
+            f"the LMDB map could not grow enough for one batch ({self.map_size} bytes after "
+            f"{_MAX_GROW_ATTEMPTS} doublings)",
+            phase="index",
+            path=str(self.path),
+        )
 
     @property
+    @lmdb_guarded("read the map size")
     def map_size(self) -> int:
         return int(self._env.info()["map_size"])
 
@@ -183,6 +218,7 @@ class LmdbBackend(ChunkBackend):
 
     # -- contract ---------------------------------------------------------
 
+    @lmdb_guarded("look up keys")
     def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
         db = self._db(namespace)
         with self._lock:
@@ -193,6 +229,7 @@ class LmdbBackend(ChunkBackend):
             finally:
                 txn.abort()
 
+    @lmdb_guarded("read values")
     def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
         if Namespace(namespace) is Namespace.CHUNKS:
             self._read_chunks(keys, sink)
@@ -233,6 +270,7 @@ class LmdbBackend(ChunkBackend):
                 txn.abort()
                 maps.close()
 
+    @lmdb_guarded("write values")
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
         if Namespace(namespace) is Namespace.CHUNKS:
             return self._put_chunks(items)
@@ -305,6 +343,7 @@ class LmdbBackend(ChunkBackend):
             result: PutResult = self._write_txn(work)
             return result
 
+    @lmdb_guarded("delete keys")
     def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:
         db = self._db(namespace)
 
@@ -319,17 +358,20 @@ class LmdbBackend(ChunkBackend):
             yield key
 
     def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
+        yield from self._value_sizes(namespace)
+
+    @lmdb_guarded("list keys")
+    def _value_sizes(self, namespace: Namespace) -> list[tuple[bytes, int]]:
         chunks = Namespace(namespace) is Namespace.CHUNKS
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
-                snapshot = [
-                    (bytes(k), _LOCATION.unpack(v)[0] if chunks else len(v))
+                return [
+                    (bytes(k), Location.decode(v).length if chunks else len(v))
                     for k, v in txn.cursor(db=self._db(namespace))
                 ]
             finally:
                 txn.abort()
-        yield from snapshot
 
     def close(self) -> None:
         if not self._closed and os.getpid() == self._pid:
@@ -338,6 +380,7 @@ class LmdbBackend(ChunkBackend):
 
     # -- packs ------------------------------------------------------------
 
+    @lmdb_guarded("look up a chunk")
     def locate(self, key: bytes) -> Location | None:
         """Where the index says a chunk lies (None when it is not indexed)."""
         with self._lock:
@@ -368,6 +411,7 @@ class LmdbBackend(ChunkBackend):
         size = data_file.stat().st_size if data_file.exists() else 0
         return size + sum(self.pack_files().values())
 
+    @lmdb_guarded("reclaim pack space")
     def reclaim(self, *, min_live: float = 0.5) -> ReclaimStats:
         """Delete packs the index no longer names; rewrite those less than ``min_live`` live.
 
@@ -397,6 +441,7 @@ class LmdbBackend(ChunkBackend):
             if sparse:
                 moved = self._rewrite(sparse, live)
                 fault_point("gc.reclaim_rewritten")  # the old packs are unnamed, not yet deleted
+            self._refuse_named(dead + sparse)
             for pack in dead + sparse:
                 self.pack_path(pack).unlink(missing_ok=True)
             if dead or sparse:
@@ -408,6 +453,80 @@ class LmdbBackend(ChunkBackend):
                 chunks_moved=moved,
                 bytes_freed=sum(files.values()) - after,  # net: rewritten copies count against
             )
+
+    def _refuse_named(self, packs: list[int]) -> None:
+        """Raise, deleting nothing, if a lookup still places a chunk in one of ``packs``.
+
+        ``packs`` were chosen by iterating the index; a damaged B-tree can hide
+        entries from iteration that lookups (loads) still follow.
+        """
+        txn = self._begin(write=False)
+        try:
+            for pack in packs:
+                try:
+                    records = scan_pack(self.pack_path(pack), pack).records
+                except FileNotFoundError:
+                    continue
+                for record in records:
+                    value = txn.get(record.digest, db=self._index)
+                    if value is not None and Location.decode(value).pack == pack:
+                        raise IndexCorruptError(
+                            f"reclaim refused, no pack deleted: chunk {record.digest.hex()[:16]} "
+                            f"is indexed in pack {pack:016x}, but iterating the index does not "
+                            f"list it: the index is damaged; {REPAIR_HINT}",
+                            path=str(self.path),
+                        )
+        finally:
+            txn.abort()
+
+    @lmdb_guarded("cross-check the chunk index")
+    def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
+        """Cross-check the index against the packs (see index_check) and audit the LMDB file.
+
+        Reads record headers with pread; chunk bytes only with ``hash_bytes``.
+        """
+        with self._lock:
+            txn = self._begin(write=False)
+            try:
+                entries, damaged = self._iterated_entries(txn)
+
+                def lookup(key: bytes) -> tuple[int, int, int] | None:
+                    value = txn.get(key, db=self._index)
+                    if value is None or len(value) != LOCATION_SIZE:
+                        return None if value is None else (-1, -1, -1)
+                    return _LOCATION.unpack(value)  # type: ignore[no-any-return]
+
+                packs = {pack: self.pack_path(pack) for pack in self.pack_files()}
+                stat = int(txn.stat(self._index)["entries"])
+                found = cross_check(entries, stat, lookup, packs, hash_bytes=hash_bytes)
+            finally:
+                txn.abort()
+        audit, unsure = self._audit_file()
+        return dataclasses.replace(
+            found,
+            problems=tuple(damaged) + tuple(audit) + found.problems,
+            notes=found.notes + tuple(unsure),
+        )
+
+    def _iterated_entries(self, txn: Any) -> tuple[list[IndexEntry], list[str]]:
+        entries, damaged = [], []
+        for key, value in txn.cursor(db=self._index):
+            if len(value) != LOCATION_SIZE:
+                damaged.append(f"entry {bytes(key).hex()[:16]}: value is {len(value)} bytes")
+                continue
+            where = Location.decode(value)
+            entries.append(IndexEntry(bytes(key), where.length, where.pack, where.offset))
+        return entries, damaged
+
+    def _audit_file(self) -> tuple[list[str], list[str]]:
+        """The LMDB page audit's problems; a note instead if writers kept changing the file."""
+        data_file = self.path / "data.mdb"
+        for _ in range(3):
+            before = read_committed_meta(data_file)
+            problems = audit_pages(self.path)
+            if read_committed_meta(data_file) == before:
+                return [f"the LMDB file ({data_file.name}): {p}" for p in problems], []
+        return [], ["the LMDB page audit was skipped: the file changed under it three times"]
 
     def _index_entries(self) -> list[tuple[bytes, bytes]]:
         txn = self._begin(write=False)
@@ -444,6 +563,7 @@ class LmdbBackend(ChunkBackend):
         moved: int = self._write_txn(work)
         return moved
 
+    @lmdb_guarded("overwrite a value")
     def raw_put(self, namespace: Namespace, key: bytes, value: bytes) -> None:
         """Overwrite one value unconditionally: for tests that damage a store.
 
