@@ -308,6 +308,9 @@ def collect_garbage(
             (k, n) for k, n in store.backend.value_sizes(Namespace.CHUNKS) if k not in marked_chunks
         ]
         timings["scan"] = time.perf_counter() - clock
+        clock = time.perf_counter()
+        _check_index(store, dry_run)
+        timings["check"] = time.perf_counter() - clock
         report = GcReport(
             dry_run=dry_run,
             plans=plans,
@@ -344,6 +347,28 @@ def collect_garbage(
     report.seconds = time.perf_counter() - started
     report.timings = timings
     return report
+
+
+def _check_index(store: Store, dry_run: bool) -> None:
+    """Abort unless the chunk index agrees with the packs and the LMDB file is sound.
+
+    The sweep deletes by iterating the index and the reclaim deletes packs no
+    iterated entry names; a damaged index (or a damaged LMDB free list, which
+    the next write would act on) turns either into data loss.
+    """
+    verb = "gc would abort" if dry_run else "gc aborted, nothing deleted"
+    try:
+        check = store.backend.check_index(hash_bytes=False)
+    except IntegrityError as exc:
+        raise GcAbortedError(f"{verb}: the chunk index cannot be read: {exc}") from exc
+    if not check.ok:
+        shown = "; ".join(check.problems[:3])
+        more = f" (and {len(check.problems) - 3} more)" if len(check.problems) > 3 else ""
+        raise GcAbortedError(
+            f"{verb}: the chunk index disagrees with the packs: {shown}{more}; run "
+            "castore repair --rebuild-index (with no other process using the store)",
+            path=str(store.path),
+        )
 
 
 class _no_lock:

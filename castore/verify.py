@@ -146,9 +146,24 @@ def verify_store(
         for digest, root in _roots(store, name, generation, report):
             _verify_generation(store, digest, root, chunks, report)
     chunks.bar.close()
+    if deep:
+        _check_index(store, report)
     report.chunks = len(chunks.status)
     report.chunks_hashed = chunks.hashed
     return report
+
+
+STORE = "(store)"  # the Problem.run of damage that belongs to no run
+
+
+def _check_index(store: Store, report: VerifyReport) -> None:
+    """The chunk index against the packs, and the LMDB file's pages: store-level problems."""
+    try:
+        check = store.backend.check_index(hash_bytes=False)  # the chunks were just re-hashed
+    except CastoreError as exc:
+        report.problems.append(Problem(STORE, None, f"{type(exc).__name__}: {exc}"))
+        return
+    report.problems.extend(Problem(STORE, None, f"chunk index: {p}") for p in check.problems)
 
 
 def _roots(
@@ -218,7 +233,11 @@ def _verify_generation(
     for entry in [e for boxes in entries.values() for e in boxes] + per_rank:
         for index, chunk in enumerate(entry.chunks):
             users.setdefault(chunk, (entry, index))
-    chunks.check(users)
+    try:
+        chunks.check(users)
+    except CastoreError as exc:  # a damaged index page: these chunks cannot be looked up
+        problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
+        return
     for chunk, (entry, index) in users.items():
         verdict = chunks.status.get(chunk, "ok")
         if verdict != "ok":
