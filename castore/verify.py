@@ -141,13 +141,13 @@ def verify_store(
         raise ValueError(f"sample must be a fraction in (0, 1], got {sample!r}")
     report = VerifyReport(deep=deep or sample is not None, sample=sample)
     chunks = _ChunkStatus(store, deep, progress, sample)
+    if deep:  # first: a damaged LMDB file is reported before its trees are walked
+        _check_index(store, report)
     for name in [run] if run is not None else store.runs():
         report.runs += 1
         for digest, root in _roots(store, name, generation, report):
             _verify_generation(store, digest, root, chunks, report)
     chunks.bar.close()
-    if deep:
-        _check_index(store, report)
     report.chunks = len(chunks.status)
     report.chunks_hashed = chunks.hashed
     return report

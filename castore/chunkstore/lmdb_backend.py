@@ -58,6 +58,7 @@ from castore.chunkstore.lmdb_file import (
     audit_pages,
     check_data_file,
     lmdb_guarded,
+    pad_data_file,
     read_committed_meta,
     translate,
 )
@@ -158,6 +159,7 @@ class LmdbBackend(ChunkBackend):
         self._objects = self._env.open_db(Namespace.OBJECTS.value.encode(), create=True)
         self._index = self._env.open_db(_INDEX_DB, create=True)
         self._closed = False
+        pad_data_file(data_file)  # after open: LMDB creates the file
 
     # -- plumbing ---------------------------------------------------------
 
@@ -237,9 +239,22 @@ class LmdbBackend(ChunkBackend):
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
-                sink(txn.get(bytes(key), db=self._objects) for key in keys)
+                limit = (self.path / "data.mdb").stat().st_size
+                sink(self._object_value(txn, bytes(key), limit) for key in keys)
             finally:
                 txn.abort()
+
+    def _object_value(self, txn: Any, key: bytes, limit: int) -> memoryview | None:
+        """An object's value; one longer than the whole file is a damaged node (reading it
+        would run off the map: SIGSEGV)."""
+        value: memoryview | None = txn.get(key, db=self._objects)
+        if value is not None and len(value) > limit:
+            raise IndexCorruptError(
+                f"object {key.hex()[:16]} claims {len(value)} bytes, more than the whole LMDB "
+                f"file ({limit}): the file is damaged; {REPAIR_HINT}",
+                path=str(self.path),
+            )
+        return value
 
     def _read_chunks(self, keys: Sequence[bytes], sink: ReadSink) -> None:
         maps = _PackMaps(self.pack_dir)
@@ -483,8 +498,13 @@ class LmdbBackend(ChunkBackend):
     def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
         """Cross-check the index against the packs (see index_check) and audit the LMDB file.
 
-        Reads record headers with pread; chunk bytes only with ``hash_bytes``.
+        Reads record headers with pread; chunk bytes only with ``hash_bytes``. The
+        audit comes first: iterating a tree with damaged pages can trip LMDB's own
+        assertions (abort), so a file that fails it is not iterated.
         """
+        audit, unsure = self._audit_file()
+        if audit:
+            return IndexCheck(problems=tuple(audit), notes=tuple(unsure))
         with self._lock:
             txn = self._begin(write=False)
             try:
@@ -501,11 +521,8 @@ class LmdbBackend(ChunkBackend):
                 found = cross_check(entries, stat, lookup, packs, hash_bytes=hash_bytes)
             finally:
                 txn.abort()
-        audit, unsure = self._audit_file()
         return dataclasses.replace(
-            found,
-            problems=tuple(damaged) + tuple(audit) + found.problems,
-            notes=found.notes + tuple(unsure),
+            found, problems=tuple(damaged) + found.problems, notes=found.notes + tuple(unsure)
         )
 
     def _iterated_entries(self, txn: Any) -> tuple[list[IndexEntry], list[str]]:

@@ -10,7 +10,8 @@ generation unloadable). This module turns each of these into a castore error
 before LMDB acts on the damage:
 
 * :func:`check_data_file` reads the two meta pages before ``lmdb.open`` and
-  refuses a file that is too short for the pages its header says it uses.
+  refuses a file that is too short for the pages its header says it uses;
+  :func:`pad_data_file` keeps zeros past the last page for damaged pointers.
 * :func:`audit_pages` walks every page (py-lmdb's offline verifier) and
   reports a free list that overlaps live pages, before a collection writes.
 * :func:`translate` maps every ``lmdb.Error`` to the castore tree:
@@ -42,6 +43,9 @@ _LAST_PAGE_AT = 136
 _TXNID_AT = 144
 _META_END = 152
 _MIN_PAGE, _MAX_PAGE = 512, 1 << 16
+# A node sits at a u16 offset in its page and has a u16 key size: a damaged
+# pointer or key size reaches at most this far past the page's start.
+_NODE_REACH = 2 * (1 << 16) + 64
 REPAIR_HINT = "castore repair --rebuild-index rebuilds the chunk index from the packs"
 
 # Errors that mean the file's pages do not say what LMDB wrote.
@@ -138,6 +142,31 @@ def check_data_file(path: Path) -> None:
             f"{REPAIR_HINT} (objects in the lost pages cannot be recovered)",
             path=str(path),
         )
+
+
+def pad_data_file(path: Path) -> None:
+    """Keep zeros past the last page, so a damaged node pointer still lands inside the file.
+
+    A node pointer or key size read from a damaged page reaches at most
+    ``_NODE_REACH`` bytes past its page; past the end of the file that read is
+    SIGBUS, inside LMDB where nothing can catch it. LMDB never reads the padding
+    of a sound file. Best effort (a full disk, a read-only store): the padding
+    only narrows what damage can do. ``posix_fallocate`` never shrinks a file
+    or changes its bytes, so a writer extending it at the same moment loses nothing.
+    """
+    try:
+        meta = read_committed_meta(path)
+        fd = os.open(path, os.O_RDWR)
+    except (OSError, CastoreError):
+        return
+    try:
+        length = (meta.needed_bytes if meta else 0) + _NODE_REACH
+        if os.fstat(fd).st_size < length:
+            os.posix_fallocate(fd, 0, length)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
 
 
 def audit_pages(directory: Path) -> list[str]:
