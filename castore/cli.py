@@ -284,6 +284,10 @@ def cmd_du(args: argparse.Namespace) -> int:
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
+    if args.rebuild_index:
+        if args.dry_run:
+            raise ValueError("--rebuild-index cannot be a dry run (castore verify --deep reports)")
+        _rebuild(args.store)
     with _open(args.store) as store:
         report = repair_store(store, dry_run=args.dry_run, lock_timeout=args.wait)
     verb = "would remove" if args.dry_run else "removed"
@@ -307,6 +311,22 @@ def cmd_repair(args: argparse.Namespace) -> int:
         "shard manifest cannot be healed: load an earlier one (fallback='previous')."
     )
     return EXIT_PROBLEMS
+
+
+def _rebuild(path: str) -> None:
+    from castore.rebuild import rebuild_index
+
+    report = rebuild_index(path)
+    print(
+        f"rebuilt the LMDB file: indexed {report.chunks_indexed} chunk(s) from "
+        f"{report.packs} pack(s) ({report.records_damaged} damaged record(s) skipped), "
+        f"kept {report.objects_kept} object(s)"
+        + (f"; the old file is kept as {report.old_file}" if report.old_file else "")
+    )
+    for lost in report.lost[:10]:
+        print(f"LOST {lost}")
+    if len(report.lost) > 10:
+        print(f"LOST ... and {len(report.lost) - 10} more")
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
@@ -377,6 +397,12 @@ def build_parser() -> argparse.ArgumentParser:
     repair.add_argument("store")
     repair.add_argument("--dry-run", action="store_true", help="report, change nothing")
     repair.add_argument("--wait", type=float, default=30.0, help="seconds to wait for saves")
+    repair.add_argument(
+        "--rebuild-index",
+        action="store_true",
+        help="first write a fresh LMDB file: the chunk index rebuilt from the packs, every "
+        "readable object copied (offline: no other process may have the store open)",
+    )
     repair.set_defaults(handler=cmd_repair)
     compact = commands.add_parser(
         "compact", help="rewrite packs and the LMDB file without dead space (offline)"

@@ -274,6 +274,10 @@ def collect_garbage(
     )
     with lock:
         clock = time.perf_counter()
+        # First: listing a damaged index can abort inside LMDB, and the sweep would act on it.
+        _check_index(store, dry_run)
+        timings["check"] = time.perf_counter() - clock
+        clock = time.perf_counter()
         for run in store.runs():
             _check_reflog(store, run)
         plans = plan_retention(store, policy, runs)
@@ -300,14 +304,9 @@ def collect_garbage(
                 marked_chunks.update(chunks)
         timings["mark"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        garbage_objects = [
-            (k, n)
-            for k, n in store.backend.value_sizes(Namespace.OBJECTS)
-            if k not in marked_objects
-        ]
-        garbage_chunks = [
-            (k, n) for k, n in store.backend.value_sizes(Namespace.CHUNKS) if k not in marked_chunks
-        ]
+        stored_objects, stored_chunks = _stored(store, dry_run)
+        garbage_objects = [(k, n) for k, n in stored_objects if k not in marked_objects]
+        garbage_chunks = [(k, n) for k, n in stored_chunks if k not in marked_chunks]
         timings["scan"] = time.perf_counter() - clock
         report = GcReport(
             dry_run=dry_run,
@@ -345,6 +344,40 @@ def collect_garbage(
     report.seconds = time.perf_counter() - started
     report.timings = timings
     return report
+
+
+def _stored(store: Store, dry_run: bool) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
+    """Every stored object and chunk with its size; a damaged index aborts the collection."""
+    try:
+        return (
+            list(store.backend.value_sizes(Namespace.OBJECTS)),
+            list(store.backend.value_sizes(Namespace.CHUNKS)),
+        )
+    except IntegrityError as exc:
+        verb = "gc would abort" if dry_run else "gc aborted, nothing deleted"
+        raise GcAbortedError(f"{verb}: the store cannot be listed: {exc}") from exc
+
+
+def _check_index(store: Store, dry_run: bool) -> None:
+    """Abort unless the chunk index agrees with the packs and the LMDB file is sound.
+
+    The sweep deletes by iterating the index and the reclaim deletes packs no
+    iterated entry names; a damaged index (or a damaged LMDB free list, which
+    the next write would act on) turns either into data loss.
+    """
+    verb = "gc would abort" if dry_run else "gc aborted, nothing deleted"
+    try:
+        check = store.backend.check_index(hash_bytes=False)
+    except IntegrityError as exc:
+        raise GcAbortedError(f"{verb}: the chunk index cannot be read: {exc}") from exc
+    if not check.ok:
+        shown = "; ".join(check.problems[:3])
+        more = f" (and {len(check.problems) - 3} more)" if len(check.problems) > 3 else ""
+        raise GcAbortedError(
+            f"{verb}: the chunk index disagrees with the packs: {shown}{more}; run "
+            "castore repair --rebuild-index (with no other process using the store)",
+            path=str(store.path),
+        )
 
 
 class _no_lock:
@@ -492,9 +525,9 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
     try:
         chunks_dir = root / "chunks"
         data_file = chunks_dir / "data.mdb"
+        before = _bytes_on_disk(chunks_dir)  # before an open pads data.mdb's tail
         backend = LmdbBackend(chunks_dir)
         try:
-            before = backend.file_bytes()
             backend.reclaim(min_live=1.0)  # no process has the store open: no pack in flight
         finally:
             backend.close()
@@ -525,14 +558,18 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
             fsync_dir(chunks_dir)
         finally:
             shutil.rmtree(work, ignore_errors=True)
-        backend = LmdbBackend(chunks_dir)
-        try:
-            after = backend.file_bytes()
-        finally:
-            backend.close()
+        after = _bytes_on_disk(chunks_dir)  # unpadded until the next open
     finally:
         os.close(fd)
     return CompactReport(before, after, time.perf_counter() - started)
+
+
+def _bytes_on_disk(chunks_dir: Path) -> int:
+    """The LMDB data file plus every pack file, by stat alone (no LMDB open)."""
+    data_file = chunks_dir / "data.mdb"
+    size = data_file.stat().st_size if data_file.exists() else 0
+    packs = chunks_dir / "packs"
+    return size + sum(p.stat().st_size for p in packs.glob("*.pack") if p.is_file())
 
 
 def _entry_counts(env: Any) -> dict[bytes, int]:

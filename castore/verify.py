@@ -141,6 +141,8 @@ def verify_store(
         raise ValueError(f"sample must be a fraction in (0, 1], got {sample!r}")
     report = VerifyReport(deep=deep or sample is not None, sample=sample)
     chunks = _ChunkStatus(store, deep, progress, sample)
+    if deep:  # first: a damaged LMDB file is reported before its trees are walked
+        _check_index(store, report)
     for name in [run] if run is not None else store.runs():
         report.runs += 1
         _check_reflog(store, name, report)
@@ -169,6 +171,19 @@ def _check_reflog(store: Store, run: str, report: VerifyReport) -> None:
                 "castore record",
             )
         )
+
+
+STORE = "(store)"  # the Problem.run of damage that belongs to no run
+
+
+def _check_index(store: Store, report: VerifyReport) -> None:
+    """The chunk index against the packs, and the LMDB file's pages: store-level problems."""
+    try:
+        check = store.backend.check_index(hash_bytes=False)  # the chunks were just re-hashed
+    except CastoreError as exc:
+        report.problems.append(Problem(STORE, None, f"{type(exc).__name__}: {exc}"))
+        return
+    report.problems.extend(Problem(STORE, None, f"chunk index: {p}") for p in check.problems)
 
 
 def _roots(
@@ -240,7 +255,11 @@ def _verify_generation(
     for entry in [e for boxes in entries.values() for e in boxes] + per_rank:
         for index, chunk in enumerate(entry.chunks):
             users.setdefault(chunk, (entry, index))
-    chunks.check(users)
+    try:
+        chunks.check(users)
+    except CastoreError as exc:  # a damaged index page: these chunks cannot be looked up
+        problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
+        return
     for chunk, (entry, index) in users.items():
         verdict = chunks.status.get(chunk, "ok")
         if verdict != "ok":

