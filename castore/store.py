@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from castore import dtypes
-from castore.chunkio import ReadCounters, read_chunks
+from castore.chunkio import ChunkRequest, ReadCounters, read_requests
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
     SINGLE_FAULTS,
@@ -609,10 +609,14 @@ class Store:
         framework: str,
     ) -> Any:
         where: dict[str, Any] = {"run": run, "generation": root.generation}
+        # Every tensor is planned first and read in one go: one read transaction,
+        # pool tasks of many small chunks, each shared chunk verified once.
+        requests: list[ChunkRequest] = []
         tensors = {
-            name: self.read_tensor(boxes, _framework_for(boxes[0], framework), where)
+            name: self.plan_tensor(boxes, _framework_for(boxes[0], framework), where, requests)
             for name, boxes in entries.items()
         }
+        read_requests(self.backend, requests, self.read_counters, where)
         per_rank: dict[str, dict[int, Any]] = {}
         for shard in shards:
             for path in decode_local_state(shard.local_state):
@@ -654,32 +658,27 @@ class Store:
         return decode_tree(skeletons[path], lookup)
 
     def read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
+        """A new tensor holding the saved boxes of one tensor, every chunk verified."""
+        requests: list[ChunkRequest] = []
+        tensor = self.plan_tensor(boxes, framework, where, requests)
+        read_requests(self.backend, requests, self.read_counters, where)
+        return tensor
+
+    def plan_tensor(
+        self,
+        boxes: list[TensorEntry],
+        framework: str,
+        where: dict[str, Any],
+        requests: list[ChunkRequest],
+    ) -> Any:
+        """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``requests``."""
         first = boxes[0]
         check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
         tensor, flat = _allocate(first.dtype, first.shape, framework)
+        whole = Box.whole(first.shape)
         for entry in boxes:
-            self._copy_box(
-                entry,
-                Box(entry.offsets, entry.local_shape),
-                first.shape,
-                Box.whole(first.shape),
-                flat,
-                where,
-            )
+            requests += box_requests(entry, Box(entry.offsets, entry.local_shape), whole, flat)
         return tensor
-
-    def _copy_box(
-        self,
-        entry: TensorEntry,
-        region: Box,
-        dst_shape: tuple[int, ...],
-        dst_box: Box,
-        dst_flat: np.ndarray,
-        where: dict[str, Any],
-    ) -> None:
-        """Copy ``region`` (global coordinates) of a saved box into a destination buffer."""
-        indices, deliver = box_transfer(entry, region, dst_box, dst_flat)
-        read_chunks(self.backend, entry, indices, deliver, self.read_counters, where)
 
     def read_slice(
         self,
@@ -703,10 +702,12 @@ class Store:
         check_coverage(boxes, where)  # no region of the result may be left unwritten
         box, selector = normalize_index(index, shape)
         out, flat = _allocate(dtype, box.shape, "numpy")
+        requests: list[ChunkRequest] = []
         for entry in boxes:
             region = box.intersect(Box(entry.offsets, entry.local_shape))
             if region is not None and region.numel:
-                self._copy_box(entry, region, box.shape, box, flat, where)
+                requests += box_requests(entry, region, box, flat)
+        read_requests(self.backend, requests, self.read_counters, where)
         result = out[selector]
         if framework == "torch":
             return numpy_as_torch(result, dtype)
@@ -744,6 +745,14 @@ def box_transfer(
         plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
 
     return plan.chunk_indices(entry.chunk_size), scatter
+
+
+def box_requests(
+    entry: TensorEntry, region: Box, dst_box: Box, dst_flat: np.ndarray
+) -> list[ChunkRequest]:
+    """The chunk reads that copy ``region`` of a saved box into a destination (box_transfer)."""
+    indices, deliver = box_transfer(entry, region, dst_box, dst_flat)
+    return [ChunkRequest(entry, int(i), deliver) for i in indices]
 
 
 def _is_id(spec: GenerationSpec) -> bool:
