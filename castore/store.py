@@ -673,6 +673,14 @@ class Store:
     ) -> Any:
         """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``requests``."""
         first = boxes[0]
+        if len(boxes) == 1 and first.local_shape == first.shape:
+            # One box the size of the tensor covers it exactly: the entry's own
+            # check put the box inside the shape. The common case, made cheap
+            # for states of many small tensors.
+            tensor, flat = _allocate(first.dtype, first.shape, framework)
+            place = _place_whole(first, flat)
+            requests += [ChunkRequest(first, i, place) for i in range(len(first.chunks))]
+            return tensor
         check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
         tensor, flat = _allocate(first.dtype, first.shape, framework)
         whole = Box.whole(first.shape)
@@ -727,12 +735,7 @@ def box_transfer(
     """
     entry_box = Box(entry.offsets, entry.local_shape)
     if region == entry_box == dst_box:
-        # The saved box is the destination box: chunk i lands at i*chunk_size.
-        def place(index: int, chunk: np.ndarray) -> None:
-            at = index * entry.chunk_size
-            dst_flat[at : at + chunk.size] = chunk
-
-        return range(len(entry.chunks)), place
+        return range(len(entry.chunks)), _place_whole(entry, dst_flat)
     plan = plan_copy(
         entry.local_shape,
         region.relative_to(entry_box),
@@ -745,6 +748,17 @@ def box_transfer(
         plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
 
     return plan.chunk_indices(entry.chunk_size), scatter
+
+
+def _place_whole(entry: TensorEntry, dst_flat: np.ndarray) -> ChunkDelivery:
+    """Delivery into a buffer that is the saved box's own: chunk i lands at i*chunk_size."""
+    chunk_size = entry.chunk_size
+
+    def place(index: int, chunk: np.ndarray) -> None:
+        at = index * chunk_size
+        dst_flat[at : at + chunk.size] = chunk
+
+    return place
 
 
 def box_requests(
