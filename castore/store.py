@@ -609,8 +609,8 @@ class Store:
         framework: str,
     ) -> Any:
         where: dict[str, Any] = {"run": run, "generation": root.generation}
-        # Every tensor is planned first and read in one go: one read transaction,
-        # pool tasks of many small chunks, each shared chunk verified once.
+        # Every tensor is planned first, then all are read in one go: one read
+        # transaction and one set of pack maps, each shared chunk verified once.
         requests: list[ChunkRequest] = []
         tensors = {
             name: self.plan_tensor(boxes, _framework_for(boxes[0], framework), where, requests)
