@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from castore import dtypes
-from castore.chunkio import ReadCounters, read_chunks
+from castore.chunkio import ChunkRequest, ReadCounters, read_requests
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
     SINGLE_FAULTS,
@@ -691,10 +691,14 @@ class Store:
         framework: str,
     ) -> Any:
         where: dict[str, Any] = {"run": run, "generation": root.generation}
+        # Every tensor is planned first, then all are read in one go: one read
+        # transaction and one set of pack maps, each shared chunk verified once.
+        requests: list[ChunkRequest] = []
         tensors = {
-            name: self.read_tensor(boxes, _framework_for(boxes[0], framework), where)
+            name: self.plan_tensor(boxes, _framework_for(boxes[0], framework), where, requests)
             for name, boxes in entries.items()
         }
+        read_requests(self.backend, requests, self.read_counters, where)
         per_rank: dict[str, dict[int, Any]] = {}
         for shard in shards:
             for path in decode_local_state(shard.local_state):
@@ -736,32 +740,35 @@ class Store:
         return decode_tree(skeletons[path], lookup)
 
     def read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
-        first = boxes[0]
-        check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
-        tensor, flat = _allocate(first.dtype, first.shape, framework)
-        for entry in boxes:
-            self._copy_box(
-                entry,
-                Box(entry.offsets, entry.local_shape),
-                first.shape,
-                Box.whole(first.shape),
-                flat,
-                where,
-            )
+        """A new tensor holding the saved boxes of one tensor, every chunk verified."""
+        requests: list[ChunkRequest] = []
+        tensor = self.plan_tensor(boxes, framework, where, requests)
+        read_requests(self.backend, requests, self.read_counters, where)
         return tensor
 
-    def _copy_box(
+    def plan_tensor(
         self,
-        entry: TensorEntry,
-        region: Box,
-        dst_shape: tuple[int, ...],
-        dst_box: Box,
-        dst_flat: np.ndarray,
+        boxes: list[TensorEntry],
+        framework: str,
         where: dict[str, Any],
-    ) -> None:
-        """Copy ``region`` (global coordinates) of a saved box into a destination buffer."""
-        indices, deliver = box_transfer(entry, region, dst_box, dst_flat)
-        read_chunks(self.backend, entry, indices, deliver, self.read_counters, where)
+        requests: list[ChunkRequest],
+    ) -> Any:
+        """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``requests``."""
+        first = boxes[0]
+        if len(boxes) == 1 and first.local_shape == first.shape:
+            # One box the size of the tensor covers it exactly: the entry's own
+            # check put the box inside the shape. The common case, made cheap
+            # for states of many small tensors.
+            tensor, flat = _allocate(first.dtype, first.shape, framework)
+            place = _place_whole(first, flat)
+            requests += [ChunkRequest(first, i, place) for i in range(len(first.chunks))]
+            return tensor
+        check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
+        tensor, flat = _allocate(first.dtype, first.shape, framework)
+        whole = Box.whole(first.shape)
+        for entry in boxes:
+            requests += box_requests(entry, Box(entry.offsets, entry.local_shape), whole, flat)
+        return tensor
 
     def read_slice(
         self,
@@ -785,10 +792,12 @@ class Store:
         check_coverage(boxes, where)  # no region of the result may be left unwritten
         box, selector = normalize_index(index, shape)
         out, flat = _allocate(dtype, box.shape, "numpy")
+        requests: list[ChunkRequest] = []
         for entry in boxes:
             region = box.intersect(Box(entry.offsets, entry.local_shape))
             if region is not None and region.numel:
-                self._copy_box(entry, region, box.shape, box, flat, where)
+                requests += box_requests(entry, region, box, flat)
+        read_requests(self.backend, requests, self.read_counters, where)
         result = out[selector]
         if framework == "torch":
             return numpy_as_torch(result, dtype)
@@ -808,12 +817,7 @@ def box_transfer(
     """
     entry_box = Box(entry.offsets, entry.local_shape)
     if region == entry_box == dst_box:
-        # The saved box is the destination box: chunk i lands at i*chunk_size.
-        def place(index: int, chunk: np.ndarray) -> None:
-            at = index * entry.chunk_size
-            dst_flat[at : at + chunk.size] = chunk
-
-        return range(len(entry.chunks)), place
+        return range(len(entry.chunks)), _place_whole(entry, dst_flat)
     plan = plan_copy(
         entry.local_shape,
         region.relative_to(entry_box),
@@ -826,6 +830,25 @@ def box_transfer(
         plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
 
     return plan.chunk_indices(entry.chunk_size), scatter
+
+
+def _place_whole(entry: TensorEntry, dst_flat: np.ndarray) -> ChunkDelivery:
+    """Delivery into a buffer that is the saved box's own: chunk i lands at i*chunk_size."""
+    chunk_size = entry.chunk_size
+
+    def place(index: int, chunk: np.ndarray) -> None:
+        at = index * chunk_size
+        dst_flat[at : at + chunk.size] = chunk
+
+    return place
+
+
+def box_requests(
+    entry: TensorEntry, region: Box, dst_box: Box, dst_flat: np.ndarray
+) -> list[ChunkRequest]:
+    """The chunk reads that copy ``region`` of a saved box into a destination (box_transfer)."""
+    indices, deliver = box_transfer(entry, region, dst_box, dst_flat)
+    return [ChunkRequest(entry, int(i), deliver) for i in indices]
 
 
 def _is_id(spec: GenerationSpec) -> bool:
