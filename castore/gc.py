@@ -428,7 +428,7 @@ class GenerationUsage:
 class Usage:
     generations: list[GenerationUsage]
     physical_bytes: int  # every chunk and object stored (garbage included)
-    referenced_bytes: int  # distinct chunk bytes the listed generations reference
+    referenced_bytes: int  # distinct chunk bytes the listed (shown) generations reference
     garbage_bytes: int  # chunks and objects stored but referenced by no listed generation
     file_bytes: int  # LMDB data file plus pack files (dead space included; see compact)
 
@@ -450,7 +450,10 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
     """
     chunk_sizes = dict(store.backend.value_sizes(Namespace.CHUNKS))
     object_sizes = dict(store.backend.value_sizes(Namespace.OBJECTS))
-    shown = set(store.runs() if runs is None else runs)
+    shown = set(store.runs() if runs is None else [validate_run_name(r) for r in runs])
+    unknown = shown - set(store.runs())
+    if unknown:
+        raise GenerationNotFoundError(f"no run {sorted(unknown)[0]!r} in the store")
     per_gen: list[tuple[str, Generation, set[bytes]]] = []
     counts: Counter[bytes] = Counter()
     referenced_objects: set[bytes] = set()
@@ -475,13 +478,14 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
             )
         )
     rows.sort(key=lambda u: (u.run, u.id))
-    referenced = sum(chunk_sizes.get(c, 0) for c in counts)
+    referenced = sum(chunk_sizes.get(c, 0) for c in counts)  # by every run: not garbage
+    shown_chunks = {c for run, _, chunks in per_gen if run in shown for c in chunks}
     physical = sum(chunk_sizes.values()) + sum(object_sizes.values())
     live_objects = sum(object_sizes.get(o, 0) for o in referenced_objects)
     return Usage(
         generations=rows,
         physical_bytes=physical,
-        referenced_bytes=referenced,
+        referenced_bytes=sum(chunk_sizes.get(c, 0) for c in shown_chunks),
         garbage_bytes=physical - referenced - live_objects,
         file_bytes=store.backend.file_bytes(),
     )

@@ -1119,3 +1119,19 @@ def test_cli_compact_refused_while_open(cli_store: Path) -> None:
     assert result.stderr.startswith("castore: error: StoreLockedError")
     assert len(result.stderr.splitlines()) == 1
     assert _file_digest(data_file) == before
+
+
+def test_du_of_one_run_counts_only_that_runs_chunks(store: Store) -> None:
+    """The "stored" figure and the dedup ratio of `du --run R` are R's alone."""
+    import numpy as np
+
+    from castore.gc import disk_usage
+
+    for step in range(3):
+        store.save({"w": np.arange(4096, dtype=np.float32)}, run="same", step=step)
+    store.save({"w": np.arange(8192, dtype=np.float32) + 1e6}, run="other", step=1)
+    one = disk_usage(store, ["same"])
+    assert one.referenced_bytes == 4096 * 4 and one.dedup_ratio == 3.0
+    assert disk_usage(store).referenced_bytes == 4096 * 4 + 8192 * 4
+    with pytest.raises(GenerationNotFoundError, match="nope"):
+        disk_usage(store, ["nope"])
