@@ -26,6 +26,7 @@ import stat
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from castore.errors import CastoreError, StoreError, StoreFullError, UnsafeStoreFileError
 
@@ -99,13 +100,8 @@ def regular_file_size(path: Path) -> int | None:
     For files another library opens (LMDB follows symlinks): refuse anything
     but a regular file before handing it the path.
     """
-    try:
-        found = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if not stat.S_ISREG(found.st_mode):
-        raise _unsafe(path, kind_of(found.st_mode), "regular file")
-    return found.st_size
+    found = _lstat_as(path, stat.S_ISREG, "regular file")
+    return None if found is None else found.st_size
 
 
 def read_store_file(path: Path, *, limit: int | None = None) -> bytes:
@@ -149,13 +145,18 @@ def is_store_dir(path: Path) -> bool:
 
     ``lstat``, not ``stat``: a symlinked directory is refused, never followed.
     """
+    return _lstat_as(path, stat.S_ISDIR, "directory") is not None
+
+
+def _lstat_as(path: Path, is_kind: Any, expected: str) -> os.stat_result | None:
+    """``lstat`` of ``path`` (None if absent), refusing any kind but the expected one."""
     try:
         found = os.lstat(path)
     except FileNotFoundError:
-        return False
-    if not stat.S_ISDIR(found.st_mode):
-        raise _unsafe(path, kind_of(found.st_mode), "directory")
-    return True
+        return None
+    if not is_kind(found.st_mode):
+        raise _unsafe(path, kind_of(found.st_mode), expected)
+    return found
 
 
 def make_store_dir(path: Path) -> Path:
