@@ -89,7 +89,7 @@ from castore.store import (
     Generation,
     Store,
     _allocate,
-    box_transfer,
+    box_requests,
     encode_metadata,
     framework_versions,
 )
@@ -586,8 +586,7 @@ class CastoreReader(_StoreUser, StorageReader):
                 staging = None
                 if flat is None:  # another device, dtype or layout: stage, copy once agreed
                     staging, flat = _allocate(entry.dtype, region.shape, "torch")
-                indices, deliver = box_transfer(entry, region, region, flat)
-                requests += [ChunkRequest(entry, int(i), deliver) for i in indices]
+                requests += box_requests(entry, region, region, flat)
                 targets.append((item, target, staging))
             return blobs, targets, requests, where
 

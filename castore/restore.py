@@ -41,7 +41,7 @@ from castore.store import (
     _allocate,
     _check_framework,
     _framework_for,
-    box_transfer,
+    box_requests,
     numpy_as_torch,
 )
 from castore.tree import decode_tree, join_path, torch_bytes
@@ -373,8 +373,7 @@ def _chunk_requests(target: _Target, boxes: list[TensorEntry]) -> list[ChunkRequ
         region = target.box.intersect(Box(entry.offsets, entry.local_shape))
         if region is None or not region.numel:
             continue
-        indices, deliver = box_transfer(entry, region, target.box, target.flat)
-        requests += [ChunkRequest(entry, int(i), deliver) for i in indices]
+        requests += box_requests(entry, region, target.box, target.flat)
     return requests
 
 
