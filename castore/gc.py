@@ -511,6 +511,7 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
     """
     import lmdb
 
+    from castore.chunkstore import lmdb_env
     from castore.chunkstore.lmdb_backend import LmdbBackend
 
     started = time.perf_counter()
@@ -528,6 +529,7 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
     )
     try:
         chunks_dir = root / "chunks"
+        lmdb_env.refuse_if_open(chunks_dir, store=root, doing="compacting")
         data_file = chunks_dir / "data.mdb"
         before = _bytes_on_disk(chunks_dir)  # before an open pads data.mdb's tail
         backend = LmdbBackend(chunks_dir)

@@ -26,8 +26,10 @@ from typing import Any
 
 import lmdb
 
+from castore.chunkstore import lmdb_env
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import _INDEX_DB, DEFAULT_MAP_SIZE, Location, _pack_id
+from castore.chunkstore.lmdb_backend import Location, _pack_id
+from castore.chunkstore.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DB
 from castore.chunkstore.lmdb_file import DATA_FILE, read_committed_meta
 from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
 from castore.errors import CastoreError, StoreNotFoundError
@@ -67,6 +69,7 @@ def rebuild_index(path: str | os.PathLike[str]) -> RebuildReport:
     try:
         report = RebuildReport()
         chunks_dir = root / "chunks"
+        lmdb_env.refuse_if_open(chunks_dir, store=root, doing="rebuilding its index")
         work = chunks_dir / f".rebuild-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
@@ -189,7 +192,7 @@ def _write_env(work: Path, objects: dict[bytes, bytes], index: dict[bytes, Locat
     )
     try:
         object_db = env.open_db(_OBJECTS_DB, create=True)
-        index_db = env.open_db(_INDEX_DB, create=True)
+        index_db = env.open_db(INDEX_DB, create=True)
         with env.begin(write=True) as txn:
             for key, value in sorted(objects.items()):
                 txn.put(key, value, db=object_db)

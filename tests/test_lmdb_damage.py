@@ -138,7 +138,7 @@ def test_broken_control_without_the_header_check_a_truncated_file_kills_the_proc
 ) -> None:
     os.truncate(data_file(damaged), PAGE * 8)
     unchecked = (
-        "import castore.chunkstore.lmdb_backend as b\n"
+        "import castore.chunkstore.lmdb_env as b\n"  # where the environment is opened
         "b.check_data_file = b.pad_data_file = lambda p: None\n"  # (padding would zero-fill)
     )
     result = python(unchecked + LOAD_ALL, damaged)

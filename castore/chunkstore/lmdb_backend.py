@@ -19,8 +19,10 @@ Choices that matter for correctness:
   adopted (``MapResizedError``).
 * Reads hand out zero-copy views (LMDB buffers, memory maps of packs) that
   never outlive the call: values are handed to a callback.
-* An environment is never used across ``fork()``: it records the pid that
-  opened it and refuses use from another process.
+* One environment per data file per process, shared and counted by every
+  handle on it (``lmdb_env``): LMDB forbids a second open in one process. It
+  is never used across ``fork()``: it records the pid that opened it and
+  refuses use from another process.
 * Pack space is reclaimed only by :meth:`LmdbBackend.reclaim`, which deletes
   packs the index no longer names, so it must not run while another process
   may be writing a pack it has not indexed yet: garbage collection holds the
@@ -36,7 +38,7 @@ import os
 import secrets
 import stat
 import struct
-import threading
+import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -45,6 +47,7 @@ from typing import Any
 
 import lmdb
 
+from castore.chunkstore import lmdb_env
 from castore.chunkstore.base import (
     ChunkBackend,
     IndexCheck,
@@ -57,11 +60,8 @@ from castore.chunkstore.index_check import LOCATION_SIZE, IndexEntry, cross_chec
 from castore.chunkstore.lmdb_file import (
     REPAIR_HINT,
     audit_pages,
-    check_data_file,
     lmdb_guarded,
-    pad_data_file,
     read_committed_meta,
-    translate,
 )
 from castore.chunkstore.packfile import (
     PACK_DIR,
@@ -78,9 +78,6 @@ from castore.hashing import Buffer
 from castore.refs import fsync_dir
 from castore.safefs import DISK_FULL, make_store_dir, open_store_file, regular_file_size
 
-DEFAULT_MAP_SIZE = 1 << 30
-_INDEX_DB = b"chunk_index"
-MAX_READERS = 1024
 _MAX_GROW_ATTEMPTS = 32
 
 # The pack format lives in packfile.py (a rebuild reads packs without LMDB).
@@ -138,43 +135,24 @@ class LmdbBackend(ChunkBackend):
         self.path = Path(path)
         self.pack_dir = self.path / PACK_DIR
         existing = _check_environment_files(self.path)
-        data_file = self.path / "data.mdb"
-        check_data_file(data_file)  # a truncated file would be mapped, then SIGBUS
-        initial = map_size if map_size is not None else max(DEFAULT_MAP_SIZE, 2 * existing)
-        self._pid = os.getpid()
-        self._lock = threading.RLock()
-        try:
-            self._env = lmdb.open(
-                str(self.path),
-                map_size=initial,
-                subdir=True,
-                max_dbs=4,
-                max_readers=MAX_READERS,
-                sync=True,
-                metasync=True,
-                writemap=False,
-                lock=True,
-            )
-        except lmdb.Error as exc:
-            raise translate(exc, self.path, "open the LMDB environment") from exc
-        self._objects = self._open_db(Namespace.OBJECTS.value.encode())
-        self._index = self._open_db(_INDEX_DB)
+        # One environment per data file per process, whatever the handles (see lmdb_env).
+        shared = lmdb_env.acquire(self.path, map_size=map_size, existing=existing)
+        self._env, self._objects, self._index = shared.env, shared.objects, shared.index
+        self._lock, self._pid = shared.lock, shared.pid
         self._closed = False
-        pad_data_file(data_file)  # after open: LMDB creates the file
+        # A handle dropped without close() gives its share back too (a notebook cell
+        # run again rebinds its store); the finalizer runs at most once.
+        self._release = weakref.finalize(self, lmdb_env.release, shared)
+        self._release.atexit = False
 
     # -- plumbing ---------------------------------------------------------
 
-    def _open_db(self, name: bytes) -> Any:
-        try:
-            return self._env.open_db(name, create=True)
-        except lmdb.MapResizedError:
-            # Another process grew the map since our open: adopt its size, then retry once.
-            self._env.set_mapsize(0)
-            return self._env.open_db(name, create=True)
-
     def _check_usable(self) -> None:
         if self._closed:
-            raise StoreError("store is closed", path=str(self.path))
+            raise StoreError(
+                "this store handle is closed: open the store again (castore.open)",
+                path=str(self.path),
+            )
         if os.getpid() != self._pid:
             raise StoreError(
                 "an LMDB environment cannot be used across fork(); open the store again "
@@ -400,9 +378,9 @@ class LmdbBackend(ChunkBackend):
                 txn.abort()
 
     def close(self) -> None:
-        if not self._closed and os.getpid() == self._pid:
-            self._env.close()
+        """Give this handle's share of the environment back; closing twice is harmless."""
         self._closed = True
+        self._release()
 
     # -- packs ------------------------------------------------------------
 
