@@ -23,6 +23,7 @@ import re
 import sys
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -213,15 +214,24 @@ class Store:
         self.chunk_size = chunk_size
         self.refs = RefStore(path)
         self.read_counters = ReadCounters()
-        self._open_fd: int | None = None  # the shared open lock (see castore.gc.compact)
+        self._open_lock: weakref.finalize | None = None
 
     # -- lifecycle --------------------------------------------------------
 
+    def _hold_open_lock(self, fd: int) -> None:
+        """Keep ``fd`` (the shared open lock, see castore.gc.compact) until :meth:`close`.
+
+        A Store dropped unclosed (a notebook cell run again rebinds it) lets go of
+        the lock too, or compact would be refused until the process exits.
+        """
+        self._open_lock = weakref.finalize(self, os.close, fd)
+        self._open_lock.atexit = False
+
     def close(self) -> None:
+        """Close this handle; other Stores open on the same path are unaffected."""
         self.backend.close()
-        if self._open_fd is not None:
-            os.close(self._open_fd)  # releases the shared open lock
-            self._open_fd = None
+        if self._open_lock is not None:
+            self._open_lock()  # closes the fd once, releasing the shared open lock
 
     def __enter__(self) -> Store:
         return self

@@ -54,7 +54,7 @@ def open_store(
         os.close(fd)
         raise
     store = Store(root, backend, size)
-    store._open_fd = fd
+    store._hold_open_lock(fd)
     return store
 
 
