@@ -40,8 +40,7 @@ def store(store_path: Path) -> Iterator[Store]:
 def open_store() -> Iterator[StoreOpener]:
     """Open more stores (``open_store(path, chunk_size=...)``); all are closed after the test.
 
-    Close the ``store`` fixture's handle first before reopening its path: one
-    process must not hold the same LMDB environment open twice.
+    A path may be open more than once: the handles share one LMDB environment.
     """
     opened: list[Store] = []
 
