@@ -53,8 +53,8 @@ class SharedEnv:
     key: Key
     pid: int = field(default_factory=os.getpid)
     # Every transaction of the environment runs under this lock, whichever handle
-    # starts it: a map resize needs no transaction open in this process, and a
-    # thread never waits for LMDB's one writer while it holds a read transaction.
+    # starts it, as it did when each handle had its own environment: a map resize
+    # must find no transaction of this process open.
     lock: threading.RLock = field(default_factory=threading.RLock)
     handles: int = 0
 
