@@ -155,7 +155,7 @@ def main() -> None:
         print(f"| {point:,} | {cells} | {packs:,} | {reflog / 1024:.0f} KiB |")
     first, last = rows[0][1], rows[-1][1]
     print(
-        f"| last/first | "
+        "| last/first | "
         + " | ".join(f"{last[k] / first[k]:.2f}x" for k in keys)
         + f" | {rows[-1][2] / rows[0][2]:.0f}x | |"
     )

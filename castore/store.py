@@ -68,7 +68,7 @@ from castore.objects import (
     TensorEntry,
     decode_object,
 )
-from castore.refs import PUBLISH_ACTIONS, RefStore, RefValue, validate_run_name
+from castore.refs import RefStore, RefValue, validate_run_name
 from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree, torch_bytes
 
 GenerationSpec = int | str

@@ -81,9 +81,7 @@ def test_the_tail_read_finds_the_last_advance_behind_collect_records(tmp_path: P
         assert all(r["action"] != "recovered" for r in store.refs.reflog(RUN))
 
 
-def test_the_reflog_view_parses_only_appended_lines(
-    tmp_path: Path, bytes_read: list[int]
-) -> None:
+def test_the_reflog_view_parses_only_appended_lines(tmp_path: Path, bytes_read: list[int]) -> None:
     with saved(tmp_path / "s", 50) as store:
         store.resolve(RUN, 1)
         bytes_read.clear()
