@@ -50,6 +50,17 @@ def _split_target(target: str) -> tuple[str, str]:
     return run, generation or "latest"
 
 
+def _count(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
+    return value
+
+
 def _open(path: str) -> Store:
     return castore.open(path, create=False)
 
@@ -62,7 +73,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             tags: dict[str, list[str]] = {}
             for name, value in store.refs.tags(run).items():
                 tags.setdefault(value.root.hex, []).append(name)
-            for gen in store.generations(run):
+            for gen in store.generations(run, last=args.max_count):
                 rows.append(_log_row(gen, len(runs) > 1) + [",".join(tags.get(gen.root, []))])
         if not rows:
             print("no generations")
@@ -347,6 +358,13 @@ def build_parser() -> argparse.ArgumentParser:
     log = commands.add_parser("log", help="table of generations with sizes and dedup")
     log.add_argument("store")
     log.add_argument("--run", help="only this run")
+    log.add_argument(
+        "-n",
+        "--max-count",
+        type=_count,
+        metavar="N",
+        help="only the newest N generations of each run (reads only those)",
+    )
     log.set_defaults(handler=cmd_log)
     show = commands.add_parser("show", help="tensors and values of one generation")
     show.add_argument("store")

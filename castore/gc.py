@@ -56,6 +56,9 @@ from castore.store import Generation, Store
 DELETE_BATCH = 1024  # keys per delete transaction
 # A pack less than this fraction live is rewritten by a collection; compact rewrites all.
 RECLAIM_MIN_LIVE = 0.5
+# Packs smaller than this are merged into one by each collection: a save writes
+# one pack, so frequent small saves would otherwise leave one file per save.
+MERGE_PACKS_BELOW = 4 << 20
 GC_FAULTS = ("gc.before_sweep", "gc.mid_sweep", "gc.mid_chunks", "gc.reclaim_rewritten")
 
 
@@ -207,6 +210,7 @@ class GcReport:
     bytes_freed: int = 0  # chunk and object bytes no retained generation references
     file_bytes_freed: int = 0  # pack file bytes given back to the filesystem
     packs_rewritten: int = 0  # packs whose live chunks were copied out (see reclaim)
+    packs_merged: int = 0  # of those, small packs merged into one
     seconds: float = 0.0
     timings: dict[str, float] = field(default_factory=dict)
 
@@ -337,9 +341,12 @@ def collect_garbage(
                         fault_point(fault)  # after the first batch of this namespace
             timings["sweep"] = time.perf_counter() - clock
             clock = time.perf_counter()
-            reclaimed = store.backend.reclaim(min_live=RECLAIM_MIN_LIVE)
+            reclaimed = store.backend.reclaim(
+                min_live=RECLAIM_MIN_LIVE, merge_below=MERGE_PACKS_BELOW
+            )
             report.file_bytes_freed = reclaimed.bytes_freed
             report.packs_rewritten = reclaimed.packs_rewritten
+            report.packs_merged = reclaimed.packs_merged
             timings["reclaim"] = time.perf_counter() - clock
     report.seconds = time.perf_counter() - started
     report.timings = timings
@@ -534,7 +541,8 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
         before = _bytes_on_disk(chunks_dir)  # before an open pads data.mdb's tail
         backend = LmdbBackend(chunks_dir)
         try:
-            backend.reclaim(min_live=1.0)  # no process has the store open: no pack in flight
+            # No process has the store open: no pack in flight.
+            backend.reclaim(min_live=1.0, merge_below=MERGE_PACKS_BELOW)
         finally:
             backend.close()
         # A fresh name (mkdir fails on anything already there, a symlink included):

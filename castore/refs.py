@@ -21,6 +21,7 @@ import os
 import re
 import socket
 import struct
+import threading
 import time
 import warnings
 from collections.abc import Iterator
@@ -60,6 +61,7 @@ _RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _TAG_NAME = _RUN_NAME
 PUBLISH_ACTIONS = ("advance", "recovered")  # reflog records that name a published root
 _CHECK_CHARS = 32  # hex digits of blake3 after each reflog line's tab
+_TAIL_PIECE = 1 << 12  # first bytes read from a reflog's end (doubling when not enough)
 DEFAULT_LOCK_TIMEOUT = 30.0
 # How long a save waits for a running garbage collection to finish.
 DEFAULT_SAVE_WAIT = 600.0
@@ -268,6 +270,8 @@ class RefStore:
         self.tags_dir = root / "tags"
         self.lock_timeout = lock_timeout
         self.save_wait = DEFAULT_SAVE_WAIT
+        self._views: dict[str, ReflogView] = {}
+        self._views_lock = threading.Lock()
 
     def ensure_dirs(self) -> None:
         for directory in (self.refs_dir, self.locks_dir, self.logs_dir):
@@ -486,36 +490,90 @@ class RefStore:
         return self.read_reflog(run)[0]
 
     def read_reflog(self, run: str) -> tuple[list[dict[str, Any]], list[int]]:
-        """Intact records, and the line numbers (1-based) of damaged ones.
+        """Intact records, and the line numbers (1-based) of damaged ones, read afresh.
 
         A line cut short by a crash mid-append (no tab, or fewer than 32
         characters after it) is torn, not damaged: the advance it recorded is
         recovered by the next one. Any other line whose checksum fails is
-        damage.
+        damage. ``verify`` and ``gc`` call this: they read every line from disk.
+        """
+        view = self.reflog_view(run, fresh=True)
+        return list(view.records), list(view.damaged)
+
+    def reflog_view(self, run: str, *, fresh: bool = False) -> ReflogView:
+        """What the reflog of ``run`` says, parsing only the lines appended since last time.
+
+        The reflog only grows (appends under the run's ref lock; a failed append
+        truncates back to where it began), so this Store keeps what it parsed and
+        reads from where it stopped: a save or a lookup costs the same at the
+        10,000th generation as at the first. A file that shrank or was replaced
+        is read from its start. ``fresh``: read every line again (integrity tools).
+        Do not modify the view; it is shared by later calls.
         """
         validate_run_name(run)
         if not is_store_dir(self.logs_dir):
-            return [], []
+            return ReflogView()
         try:
-            lines = read_store_file(self.reflog_path(run)).splitlines()
+            fd = open_store_file(self.reflog_path(run), os.O_RDONLY)
         except FileNotFoundError:
-            return [], []
-        records, damaged = [], []
-        for number, line in enumerate(lines, 1):
-            text, _, check = line.decode("utf-8", "replace").rpartition("\t")
-            if text and digest_bytes(text.encode()).hex()[:32] == check:
-                try:
-                    record = json.loads(text)
-                except (ValueError, RecursionError):
-                    record = None
-                if _is_reflog_record(record, run):
-                    records.append(record)
-                    continue
-            if text and len(check) >= _CHECK_CHARS:
-                # A tab with a whole checksum after it: the write was complete (JSON
-                # holds no raw tab, so a torn prefix cannot look like this). Damage.
-                damaged.append(number)
-        return records, damaged
+            return ReflogView()
+        with self._views_lock:
+            try:
+                info = os.fstat(fd)
+                view = None if fresh else self._views.get(run)
+                if (
+                    view is None
+                    or view.identity != (info.st_dev, info.st_ino)
+                    or info.st_size < view.offset
+                ):
+                    view = ReflogView(identity=(info.st_dev, info.st_ino))
+                data = _read_from(fd, view.offset, info.st_size)
+            finally:
+                os.close(fd)
+            whole = data.rfind(b"\n") + 1
+            for line in data[:whole].split(b"\n")[:-1]:
+                view.feed(line, run)
+            view.offset += whole
+            self._views[run] = view
+            if whole == len(data):
+                return view
+            # An unfinished last line (a crash mid-append): part of this answer, not
+            # kept, since the next append ends it with a newline before its own record.
+            answer = view.copy()
+            answer.feed(data[whole:], run)
+            return answer
+
+    def last_published(self, run: str) -> dict[str, Any] | None:
+        """The newest intact publish record of ``run``'s reflog, reading from the end.
+
+        What a ref advance needs to know (was the previous advance logged?),
+        at a cost that does not grow with the run's history.
+        """
+        validate_run_name(run)
+        if not is_store_dir(self.logs_dir):
+            return None
+        try:
+            fd = open_store_file(self.reflog_path(run), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            end = os.fstat(fd).st_size
+            tail, piece = b"", _TAIL_PIECE
+            while end > 0:
+                start = max(0, end - piece)
+                piece = min(2 * piece, 1 << 20)  # collect records may follow the last advance
+                tail = _read_from(fd, start, end) + tail
+                end = start
+                lines = tail.split(b"\n")
+                # The first piece may begin mid-line unless it starts the file.
+                complete, tail = (lines, b"") if start == 0 else (lines[1:], lines[0])
+                for line in reversed(complete):
+                    record = _parse_reflog_line(line, run)[0]
+                    if record is not None and record["action"] in PUBLISH_ACTIONS:
+                        return record
+        finally:
+            os.close(fd)
+        return None
 
     def record_collected(self, run: str, generation: int, root: Digest) -> None:
         """Log that garbage collection dropped a generation (before deleting it)."""
@@ -527,10 +585,74 @@ class RefStore:
         # ref ahead of the log; record that advance before adding the next one.
         if current is None:
             return
-        records = [r for r in self.reflog(run) if r.get("action") in PUBLISH_ACTIONS]
-        if not records or records[-1]["root"] != current.root.hex:
-            parent = Digest.from_hex(records[-1]["root"]) if records else None
+        last = self.last_published(run)
+        if last is None or last["root"] != current.root.hex:
+            parent = Digest.from_hex(last["root"]) if last else None
             self.append_reflog(run, current, parent=parent, action="recovered")
+
+
+class ReflogView:
+    """The records of one reflog, and what they say, parsed line by line."""
+
+    def __init__(self, identity: tuple[int, int] | None = None) -> None:
+        self.identity = identity  # (st_dev, st_ino) of the file parsed
+        self.offset = 0  # bytes parsed: the end of the last whole line
+        self.lines = 0
+        self.records: list[dict[str, Any]] = []
+        self.damaged: list[int] = []  # 1-based line numbers
+        self.listed: dict[str, int] = {}  # root hex -> id: published and not collected
+        self.collected: set[str] = set()  # root hexes garbage collection dropped
+
+    def feed(self, line: bytes, run: str) -> None:
+        self.lines += 1
+        record, damaged = _parse_reflog_line(line, run)
+        if damaged:
+            self.damaged.append(self.lines)
+        if record is None:
+            return
+        self.records.append(record)
+        root = record["root"]
+        if record["action"] == "collect":
+            self.collected.add(root)
+            self.listed.pop(root, None)
+        elif root not in self.collected:
+            self.listed[root] = record["generation"]
+
+    def copy(self) -> ReflogView:
+        other = ReflogView(self.identity)
+        other.offset, other.lines = self.offset, self.lines
+        other.records, other.damaged = list(self.records), list(self.damaged)
+        other.listed, other.collected = dict(self.listed), set(self.collected)
+        return other
+
+
+def _parse_reflog_line(line: bytes, run: str) -> tuple[dict[str, Any] | None, bool]:
+    """(the record, None if the line holds none; whether the line is damage).
+
+    A tab with a whole checksum after it means the write was complete (JSON
+    holds no raw tab, so a torn prefix cannot look like this): a failed check
+    there is damage, anything shorter a torn append.
+    """
+    text, _, check = line.decode("utf-8", "replace").rpartition("\t")
+    if text and digest_bytes(text.encode()).hex()[:_CHECK_CHARS] == check:
+        try:
+            record = json.loads(text)
+        except (ValueError, RecursionError):
+            record = None
+        if _is_reflog_record(record, run):
+            return record, False
+    return None, bool(text) and len(check) >= _CHECK_CHARS
+
+
+def _read_from(fd: int, start: int, end: int) -> bytes:
+    pieces, offset = [], start
+    while offset < end:
+        piece = os.pread(fd, min(end - offset, 1 << 20), offset)
+        if not piece:
+            break
+        pieces.append(piece)
+        offset += len(piece)
+    return b"".join(pieces)
 
 
 def _read_ref_file(path: Path, *, run: str) -> RefValue | None:

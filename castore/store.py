@@ -16,7 +16,8 @@ by :mod:`castore.tree`, which imports torch only when it sees one.
 
 from __future__ import annotations
 
-import collections
+import heapq
+import itertools
 import os
 import platform
 import re
@@ -68,7 +69,7 @@ from castore.objects import (
     TensorEntry,
     decode_object,
 )
-from castore.refs import PUBLISH_ACTIONS, RefStore, RefValue, validate_run_name
+from castore.refs import RefStore, RefValue, validate_run_name
 from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree, torch_bytes
 
 GenerationSpec = int | str
@@ -465,15 +466,9 @@ class Store:
 
     def logged(self, run: str) -> tuple[dict[str, int], set[str]]:
         """From the reflog: root hex -> id of every published, uncollected generation,
-        and the root hexes garbage collection dropped."""
-        records = self.refs.reflog(run)
-        collected = {r["root"] for r in records if r.get("action") == "collect"}
-        listed = {
-            r["root"]: int(r["generation"])
-            for r in records
-            if r.get("action") in PUBLISH_ACTIONS and r["root"] not in collected
-        }
-        return listed, collected
+        and the root hexes garbage collection dropped (copies: the caller may change them)."""
+        view = self.refs.reflog_view(run)
+        return dict(view.listed), set(view.collected)
 
     def published(self, run: str, *, tolerate_bad_ref: bool = False) -> dict[str, int]:
         """Root hex -> generation id of every published, uncollected generation (by the log).
@@ -492,29 +487,38 @@ class Store:
         return listed
 
     def iter_chain(self, run: str) -> Iterator[tuple[Digest, GenerationRoot]]:
-        """Roots of ``run`` still stored, from the newest back to the oldest.
+        """Roots of ``run`` still stored, from the newest back to the oldest, read lazily.
 
         The reflog's published generations, joined with the parent links of
         each root (so a lost log line hides nothing the chain still reaches),
         minus what garbage collection dropped. A listed root that is missing is
-        damage: this fails closed.
+        damage: this fails closed. Only the roots yielded (and a few parents)
+        are read, so the newest few cost the same however long the history.
         """
         _, collected = self.logged(run)
-        pending = dict(sorted(self.published(run).items(), key=lambda item: -item[1]))
-        found: dict[str, tuple[Digest, GenerationRoot]] = {}
-        queue = collections.deque(pending)
-        while queue:
-            hex_digest = queue.popleft()
-            if hex_digest in found:
-                continue
+        published = self.published(run)
+        # Max-heap on generation id; a root is yielded once the id it claims is
+        # confirmed, so the order holds even where the log's id was wrong.
+        heap: list[tuple[int, str, GenerationRoot | None]] = [
+            (-gen, hex_digest, None) for hex_digest, gen in published.items()
+        ]
+        heapq.heapify(heap)
+        queued = set(published)
+        while heap:
+            key, hex_digest, root = heapq.heappop(heap)
             digest = Digest.from_hex(hex_digest)
-            root = self.read_root(digest, run=run)
-            found[hex_digest] = (digest, root)
+            if root is None:
+                root = self.read_root(digest, run=run)
+                if root.generation != -key:
+                    heapq.heappush(heap, (-root.generation, hex_digest, root))
+                    continue
             if root.parent is not None:
                 parent = root.parent.hex()
-                if parent not in collected and parent not in found:
-                    queue.append(parent)
-        yield from sorted(found.values(), key=lambda item: -item[1].generation)
+                if parent not in collected and parent not in queued:
+                    queued.add(parent)
+                    # A parent's id is below its child's: the bound orders it until read.
+                    heapq.heappush(heap, (-(root.generation - 1), parent, None))
+            yield digest, root
 
     def resolve_root(
         self, run: str, generation: GenerationSpec = "latest"
@@ -570,10 +574,19 @@ class Store:
     def resolve(self, run: str, generation: GenerationSpec = "latest") -> Generation:
         return Generation.from_root(*self.resolve_root(run, generation))
 
-    def generations(self, run: str) -> list[Generation]:
-        """Every stored generation of ``run``, oldest first."""
+    def generations(self, run: str, *, last: int | None = None) -> list[Generation]:
+        """Every stored generation of ``run``, oldest first; ``last=N``: only the newest N.
+
+        ``last`` reads only the roots it returns, so it costs the same however
+        long the run's history.
+        """
         validate_run_name(run)
-        return [Generation.from_root(d, r) for d, r in self.iter_chain(run)][::-1]
+        if last is not None and (isinstance(last, bool) or not isinstance(last, int) or last < 0):
+            raise ValueError(f"last must be a count of generations (an int >= 0), not {last!r}")
+        chain = self.iter_chain(run)
+        if last is not None:
+            chain = itertools.islice(chain, last)
+        return [Generation.from_root(d, r) for d, r in chain][::-1]
 
     # -- load -------------------------------------------------------------
 

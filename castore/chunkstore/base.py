@@ -39,6 +39,7 @@ class ReclaimStats:
 
     packs_deleted: int = 0
     packs_rewritten: int = 0
+    packs_merged: int = 0  # of those rewritten, small whole packs merged into one
     chunks_moved: int = 0
     bytes_freed: int = 0
 
@@ -113,11 +114,12 @@ class ChunkBackend(abc.ABC):
     def close(self) -> None:
         """Release the backend's resources; further use is an error."""
 
-    def reclaim(self, *, min_live: float = 0.5) -> ReclaimStats:
+    def reclaim(self, *, min_live: float = 0.5, merge_below: int = 0) -> ReclaimStats:
         """Give back the space of deleted chunks, where the backend keeps it after a delete.
 
         Backends that free space on delete do nothing. ``min_live`` is the
-        live fraction below which a container of chunks is rewritten.
+        live fraction below which a container of chunks is rewritten;
+        containers smaller than ``merge_below`` bytes are merged into one.
         """
         return ReclaimStats()
 

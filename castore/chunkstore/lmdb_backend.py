@@ -421,13 +421,16 @@ class LmdbBackend(ChunkBackend):
         return size + sum(self.pack_files().values())
 
     @lmdb_guarded("reclaim pack space")
-    def reclaim(self, *, min_live: float = 0.5) -> ReclaimStats:
+    def reclaim(self, *, min_live: float = 0.5, merge_below: int = 0) -> ReclaimStats:
         """Delete packs the index no longer names; rewrite those less than ``min_live`` live.
 
         A rewrite copies the live chunks into a new synced pack, re-points
-        their index entries in one commit, then deletes the old packs. A
-        pack whose indexed chunks run past its end (damaged) is left alone.
-        The caller guarantees no other process is writing packs (see module doc).
+        their index entries in one commit, then deletes the old packs. Packs
+        smaller than ``merge_below`` bytes are rewritten too, when there are two
+        or more of them: each save writes its own pack, so a run of small saves
+        would otherwise leave one file per save. A pack whose indexed chunks
+        run past its end (damaged) is left alone. The caller guarantees no
+        other process is writing packs (see module doc).
         """
         with self._lock:
             self._check_usable()
@@ -437,28 +440,34 @@ class LmdbBackend(ChunkBackend):
                 live[where.pack].append((key, where))
             files = self.pack_files()
             dead = [pack for pack in files if pack not in live]
-            sparse = []
-            for pack, size in files.items():
+            sparse, small = [], []
+            for pack, size in sorted(files.items()):
                 entries = live.get(pack)
                 if not entries:
                     continue
                 live_bytes = sum(w.length + _RECORD_HEADER.size for _, w in entries)
-                intact = all(w.offset + w.length <= size for _, w in entries)
-                if intact and live_bytes < min_live * (size - _PACK_HEADER.size):
+                if not all(w.offset + w.length <= size for _, w in entries):
+                    continue  # damaged: left for verify and repair to name
+                if live_bytes < min_live * (size - _PACK_HEADER.size):
                     sparse.append(pack)
+                elif size < merge_below:
+                    small.append(pack)
+            merged = small if len(small) > 1 else []
+            rewrite = sparse + merged
             moved = 0
-            if sparse:
-                moved = self._rewrite(sparse, live)
+            if rewrite:
+                moved = self._rewrite(rewrite, live)
                 fault_point("gc.reclaim_rewritten")  # the old packs are unnamed, not yet deleted
-            self._refuse_named(dead + sparse)
-            for pack in dead + sparse:
+            self._refuse_named(dead + rewrite)
+            for pack in dead + rewrite:
                 self.pack_path(pack).unlink(missing_ok=True)
-            if dead or sparse:
+            if dead or rewrite:
                 fsync_dir(self.pack_dir)
             after = sum(self.pack_files().values())
             return ReclaimStats(
                 packs_deleted=len(dead),
-                packs_rewritten=len(sparse),
+                packs_rewritten=len(rewrite),
+                packs_merged=len(merged),
                 chunks_moved=moved,
                 bytes_freed=sum(files.values()) - after,  # net: rewritten copies count against
             )
