@@ -184,6 +184,20 @@ def test_verify_of_a_garbled_ref_reports_a_problem(store_copy: Path) -> None:
     assert "Traceback" not in result.stdout + result.stderr
 
 
+@pytest.mark.parametrize("target", ["exp1", "exp1@latest"])
+def test_verify_of_a_damaged_target_reports_a_problem(store_copy: Path, target: str) -> None:
+    """Only "no such run or generation" is an error line; damage stays a PROBLEM report."""
+    ref = store_copy / "refs" / "exp1"
+    data = bytearray(ref.read_bytes())
+    data[-5] ^= 0x10
+    ref.write_bytes(bytes(data))
+    result = run_cli("verify", store_copy, target)
+    assert result.returncode == 1
+    assert "PROBLEM exp1: CorruptRefError" in result.stdout
+    assert "damaged: exp1" in result.stdout
+    assert result.stderr == ""
+
+
 # -- errors: one line on stderr, no traceback, non-zero exit ----------------------
 
 
@@ -216,6 +230,11 @@ ERRORS = [
     ("missing-argument", lambda s, t: ["show", s], 2, "required"),
     ("garbled-ref-show", lambda s, t: ["show", _garble_ref(s), "exp1"], 1, "CorruptRefError"),
     ("garbled-ref-log", lambda s, t: ["log", _garble_ref(s)], 1, "CorruptRefError"),
+    # An unknown run or generation is not damage to report: one line, as in show and log.
+    ("unknown-run-verify", lambda s, t: ["verify", s, "nobody"], 1, "no run 'nobody'"),
+    ("unknown-gen-verify", lambda s, t: ["verify", s, "exp1@99"], 1, "GenerationNotFoundError"),
+    ("bad-gen-verify", lambda s, t: ["verify", s, "exp1@zz"], 1, "GenerationNotFoundError"),
+    ("bad-run-verify", lambda s, t: ["verify", s, "../x"], 1, "InvalidNameError"),
 ]
 
 
