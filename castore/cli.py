@@ -12,6 +12,7 @@ import sys
 import time
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from tabulate import tabulate
@@ -103,19 +104,30 @@ def cmd_show(args: argparse.Namespace) -> int:
             order = ", ".join(f"{k} {v}" for k, v in sorted(gen.data_order.items()))
             print(f"data order {order}")
         rows = []
+        total_bytes = total_chunks = 0
         for name, boxes in store.tensor_entries(root).items():
             first = boxes[0]
             nbytes = sum(b.nbytes for b in boxes)
             chunks = sum(len(b.chunks) for b in boxes)
+            total_bytes += nbytes
+            total_chunks += chunks
             shape = "x".join(map(str, first.shape)) or "()"
             rows.append([name, first.dtype, shape, format_bytes(nbytes), len(boxes), chunks])
         print()
         print(tabulate(rows, headers=["tensor", "dtype", "shape", "size", "boxes", "chunks"]))
         tree = decode_tree(root.state, lambda name, fw: _TensorMark(), lambda path: RankLocal())
-        values = _plain_values(tree)
+        values = _plain_values(tree, collapse=not args.all)
         if values:
             print()
-            print(tabulate(values, headers=["key", "type", "value"]))
+            print(tabulate([v.row for v in values], headers=["key", "type", "value"]))
+    collapsed = sum(v.count for v in values if v.count > 1)
+    print()
+    print(
+        f"total      {len(rows)} tensor(s), {format_bytes(total_bytes)} in {total_chunks} "
+        f"chunk(s); {sum(v.count for v in values)} value(s)"
+        + (f" ({collapsed} collapsed: --all lists them)" if collapsed else "")
+        + f"; {run}@{gen.id} step {gen.step}, {_format_time(gen.time)}"
+    )
     return 0
 
 
@@ -130,23 +142,74 @@ class RankLocal:
         return "<saved per rank>"
 
 
-def _plain_values(node: Any, path: str = "") -> list[list[str]]:
+# castore show: a list's run of at least this many plain values (not tensors, dicts
+# or lists) is one row; an optimizer's parameter list would otherwise fill the screen.
+COLLAPSE_AT = 4
+
+
+@dataclass(frozen=True)
+class _Value:
+    """One row of show's value table: a value, or a collapsed run of list items."""
+
+    key: str
+    kind: str
+    text: str
+    count: int = 1
+
+    @property
+    def row(self) -> list[str]:
+        return [self.key, self.kind, self.text]
+
+
+def _is_plain(node: Any) -> bool:
+    return not isinstance(node, (_TensorMark, RankLocal, dict, list, tuple))
+
+
+def _short_repr(node: Any) -> str:
+    text = repr(node)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _plain_values(node: Any, path: str = "", *, collapse: bool = True) -> list[_Value]:
     if isinstance(node, _TensorMark):
         return []
     if isinstance(node, dict):
         return [
-            row
+            value
             for k, v in node.items()
-            for row in _plain_values(v, f"{path}/{k}" if path else str(k))
+            for value in _plain_values(v, f"{path}/{k}" if path else str(k), collapse=collapse)
         ]
     if isinstance(node, (list, tuple)):
-        return [
-            row
-            for i, v in enumerate(node)
-            for row in _plain_values(v, f"{path}/{i}" if path else str(i))
-        ]
-    text = repr(node)
-    return [[path or ".", type(node).__name__, text if len(text) <= 60 else text[:57] + "..."]]
+        found: list[_Value] = []
+        index = 0
+        while index < len(node):
+            end = index
+            while collapse and end < len(node) and _is_plain(node[end]):
+                end += 1
+            if end - index >= COLLAPSE_AT:
+                found.append(_collapsed(node[index:end], path, index))
+                index = end
+                continue
+            item_path = f"{path}/{index}" if path else str(index)
+            found.extend(_plain_values(node[index], item_path, collapse=collapse))
+            index += 1
+        return found
+    return [_Value(path or ".", type(node).__name__, _short_repr(node))]
+
+
+def _collapsed(items: Sequence[Any], path: str, start: int) -> _Value:
+    """Sibling list items ``start..`` as one row: their count, type, and first and last."""
+    key = f"[{start}..{start + len(items) - 1}]"
+    types = sorted({type(item).__name__ for item in items})
+    kind = f"{len(items)} {types[0]}" if len(types) == 1 else f"{len(items)} values"
+    shown = [repr(item) for item in (items[0], items[1])] + ["...", repr(items[-1])]
+    text = ", ".join(shown)
+    return _Value(
+        f"{path}/{key}" if path else key,
+        kind,
+        text if len(text) <= 60 else text[:57] + "...",
+        len(items),
+    )
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -372,6 +435,7 @@ def build_parser() -> argparse.ArgumentParser:
     show = commands.add_parser("show", help="tensors and values of one generation")
     show.add_argument("store")
     show.add_argument("target", metavar="RUN[@GEN]")
+    show.add_argument("--all", action="store_true", help="list every value; collapse nothing")
     show.set_defaults(handler=cmd_show)
     verify = commands.add_parser("verify", help="check objects and chunks; non-zero on problems")
     verify.add_argument("store")
@@ -436,7 +500,13 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.handler(args))
+        code = int(args.handler(args))
+        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # `castore show ... | head`: the reader has what it wanted; no error line.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PROBLEMS
     except CastoreError as exc:
         return _fail(f"{type(exc).__name__}: {exc}")
     except (OSError, ValueError) as exc:

@@ -152,6 +152,95 @@ def test_show_by_id_and_by_root_prefix(cli_store: Path) -> None:
     assert "parent     -" in by_id.stdout
 
 
+def show_values(stdout: str) -> dict[str, list[str]]:
+    """The value table of ``castore show``: key -> [type, value]."""
+    return {r[0]: r[1:] for r in rows(stdout.split("\n\n")[2])}
+
+
+def test_show_collapses_long_lists_of_plain_values(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        mixed = [1, 2.5, "a", None, np.ones(3, dtype=np.float32), 7]
+        store.save({"ids": list(range(100)), "few": [1, 2, 3], "mixed": mixed}, run="r", step=9)
+    result = run_cli("show", path, "r")
+    assert result.returncode == 0, result.stderr
+    assert show_values(result.stdout) == {
+        "ids/[0..99]": ["100 int", "0, 1, ..., 99"],
+        "few/0": ["int", "1"],  # short lists stay one row per item
+        "few/1": ["int", "2"],
+        "few/2": ["int", "3"],
+        "mixed/[0..3]": ["4 values", "1, 2.5, ..., None"],  # the tensor ends the run
+        "mixed/5": ["int", "7"],
+    }
+    assert result.stdout.splitlines()[-1] == (
+        f"total      1 tensor(s), 12 B in 1 chunk(s); 108 value(s) (104 collapsed: --all "
+        f"lists them); r@1 step 9, {result.stdout.splitlines()[0].split('  ')[-1]}"
+    )
+    every = run_cli("show", path, "r", "--all")
+    assert every.returncode == 0, every.stderr
+    values = show_values(every.stdout)
+    assert len(values) == 108 and values["ids/57"] == ["int", "57"]
+    assert values["mixed/3"] == ["NoneType", "None"]
+    assert "collapsed" not in every.stdout.splitlines()[-1]
+
+
+def test_show_of_a_real_training_state_is_short(tmp_path: Path) -> None:
+    """A TrainState with Adam: the optimizer's parameter-name list is one row, not 40."""
+    import torch
+    from torch import nn
+
+    from castore.train import TrainState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    with castore.open(tmp_path / "store") as store:
+        TrainState(model, optimizer).save(store, run="train")
+
+    result = run_cli("show", tmp_path / "store", "train")
+    assert result.returncode == 0, result.stderr
+    values = show_values(result.stdout)
+    assert values["optimizer/param_groups/0/params/[0..39]"] == [
+        "40 str",
+        "'0.weight', '0.bias', ..., '19.bias'",
+    ]
+    assert not any("/params/" in key and "[" not in key for key in values)
+    assert len(values) < 25
+    tensors = rows(result.stdout.split("\n\n")[1])
+    assert len(tensors) == 40 + 3 * 40  # each tensor keeps its row: weights and Adam's slots
+    total = result.stdout.splitlines()[-1]
+    assert total.startswith("total      160 tensor(s), ")
+    assert "(40 collapsed: --all lists them); train@1 step 0" in total
+
+    every = run_cli("show", tmp_path / "store", "train", "--all")
+    assert every.returncode == 0, every.stderr
+    listed = show_values(every.stdout)
+    for index in range(40):
+        name = f"{index // 2}.{'weight' if index % 2 == 0 else 'bias'}"
+        assert listed[f"optimizer/param_groups/0/params/{index}"] == ["str", repr(name)]
+    assert not any("[" in key for key in listed)
+    assert len(every.stdout.splitlines()) == len(result.stdout.splitlines()) + 39
+
+
+def test_show_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        store.save({"ids": [{"n": i} for i in range(5000)]}, run="r", step=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    shown = subprocess.run(
+        ["bash", "-c", f'"{CLI}" show "{path}" r | head -1; echo "status ${{PIPESTATUS[0]}}"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert shown.stdout.startswith("generation r@1  step 1")
+    assert shown.stdout.splitlines()[-1] == "status 1"
+    assert shown.stderr == ""  # no "BrokenPipeError" line, no traceback
+
+
 # -- verify -----------------------------------------------------------------------
 
 
