@@ -11,8 +11,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any, NoReturn
 
 from tabulate import tabulate
@@ -288,29 +288,83 @@ def cmd_gc(args: argparse.Namespace) -> int:
         every_steps=args.every_steps,
         every_seconds=gc.parse_duration(args.every) if args.every else None,
     )
+    runs = [args.run] if args.run else None
     with _open(args.store) as store:
+        if args.dry_run or args.yes or not sys.stdin.isatty():
+            report = gc.collect_garbage(
+                store, policy, runs=runs, dry_run=args.dry_run, lock_timeout=args.wait
+            )
+            _print_plans(report.plans, "drop" if args.dry_run else "dropped")
+            _print_gc_summary(report)
+            return 0
+        # A person at a terminal: show the plan, ask, then collect only that plan.
+        plans = gc.plan_retention(store, policy, runs)
+        _print_plans(plans, "drop")
+        dropping = sum(len(plan.dropped) for plan in plans)
+        if dropping and not _confirm(f"Delete {dropping} generation(s)? [y/N] "):
+            print("nothing deleted")
+            return EXIT_PROBLEMS
+        confirmed = {plan.run: frozenset(plan.dropped) for plan in plans}
         report = gc.collect_garbage(
             store,
-            policy,
-            runs=[args.run] if args.run else None,
-            dry_run=args.dry_run,
+            _ConfirmedPolicy(policy.keep_last, policy.every_steps, policy.every_seconds, confirmed),
+            runs=runs,
             lock_timeout=args.wait,
         )
+    _print_gc_summary(report)
+    return 0
+
+
+@dataclass(frozen=True)
+class _ConfirmedPolicy(gc.RetentionPolicy):
+    """The policy, refusing to drop a generation the person did not agree to drop.
+
+    Collection re-plans under its lock; a save or untag between the question
+    and the lock can change the plan, and a yes covers only what was shown.
+    """
+
+    confirmed: Mapping[str, frozenset[int]] = field(default_factory=dict)
+
+    def decide(self, generations: list[Generation], tags: dict[str, int]) -> dict[int, list[str]]:
+        reasons = super().decide(generations, tags)
+        for gen in generations:
+            if not reasons[gen.id] and gen.id not in self.confirmed.get(gen.run, frozenset()):
+                raise gc.GcAbortedError(
+                    f"gc aborted, nothing deleted: the plan changed after you answered "
+                    f"(a save or untag since?); it would now also drop {gen.run}@{gen.id}; "
+                    "run castore gc again"
+                )
+        return reasons
+
+
+def _confirm(question: str) -> bool:
+    try:
+        answer = input(question)
+    except EOFError:
+        print()
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _print_plans(plans: list[gc.RunPlan], dropped_verdict: str) -> None:
     rows = []
-    for plan in report.plans:
+    for plan in plans:
         for gen in plan.generations:
             reasons = plan.reasons[gen.id]
-            verdict = "keep" if reasons else ("drop" if args.dry_run else "dropped")
+            verdict = "keep" if reasons else dropped_verdict
             rows.append(
                 [plan.run, gen.id, gen.step, _format_time(gen.time), verdict, "; ".join(reasons)]
             )
     if rows:
         print(tabulate(rows, headers=["run", "id", "step", "time", "", "kept by"]))
         print()
+
+
+def _print_gc_summary(report: gc.GcReport) -> None:
     dropped = sum(len(ids) for ids in report.dropped.values())
-    verb = "would free" if args.dry_run else "freed"
+    verb = "would free" if report.dry_run else "freed"
     print(
-        f"{'dry run: ' if args.dry_run else ''}{dropped} generation(s) dropped; {verb} "
+        f"{'dry run: ' if report.dry_run else ''}{dropped} generation(s) dropped; {verb} "
         f"{format_bytes(report.bytes_freed)} ({report.chunks_freed} chunk(s), "
         f"{report.objects_freed} object(s)) in {report.seconds:.2f}s"
         + (
@@ -319,7 +373,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
             else ""
         )
     )
-    return 0
 
 
 def cmd_du(args: argparse.Namespace) -> int:
@@ -467,6 +520,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     collect.add_argument(
         "--dry-run", action="store_true", help="show what each rule keeps and what would be freed"
+    )
+    collect.add_argument(
+        "-y", "--yes", action="store_true", help="delete without asking, even on a terminal"
     )
     collect.add_argument(
         "--wait", type=float, default=30.0, help="seconds to wait for running saves (default 30)"

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +23,12 @@ CLI = Path(sys.executable).parent / "castore"
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
     return subprocess.run(
-        [str(CLI), *map(str, args)], capture_output=True, text=True, timeout=60, env=env
+        [str(CLI), *map(str, args)],
+        stdin=subprocess.DEVNULL,  # not a terminal: gc must not ask
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
 
 
@@ -285,6 +293,141 @@ def test_verify_of_a_damaged_target_reports_a_problem(store_copy: Path, target: 
     assert "PROBLEM exp1: CorruptRefError" in result.stdout
     assert "damaged: exp1" in result.stdout
     assert result.stderr == ""
+
+
+# -- gc: the plan, then a question on a terminal --------------------------------------
+
+
+@pytest.fixture
+def gc_store(tmp_path: Path) -> Path:
+    """exp1@1..4 (different bytes each) and other@1."""
+    path = tmp_path / "gc"
+    with castore.open(path, chunk_size=1024) as store:
+        for step in (1, 2, 3, 4):
+            store.save({"w": np.full(512, step, dtype=np.float32)}, run="exp1", step=step)
+        store.save({"x": np.zeros(4, dtype=np.int8)}, run="other", step=5)
+    return path
+
+
+def ids(path: Path, run: str = "exp1") -> list[int]:
+    with castore.open(path, create=False) as store:
+        return [g.id for g in store.generations(run)]
+
+
+def run_in_terminal(
+    *args: object, answer: str | None, at_prompt: Callable[[], None] | None = None
+) -> tuple[int, str]:
+    """Run the CLI on a pseudo-terminal; type ``answer`` when it asks [y/N]."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    master, slave = os.openpty()
+    process = subprocess.Popen(
+        [str(CLI), *map(str, args)], stdin=slave, stdout=slave, stderr=slave, env=env
+    )
+    os.close(slave)
+    output = b""
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1)[0]:
+                continue
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the process closed the terminal (exited)
+                break
+            if not chunk:
+                break
+            output += chunk
+            if answer is not None and output.rstrip().endswith(b"[y/N]"):
+                if at_prompt is not None:
+                    at_prompt()
+                os.write(master, answer.encode() + b"\n")
+                answer = None
+        else:
+            raise AssertionError(f"no exit within 60 s: {output.decode()!r}")
+        return process.wait(timeout=60), output.decode().replace("\r\n", "\n")
+    finally:
+        os.close(master)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_gc_on_a_terminal_shows_the_plan_and_no_deletes_nothing(gc_store: Path) -> None:
+    before = sorted(p.name for p in gc_store.rglob("*"))
+    code, out = run_in_terminal("gc", gc_store, "--keep", "2", answer="n")
+    assert code == 1, out
+    question = out.index("Delete 2 generation(s)? [y/N] n")
+    assert [(r[0], r[1], r[4]) for r in rows(out[:question])[:4]] == [
+        ("exp1", "1", "drop"),
+        ("exp1", "2", "drop"),
+        ("exp1", "3", "keep"),
+        ("exp1", "4", "keep"),
+    ]
+    assert out[question:].splitlines()[1:] == ["nothing deleted"]
+    assert ids(gc_store) == [1, 2, 3, 4]
+    assert sorted(p.name for p in gc_store.rglob("*")) == before
+
+
+def test_gc_on_a_terminal_collects_after_yes(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "2", answer="y")
+    assert code == 0, out
+    assert "Delete 2 generation(s)? [y/N] y" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("2 generation(s) dropped; freed ")
+    assert "(2 chunk(s), 4 object(s))" in summary
+    assert ids(gc_store) == [3, 4] and ids(gc_store, "other") == [1]
+
+
+def test_gc_on_a_terminal_takes_end_of_input_as_no(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "1", answer="\x04")
+    assert code == 1, out
+    assert out.strip().splitlines()[-1] == "nothing deleted"
+    assert ids(gc_store) == [1, 2, 3, 4]
+
+
+def test_gc_yes_skips_the_question_on_a_terminal(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "3", "-y", answer=None)
+    assert code == 0, out
+    assert "[y/N]" not in out
+    assert [(r[1], r[4]) for r in rows(out)[:4]] == [
+        ("1", "dropped"),
+        ("2", "keep"),
+        ("3", "keep"),
+        ("4", "keep"),
+    ]
+    assert ids(gc_store) == [2, 3, 4]
+
+
+def test_gc_on_a_terminal_asks_nothing_when_nothing_is_dropped(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "4", answer=None)
+    assert code == 0, out
+    assert "[y/N]" not in out
+    assert out.strip().splitlines()[-1].startswith("0 generation(s) dropped; freed ")
+    assert ids(gc_store) == [1, 2, 3, 4]
+
+
+def test_gc_refuses_a_plan_that_changed_after_the_answer(gc_store: Path) -> None:
+    """A save while the question waits makes --keep 2 drop one more: yes did not cover it."""
+
+    def save_another() -> None:
+        with castore.open(gc_store, create=False) as store:
+            store.save({"w": np.full(512, 5, dtype=np.float32)}, run="exp1", step=5)
+
+    code, out = run_in_terminal("gc", gc_store, "--keep", "2", answer="y", at_prompt=save_another)
+    assert code == 1, out
+    error = out.strip().splitlines()[-1]
+    assert error.startswith("castore: error: GcAbortedError: gc aborted, nothing deleted: ")
+    assert "would now also drop exp1@3" in error
+    assert ids(gc_store) == [1, 2, 3, 4, 5]
+
+
+def test_gc_without_a_terminal_does_not_ask(gc_store: Path) -> None:
+    result = run_cli("gc", gc_store, "--keep", "2")  # stdin is /dev/null, as in cron or CI
+    assert result.returncode == 0, result.stderr
+    assert "[y/N]" not in result.stdout
+    table = rows(result.stdout.split("\n\n")[0])
+    assert [r[4] for r in table] == ["dropped", "dropped", "keep", "keep", "keep"]
+    assert ids(gc_store) == [3, 4]
 
 
 # -- errors: one line on stderr, no traceback, non-zero exit ----------------------
