@@ -13,12 +13,13 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NoReturn
+from typing import Any
 
 from tabulate import tabulate
 
 import castore
 from castore import gc
+from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError, GenerationNotFoundError
 from castore.refs import validate_run_name
 from castore.repair import repair_store
@@ -26,13 +27,6 @@ from castore.store import Generation, Store
 from castore.tree import decode_tree
 
 EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, not argparse's usage block plus the message.
-        self.exit(EXIT_USAGE, f"castore: {message} (see {self.prog} --help)\n")
 
 
 def format_bytes(count: float) -> str:
@@ -142,11 +136,6 @@ class RankLocal:
         return "<saved per rank>"
 
 
-# castore show: a list's run of at least this many plain values (not tensors, dicts
-# or lists) is one row; an optimizer's parameter list would otherwise fill the screen.
-COLLAPSE_AT = 4
-
-
 @dataclass(frozen=True)
 class _Value:
     """One row of show's value table: a value, or a collapsed run of list items."""
@@ -165,8 +154,7 @@ def _is_plain(node: Any) -> bool:
     return not isinstance(node, (_TensorMark, RankLocal, dict, list, tuple))
 
 
-def _short_repr(node: Any) -> str:
-    text = repr(node)
+def _shorten(text: str) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
@@ -194,7 +182,7 @@ def _plain_values(node: Any, path: str = "", *, collapse: bool = True) -> list[_
             found.extend(_plain_values(node[index], item_path, collapse=collapse))
             index += 1
         return found
-    return [_Value(path or ".", type(node).__name__, _short_repr(node))]
+    return [_Value(path or ".", type(node).__name__, _shorten(repr(node)))]
 
 
 def _collapsed(items: Sequence[Any], path: str, start: int) -> _Value:
@@ -202,14 +190,8 @@ def _collapsed(items: Sequence[Any], path: str, start: int) -> _Value:
     key = f"[{start}..{start + len(items) - 1}]"
     types = sorted({type(item).__name__ for item in items})
     kind = f"{len(items)} {types[0]}" if len(types) == 1 else f"{len(items)} values"
-    shown = [repr(item) for item in (items[0], items[1])] + ["...", repr(items[-1])]
-    text = ", ".join(shown)
-    return _Value(
-        f"{path}/{key}" if path else key,
-        kind,
-        text if len(text) <= 60 else text[:57] + "...",
-        len(items),
-    )
+    text = ", ".join([repr(items[0]), repr(items[1]), "...", repr(items[-1])])
+    return _Value(f"{path}/{key}" if path else key, kind, _shorten(text), len(items))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -284,9 +266,7 @@ def cmd_untag(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     policy = gc.RetentionPolicy(
-        keep_last=args.keep,
-        every_steps=args.every_steps,
-        every_seconds=gc.parse_duration(args.every) if args.every else None,
+        keep_last=args.keep, every_steps=args.every_steps, every_seconds=args.every
     )
     runs = [args.run] if args.run else None
     with _open(args.store) as store:
@@ -475,88 +455,23 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="castore", description="Inspect, check, tag, collect and compact a castore store."
-    )
-    parser.add_argument("--version", action="version", version=f"castore {castore.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    log = commands.add_parser("log", help="table of generations with sizes and dedup")
-    log.add_argument("store")
-    log.add_argument("--run", help="only this run")
-    log.set_defaults(handler=cmd_log)
-    show = commands.add_parser("show", help="tensors and values of one generation")
-    show.add_argument("store")
-    show.add_argument("target", metavar="RUN[@GEN]")
-    show.add_argument("--all", action="store_true", help="list every value; collapse nothing")
-    show.set_defaults(handler=cmd_show)
-    verify = commands.add_parser("verify", help="check objects and chunks; non-zero on problems")
-    verify.add_argument("store")
-    verify.add_argument("target", nargs="?", metavar="RUN[@GEN]")
-    verify.add_argument("--deep", action="store_true", help="re-hash every chunk")
-    verify.add_argument(
-        "--sample", type=float, metavar="P", help="re-hash a random P%% of the chunks"
-    )
-    verify.set_defaults(handler=cmd_verify)
-    tag = commands.add_parser("tag", help="pin a generation under a name (retention keeps it)")
-    tag.add_argument("store")
-    tag.add_argument("target", metavar="RUN@GEN")
-    tag.add_argument("name")
-    tag.set_defaults(handler=cmd_tag)
-    untag = commands.add_parser("untag", help="remove a tag")
-    untag.add_argument("store")
-    untag.add_argument("run")
-    untag.add_argument("name")
-    untag.set_defaults(handler=cmd_untag)
-    collect = commands.add_parser("gc", help="apply the retention policy and free garbage")
-    collect.add_argument("store")
-    collect.add_argument("--run", help="apply the policy to this run only (others keep all)")
-    collect.add_argument("--keep", type=int, default=3, help="newest generations kept per run")
-    collect.add_argument("--every-steps", type=int, help="also keep the first of every N steps")
-    collect.add_argument(
-        "--every",
-        metavar="DURATION",
-        help="also keep the newest of every interval (90s, 30m, 6h, 1d, 2w)",
-    )
-    collect.add_argument(
-        "--dry-run", action="store_true", help="show what each rule keeps and what would be freed"
-    )
-    collect.add_argument(
-        "-y", "--yes", action="store_true", help="delete without asking, even on a terminal"
-    )
-    collect.add_argument(
-        "--wait", type=float, default=30.0, help="seconds to wait for running saves (default 30)"
-    )
-    collect.set_defaults(handler=cmd_gc)
-    du = commands.add_parser("du", help="logical and physical bytes, per generation")
-    du.add_argument("store")
-    du.add_argument("--run", help="only this run's generations")
-    du.set_defaults(handler=cmd_du)
-    repair = commands.add_parser(
-        "repair", help="remove corrupt chunks and objects; list what stays damaged"
-    )
-    repair.add_argument("store")
-    repair.add_argument("--dry-run", action="store_true", help="report, change nothing")
-    repair.add_argument("--wait", type=float, default=30.0, help="seconds to wait for saves")
-    repair.add_argument(
-        "--rebuild-index",
-        action="store_true",
-        help="first write a fresh LMDB file: the chunk index rebuilt from the packs, every "
-        "readable object copied (offline: no other process may have the store open)",
-    )
-    repair.set_defaults(handler=cmd_repair)
-    compact = commands.add_parser(
-        "compact", help="rewrite packs and the LMDB file without dead space (offline)"
-    )
-    compact.add_argument("store")
-    compact.set_defaults(handler=cmd_compact)
-    return parser
+COMMANDS = {
+    "log": cmd_log,
+    "show": cmd_show,
+    "verify": cmd_verify,
+    "du": cmd_du,
+    "tag": cmd_tag,
+    "untag": cmd_untag,
+    "gc": cmd_gc,
+    "repair": cmd_repair,
+    "compact": cmd_compact,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code = int(args.handler(args))
+        code = COMMANDS[args.command](args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below
         return code
     except BrokenPipeError:

@@ -467,6 +467,17 @@ ERRORS = [
     ("unknown-gen-verify", lambda s, t: ["verify", s, "exp1@99"], 1, "GenerationNotFoundError"),
     ("bad-gen-verify", lambda s, t: ["verify", s, "exp1@zz"], 1, "GenerationNotFoundError"),
     ("bad-run-verify", lambda s, t: ["verify", s, "../x"], 1, "InvalidNameError"),
+    # Bad options name the option, in the CLI's words (exit 2, argparse's usage status).
+    ("sample-over-100", lambda s, t: ["verify", s, "--sample", "150"], 2, "--sample: the percent"),
+    ("sample-zero", lambda s, t: ["verify", s, "--sample", "0"], 2, "in (0, 100]"),
+    ("sample-nan", lambda s, t: ["verify", s, "--sample", "nan"], 2, "--sample"),
+    ("deep-and-sample", lambda s, t: ["verify", s, "--deep", "--sample", "5"], 2, "not allowed"),
+    ("keep-zero", lambda s, t: ["gc", s, "--keep", "0"], 2, "--keep: must be a whole number"),
+    ("keep-word", lambda s, t: ["gc", s, "--keep", "all"], 2, "--keep: must be a whole number"),
+    ("every-steps-zero", lambda s, t: ["gc", s, "--every-steps", "0"], 2, "--every-steps: must"),
+    ("every-garbage", lambda s, t: ["gc", s, "--every", "soon"], 2, "--every: not a duration"),
+    ("every-zero", lambda s, t: ["gc", s, "--every", "0s"], 2, "--every: a duration must"),
+    ("wait-negative", lambda s, t: ["gc", s, "--wait", "-1"], 2, "--wait: must be a number"),
 ]
 
 
@@ -482,6 +493,7 @@ def test_errors_are_one_line(
     assert lines[0].startswith("castore: ")
     assert words in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+    assert "keep_last" not in lines[0] and "fraction" not in lines[0]  # the API's words
     assert result.stdout == ""
 
 
