@@ -150,8 +150,8 @@ def _add_inspection(commands: Any) -> None:
         "tensors and values of one generation",
         "Show one generation: root, parent, rank count, versions, data order, every\n"
         "tensor (dtype, shape, size, boxes, chunks), and the non-tensor values.\n"
-        f"{COLLAPSE_AT} or more plain values in a row of a list (an optimizer's parameter\n"
-        "names, say) make one row: their count, first and last; --all lists each.\n"
+        f"A run of {COLLAPSE_AT} or more plain values in a list (an optimizer's parameter\n"
+        "names, say) is one row: count, first and last; --all lists every value.\n"
         "A last line totals tensors, bytes and values.\n\n" + TARGET_HELP,
         "castore show ./ckpt exp1          # the newest generation of exp1\n"
         "castore show ./ckpt exp1@3 --all  # generation 3, every value on its own row",
