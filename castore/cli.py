@@ -11,26 +11,22 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Sequence
-from typing import Any, NoReturn
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 from tabulate import tabulate
 
 import castore
 from castore import gc
-from castore.errors import CastoreError
+from castore.cli_args import COLLAPSE_AT, build_parser
+from castore.errors import CastoreError, GenerationNotFoundError
+from castore.refs import validate_run_name
 from castore.repair import repair_store
 from castore.store import Generation, Store
 from castore.tree import decode_tree
 
 EXIT_PROBLEMS = 1
-EXIT_USAGE = 2
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        # One line, not argparse's usage block plus the message.
-        self.exit(EXIT_USAGE, f"castore: {message} (see {self.prog} --help)\n")
 
 
 def format_bytes(count: float) -> str:
@@ -48,17 +44,6 @@ def _format_time(stamp: float) -> str:
 def _split_target(target: str) -> tuple[str, str]:
     run, _, generation = target.partition("@")
     return run, generation or "latest"
-
-
-def _count(text: str) -> int:
-    """An argparse type: a whole number of at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected 1 or more, got {value}")
-    return value
 
 
 def _open(path: str) -> Store:
@@ -113,19 +98,30 @@ def cmd_show(args: argparse.Namespace) -> int:
             order = ", ".join(f"{k} {v}" for k, v in sorted(gen.data_order.items()))
             print(f"data order {order}")
         rows = []
+        total_bytes = total_chunks = 0
         for name, boxes in store.tensor_entries(root).items():
             first = boxes[0]
             nbytes = sum(b.nbytes for b in boxes)
             chunks = sum(len(b.chunks) for b in boxes)
+            total_bytes += nbytes
+            total_chunks += chunks
             shape = "x".join(map(str, first.shape)) or "()"
             rows.append([name, first.dtype, shape, format_bytes(nbytes), len(boxes), chunks])
         print()
         print(tabulate(rows, headers=["tensor", "dtype", "shape", "size", "boxes", "chunks"]))
         tree = decode_tree(root.state, lambda name, fw: _TensorMark(), lambda path: RankLocal())
-        values = _plain_values(tree)
+        values = _plain_values(tree, collapse=not args.all)
         if values:
             print()
-            print(tabulate(values, headers=["key", "type", "value"]))
+            print(tabulate([v.row for v in values], headers=["key", "type", "value"]))
+    collapsed = sum(v.count for v in values if v.count > 1)
+    print()
+    print(
+        f"total      {len(rows)} tensor(s), {format_bytes(total_bytes)} in {total_chunks} "
+        f"chunk(s); {sum(v.count for v in values)} value(s)"
+        + (f" ({collapsed} collapsed: --all lists them)" if collapsed else "")
+        + f"; {run}@{gen.id} step {gen.step}, {_format_time(gen.time)}"
+    )
     return 0
 
 
@@ -140,23 +136,62 @@ class RankLocal:
         return "<saved per rank>"
 
 
-def _plain_values(node: Any, path: str = "") -> list[list[str]]:
+@dataclass(frozen=True)
+class _Value:
+    """One row of show's value table: a value, or a collapsed run of list items."""
+
+    key: str
+    kind: str
+    text: str
+    count: int = 1
+
+    @property
+    def row(self) -> list[str]:
+        return [self.key, self.kind, self.text]
+
+
+def _is_plain(node: Any) -> bool:
+    return not isinstance(node, (_TensorMark, RankLocal, dict, list, tuple))
+
+
+def _shorten(text: str) -> str:
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _plain_values(node: Any, path: str = "", *, collapse: bool = True) -> list[_Value]:
     if isinstance(node, _TensorMark):
         return []
     if isinstance(node, dict):
         return [
-            row
+            value
             for k, v in node.items()
-            for row in _plain_values(v, f"{path}/{k}" if path else str(k))
+            for value in _plain_values(v, f"{path}/{k}" if path else str(k), collapse=collapse)
         ]
     if isinstance(node, (list, tuple)):
-        return [
-            row
-            for i, v in enumerate(node)
-            for row in _plain_values(v, f"{path}/{i}" if path else str(i))
-        ]
-    text = repr(node)
-    return [[path or ".", type(node).__name__, text if len(text) <= 60 else text[:57] + "..."]]
+        found: list[_Value] = []
+        index = 0
+        while index < len(node):
+            end = index
+            while collapse and end < len(node) and _is_plain(node[end]):
+                end += 1
+            if end - index >= COLLAPSE_AT:
+                found.append(_collapsed(node[index:end], path, index))
+                index = end
+                continue
+            item_path = f"{path}/{index}" if path else str(index)
+            found.extend(_plain_values(node[index], item_path, collapse=collapse))
+            index += 1
+        return found
+    return [_Value(path or ".", type(node).__name__, _shorten(repr(node)))]
+
+
+def _collapsed(items: Sequence[Any], path: str, start: int) -> _Value:
+    """Sibling list items ``start..`` as one row: their count, type, and first and last."""
+    key = f"[{start}..{start + len(items) - 1}]"
+    types = sorted({type(item).__name__ for item in items})
+    kind = f"{len(items)} {types[0]}" if len(types) == 1 else f"{len(items)} values"
+    text = ", ".join([repr(items[0]), repr(items[1]), "...", repr(items[-1])])
+    return _Value(f"{path}/{key}" if path else key, kind, _shorten(text), len(items))
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
@@ -167,6 +202,8 @@ def cmd_verify(args: argparse.Namespace) -> int:
         run, generation = _split_target(args.target)
         generation = None if generation == "latest" and "@" not in args.target else generation
     with _open(args.store) as store:
+        if run is not None:
+            _check_target(store, run, generation)
         sample = None if args.sample is None else args.sample / 100
         report = verify_store(
             store, run=run, generation=generation, deep=args.deep, progress=True, sample=sample
@@ -194,6 +231,24 @@ def cmd_verify(args: argparse.Namespace) -> int:
     return 0
 
 
+def _check_target(store: Store, run: str, generation: str | None) -> None:
+    """A run or generation that does not exist is a usage error, not damage to report.
+
+    Only "not found" is raised here: a target that exists but cannot be read
+    is left to verify, which reports it as a problem.
+    """
+    validate_run_name(run)
+    if run not in store.runs():
+        raise GenerationNotFoundError(f"no run {run!r} in the store")
+    if generation is not None:
+        try:
+            store.resolve_root(run, generation)
+        except GenerationNotFoundError:
+            raise
+        except CastoreError:
+            pass  # damage: verify_store reports it as a problem
+
+
 def cmd_tag(args: argparse.Namespace) -> int:
     run, generation = _split_target(args.target)
     with _open(args.store) as store:
@@ -211,33 +266,85 @@ def cmd_untag(args: argparse.Namespace) -> int:
 
 def cmd_gc(args: argparse.Namespace) -> int:
     policy = gc.RetentionPolicy(
-        keep_last=args.keep,
-        every_steps=args.every_steps,
-        every_seconds=gc.parse_duration(args.every) if args.every else None,
+        keep_last=args.keep, every_steps=args.every_steps, every_seconds=args.every
     )
+    runs = [args.run] if args.run else None
     with _open(args.store) as store:
+        if args.dry_run or args.yes or not sys.stdin.isatty():
+            report = gc.collect_garbage(
+                store, policy, runs=runs, dry_run=args.dry_run, lock_timeout=args.wait
+            )
+            _print_plans(report.plans, "drop" if args.dry_run else "dropped")
+            _print_gc_summary(report)
+            return 0
+        # A person at a terminal: show the plan, ask, then collect only that plan.
+        plans = gc.plan_retention(store, policy, runs)
+        _print_plans(plans, "drop")
+        dropping = sum(len(plan.dropped) for plan in plans)
+        if dropping and not _confirm(f"Delete {dropping} generation(s)? [y/N] "):
+            print("nothing deleted")
+            return EXIT_PROBLEMS
+        confirmed = {plan.run: frozenset(plan.dropped) for plan in plans}
         report = gc.collect_garbage(
             store,
-            policy,
-            runs=[args.run] if args.run else None,
-            dry_run=args.dry_run,
+            _ConfirmedPolicy(policy.keep_last, policy.every_steps, policy.every_seconds, confirmed),
+            runs=runs,
             lock_timeout=args.wait,
         )
+    _print_gc_summary(report)
+    return 0
+
+
+@dataclass(frozen=True)
+class _ConfirmedPolicy(gc.RetentionPolicy):
+    """The policy, refusing to drop a generation the person did not agree to drop.
+
+    Collection re-plans under its lock; a save or untag between the question
+    and the lock can change the plan, and a yes covers only what was shown.
+    """
+
+    confirmed: Mapping[str, frozenset[int]] = field(default_factory=dict)
+
+    def decide(self, generations: list[Generation], tags: dict[str, int]) -> dict[int, list[str]]:
+        reasons = super().decide(generations, tags)
+        for gen in generations:
+            if not reasons[gen.id] and gen.id not in self.confirmed.get(gen.run, frozenset()):
+                raise gc.GcAbortedError(
+                    f"gc aborted, nothing deleted: the plan changed after you answered "
+                    f"(a save or untag since?); it would now also drop {gen.run}@{gen.id}; "
+                    "run castore gc again"
+                )
+        return reasons
+
+
+def _confirm(question: str) -> bool:
+    try:
+        answer = input(question)
+    except EOFError:
+        print()
+        return False
+    return answer.strip().lower() in ("y", "yes")
+
+
+def _print_plans(plans: list[gc.RunPlan], dropped_verdict: str) -> None:
     rows = []
-    for plan in report.plans:
+    for plan in plans:
         for gen in plan.generations:
             reasons = plan.reasons[gen.id]
-            verdict = "keep" if reasons else ("drop" if args.dry_run else "dropped")
+            verdict = "keep" if reasons else dropped_verdict
             rows.append(
                 [plan.run, gen.id, gen.step, _format_time(gen.time), verdict, "; ".join(reasons)]
             )
     if rows:
         print(tabulate(rows, headers=["run", "id", "step", "time", "", "kept by"]))
         print()
+
+
+def _print_gc_summary(report: gc.GcReport) -> None:
     dropped = sum(len(ids) for ids in report.dropped.values())
-    verb = "would free" if args.dry_run else "freed"
+    verb = "would free" if report.dry_run else "freed"
     print(
-        f"{'dry run: ' if args.dry_run else ''}{dropped} generation(s) dropped; {verb} "
+        f"{'dry run: ' if report.dry_run else ''}{dropped} generation(s) dropped; {verb} "
         f"{format_bytes(report.bytes_freed)} ({report.chunks_freed} chunk(s), "
         f"{report.objects_freed} object(s)) in {report.seconds:.2f}s"
         + (
@@ -246,7 +353,6 @@ def cmd_gc(args: argparse.Namespace) -> int:
             else ""
         )
     )
-    return 0
 
 
 def cmd_du(args: argparse.Namespace) -> int:
@@ -349,91 +455,29 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
-        prog="castore", description="Inspect, check, tag, collect and compact a castore store."
-    )
-    parser.add_argument("--version", action="version", version=f"castore {castore.__version__}")
-    commands = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
-    log = commands.add_parser("log", help="table of generations with sizes and dedup")
-    log.add_argument("store")
-    log.add_argument("--run", help="only this run")
-    log.add_argument(
-        "-n",
-        "--max-count",
-        type=_count,
-        metavar="N",
-        help="only the newest N generations of each run (reads only those)",
-    )
-    log.set_defaults(handler=cmd_log)
-    show = commands.add_parser("show", help="tensors and values of one generation")
-    show.add_argument("store")
-    show.add_argument("target", metavar="RUN[@GEN]")
-    show.set_defaults(handler=cmd_show)
-    verify = commands.add_parser("verify", help="check objects and chunks; non-zero on problems")
-    verify.add_argument("store")
-    verify.add_argument("target", nargs="?", metavar="RUN[@GEN]")
-    verify.add_argument("--deep", action="store_true", help="re-hash every chunk")
-    verify.add_argument(
-        "--sample", type=float, metavar="P", help="re-hash a random P%% of the chunks"
-    )
-    verify.set_defaults(handler=cmd_verify)
-    tag = commands.add_parser("tag", help="pin a generation under a name (retention keeps it)")
-    tag.add_argument("store")
-    tag.add_argument("target", metavar="RUN@GEN")
-    tag.add_argument("name")
-    tag.set_defaults(handler=cmd_tag)
-    untag = commands.add_parser("untag", help="remove a tag")
-    untag.add_argument("store")
-    untag.add_argument("run")
-    untag.add_argument("name")
-    untag.set_defaults(handler=cmd_untag)
-    collect = commands.add_parser("gc", help="apply the retention policy and free garbage")
-    collect.add_argument("store")
-    collect.add_argument("--run", help="apply the policy to this run only (others keep all)")
-    collect.add_argument("--keep", type=int, default=3, help="newest generations kept per run")
-    collect.add_argument("--every-steps", type=int, help="also keep the first of every N steps")
-    collect.add_argument(
-        "--every",
-        metavar="DURATION",
-        help="also keep the newest of every interval (90s, 30m, 6h, 1d, 2w)",
-    )
-    collect.add_argument(
-        "--dry-run", action="store_true", help="show what each rule keeps and what would be freed"
-    )
-    collect.add_argument(
-        "--wait", type=float, default=30.0, help="seconds to wait for running saves (default 30)"
-    )
-    collect.set_defaults(handler=cmd_gc)
-    du = commands.add_parser("du", help="logical and physical bytes, per generation")
-    du.add_argument("store")
-    du.add_argument("--run", help="only this run's generations")
-    du.set_defaults(handler=cmd_du)
-    repair = commands.add_parser(
-        "repair", help="remove corrupt chunks and objects; list what stays damaged"
-    )
-    repair.add_argument("store")
-    repair.add_argument("--dry-run", action="store_true", help="report, change nothing")
-    repair.add_argument("--wait", type=float, default=30.0, help="seconds to wait for saves")
-    repair.add_argument(
-        "--rebuild-index",
-        action="store_true",
-        help="first write a fresh LMDB file: the chunk index rebuilt from the packs, every "
-        "readable object copied (offline: no other process may have the store open)",
-    )
-    repair.set_defaults(handler=cmd_repair)
-    compact = commands.add_parser(
-        "compact", help="rewrite packs and the LMDB file without dead space (offline)"
-    )
-    compact.add_argument("store")
-    compact.set_defaults(handler=cmd_compact)
-    return parser
+COMMANDS = {
+    "log": cmd_log,
+    "show": cmd_show,
+    "verify": cmd_verify,
+    "du": cmd_du,
+    "tag": cmd_tag,
+    "untag": cmd_untag,
+    "gc": cmd_gc,
+    "repair": cmd_repair,
+    "compact": cmd_compact,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return int(args.handler(args))
+        code = COMMANDS[args.command](args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        return code
+    except BrokenPipeError:
+        # `castore show ... | head`: the reader has what it wanted; no error line.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_PROBLEMS
     except CastoreError as exc:
         return _fail(f"{type(exc).__name__}: {exc}")
     except (OSError, ValueError) as exc:

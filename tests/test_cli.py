@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 import re
+import select
 import shutil
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -20,7 +23,12 @@ CLI = Path(sys.executable).parent / "castore"
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
     return subprocess.run(
-        [str(CLI), *map(str, args)], capture_output=True, text=True, timeout=60, env=env
+        [str(CLI), *map(str, args)],
+        stdin=subprocess.DEVNULL,  # not a terminal: gc must not ask
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
     )
 
 
@@ -152,6 +160,95 @@ def test_show_by_id_and_by_root_prefix(cli_store: Path) -> None:
     assert "parent     -" in by_id.stdout
 
 
+def show_values(stdout: str) -> dict[str, list[str]]:
+    """The value table of ``castore show``: key -> [type, value]."""
+    return {r[0]: r[1:] for r in rows(stdout.split("\n\n")[2])}
+
+
+def test_show_collapses_long_lists_of_plain_values(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        mixed = [1, 2.5, "a", None, np.ones(3, dtype=np.float32), 7]
+        store.save({"ids": list(range(100)), "few": [1, 2, 3], "mixed": mixed}, run="r", step=9)
+    result = run_cli("show", path, "r")
+    assert result.returncode == 0, result.stderr
+    assert show_values(result.stdout) == {
+        "ids/[0..99]": ["100 int", "0, 1, ..., 99"],
+        "few/0": ["int", "1"],  # short lists stay one row per item
+        "few/1": ["int", "2"],
+        "few/2": ["int", "3"],
+        "mixed/[0..3]": ["4 values", "1, 2.5, ..., None"],  # the tensor ends the run
+        "mixed/5": ["int", "7"],
+    }
+    assert result.stdout.splitlines()[-1] == (
+        f"total      1 tensor(s), 12 B in 1 chunk(s); 108 value(s) (104 collapsed: --all "
+        f"lists them); r@1 step 9, {result.stdout.splitlines()[0].split('  ')[-1]}"
+    )
+    every = run_cli("show", path, "r", "--all")
+    assert every.returncode == 0, every.stderr
+    values = show_values(every.stdout)
+    assert len(values) == 108 and values["ids/57"] == ["int", "57"]
+    assert values["mixed/3"] == ["NoneType", "None"]
+    assert "collapsed" not in every.stdout.splitlines()[-1]
+
+
+def test_show_of_a_real_training_state_is_short(tmp_path: Path) -> None:
+    """A TrainState with Adam: the optimizer's parameter-name list is one row, not 40."""
+    import torch
+    from torch import nn
+
+    from castore.train import TrainState
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(20)])
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model(torch.randn(2, 4)).sum().backward()
+    optimizer.step()
+    with castore.open(tmp_path / "store") as store:
+        TrainState(model, optimizer).save(store, run="train")
+
+    result = run_cli("show", tmp_path / "store", "train")
+    assert result.returncode == 0, result.stderr
+    values = show_values(result.stdout)
+    assert values["optimizer/param_groups/0/params/[0..39]"] == [
+        "40 str",
+        "'0.weight', '0.bias', ..., '19.bias'",
+    ]
+    assert not any("/params/" in key and "[" not in key for key in values)
+    assert len(values) < 25
+    tensors = rows(result.stdout.split("\n\n")[1])
+    assert len(tensors) == 40 + 3 * 40  # each tensor keeps its row: weights and Adam's slots
+    total = result.stdout.splitlines()[-1]
+    assert total.startswith("total      160 tensor(s), ")
+    assert "(40 collapsed: --all lists them); train@1 step 0" in total
+
+    every = run_cli("show", tmp_path / "store", "train", "--all")
+    assert every.returncode == 0, every.stderr
+    listed = show_values(every.stdout)
+    for index in range(40):
+        name = f"{index // 2}.{'weight' if index % 2 == 0 else 'bias'}"
+        assert listed[f"optimizer/param_groups/0/params/{index}"] == ["str", repr(name)]
+    assert not any("[" in key for key in listed)
+    assert len(every.stdout.splitlines()) == len(result.stdout.splitlines()) + 39
+
+
+def test_show_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        store.save({"ids": [{"n": i} for i in range(5000)]}, run="r", step=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    shown = subprocess.run(
+        ["bash", "-c", f'"{CLI}" show "{path}" r | head -1; echo "status ${{PIPESTATUS[0]}}"'],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert shown.stdout.startswith("generation r@1  step 1")
+    assert shown.stdout.splitlines()[-1] == "status 1"
+    assert shown.stderr == ""  # no "BrokenPipeError" line, no traceback
+
+
 # -- verify -----------------------------------------------------------------------
 
 
@@ -182,6 +279,155 @@ def test_verify_of_a_garbled_ref_reports_a_problem(store_copy: Path) -> None:
     assert "PROBLEM exp1: CorruptRefError" in result.stdout
     assert "FAILED: 1 problem(s); damaged: exp1" in result.stdout
     assert "Traceback" not in result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("target", ["exp1", "exp1@latest"])
+def test_verify_of_a_damaged_target_reports_a_problem(store_copy: Path, target: str) -> None:
+    """Only "no such run or generation" is an error line; damage stays a PROBLEM report."""
+    ref = store_copy / "refs" / "exp1"
+    data = bytearray(ref.read_bytes())
+    data[-5] ^= 0x10
+    ref.write_bytes(bytes(data))
+    result = run_cli("verify", store_copy, target)
+    assert result.returncode == 1
+    assert "PROBLEM exp1: CorruptRefError" in result.stdout
+    assert "damaged: exp1" in result.stdout
+    assert result.stderr == ""
+
+
+# -- gc: the plan, then a question on a terminal --------------------------------------
+
+
+@pytest.fixture
+def gc_store(tmp_path: Path) -> Path:
+    """exp1@1..4 (different bytes each) and other@1."""
+    path = tmp_path / "gc"
+    with castore.open(path, chunk_size=1024) as store:
+        for step in (1, 2, 3, 4):
+            store.save({"w": np.full(512, step, dtype=np.float32)}, run="exp1", step=step)
+        store.save({"x": np.zeros(4, dtype=np.int8)}, run="other", step=5)
+    return path
+
+
+def ids(path: Path, run: str = "exp1") -> list[int]:
+    with castore.open(path, create=False) as store:
+        return [g.id for g in store.generations(run)]
+
+
+def run_in_terminal(
+    *args: object, answer: str | None, at_prompt: Callable[[], None] | None = None
+) -> tuple[int, str]:
+    """Run the CLI on a pseudo-terminal; type ``answer`` when it asks [y/N]."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    master, slave = os.openpty()
+    process = subprocess.Popen(
+        [str(CLI), *map(str, args)], stdin=slave, stdout=slave, stderr=slave, env=env
+    )
+    os.close(slave)
+    output = b""
+    deadline = time.monotonic() + 60
+    try:
+        while time.monotonic() < deadline:
+            if not select.select([master], [], [], 1)[0]:
+                continue
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the process closed the terminal (exited)
+                break
+            if not chunk:
+                break
+            output += chunk
+            if answer is not None and output.rstrip().endswith(b"[y/N]"):
+                if at_prompt is not None:
+                    at_prompt()
+                os.write(master, answer.encode() + b"\n")
+                answer = None
+        else:
+            raise AssertionError(f"no exit within 60 s: {output.decode()!r}")
+        return process.wait(timeout=60), output.decode().replace("\r\n", "\n")
+    finally:
+        os.close(master)
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+def test_gc_on_a_terminal_shows_the_plan_and_no_deletes_nothing(gc_store: Path) -> None:
+    before = sorted(p.name for p in gc_store.rglob("*"))
+    code, out = run_in_terminal("gc", gc_store, "--keep", "2", answer="n")
+    assert code == 1, out
+    question = out.index("Delete 2 generation(s)? [y/N] n")
+    assert [(r[0], r[1], r[4]) for r in rows(out[:question])[:4]] == [
+        ("exp1", "1", "drop"),
+        ("exp1", "2", "drop"),
+        ("exp1", "3", "keep"),
+        ("exp1", "4", "keep"),
+    ]
+    assert out[question:].splitlines()[1:] == ["nothing deleted"]
+    assert ids(gc_store) == [1, 2, 3, 4]
+    assert sorted(p.name for p in gc_store.rglob("*")) == before
+
+
+def test_gc_on_a_terminal_collects_after_yes(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "2", answer="y")
+    assert code == 0, out
+    assert "Delete 2 generation(s)? [y/N] y" in out
+    summary = out.strip().splitlines()[-1]
+    assert summary.startswith("2 generation(s) dropped; freed ")
+    assert "(2 chunk(s), 4 object(s))" in summary
+    assert ids(gc_store) == [3, 4] and ids(gc_store, "other") == [1]
+
+
+def test_gc_on_a_terminal_takes_end_of_input_as_no(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "1", answer="\x04")
+    assert code == 1, out
+    assert out.strip().splitlines()[-1] == "nothing deleted"
+    assert ids(gc_store) == [1, 2, 3, 4]
+
+
+def test_gc_yes_skips_the_question_on_a_terminal(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "3", "-y", answer=None)
+    assert code == 0, out
+    assert "[y/N]" not in out
+    assert [(r[1], r[4]) for r in rows(out)[:4]] == [
+        ("1", "dropped"),
+        ("2", "keep"),
+        ("3", "keep"),
+        ("4", "keep"),
+    ]
+    assert ids(gc_store) == [2, 3, 4]
+
+
+def test_gc_on_a_terminal_asks_nothing_when_nothing_is_dropped(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, "--keep", "4", answer=None)
+    assert code == 0, out
+    assert "[y/N]" not in out
+    assert out.strip().splitlines()[-1].startswith("0 generation(s) dropped; freed ")
+    assert ids(gc_store) == [1, 2, 3, 4]
+
+
+def test_gc_refuses_a_plan_that_changed_after_the_answer(gc_store: Path) -> None:
+    """A save while the question waits makes --keep 2 drop one more: yes did not cover it."""
+
+    def save_another() -> None:
+        with castore.open(gc_store, create=False) as store:
+            store.save({"w": np.full(512, 5, dtype=np.float32)}, run="exp1", step=5)
+
+    code, out = run_in_terminal("gc", gc_store, "--keep", "2", answer="y", at_prompt=save_another)
+    assert code == 1, out
+    error = out.strip().splitlines()[-1]
+    assert error.startswith("castore: error: GcAbortedError: gc aborted, nothing deleted: ")
+    assert "would now also drop exp1@3" in error
+    assert ids(gc_store) == [1, 2, 3, 4, 5]
+
+
+def test_gc_without_a_terminal_does_not_ask(gc_store: Path) -> None:
+    result = run_cli("gc", gc_store, "--keep", "2")  # stdin is /dev/null, as in cron or CI
+    assert result.returncode == 0, result.stderr
+    assert "[y/N]" not in result.stdout
+    table = rows(result.stdout.split("\n\n")[0])
+    assert [r[4] for r in table] == ["dropped", "dropped", "keep", "keep", "keep"]
+    assert ids(gc_store) == [3, 4]
 
 
 # -- errors: one line on stderr, no traceback, non-zero exit ----------------------
@@ -216,6 +462,22 @@ ERRORS = [
     ("missing-argument", lambda s, t: ["show", s], 2, "required"),
     ("garbled-ref-show", lambda s, t: ["show", _garble_ref(s), "exp1"], 1, "CorruptRefError"),
     ("garbled-ref-log", lambda s, t: ["log", _garble_ref(s)], 1, "CorruptRefError"),
+    # An unknown run or generation is not damage to report: one line, as in show and log.
+    ("unknown-run-verify", lambda s, t: ["verify", s, "nobody"], 1, "no run 'nobody'"),
+    ("unknown-gen-verify", lambda s, t: ["verify", s, "exp1@99"], 1, "GenerationNotFoundError"),
+    ("bad-gen-verify", lambda s, t: ["verify", s, "exp1@zz"], 1, "GenerationNotFoundError"),
+    ("bad-run-verify", lambda s, t: ["verify", s, "../x"], 1, "InvalidNameError"),
+    # Bad options name the option, in the CLI's words (exit 2, argparse's usage status).
+    ("sample-over-100", lambda s, t: ["verify", s, "--sample", "150"], 2, "--sample: the percent"),
+    ("sample-zero", lambda s, t: ["verify", s, "--sample", "0"], 2, "in (0, 100]"),
+    ("sample-nan", lambda s, t: ["verify", s, "--sample", "nan"], 2, "--sample"),
+    ("deep-and-sample", lambda s, t: ["verify", s, "--deep", "--sample", "5"], 2, "not allowed"),
+    ("keep-zero", lambda s, t: ["gc", s, "--keep", "0"], 2, "--keep: must be a whole number"),
+    ("keep-word", lambda s, t: ["gc", s, "--keep", "all"], 2, "--keep: must be a whole number"),
+    ("every-steps-zero", lambda s, t: ["gc", s, "--every-steps", "0"], 2, "--every-steps: must"),
+    ("every-garbage", lambda s, t: ["gc", s, "--every", "soon"], 2, "--every: not a duration"),
+    ("every-zero", lambda s, t: ["gc", s, "--every", "0s"], 2, "--every: a duration must"),
+    ("wait-negative", lambda s, t: ["gc", s, "--wait", "-1"], 2, "--wait: must be a number"),
 ]
 
 
@@ -231,6 +493,7 @@ def test_errors_are_one_line(
     assert lines[0].startswith("castore: ")
     assert words in lines[0]
     assert "Traceback" not in result.stderr + result.stdout
+    assert "keep_last" not in lines[0] and "fraction" not in lines[0]  # the API's words
     assert result.stdout == ""
 
 

@@ -324,12 +324,16 @@ class _closing:
 
 
 def _collector(path: str, keep: int, delete_batch: int) -> int:
-    """``castore gc STORE --keep K``: the CLI's own code, with a smaller delete batch."""
+    """``castore gc STORE --keep K --yes``: the CLI's own code, with a smaller delete batch.
+
+    ``--yes``: run from a terminal, the drill's collector would otherwise stop at
+    gc's question, which nobody sees (its output is captured).
+    """
     import castore.gc
     from castore.cli import main as castore_cli
 
     castore.gc.DELETE_BATCH = delete_batch
-    return castore_cli(["gc", path, "--keep", str(keep)])
+    return castore_cli(["gc", path, "--keep", str(keep), "--yes"])
 
 
 def _self_command(*args: str) -> list[str]:

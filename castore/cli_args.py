@@ -1,0 +1,309 @@
+"""The ``castore`` command's arguments: the parser, each command's help and examples.
+
+What each command does is in :mod:`castore.cli`; this module only says how it is
+called. Every bad argument is one line naming the option, exit status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any, NoReturn
+
+import castore
+from castore import gc
+
+EXIT_USAGE = 2
+
+# castore show: a list's run of at least this many plain values (not tensors, dicts
+# or lists) is one row; an optimizer's parameter list would otherwise fill the screen.
+COLLAPSE_AT = 4
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line, not argparse's usage block plus the message.
+        self.exit(EXIT_USAGE, f"castore: {message} (see {self.prog} --help)\n")
+
+
+STORE_HELP = "the store's directory (the path given to castore.open)"
+TARGET_HELP = """\
+RUN[@GEN] names a generation of run RUN:
+  RUN           the newest generation (RUN@latest is the same)
+  RUN@7         generation id 7 (the id column of castore log)
+  RUN@3fa2c1    the generation whose root digest starts with these hex digits
+                (6 to 64 of them; log shows the first 12); an all-digit GEN is
+                tried as an id first
+A tag name is not a GEN: castore log shows which generation each tag pins."""
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps descriptions' and examples' lines; adds each option's default, if it has one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if "%(default)" in text or not action.option_strings:
+            return text
+        if action.default in (None, False, argparse.SUPPRESS):
+            return text
+        return f"{text} (default: %(default)s)"
+
+
+def _command(
+    commands: Any, name: str, summary: str, description: str, examples: str
+) -> argparse.ArgumentParser:
+    parser: argparse.ArgumentParser = commands.add_parser(
+        name,
+        help=summary,
+        description=description,
+        epilog="examples:\n" + "\n".join(f"  {line}" for line in examples.splitlines()),
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("store", metavar="STORE", help=STORE_HELP)
+    return parser
+
+
+def _at_least_one(meaning: str) -> Any:
+    """An argparse type: a whole number >= 1; ``meaning`` says what the number counts."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            value = 0
+        if value < 1:
+            raise argparse.ArgumentTypeError(
+                f"must be a whole number, at least 1 ({meaning}), got {text!r}"
+            )
+        return value
+
+    return parse
+
+
+def _percent(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 100:  # NaN fails too
+        raise argparse.ArgumentTypeError(
+            f"the percent of chunks to re-hash must be in (0, 100], e.g. 5 for 5%, got {text!r}"
+        )
+    return value
+
+
+def _duration(text: str) -> float:
+    try:
+        return gc.parse_duration(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 <= value < math.inf:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="castore",
+        description="Inspect, check, tag, collect and compact a castore store.\n\n"
+        f"STORE is {STORE_HELP}.\n"
+        "Errors print one line and exit non-zero (CASTORE_DEBUG=1 adds the traceback).\n"
+        "castore COMMAND --help describes a command, with examples.",
+        epilog="examples:\n"
+        "  castore log ./ckpt\n"
+        "  castore show ./ckpt exp1@3\n"
+        "  castore verify ./ckpt --deep\n"
+        "  castore gc ./ckpt --keep 2 --dry-run",
+        formatter_class=_HelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"castore {castore.__version__}")
+    commands = parser.add_subparsers(
+        dest="command", required=True, parser_class=_Parser, metavar="COMMAND"
+    )
+    _add_inspection(commands)
+    _add_tags(commands)
+    _add_collection(commands)
+    _add_maintenance(commands)
+    return parser
+
+
+def _add_inspection(commands: Any) -> None:
+    log = _command(
+        commands,
+        "log",
+        "table of generations with sizes and dedup",
+        "List every generation of every run (or of one run), oldest first: id, step,\n"
+        "time, logical size, bytes new in that save, dedup %, root digest prefix, tags.",
+        "castore log ./ckpt\ncastore log ./ckpt --run exp1 -n 10",
+    )
+    log.add_argument("--run", help="list only this run (no run column)")
+    log.add_argument(
+        "-n",
+        "--max-count",
+        type=_at_least_one("generations listed per run"),
+        metavar="N",
+        help="only the newest N generations of each run (reads only those; default: all)",
+    )
+    show = _command(
+        commands,
+        "show",
+        "tensors and values of one generation",
+        "Show one generation: root, parent, rank count, versions, data order, every\n"
+        "tensor (dtype, shape, size, boxes, chunks), and the non-tensor values.\n"
+        f"A run of {COLLAPSE_AT} or more plain values in a list (an optimizer's parameter\n"
+        "names, say) is one row: count, first and last; --all lists every value.\n"
+        "A last line totals tensors, bytes and values.\n\n" + TARGET_HELP,
+        "castore show ./ckpt exp1          # the newest generation of exp1\n"
+        "castore show ./ckpt exp1@3 --all  # generation 3, every value on its own row",
+    )
+    show.add_argument("target", metavar="RUN[@GEN]", help="the generation (see above)")
+    show.add_argument("--all", action="store_true", help="list every value; collapse nothing")
+    verify = _command(
+        commands,
+        "verify",
+        "check objects and chunks; non-zero on problems",
+        "Check the store: every ref, root and shard manifest is read and verified\n"
+        "against its digest, every tensor's boxes cover it, every chunk is present.\n"
+        "--deep also re-hashes every chunk and checks the chunk index; --sample P\n"
+        "re-hashes a random P percent of the chunks (a cheap periodic check). Each\n"
+        "problem prints as a PROBLEM line; exit 0 when there is none, 1 otherwise.\n\n"
+        "Without RUN[@GEN], every run is checked; RUN alone checks every generation of\n"
+        "the run, RUN@GEN only that one. An unknown run or generation is an error.\n\n"
+        + TARGET_HELP,
+        "castore verify ./ckpt --deep\ncastore verify ./ckpt exp1@latest --sample 5",
+    )
+    verify.add_argument(
+        "target", nargs="?", metavar="RUN[@GEN]", help="what to check (default: everything)"
+    )
+    how = verify.add_mutually_exclusive_group()
+    how.add_argument("--deep", action="store_true", help="re-hash every chunk")
+    how.add_argument(
+        "--sample",
+        type=_percent,
+        metavar="P",
+        help="re-hash a random P%% of the chunks, 0 < P <= 100 (a percent, not a fraction)",
+    )
+
+
+def _add_tags(commands: Any) -> None:
+    tag = _command(
+        commands,
+        "tag",
+        "pin a generation under a name (retention keeps it)",
+        "Pin a generation under NAME: castore gc keeps it, whatever the policy, until\n"
+        "it is untagged. A NAME the run already has moves to this generation.\n\n" + TARGET_HELP,
+        "castore tag ./ckpt exp1@2 release\ncastore tag ./ckpt exp1 before-lr-change",
+    )
+    tag.add_argument("target", metavar="RUN[@GEN]", help="the generation to pin (see above)")
+    tag.add_argument("name", metavar="NAME", help="the tag's name, unique within the run")
+    untag = _command(
+        commands,
+        "untag",
+        "remove a tag",
+        "Remove tag NAME of run RUN; the generation it pinned is again subject to\n"
+        "retention (the next castore gc may drop it).",
+        "castore untag ./ckpt exp1 release",
+    )
+    untag.add_argument("run", metavar="RUN", help="the run the tag belongs to")
+    untag.add_argument("name", metavar="NAME", help="the tag to remove")
+
+
+def _add_collection(commands: Any) -> None:
+    collect = _command(
+        commands,
+        "gc",
+        "apply the retention policy and free garbage",
+        "Apply the retention policy to each run, then delete every chunk and object no\n"
+        "kept generation references. A generation is kept if any rule keeps it: the\n"
+        "newest --keep, every tagged one, and those --every-steps and --every name.\n\n"
+        "It prints the plan: each generation, keep or drop, and the rules that keep\n"
+        "it. When stdin is a terminal and generations would be dropped, it then asks\n"
+        "before deleting (--yes skips the question). When stdin is not a terminal\n"
+        "(scripts, cron, CI) it deletes without asking, as --yes does.",
+        "castore gc ./ckpt --keep 2 --dry-run     # show the plan, delete nothing\n"
+        "castore gc ./ckpt --keep 5 --every 1d --yes",
+    )
+    collect.add_argument("--run", help="apply the policy to this run only (others keep all)")
+    collect.add_argument(
+        "--keep",
+        type=_at_least_one("how many of the newest generations of each run to keep"),
+        default=3,
+        metavar="K",
+        help="keep the newest K generations of each run, K >= 1",
+    )
+    collect.add_argument(
+        "--every-steps",
+        type=_at_least_one("the step interval whose first generation is kept"),
+        metavar="N",
+        help="also keep the first generation of every N training steps, N >= 1",
+    )
+    collect.add_argument(
+        "--every",
+        type=_duration,
+        metavar="DURATION",
+        help="also keep the newest generation of every interval (90s, 30m, 6h, 1d, 2w)",
+    )
+    collect.add_argument(
+        "--dry-run", action="store_true", help="show what each rule keeps and what would be freed"
+    )
+    collect.add_argument(
+        "-y", "--yes", action="store_true", help="delete without asking, even on a terminal"
+    )
+    collect.add_argument(
+        "--wait",
+        type=_seconds,
+        default=30,
+        metavar="SECONDS",
+        help="how long to wait for running saves before giving up",
+    )
+    du = _command(
+        commands,
+        "du",
+        "logical and physical bytes, per generation",
+        "Storage accounting: per generation its logical bytes, the chunk bytes it\n"
+        "references, and the bytes only it references (what dropping it frees); then\n"
+        "the store's logical, stored (deduplicated), physical and on-disk totals.",
+        "castore du ./ckpt\ncastore du ./ckpt --run exp1",
+    )
+    du.add_argument("--run", help="only this run's generations")
+
+
+def _add_maintenance(commands: Any) -> None:
+    repair = _command(
+        commands,
+        "repair",
+        "remove corrupt chunks and objects; list what stays damaged",
+        "Re-hash every chunk and object, remove those whose bytes do not match their\n"
+        "name, restore a lost ref from its reflog, and list the generations that stay\n"
+        "damaged. Exit 0 when every generation is whole, 1 otherwise.",
+        "castore repair ./ckpt --dry-run\ncastore repair ./ckpt --rebuild-index",
+    )
+    repair.add_argument("--dry-run", action="store_true", help="report, change nothing")
+    repair.add_argument(
+        "--wait",
+        type=_seconds,
+        default=30,
+        metavar="SECONDS",
+        help="how long to wait for running saves before giving up",
+    )
+    repair.add_argument(
+        "--rebuild-index",
+        action="store_true",
+        help="first write a fresh LMDB file: the chunk index rebuilt from the packs, every "
+        "readable object copied (offline: no other process may have the store open)",
+    )
+    _command(
+        commands,
+        "compact",
+        "rewrite packs and the LMDB file without dead space (offline)",
+        "Rewrite every pack with dead space and the LMDB file without its free pages.\n"
+        "Offline: refused while any process has the store open.",
+        "castore compact ./ckpt",
+    )
