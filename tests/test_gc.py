@@ -960,7 +960,12 @@ def test_compact_is_refused_while_the_store_is_open(store: Store, store_path: Pa
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
     return subprocess.run(
-        [str(CLI), *map(str, args)], capture_output=True, text=True, timeout=60, env=env
+        [str(CLI), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
     )
 
 

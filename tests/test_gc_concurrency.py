@@ -53,7 +53,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(CLI), *args], capture_output=True, text=True, timeout=120, env=clean_env(**env)
+        [str(CLI), *args],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=clean_env(**env),
+        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
     )
 
 

@@ -43,7 +43,12 @@ ORIGINAL = np.arange(24 * 16, dtype=np.float32).reshape(24, 16)
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
     return subprocess.run(
-        [str(CLI), *map(str, args)], capture_output=True, text=True, timeout=120, env=env
+        [str(CLI), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
     )
 
 

@@ -241,7 +241,12 @@ def run_python(code: str, store_path: Path) -> subprocess.CompletedProcess[str]:
 
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [str(CLI), *map(str, args)], capture_output=True, text=True, timeout=20, env=_env()
+        [str(CLI), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=20,
+        env=_env(),
+        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
     )
 
 

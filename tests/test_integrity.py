@@ -56,7 +56,12 @@ def make_state(seed: int = 0) -> dict[str, Any]:
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
     return subprocess.run(
-        [str(CLI), *map(str, args)], capture_output=True, text=True, timeout=60, env=env
+        [str(CLI), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
     )
 
 

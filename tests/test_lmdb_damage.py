@@ -79,6 +79,7 @@ def python(code: str, *args: object) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
     return subprocess.run(
         [sys.executable, "-c", code, *map(str, args)],
+        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
         capture_output=True,
         text=True,
         timeout=120,

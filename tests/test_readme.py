@@ -77,7 +77,9 @@ for path, line, lang, source in eval(sys.argv[2]):
         # Padded so that a traceback names the document's own line numbers.
         exec(compile("\\n" * line + source, path, "exec"), namespace)
     else:
-        subprocess.run(["bash", "-euo", "pipefail", "-c", source], check=True)
+        subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", source], check=True, stdin=subprocess.DEVNULL
+        )
 dist.destroy_process_group()
 print("--- all blocks ran", flush=True)
 """
