@@ -31,10 +31,10 @@ TARGET_HELP = """\
 RUN[@GEN] names a generation of run RUN:
   RUN           the newest generation (RUN@latest is the same)
   RUN@7         generation id 7 (the id column of castore log)
+  RUN@release   the generation tag "release" pins (castore tag; log lists tags)
   RUN@3fa2c1    the generation whose root digest starts with these hex digits
-                (6 to 64 of them; log shows the first 12); an all-digit GEN is
-                tried as an id first
-A tag name is not a GEN: castore log shows which generation each tag pins."""
+                (6 to 64 of them; log shows the first 12)
+An all-digit GEN is always an id; a tag name wins over a root prefix it spells."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

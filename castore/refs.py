@@ -433,6 +433,16 @@ class RefStore:
         fsync_dir(path.parent)
         return True
 
+    def tag(self, run: str, name: str) -> RefValue | None:
+        """The generation tag ``name`` of ``run`` names; None when there is no such tag."""
+        validate_run_name(run)
+        if not _TAG_NAME.fullmatch(name):
+            return None
+        directory = self.tags_dir / run
+        if not (is_store_dir(self.tags_dir) and is_store_dir(directory)):
+            return None
+        return _read_ref_file(directory / name, run=run)
+
     def tags(self, run: str) -> dict[str, RefValue]:
         """Every tag of ``run``: name -> the generation it names (damage raises)."""
         validate_run_name(run)

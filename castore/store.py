@@ -523,17 +523,24 @@ class Store:
     def resolve_root(
         self, run: str, generation: GenerationSpec = "latest"
     ) -> tuple[Digest, GenerationRoot]:
-        """Find one generation: ``"latest"``, an id (int or digits) or a root hex prefix."""
+        """Find one generation: ``"latest"``, an id (int or digits), a tag name or a root
+        hex prefix (an exact tag name wins over a prefix; digits are always an id)."""
         validate_run_name(run)
+        named = None
         if generation == "latest":
-            ref = self._latest(run)
-            root = self.read_root(ref.root, run=run)
-            if root.generation != ref.generation:
+            named = self._latest(run)
+        elif isinstance(generation, str) and not generation.isdigit():
+            named = self.refs.tag(run, generation)
+        if named is not None:
+            root = self.read_root(named.root, run=run)
+            if root.generation != named.generation:
+                what = "ref" if generation == "latest" else f"tag {generation!r}"
                 raise CorruptObjectError(
-                    f"ref names generation {ref.generation}, its root says {root.generation}",
+                    f"{what} names generation {named.generation}, its root says "
+                    f"{root.generation}",
                     run=run,
                 )
-            return ref.root, root
+            return named.root, root
         wanted_id, prefix = _parse_generation(generation)
         if wanted_id is not None:
             # The log names most generations directly: read only that root.
@@ -887,7 +894,8 @@ def _parse_generation(spec: GenerationSpec) -> tuple[int | None, str | None]:
     if isinstance(spec, str) and spec.isdigit():
         return int(spec), None
     raise GenerationNotFoundError(
-        f"bad generation {spec!r}: use 'latest', an id, or a root digest prefix (6+ hex digits)"
+        f"bad generation {spec!r}: use 'latest', an id, a tag name, or a root digest prefix "
+        "(6+ hex digits)"
     )
 
 

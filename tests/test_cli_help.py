@@ -57,7 +57,7 @@ def test_each_command_describes_store_and_has_examples_that_parse(command: str) 
 @pytest.mark.parametrize("command", ["show", "verify", "tag"])
 def test_generation_forms_are_spelled_out(command: str) -> None:
     text = help_of(command)
-    for form in ("RUN@latest", "RUN@7", "RUN@3fa2c1", "A tag name is not a GEN"):
+    for form in ("RUN@latest", "RUN@7", "RUN@release", "RUN@3fa2c1", "always an id"):
         assert form in text
 
 

@@ -737,6 +737,11 @@ def test_tag_untag_and_collect(store: Store) -> None:
     assert gen.root == store.resolve("a", 2).root
     assert gc.tag(store, "a", "latest", "head").id == 4
     assert {n: v.generation for n, v in store.refs.tags("a").items()} == {"best": 2, "head": 4}
+    # A tag names its generation wherever a generation is asked for.
+    assert store.resolve("a", "best").id == 2
+    assert_bitwise_equal(store.load("a", "best"), states[2])
+    assert gc.tag(store, "a", "best", "also-best").id == 2
+    gc.untag(store, "a", "also-best")
 
     report = gc.collect_garbage(store, gc.RetentionPolicy(keep_last=1))
     assert report.dropped == {"a": [1, 3]}
@@ -1139,3 +1144,16 @@ def test_du_of_one_run_counts_only_that_runs_chunks(store: Store) -> None:
     assert disk_usage(store).referenced_bytes == 4096 * 4 + 8192 * 4
     with pytest.raises(GenerationNotFoundError, match="nope"):
         disk_usage(store, ["nope"])
+
+
+def test_a_tag_wins_over_the_root_prefix_it_spells_and_digits_stay_ids(store: Store) -> None:
+    for i in range(1, 4):
+        store.save(small_state(i), run="a", step=i)
+    third = store.resolve("a", 3)
+    gc.tag(store, "a", 1, third.root[:8])  # a tag named like generation 3's root prefix
+    gc.tag(store, "a", 1, "2")  # a tag named like an id
+    assert store.resolve("a", third.root[:8]).id == 1
+    assert store.resolve("a", third.root[:9]).id == 3  # no such tag: the prefix
+    assert store.resolve("a", "2").id == 2
+    with pytest.raises(GenerationNotFoundError, match="a tag name"):
+        store.resolve("a", "no-such-tag")
