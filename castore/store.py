@@ -536,8 +536,7 @@ class Store:
             if root.generation != named.generation:
                 what = "ref" if generation == "latest" else f"tag {generation!r}"
                 raise CorruptObjectError(
-                    f"{what} names generation {named.generation}, its root says "
-                    f"{root.generation}",
+                    f"{what} names generation {named.generation}, its root says {root.generation}",
                     run=run,
                 )
             return named.root, root
