@@ -211,6 +211,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             runs=[args.run] if args.run else None,
             dry_run=args.dry_run,
             lock_timeout=args.wait,
+            progress=True,
         )
     rows = []
     for plan in report.plans:
@@ -289,7 +290,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
             raise ValueError("--rebuild-index cannot be a dry run (castore verify --deep reports)")
         _rebuild(args.store)
     with _open(args.store) as store:
-        report = repair_store(store, dry_run=args.dry_run, lock_timeout=args.wait)
+        report = repair_store(store, dry_run=args.dry_run, lock_timeout=args.wait, progress=True)
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"checked {report.chunks_checked} chunk(s) and {report.objects_checked} object(s); "
@@ -316,7 +317,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 def _rebuild(path: str) -> None:
     from castore.rebuild import rebuild_index
 
-    report = rebuild_index(path)
+    report = rebuild_index(path, progress=True)
     print(
         f"rebuilt the LMDB file: indexed {report.chunks_indexed} chunk(s) from "
         f"{report.packs} pack(s) ({report.records_damaged} damaged record(s) skipped), "
@@ -330,7 +331,7 @@ def _rebuild(path: str) -> None:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    report = gc.compact(args.store)
+    report = gc.compact(args.store, progress=True)
     print(
         f"compacted {args.store}: {format_bytes(report.bytes_before)} -> "
         f"{format_bytes(report.bytes_after)} in {report.seconds:.2f}s"
