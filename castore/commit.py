@@ -38,7 +38,7 @@ from castore.objects import (
     TensorEntry,
     encode_object,
 )
-from castore.progress import progress_bar
+from castore.progress import progress_bar, progress_wanted
 from castore.refs import RefValue
 from castore.tree import EncodedTree, check_depth, encode_local_state
 
@@ -76,7 +76,7 @@ def write_shard(
     leaves = [leaf for leaf in encoded.leaves if own is None or leaf.name in own]
     local_state, local_leaves = encode_local_state(encoded.rank_local)
     written = leaves + local_leaves
-    total = sum(leaf.data.nbytes for leaf in written)
+    total = sum(leaf.data.nbytes for leaf in written) if progress_wanted(progress) else 0
     with progress_bar(progress, f"save {run}@{generation}", total) as bar:
         # One pass over global and per-rank tensors: batches (and commits) span both.
         entries, stats = write_leaves(

@@ -60,6 +60,16 @@ class Bar:
     def __bool__(self) -> bool:
         return True
 
+    @property
+    def count(self) -> int:
+        """Units done so far."""
+        return int(self._bar.n)
+
+    @property
+    def total(self) -> int:
+        """Units in all, fixed when the bar is made."""
+        return int(self._bar.total)
+
     def update(self, count: int) -> None:
         # tqdm's own counter is a plain `n += count`: not atomic across threads.
         with self._lock:
@@ -84,6 +94,14 @@ class _NoBar(Bar):
 
     def __bool__(self) -> bool:
         return False
+
+    @property
+    def count(self) -> int:
+        return 0
+
+    @property
+    def total(self) -> int:
+        return 0
 
     def update(self, count: int) -> None:
         pass

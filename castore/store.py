@@ -67,7 +67,7 @@ from castore.objects import (
     TensorEntry,
     decode_object,
 )
-from castore.progress import NO_BAR, Bar, progress_bar
+from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
 from castore.refs import PUBLISH_ACTIONS, RefStore, RefValue, validate_run_name
 from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree, torch_bytes
 
@@ -714,8 +714,10 @@ class Store:
             for name, boxes in entries.items()
         }
         per_rank: dict[str, dict[int, Any]] = {}
-        local_bytes = sum(e.nbytes for shard in shards for e in shard.local_tensors)
-        total = request_bytes(requests) + local_bytes
+        total = 0
+        if progress_wanted(progress):  # counting costs a pass over the requests: only for a bar
+            local_bytes = sum(e.nbytes for shard in shards for e in shard.local_tensors)
+            total = request_bytes(requests) + local_bytes
         with progress_bar(progress, f"load {run}@{root.generation}", total) as bar:
             read_requests(self.backend, requests, self.read_counters, where, bar)
             for shard in shards:
