@@ -33,6 +33,7 @@ from castore.errors import ChecksumMismatchError, ChunkMissingError
 from castore.faults import fault_point
 from castore.hashing import digest_bytes
 from castore.objects import TensorEntry
+from castore.progress import NO_BAR, Bar
 from castore.tree import TensorLeaf
 
 DEFAULT_CHUNK_SIZE = 4 << 20
@@ -127,11 +128,13 @@ def write_leaves(
     chunk_size: int,
     *,
     midway_fault: str = "save.mid_chunks",
+    bar: Bar = NO_BAR,
 ) -> tuple[list[TensorEntry], WriteStats]:
     """Store every leaf's chunks (new ones only) and return their tensor entries.
 
     ``midway_fault`` names the fault point passed after each committed batch,
     when some of the leaves' chunks are durable and no manifest yet names them.
+    ``bar`` counts each chunk's bytes as the backend takes it.
     """
     pieces = _cut(leaves, chunk_size)
     views = [piece for _, piece in pieces]
@@ -145,7 +148,7 @@ def write_leaves(
         while handed < len(pieces):
             # The backend takes each chunk as its digest arrives, so writing
             # overlaps the hashing of the chunks after it.
-            result = backend.put_many(Namespace.CHUNKS, _batch(hashed, digests))
+            result = backend.put_many(Namespace.CHUNKS, _batch(hashed, digests, bar))
             taken = sum(map(len, digests)) - handed
             if not taken:
                 raise RuntimeError("chunk backend returned without taking any chunk")
@@ -175,13 +178,15 @@ def write_leaves(
 
 
 def _batch(
-    hashed: Iterator[tuple[tuple[int, memoryview], bytes]], digests: list[list[bytes]]
+    hashed: Iterator[tuple[tuple[int, memoryview], bytes]], digests: list[list[bytes]], bar: Bar
 ) -> Iterator[tuple[bytes, memoryview]]:
     """Yield (digest, piece) until ``WRITE_BATCH_BYTES`` are out, recording each digest."""
     size = 0
     for (index, piece), digest in hashed:
         digests[index].append(digest)
         size += piece.nbytes
+        if bar:
+            bar.update(piece.nbytes)
         yield digest, piece
         if size >= WRITE_BATCH_BYTES:
             return
@@ -242,6 +247,14 @@ class ChunkRequest:
     deliver: ChunkConsumer
 
 
+def request_bytes(requests: Iterable[ChunkRequest]) -> int:
+    """The bytes of the chunks ``requests`` name, a chunk counted once per request.
+
+    For requests that read whole tensors, their tensor bytes: what a load's bar counts.
+    """
+    return sum(expected_length(request.entry, request.index) for request in requests)
+
+
 Fetched = tuple[bytes, "memoryview | None"]
 ChunkWork = Callable[[bytes, "memoryview | None"], object]
 
@@ -270,6 +283,16 @@ class _Plan:
         chunk = self.verify(key, value)
         for request in self.wanted[key]:
             request.deliver(request.index, chunk)
+
+    def counting(self, work: ChunkWork, bar: Bar) -> ChunkWork:
+        """``work``, then ``bar`` advanced by what the chunk's requests take (request_bytes)."""
+        weights = {key: request_bytes(wanted) for key, wanted in self.wanted.items()}
+
+        def counted(key: bytes, value: memoryview | None) -> None:
+            work(key, value)
+            bar.update(weights[key])
+
+        return counted
 
     def deliver(self, key: bytes, value: memoryview | None) -> None:
         """Copy a chunk that ``verify`` accepted to where it goes."""
@@ -342,6 +365,7 @@ def read_requests(
     requests: Sequence[ChunkRequest],
     counters: ReadCounters,
     where: dict[str, object],
+    bar: Bar = NO_BAR,
 ) -> None:
     """Fetch, verify and deliver every requested chunk, in one read transaction.
 
@@ -349,15 +373,16 @@ def read_requests(
     request for it: no request sees bytes before they are verified. A missing
     or damaged chunk raises (the first in request order), naming the tensor
     and chunk index; the destinations may then hold some chunks, so callers
-    must discard them.
+    must discard them. ``bar`` advances by ``request_bytes`` as chunks are delivered.
     """
     plan = _Plan(requests, where)
     if not plan.keys:
         return
     pool = shared_pool()
+    work = plan.counting(plan.verify_and_deliver, bar) if bar else plan.verify_and_deliver
 
     def visit(values: Iterator[memoryview | None]) -> None:
-        error = _apply(pool, _counted(plan.keys, values, counters), plan.verify_and_deliver)
+        error = _apply(pool, _counted(plan.keys, values, counters), work)
         if error is not None:
             raise error
 

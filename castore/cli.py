@@ -21,20 +21,13 @@ import castore
 from castore import gc
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError, GenerationNotFoundError
+from castore.progress import format_size as format_bytes
 from castore.refs import validate_run_name
 from castore.repair import repair_store
 from castore.store import Generation, Store
 from castore.tree import decode_tree
 
 EXIT_PROBLEMS = 1
-
-
-def format_bytes(count: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(count) < 1024 or unit == "TiB":
-            return f"{count:.0f} {unit}" if unit == "B" else f"{count:.1f} {unit}"
-        count /= 1024
-    raise AssertionError("unreachable")
 
 
 def _format_time(stamp: float) -> str:
@@ -272,7 +265,12 @@ def cmd_gc(args: argparse.Namespace) -> int:
     with _open(args.store) as store:
         if args.dry_run or args.yes or not sys.stdin.isatty():
             report = gc.collect_garbage(
-                store, policy, runs=runs, dry_run=args.dry_run, lock_timeout=args.wait
+                store,
+                policy,
+                runs=runs,
+                dry_run=args.dry_run,
+                lock_timeout=args.wait,
+                progress=True,
             )
             _print_plans(report.plans, "drop" if args.dry_run else "dropped")
             _print_gc_summary(report)
@@ -290,6 +288,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
             _ConfirmedPolicy(policy.keep_last, policy.every_steps, policy.every_seconds, confirmed),
             runs=runs,
             lock_timeout=args.wait,
+            progress=True,
         )
     _print_gc_summary(report)
     return 0
@@ -406,7 +405,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
             raise ValueError("--rebuild-index cannot be a dry run (castore verify --deep reports)")
         _rebuild(args.store)
     with _open(args.store) as store:
-        report = repair_store(store, dry_run=args.dry_run, lock_timeout=args.wait)
+        report = repair_store(store, dry_run=args.dry_run, lock_timeout=args.wait, progress=True)
     verb = "would remove" if args.dry_run else "removed"
     print(
         f"checked {report.chunks_checked} chunk(s) and {report.objects_checked} object(s); "
@@ -433,7 +432,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 def _rebuild(path: str) -> None:
     from castore.rebuild import rebuild_index
 
-    report = rebuild_index(path)
+    report = rebuild_index(path, progress=True)
     print(
         f"rebuilt the LMDB file: indexed {report.chunks_indexed} chunk(s) from "
         f"{report.packs} pack(s) ({report.records_damaged} damaged record(s) skipped), "
@@ -447,7 +446,7 @@ def _rebuild(path: str) -> None:
 
 
 def cmd_compact(args: argparse.Namespace) -> int:
-    report = gc.compact(args.store)
+    report = gc.compact(args.store, progress=True)
     print(
         f"compacted {args.store}: {format_bytes(report.bytes_before)} -> "
         f"{format_bytes(report.bytes_after)} in {report.seconds:.2f}s"

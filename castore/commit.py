@@ -38,6 +38,7 @@ from castore.objects import (
     TensorEntry,
     encode_object,
 )
+from castore.progress import progress_bar, progress_wanted
 from castore.refs import RefValue
 from castore.tree import EncodedTree, check_depth, encode_local_state
 
@@ -64,18 +65,23 @@ def write_shard(
     rank: int,
     own: set[str] | None = None,
     midway_fault: str = "save.mid_chunks",
+    progress: bool = False,
 ) -> ShardWrite:
     """Commit this rank's chunks and build its shard manifest (not yet committed).
 
     ``own`` restricts the global tensors this rank writes (replicated tensors
     are written by one rank only); its rank-local values are always written.
+    ``progress``: a bar on stderr counting the tensor bytes (see castore.progress).
     """
     leaves = [leaf for leaf in encoded.leaves if own is None or leaf.name in own]
     local_state, local_leaves = encode_local_state(encoded.rank_local)
-    # One pass over global and per-rank tensors: batches (and commits) span both.
-    entries, stats = write_leaves(
-        store.backend, leaves + local_leaves, store.chunk_size, midway_fault=midway_fault
-    )
+    written = leaves + local_leaves
+    total = sum(leaf.data.nbytes for leaf in written) if progress_wanted(progress) else 0
+    with progress_bar(progress, f"save {run}@{generation}", total) as bar:
+        # One pass over global and per-rank tensors: batches (and commits) span both.
+        entries, stats = write_leaves(
+            store.backend, written, store.chunk_size, midway_fault=midway_fault, bar=bar
+        )
     manifest = ShardManifest(
         run=run,
         generation=generation,

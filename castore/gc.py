@@ -50,6 +50,7 @@ from castore.errors import (
 from castore.faults import fault_point
 from castore.hashing import Digest
 from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest
+from castore.progress import Bar, Phases, format_size, progress_bar
 from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, validate_run_name
 from castore.store import Generation, Store
 
@@ -261,9 +262,15 @@ def collect_garbage(
     runs: list[str] | None = None,
     dry_run: bool = False,
     lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    progress: bool = False,
 ) -> GcReport:
-    """Drop what ``policy`` does not keep and delete every unreferenced object and chunk."""
+    """Drop what ``policy`` does not keep and delete every unreferenced object and chunk.
+
+    ``progress=True``: phase lines, and bars for the mark and the sweep, on stderr
+    (a terminal).
+    """
     policy = policy or RetentionPolicy()
+    phases = Phases(progress, "gc", 3 if dry_run else 5)
     started = time.perf_counter()
     timings: dict[str, float] = {}
     lock = (
@@ -278,36 +285,22 @@ def collect_garbage(
     )
     with lock:
         clock = time.perf_counter()
+        phases.start("check the chunk index against the packs")
         # First: listing a damaged index can abort inside LMDB, and the sweep would act on it.
         _check_index(store, dry_run)
         timings["check"] = time.perf_counter() - clock
         clock = time.perf_counter()
+        phases.start("list every run's generations and mark what the retained ones reference")
         for run in store.runs():
             _check_reflog(store, run)
         plans = plan_retention(store, policy, runs)
-        marked_objects: set[bytes] = set()
-        marked_chunks: set[bytes] = set()
-        dropped_roots: list[tuple[str, Generation]] = []
-        for plan in plans:
-            for gen in plan.generations:
-                if not plan.reasons[gen.id]:
-                    dropped_roots.append((plan.run, gen))
-                    continue
-                digest = Digest.from_hex(gen.root)
-                try:
-                    root = store.read_root(digest, run=plan.run)
-                    objects, chunks = _references(store, digest, root)
-                except IntegrityError as exc:
-                    raise GcAbortedError(
-                        f"gc aborted, nothing deleted: retained generation {plan.run}@{gen.id} "
-                        f"cannot be read: {exc}",
-                        run=plan.run,
-                        generation=gen.id,
-                    ) from exc
-                marked_objects.update(objects)
-                marked_chunks.update(chunks)
+        retained = sum(len(plan.kept) for plan in plans)
+        with progress_bar(progress, "gc mark", retained, unit="gen") as bar:
+            marked_objects, marked_chunks = _mark(store, plans, bar)
+        dropped_roots = [(p.run, g) for p in plans for g in p.generations if not p.reasons[g.id]]
         timings["mark"] = time.perf_counter() - clock
         clock = time.perf_counter()
+        phases.start("list every stored object and chunk")
         stored_objects, stored_chunks = _stored(store, dry_run)
         garbage_objects = [(k, n) for k, n in stored_objects if k not in marked_objects]
         garbage_chunks = [(k, n) for k, n in stored_chunks if k not in marked_chunks]
@@ -321,6 +314,10 @@ def collect_garbage(
         )
         if not dry_run:
             clock = time.perf_counter()
+            phases.start(
+                f"delete {len(garbage_objects)} object(s) and {len(garbage_chunks)} chunk(s), "
+                f"{format_size(report.bytes_freed)}"
+            )
             # First the durable intent: listings hide a dropped generation from now on,
             # so a sweep cut short never leaves a half-deleted generation on show.
             for run, gen in dropped_roots:
@@ -331,16 +328,25 @@ def collect_garbage(
             # left behind names an object that is gone, except other garbage.
             root_set = {Digest.from_hex(g.root).raw for _, g in dropped_roots}
             ordered = sorted(garbage_objects, key=lambda item: item[0] not in root_set)
-            for namespace, keys, fault in (
-                (Namespace.OBJECTS, [k for k, _ in ordered], "gc.mid_sweep"),
-                (Namespace.CHUNKS, [k for k, _ in garbage_chunks], "gc.mid_chunks"),
-            ):
-                for start in range(0, len(keys), DELETE_BATCH):
-                    store.backend.delete_many(namespace, keys[start : start + DELETE_BATCH])
-                    if start == 0:
-                        fault_point(fault)  # after the first batch of this namespace
+            garbage = len(garbage_objects) + len(garbage_chunks)
+            with progress_bar(progress, "gc sweep", garbage, unit="key") as sweep:
+                for namespace, keys, fault in (
+                    (Namespace.OBJECTS, [k for k, _ in ordered], "gc.mid_sweep"),
+                    (Namespace.CHUNKS, [k for k, _ in garbage_chunks], "gc.mid_chunks"),
+                ):
+                    for start in range(0, len(keys), DELETE_BATCH):
+                        batch = keys[start : start + DELETE_BATCH]
+                        store.backend.delete_many(namespace, batch)
+                        sweep.update(len(batch))
+                        if start == 0:
+                            fault_point(fault)  # after the first batch of this namespace
             timings["sweep"] = time.perf_counter() - clock
             clock = time.perf_counter()
+            phases.start(
+                f"give back pack space: rewrite packs under {RECLAIM_MIN_LIVE:.0%} live, "
+                f"merge packs under {format_size(MERGE_PACKS_BELOW)}, "
+                f"{format_size(store.backend.file_bytes())} on disk now"
+            )
             reclaimed = store.backend.reclaim(
                 min_live=RECLAIM_MIN_LIVE, merge_below=MERGE_PACKS_BELOW
             )
@@ -351,6 +357,31 @@ def collect_garbage(
     report.seconds = time.perf_counter() - started
     report.timings = timings
     return report
+
+
+def _mark(store: Store, plans: list[RunPlan], bar: Bar) -> tuple[set[bytes], set[bytes]]:
+    """The objects and chunks of every retained generation; one unreadable aborts."""
+    marked_objects: set[bytes] = set()
+    marked_chunks: set[bytes] = set()
+    for plan in plans:
+        for gen in plan.generations:
+            if not plan.reasons[gen.id]:
+                continue
+            digest = Digest.from_hex(gen.root)
+            try:
+                root = store.read_root(digest, run=plan.run)
+                objects, chunks = _references(store, digest, root)
+            except IntegrityError as exc:
+                raise GcAbortedError(
+                    f"gc aborted, nothing deleted: retained generation {plan.run}@{gen.id} "
+                    f"cannot be read: {exc}",
+                    run=plan.run,
+                    generation=gen.id,
+                ) from exc
+            marked_objects.update(objects)
+            marked_chunks.update(chunks)
+            bar.update(1)
+    return marked_objects, marked_chunks
 
 
 def _stored(store: Store, dry_run: bool) -> tuple[list[tuple[bytes, int]], list[tuple[bytes, int]]]:
@@ -508,13 +539,14 @@ class CompactReport:
     seconds: float
 
 
-def compact(path: str | os.PathLike[str]) -> CompactReport:
+def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactReport:
     """Rewrite every pack with dead space and the LMDB file without its free pages.
 
     Offline: refused (``StoreLockedError``) while any process has the store
     open. Packs are rewritten first (see ``LmdbBackend.reclaim``). Then the
     compacted LMDB copy is checked entry by entry against the original's
     counts before it replaces ``chunks/data.mdb`` with one ``rename``.
+    ``progress=True``: a line per phase on stderr (a terminal).
     """
     import lmdb
 
@@ -539,6 +571,8 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
         lmdb_env.refuse_if_open(chunks_dir, store=root, doing="compacting")
         data_file = chunks_dir / "data.mdb"
         before = _bytes_on_disk(chunks_dir)  # before an open pads data.mdb's tail
+        phases = Phases(progress, "compact", 3)
+        phases.start(f"rewrite every pack with dead space ({format_size(before)} on disk)")
         backend = LmdbBackend(chunks_dir)
         try:
             # No process has the store open: no pack in flight.
@@ -549,12 +583,15 @@ def compact(path: str | os.PathLike[str]) -> CompactReport:
         # the compacted copy is never written through an entry the store brought.
         work = Path(tempfile.mkdtemp(prefix=f".compact-{os.getpid()}-", dir=chunks_dir))
         try:
+            size = format_size(data_file.stat().st_size)
+            phases.start(f"copy the LMDB file without its free pages ({size})")
             env = lmdb.open(str(chunks_dir), readonly=True, max_dbs=4, lock=False)
             try:
                 expected = _entry_counts(env)
                 env.copy(str(work), compact=True)
             finally:
                 env.close()
+            phases.start("check the copy's entry counts and swap it in")
             copy = lmdb.open(str(work), readonly=True, max_dbs=4, lock=False)
             try:
                 if _entry_counts(copy) != expected:

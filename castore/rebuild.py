@@ -34,6 +34,7 @@ from castore.chunkstore.lmdb_file import DATA_FILE, read_committed_meta
 from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
 from castore.errors import CastoreError, StoreNotFoundError
 from castore.hashing import digest_bytes
+from castore.progress import NO_BAR, Bar, Phases, format_size, progress_bar
 from castore.refs import RefStore, fsync_dir
 
 _OBJECTS_DB = Namespace.OBJECTS.value.encode()
@@ -52,8 +53,12 @@ class RebuildReport:
     seconds: float = 0.0
 
 
-def rebuild_index(path: str | os.PathLike[str]) -> RebuildReport:
-    """Write a fresh ``chunks/data.mdb``: salvaged objects and an index built from the packs."""
+def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> RebuildReport:
+    """Write a fresh ``chunks/data.mdb``: salvaged objects and an index built from the packs.
+
+    ``progress=True``: phase lines and a bar of the pack bytes re-hashed, on stderr
+    (a terminal).
+    """
     from castore.storedir import MARKER, _read_marker
 
     started = time.perf_counter()
@@ -73,9 +78,20 @@ def rebuild_index(path: str | os.PathLike[str]) -> RebuildReport:
         work = chunks_dir / f".rebuild-{os.getpid()}"
         shutil.rmtree(work, ignore_errors=True)
         work.mkdir()
+        phases = Phases(progress, "rebuild-index", 3)
         try:
+            phases.start("salvage the objects of the old LMDB file")
             objects = _salvage_objects(chunks_dir, work, report)
-            index = _index_from_packs(chunks_dir / PACK_DIR, report)
+            packs = _pack_paths(chunks_dir / PACK_DIR)
+            sizes = {path: _file_size(path) for _, path in packs}
+            phases.start(
+                f"index {len(packs)} pack(s), {format_size(sum(sizes.values()))}, from their bytes"
+            )
+            with progress_bar(progress, "rebuild-index", sum(sizes.values())) as bar:
+                index = _index_from_packs(packs, sizes, report, bar)
+            phases.start(
+                f"write a fresh LMDB file: {len(objects)} object(s), {len(index)} chunk(s)"
+            )
             _write_env(work, objects, index)
             report.old_file = _swap_in(chunks_dir, work / DATA_FILE)
         finally:
@@ -158,23 +174,43 @@ def _walk_range(
     yield from found
 
 
-def _index_from_packs(pack_dir: Path, report: RebuildReport) -> dict[bytes, Location]:
-    """Every intact record of every pack; the first copy of a digest wins."""
-    index: dict[bytes, Location] = {}
+def _pack_paths(pack_dir: Path) -> list[tuple[int, Path]]:
+    """Every file named like a pack, in pack-name order."""
     named = ((_pack_id(entry.name), Path(entry.path)) for entry in os.scandir(pack_dir))
-    packs = sorted((pack, path) for pack, path in named if pack is not None)
+    return sorted((pack, path) for pack, path in named if pack is not None)
+
+
+def _file_size(path: Path) -> int:
+    """A regular file's size; 0 for anything else (it is not read)."""
+    return path.stat().st_size if path.is_file() and not path.is_symlink() else 0
+
+
+def _index_from_packs(
+    packs: list[tuple[int, Path]], sizes: dict[Path, int], report: RebuildReport, bar: Bar = NO_BAR
+) -> dict[bytes, Location]:
+    """Every intact record of every pack; the first copy of a digest wins.
+
+    ``bar`` counts each pack's file size (``sizes``) as its records are read.
+    """
+    index: dict[bytes, Location] = {}
     for pack, path in packs:
         if path.is_symlink() or not path.is_file():
             report.lost.append(f"{path} is not a regular file: not read")
             continue
         report.packs += 1
+        size, counted = sizes[path], 0
         for record in scan_pack(path, pack).records:
+            reached = min(record.offset + record.length, size)  # a damaged record may run past
+            if bar and reached > counted:
+                bar.update(reached - counted)
+                counted = reached
             if record.digest in index:
                 continue
             if digest_bytes(read_chunk(path, record)) != record.digest:
                 report.records_damaged += 1
                 continue
             index[record.digest] = Location(record.length, pack, record.offset)
+        bar.update(size - counted)  # what no record covers
     report.chunks_indexed = len(index)
     return index
 

@@ -22,6 +22,7 @@ from castore.chunkio import shared_pool
 from castore.chunkstore.base import Namespace
 from castore.errors import IntegrityError
 from castore.hashing import digest_bytes
+from castore.progress import NO_BAR, Bar, progress_bar
 from castore.refs import DEFAULT_LOCK_TIMEOUT, RefValue
 from castore.verify import verify_store
 
@@ -46,9 +47,15 @@ class RepairReport:
         return len(self.corrupt_chunks) + len(self.missing_chunks) + len(self.corrupt_objects)
 
 
-def _check(store: Store, namespace: Namespace, keys: list[bytes]) -> dict[bytes, str]:
-    """Each key's verdict: "ok", "corrupt" (bytes do not hash to it) or "missing"."""
+def _check(
+    store: Store, namespace: Namespace, sizes: list[tuple[bytes, int]], bar: Bar = NO_BAR
+) -> dict[bytes, str]:
+    """Each key's verdict: "ok", "corrupt" (bytes do not hash to it) or "missing".
+
+    ``sizes``: each key and its stored length, as ``value_sizes`` lists them (the bar's unit).
+    """
     verdicts: dict[bytes, str] = {}
+    keys = [key for key, _ in sizes]
 
     def one(key: bytes, value: memoryview | None) -> str:
         if value is None:
@@ -66,13 +73,22 @@ def _check(store: Store, namespace: Namespace, keys: list[bytes]) -> dict[bytes,
                 verdicts[key] = future.result()
 
         store.backend.read_many(namespace, batch, visit)
+        if bar:
+            bar.update(sum(size for _, size in sizes[start : start + _BATCH]))
     return verdicts
 
 
 def repair_store(
-    store: Store, *, dry_run: bool = False, lock_timeout: float = DEFAULT_LOCK_TIMEOUT
+    store: Store,
+    *,
+    dry_run: bool = False,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    progress: bool = False,
 ) -> RepairReport:
-    """Delete corrupt chunks and objects; report the generations that stay damaged."""
+    """Delete corrupt chunks and objects; report the generations that stay damaged.
+
+    ``progress=True``: bars on stderr (a terminal) for the re-hash and the verify after it.
+    """
     report = RepairReport()
     # Exclusive, like garbage collection: no save dedups against a chunk being removed.
     with store.refs.store_lock(
@@ -81,11 +97,13 @@ def repair_store(
         busy=f"store busy: a save or tag held {store.path} for {lock_timeout:g}s; "
         "nothing was changed",
     ):
-        chunk_keys = [k for k, _ in store.backend.value_sizes(Namespace.CHUNKS)]
-        object_keys = [k for k, _ in store.backend.value_sizes(Namespace.OBJECTS)]
-        chunks = _check(store, Namespace.CHUNKS, chunk_keys)
-        objects = _check(store, Namespace.OBJECTS, object_keys)
-        report.chunks_checked, report.objects_checked = len(chunk_keys), len(object_keys)
+        chunk_sizes = list(store.backend.value_sizes(Namespace.CHUNKS))
+        object_sizes = list(store.backend.value_sizes(Namespace.OBJECTS))
+        total = sum(size for _, size in chunk_sizes + object_sizes)
+        with progress_bar(progress, "repair (re-hash)", total) as bar:
+            chunks = _check(store, Namespace.CHUNKS, chunk_sizes, bar)
+            objects = _check(store, Namespace.OBJECTS, object_sizes, bar)
+        report.chunks_checked, report.objects_checked = len(chunk_sizes), len(object_sizes)
         report.corrupt_chunks = [k for k, v in chunks.items() if v == "corrupt"]
         report.missing_chunks = [k for k, v in chunks.items() if v == "missing"]
         report.corrupt_objects = [k for k, v in objects.items() if v == "corrupt"]
@@ -95,7 +113,8 @@ def repair_store(
             )
             store.backend.delete_many(Namespace.OBJECTS, report.corrupt_objects)
         report.refs_restored = restore_lost_refs(store, dry_run=dry_run)
-    after = verify_store(store, deep=dry_run)  # a dry run removed nothing: hash to see it
+    # A dry run removed nothing: hash to see it.
+    after = verify_store(store, deep=dry_run, progress=progress)
     for problem in after.problems:
         where = problem.run if problem.generation is None else f"{problem.run}@{problem.generation}"
         report.damaged.setdefault(where, []).append(problem.what)

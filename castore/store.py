@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from castore import dtypes
-from castore.chunkio import ChunkRequest, ReadCounters, read_requests
+from castore.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
     SINGLE_FAULTS,
@@ -69,6 +69,7 @@ from castore.objects import (
     TensorEntry,
     decode_object,
 )
+from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
 from castore.refs import RefStore, RefValue, validate_run_name
 from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree, torch_bytes
 
@@ -253,11 +254,13 @@ class Store:
         step: int,
         metadata: dict[str, Any] | None = None,
         data_order: dict[str, Any] | None = None,
+        progress: bool = False,
     ) -> Generation:
         """Save ``state`` as the next generation of ``run`` and publish it atomically.
 
         ``data_order`` (a map of plain values) is recorded in the root; see
-        ``docs/FORMAT.md``.
+        ``docs/FORMAT.md``. ``progress=True`` shows a bar of the tensor bytes
+        on stderr when it is a terminal (see :mod:`castore.progress`).
         """
         validate_run_name(run)
         check_step(step)
@@ -275,7 +278,9 @@ class Store:
         before = self.ref_or_problem(run)
         try:
             with self.save_lock():
-                return self._save_locked(encoded, run, step, metadata_bytes, order, started)
+                return self._save_locked(
+                    encoded, run, step, metadata_bytes, order, started, progress
+                )
         except KeyboardInterrupt as interrupt:
             # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
             annotate_interrupt(interrupt, self.interrupted_note(run, before))
@@ -341,10 +346,13 @@ class Store:
         metadata_bytes: bytes,
         order: dict[str, Any],
         started: float,
+        progress: bool,
     ) -> Generation:
         parent = self.refs.read(run)
         generation = parent.generation + 1 if parent else 1
-        shard = write_shard(self, encoded, run=run, generation=generation, rank=0)
+        shard = write_shard(
+            self, encoded, run=run, generation=generation, rank=0, progress=progress
+        )
         manifest = shard.manifest
         root = make_root(
             run=run,
@@ -633,6 +641,7 @@ class Store:
         *,
         framework: str = "numpy",
         fallback: str | None = None,
+        progress: bool = False,
     ) -> Restored:
         """Like :meth:`load`, and says what it loaded, what it skipped and how long it took.
 
@@ -646,7 +655,7 @@ class Store:
             raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
         if fallback is None:
             digest, root = self.resolve_root(run, generation)
-            return self._restore_root(run, digest, root, framework, [])
+            return self._restore_root(run, digest, root, framework, [], progress)
         below = None
         if generation != "latest":
             below = self.resolve(run, generation).id if not _is_id(generation) else int(generation)
@@ -659,7 +668,7 @@ class Store:
                         f"the log names generation {gen_id}, its root says {root.generation}",
                         run=run,
                     )
-                return self._restore_root(run, digest, root, framework, skipped)
+                return self._restore_root(run, digest, root, framework, skipped, progress)
             except IntegrityError as exc:
                 skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
         listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
@@ -674,6 +683,7 @@ class Store:
         root: GenerationRoot,
         framework: str,
         skipped: list[Skipped],
+        progress: bool = False,
     ) -> Restored:
         clock = time.perf_counter()
         timings: dict[str, float] = {}
@@ -681,7 +691,7 @@ class Store:
         entries = self.tensor_entries(root, shards)
         timings["metadata"] = time.perf_counter() - clock
         clock = time.perf_counter()
-        state = self._load_root(run, root, shards, entries, framework)
+        state = self._load_root(run, root, shards, entries, framework, progress)
         timings["read_verify"] = time.perf_counter() - clock
         return Restored(state, Generation.from_root(digest, root), list(skipped), timings)
 
@@ -692,6 +702,7 @@ class Store:
         *,
         framework: str = "numpy",
         fallback: str | None = None,
+        progress: bool = False,
     ) -> Any:
         """Rebuild the state saved as ``run@generation``; every byte is verified first.
 
@@ -699,9 +710,12 @@ class Store:
         without torch), ``"torch"``, or ``"auto"``: each as it was saved.
         ``fallback="previous"`` loads the newest generation at or before it that
         validates, with a warning naming each one skipped (:meth:`restore`
-        returns them).
+        returns them). ``progress=True`` shows a bar of the tensor bytes read
+        and verified on stderr when it is a terminal (see :mod:`castore.progress`).
         """
-        restored = self.restore(run, generation, framework=framework, fallback=fallback)
+        restored = self.restore(
+            run, generation, framework=framework, fallback=fallback, progress=progress
+        )
         if restored.skipped:
             warnings.warn(
                 f"castore: loaded {run}@{restored.generation.id} after skipping "
@@ -718,6 +732,7 @@ class Store:
         shards: list[ShardManifest],
         entries: dict[str, list[TensorEntry]],
         framework: str,
+        progress: bool = False,
     ) -> Any:
         where: dict[str, Any] = {"run": run, "generation": root.generation}
         # Every tensor is planned first, then all are read in one go: one read
@@ -727,12 +742,17 @@ class Store:
             name: self.plan_tensor(boxes, _framework_for(boxes[0], framework), where, requests)
             for name, boxes in entries.items()
         }
-        read_requests(self.backend, requests, self.read_counters, where)
         per_rank: dict[str, dict[int, Any]] = {}
-        for shard in shards:
-            for path in decode_local_state(shard.local_state):
-                value = self.load_rank_local(shard, path, framework, where)
-                per_rank.setdefault(path, {})[shard.rank] = value
+        total = 0
+        if progress_wanted(progress):  # counting costs a pass over the requests: only for a bar
+            local_bytes = sum(e.nbytes for shard in shards for e in shard.local_tensors)
+            total = request_bytes(requests) + local_bytes
+        with progress_bar(progress, f"load {run}@{root.generation}", total) as bar:
+            read_requests(self.backend, requests, self.read_counters, where, bar)
+            for shard in shards:
+                for path in decode_local_state(shard.local_state):
+                    value = self.load_rank_local(shard, path, framework, where, bar)
+                    per_rank.setdefault(path, {})[shard.rank] = value
 
         def lookup(name: str, _saved_framework: str) -> Any:
             if name not in tensors:
@@ -748,7 +768,12 @@ class Store:
         return decode_tree(root.state, lookup, rank_local)
 
     def load_rank_local(
-        self, shard: ShardManifest, path: str, framework: str, where: dict[str, Any]
+        self,
+        shard: ShardManifest,
+        path: str,
+        framework: str,
+        where: dict[str, Any],
+        bar: Bar = NO_BAR,
     ) -> Any:
         """Rebuild one RankLocal value of the rank that wrote ``shard``."""
         skeletons = decode_local_state(shard.local_state)
@@ -764,15 +789,21 @@ class Store:
                 raise CorruptObjectError(
                     f"per-rank tensor {name!r} of rank {shard.rank} is not in its shard", **where
                 )
-            return self.read_tensor([entry], _framework_for(entry, framework), where)
+            return self.read_tensor([entry], _framework_for(entry, framework), where, bar)
 
         return decode_tree(skeletons[path], lookup)
 
-    def read_tensor(self, boxes: list[TensorEntry], framework: str, where: dict[str, Any]) -> Any:
+    def read_tensor(
+        self,
+        boxes: list[TensorEntry],
+        framework: str,
+        where: dict[str, Any],
+        bar: Bar = NO_BAR,
+    ) -> Any:
         """A new tensor holding the saved boxes of one tensor, every chunk verified."""
         requests: list[ChunkRequest] = []
         tensor = self.plan_tensor(boxes, framework, where, requests)
-        read_requests(self.backend, requests, self.read_counters, where)
+        read_requests(self.backend, requests, self.read_counters, where, bar)
         return tensor
 
     def plan_tensor(

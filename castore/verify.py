@@ -5,30 +5,35 @@ against its digest and decoded), checks that each generation's tensors cover
 their shapes exactly and match what its state refers to, and that every chunk
 it names is present. ``deep`` also re-hashes every chunk, once per store even
 when many generations share it.
+
+Every generation's manifests are read before any chunk is checked, so the
+progress bar's total (the bytes of every distinct chunk) is known from its
+start: it never grows and reaches 100% once.
 """
 
 from __future__ import annotations
 
 import random
-import sys
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from tqdm import tqdm
-
-from castore.chunkio import shared_pool
+from castore.chunkio import expected_length, shared_pool
 from castore.chunkstore.base import Namespace
 from castore.errors import CastoreError
 from castore.hashing import Digest, digest_bytes
 from castore.objects import GenerationRoot, TensorEntry
+from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
 from castore.tree import decode_tree, tensor_names
 
 if TYPE_CHECKING:
     from castore.store import Store
 
 _DEEP_BATCH = 64
+
+# A generation's chunks: digest -> (a tensor entry naming it, its index there).
+Users = dict[bytes, tuple[TensorEntry, int]]
 
 
 @dataclass(frozen=True)
@@ -69,39 +74,45 @@ class VerifyReport:
 class _ChunkStatus:
     """Per-store cache: each chunk is checked (or re-hashed) once."""
 
-    def __init__(
-        self, store: Store, deep: bool, progress: bool, sample: float | None = None
-    ) -> None:
+    def __init__(self, store: Store, deep: bool, sample: float | None = None) -> None:
         self.store = store
         self.deep = deep or sample is not None
         self.sample = sample
         self.random = random.Random()
         self.hashed = 0
         self.status: dict[bytes, str] = {}  # "ok", "missing" or "damaged"
-        self.bar = tqdm(
-            desc="verify chunks",
-            unit="chunk",
-            file=sys.stderr,
-            disable=not (progress and sys.stderr.isatty()),
-        )
+        self.sizes: dict[bytes, int] = {}  # what each chunk counts on the bar
+        self.bar: Bar = NO_BAR
 
-    def check(self, digests: Iterable[bytes]) -> None:
-        todo = list(dict.fromkeys(d for d in digests if d not in self.status))
-        self.bar.total = (self.bar.total or 0) + len(todo)
+    def start_bar(self, progress: bool, planned: list[Users]) -> Bar:
+        """A bar of the bytes of every distinct chunk of every generation to check."""
+        if progress_wanted(progress):
+            for users in planned:
+                for chunk, (entry, index) in users.items():
+                    if chunk not in self.sizes:
+                        self.sizes[chunk] = expected_length(entry, index)
+        desc = "verify (re-hash)" if self.deep else "verify"
+        self.bar = progress_bar(progress, desc, sum(self.sizes.values()))
+        return self.bar
+
+    def _settle(self, verdicts: dict[bytes, str]) -> None:
+        """Record verdicts of chunks not checked before; the bar counts each chunk once."""
+        self.status.update(verdicts)
+        if self.bar and verdicts:
+            self.bar.update(sum(self.sizes.get(key, 0) for key in verdicts))
+
+    def check(self, digests: Users) -> None:
+        todo = [d for d in digests if d not in self.status]
         present = self.store.backend.has_many(Namespace.CHUNKS, todo)
-        for digest, found in zip(todo, present, strict=True):
-            if not found:
-                self.status[digest] = "missing"
+        self._settle({d: "missing" for d, found in zip(todo, present, strict=True) if not found})
         hashed = [d for d, found in zip(todo, present, strict=True) if found]
         if not self.deep:
-            self.status.update(dict.fromkeys(hashed, "ok"))
-            self.bar.update(len(todo))
+            self._settle(dict.fromkeys(hashed, "ok"))
             return
         if self.sample is not None:
             chosen = [d for d in hashed if self.random.random() < self.sample]
-            self.status.update(dict.fromkeys(set(hashed) - set(chosen), "ok"))
+            self._settle(dict.fromkeys(set(hashed) - set(chosen), "ok"))
             hashed = chosen
-        self.bar.update(len(todo) - len(hashed))
         self.hashed += len(hashed)
         for start in range(0, len(hashed), _DEEP_BATCH):
             self._rehash(hashed[start : start + _DEEP_BATCH])
@@ -116,11 +127,9 @@ class _ChunkStatus:
             pool = shared_pool()
             futures = [pool.submit(one, k, v) for k, v in zip(keys, values, strict=True)]
             wait(futures)  # every worker is done before the transaction ends
-            for key, future in zip(keys, futures, strict=True):
-                self.status[key] = future.result()
+            self._settle({key: f.result() for key, f in zip(keys, futures, strict=True)})
 
         self.store.backend.read_many(Namespace.CHUNKS, keys, visit)
-        self.bar.update(len(keys))
 
 
 def verify_store(
@@ -140,18 +149,38 @@ def verify_store(
     if sample is not None and not 0 < sample <= 1:
         raise ValueError(f"sample must be a fraction in (0, 1], got {sample!r}")
     report = VerifyReport(deep=deep or sample is not None, sample=sample)
-    chunks = _ChunkStatus(store, deep, progress, sample)
+    chunks = _ChunkStatus(store, deep, sample)
     if deep:  # first: a damaged LMDB file is reported before its trees are walked
         _check_index(store, report)
-    for name in [run] if run is not None else store.runs():
-        report.runs += 1
-        _check_reflog(store, name, report)
-        for digest, root in _roots(store, name, generation, report):
-            _verify_generation(store, digest, root, chunks, report)
-    chunks.bar.close()
+    # Every generation's structure first, so the bar's total is known before any chunk.
+    planned = _check_structures(store, run, generation, report)
+    # Each generation's chunk problems go right after its structural ones.
+    structural, taken = report.problems, 0
+    merged: list[Problem] = []
+    with chunks.start_bar(progress, [users for _, users, _ in planned]):
+        for root, users, at in planned:
+            merged += structural[taken:at]
+            taken = at
+            merged += _check_chunks(root, users, chunks)
+    report.problems = merged + structural[taken:]
     report.chunks = len(chunks.status)
     report.chunks_hashed = chunks.hashed
     return report
+
+
+def _check_structures(
+    store: Store, run: str | None, generation: int | str | None, report: VerifyReport
+) -> list[tuple[GenerationRoot, Users, int]]:
+    """Each readable generation, its chunks, and how many problems were found up to it."""
+    planned = []
+    for name in [run] if run is not None else store.runs():
+        report.runs += 1
+        _check_reflog(store, name, report)
+        for _, root in _roots(store, name, generation, report):
+            users = _check_structure(store, root, report)
+            if users is not None:
+                planned.append((root, users, len(report.problems)))
+    return planned
 
 
 def _check_reflog(store: Store, run: str, report: VerifyReport) -> None:
@@ -226,9 +255,8 @@ def _roots(
     return sorted(found, key=lambda item: -item[1].generation)
 
 
-def _verify_generation(
-    store: Store, digest: Digest, root: GenerationRoot, chunks: _ChunkStatus, report: VerifyReport
-) -> None:
+def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -> Users | None:
+    """Check a generation's manifests; its chunks and the entries naming them (None: unreadable)."""
     from castore.commit import check_coverage
 
     report.generations += 1
@@ -249,17 +277,22 @@ def _verify_generation(
             check_coverage(boxes, where)
     except CastoreError as exc:
         problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
-        return
-    users: dict[bytes, tuple[TensorEntry, int]] = {}
+        return None
+    users: Users = {}
     per_rank = [entry for shard in shards for entry in shard.local_tensors]
     for entry in [e for boxes in entries.values() for e in boxes] + per_rank:
         for index, chunk in enumerate(entry.chunks):
             users.setdefault(chunk, (entry, index))
+    return users
+
+
+def _check_chunks(root: GenerationRoot, users: Users, chunks: _ChunkStatus) -> list[Problem]:
+    """The problems of a generation's chunks (each chunk checked once per store)."""
+    problems: list[Problem] = []
     try:
         chunks.check(users)
     except CastoreError as exc:  # a damaged index page: these chunks cannot be looked up
-        problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
-        return
+        return [Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}")]
     for chunk, (entry, index) in users.items():
         verdict = chunks.status.get(chunk, "ok")
         if verdict != "ok":
@@ -270,3 +303,4 @@ def _verify_generation(
                     f"chunk {index} of tensor {entry.name!r} is {verdict} ({chunk.hex()[:16]})",
                 )
             )
+    return problems
