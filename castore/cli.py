@@ -20,9 +20,8 @@ from tabulate import tabulate
 import castore
 from castore import gc
 from castore.cli_args import COLLAPSE_AT, build_parser
-from castore.errors import CastoreError, GenerationNotFoundError
+from castore.errors import CastoreError
 from castore.progress import format_size as format_bytes
-from castore.refs import validate_run_name
 from castore.repair import repair_store
 from castore.store import Generation, Store
 from castore.tree import decode_tree
@@ -195,8 +194,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         run, generation = _split_target(args.target)
         generation = None if generation == "latest" and "@" not in args.target else generation
     with _open(args.store) as store:
-        if run is not None:
-            _check_target(store, run, generation)
         sample = None if args.sample is None else args.sample / 100
         report = verify_store(
             store, run=run, generation=generation, deep=args.deep, progress=True, sample=sample
@@ -222,24 +219,6 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_PROBLEMS
     print("OK")
     return 0
-
-
-def _check_target(store: Store, run: str, generation: str | None) -> None:
-    """A run or generation that does not exist is a usage error, not damage to report.
-
-    Only "not found" is raised here: a target that exists but cannot be read
-    is left to verify, which reports it as a problem.
-    """
-    validate_run_name(run)
-    if run not in store.runs():
-        raise GenerationNotFoundError(f"no run {run!r} in the store")
-    if generation is not None:
-        try:
-            store.resolve_root(run, generation)
-        except GenerationNotFoundError:
-            raise
-        except CastoreError:
-            pass  # damage: verify_store reports it as a problem
 
 
 def cmd_tag(args: argparse.Namespace) -> int:

@@ -21,10 +21,11 @@ from typing import TYPE_CHECKING
 
 from castore.chunkio import expected_length, shared_pool
 from castore.chunkstore.base import Namespace
-from castore.errors import CastoreError
+from castore.errors import CastoreError, GenerationNotFoundError
 from castore.hashing import Digest, digest_bytes
 from castore.objects import GenerationRoot, TensorEntry
 from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
+from castore.refs import validate_run_name
 from castore.tree import decode_tree, tensor_names
 
 if TYPE_CHECKING:
@@ -144,10 +145,14 @@ def verify_store(
     """Check ``run`` (or every run), one generation or all of them.
 
     ``sample`` (a fraction in (0, 1]) re-hashes that random share of the
-    chunks instead of all of them: a cheap periodic check.
+    chunks instead of all of them: a cheap periodic check. A ``run`` or
+    ``generation`` that does not exist raises GenerationNotFoundError, as
+    everywhere else; one that exists but cannot be read is a problem reported.
     """
     if sample is not None and not 0 < sample <= 1:
         raise ValueError(f"sample must be a fraction in (0, 1], got {sample!r}")
+    if run is not None:
+        _check_target(store, run, generation)
     report = VerifyReport(deep=deep or sample is not None, sample=sample)
     chunks = _ChunkStatus(store, deep, sample)
     if deep:  # first: a damaged LMDB file is reported before its trees are walked
@@ -166,6 +171,20 @@ def verify_store(
     report.chunks = len(chunks.status)
     report.chunks_hashed = chunks.hashed
     return report
+
+
+def _check_target(store: Store, run: str, generation: int | str | None) -> None:
+    """Raise for a target that does not exist; leave one that exists but is damaged."""
+    validate_run_name(run)
+    if run not in store.runs():
+        raise GenerationNotFoundError(f"no run {run!r} in the store", run=run)
+    if generation is not None:
+        try:
+            store.resolve_root(run, generation)
+        except GenerationNotFoundError:
+            raise
+        except CastoreError:
+            pass  # damage: reported as a problem by the checks
 
 
 def _check_structures(

@@ -26,6 +26,7 @@ from castore.errors import (
     ChecksumMismatchError,
     ChunkMissingError,
     CorruptObjectError,
+    GenerationNotFoundError,
     IntegrityError,
     ObjectMissingError,
 )
@@ -444,3 +445,21 @@ def test_verify_reports_an_older_deleted_root(store: Store) -> None:
     report = verify_store(store)
     assert not report.ok
     assert any("ObjectMissingError" in p.what for p in report.problems)
+
+
+def test_verify_of_a_run_or_generation_that_does_not_exist_raises(store: Store) -> None:
+    """Not found is an error, as in load, log and du; it is not damage to report."""
+    store.save(make_state(), run=RUN, step=1)
+    with pytest.raises(GenerationNotFoundError, match="no run 'nope'"):
+        verify_store(store, run="nope")
+    with pytest.raises(GenerationNotFoundError, match="no generation 9"):
+        verify_store(store, run=RUN, generation=9)
+    assert verify_store(store, run=RUN, generation=1).ok
+
+
+def test_a_damaged_ref_is_one_problem_not_two(store: Store) -> None:
+    store.save(make_state(), run=RUN, step=1)
+    (store.path / "refs" / RUN).write_bytes(b"garbage")
+    report = verify_store(store, run=RUN)
+    ref_problems = [p for p in report.problems if "CorruptRefError" in p.what]
+    assert len(ref_problems) == 1, report.problems
