@@ -559,19 +559,27 @@ class RefStore:
         What a ref advance needs to know (was the previous advance logged?),
         at a cost that does not grow with the run's history.
         """
+        for record in self.records_backwards(run):
+            if record["action"] in PUBLISH_ACTIONS:
+                return record
+        return None
+
+    def records_backwards(self, run: str) -> Iterator[dict[str, Any]]:
+        """Intact reflog records of ``run``, newest first, read from the file's end in
+        growing pieces: the cost is what the caller consumes, not the history."""
         validate_run_name(run)
         if not is_store_dir(self.logs_dir):
-            return None
+            return
         try:
             fd = open_store_file(self.reflog_path(run), os.O_RDONLY)
         except FileNotFoundError:
-            return None
+            return
         try:
             end = os.fstat(fd).st_size
             tail, piece = b"", _TAIL_PIECE
             while end > 0:
                 start = max(0, end - piece)
-                piece = min(2 * piece, 1 << 20)  # collect records may follow the last advance
+                piece = min(2 * piece, 1 << 20)
                 tail = _read_from(fd, start, end) + tail
                 end = start
                 lines = tail.split(b"\n")
@@ -579,11 +587,23 @@ class RefStore:
                 complete, tail = (lines, b"") if start == 0 else (lines[1:], lines[0])
                 for line in reversed(complete):
                     record = _parse_reflog_line(line, run)[0]
-                    if record is not None and record["action"] in PUBLISH_ACTIONS:
-                        return record
+                    if record is not None:
+                        yield record
         finally:
             os.close(fd)
-        return None
+
+    def published_newest_first(self, run: str) -> PublishedStream:
+        """The published, uncollected generations the reflog names, newest first.
+
+        From the parsed view when this RefStore has one, else read backwards
+        from the file's end, so a new process listing the newest few
+        generations reads only the end of a long log.
+        """
+        view = self._views.get(run)
+        if view is not None:
+            view = self.reflog_view(run)  # bring it up to date (appended lines only)
+            return PublishedStream(reversed(list(view.listed.items())), set(view.collected))
+        return PublishedStream.from_records(self.records_backwards(run))
 
     def record_collected(self, run: str, generation: int, root: Digest) -> None:
         """Log that garbage collection dropped a generation (before deleting it)."""
@@ -599,6 +619,38 @@ class RefStore:
         if last is None or last["root"] != current.root.hex:
             parent = Digest.from_hex(last["root"]) if last else None
             self.append_reflog(run, current, parent=parent, action="recovered")
+
+
+class PublishedStream:
+    """(root hex, id) pairs, newest first, and the collected roots seen so far.
+
+    Read backwards, a collect record comes before (is newer than) the publish
+    record it cancels, so ``collected`` holds every root collected after the
+    last pair yielded.
+    """
+
+    def __init__(self, pairs: Iterator[tuple[str, int]], collected: set[str]) -> None:
+        self._pairs = pairs
+        self.collected = collected
+
+    @classmethod
+    def from_records(cls, records: Iterator[dict[str, Any]]) -> PublishedStream:
+        stream = cls(iter(()), set())
+        stream._pairs = stream._from(records)
+        return stream
+
+    def _from(self, records: Iterator[dict[str, Any]]) -> Iterator[tuple[str, int]]:
+        seen: set[str] = set()
+        for record in records:
+            root = record["root"]
+            if record["action"] == "collect":
+                self.collected.add(root)
+            elif root not in self.collected and root not in seen:
+                seen.add(root)
+                yield root, record["generation"]
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        return self._pairs
 
 
 class ReflogView:

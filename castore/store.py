@@ -497,33 +497,51 @@ class Store:
     def iter_chain(self, run: str) -> Iterator[tuple[Digest, GenerationRoot]]:
         """Roots of ``run`` still stored, from the newest back to the oldest, read lazily.
 
-        The reflog's published generations, joined with the parent links of
-        each root (so a lost log line hides nothing the chain still reaches),
-        minus what garbage collection dropped. A listed root that is missing is
-        damage: this fails closed. Only the roots yielded (and a few parents)
-        are read, so the newest few cost the same however long the history.
+        The ref and the reflog's published generations, joined with the parent
+        links of each root (so a lost log line hides nothing the chain still
+        reaches), minus what garbage collection dropped. A listed root that is
+        missing is damage: this fails closed. The log is read from its end and
+        only the roots yielded (and a few parents) are read, so the newest few
+        cost the same however long the history.
         """
-        _, collected = self.logged(run)
-        published = self.published(run)
-        # Max-heap on generation id; a root is yielded once the id it claims is
-        # confirmed, so the order holds even where the log's id was wrong.
-        heap: list[tuple[int, str, GenerationRoot | None]] = [
-            (-gen, hex_digest, None) for hex_digest, gen in published.items()
-        ]
-        heapq.heapify(heap)
-        queued = set(published)
-        while heap:
+        latest = self._latest(run)
+        stream = self.refs.published_newest_first(run)
+        listed = itertools.chain([(latest.root.hex, latest.generation)], stream)
+        # Max-heap on generation id. The log lists ids in increasing order, so its
+        # entries are moved in only while they could be the next newest; a root
+        # is yielded once the id it claims is confirmed, so the order holds even
+        # where the log's id was wrong.
+        heap: list[tuple[int, str, GenerationRoot | None]] = []
+        queued: set[str] = set()
+        from_chain: set[str] = set()  # parents queued from a root's link, not the log
+        pending = next(listed, None)
+        while True:
+            while pending is not None and (not heap or pending[1] >= -heap[0][0]):
+                if pending[0] not in queued:
+                    queued.add(pending[0])
+                    heapq.heappush(heap, (-pending[1], pending[0], None))
+                pending = next(listed, None)
+            if not heap:
+                return
             key, hex_digest, root = heapq.heappop(heap)
             digest = Digest.from_hex(hex_digest)
             if root is None:
-                root = self.read_root(digest, run=run)
+                if hex_digest in from_chain and hex_digest in stream.collected:
+                    continue  # garbage collection dropped it: the chain ends here
+                try:
+                    root = self.read_root(digest, run=run)
+                except ObjectMissingError:
+                    if hex_digest in from_chain and hex_digest in self.logged(run)[1]:
+                        continue  # collected, its record older than the log read so far
+                    raise
                 if root.generation != -key:
                     heapq.heappush(heap, (-root.generation, hex_digest, root))
                     continue
             if root.parent is not None:
                 parent = root.parent.hex()
-                if parent not in collected and parent not in queued:
+                if parent not in queued:
                     queued.add(parent)
+                    from_chain.add(parent)
                     # A parent's id is below its child's: the bound orders it until read.
                     heapq.heappush(heap, (-(root.generation - 1), parent, None))
             yield digest, root

@@ -214,3 +214,22 @@ def test_a_new_refstore_reads_the_same_history(tmp_path: Path) -> None:
         assert ours.records == theirs.records
         assert ours.listed == theirs.listed
         assert ours.collected == theirs.collected
+
+
+def test_a_new_handle_lists_the_newest_from_the_reflog_tail(
+    tmp_path: Path, bytes_read: list[int]
+) -> None:
+    with saved(tmp_path / "s", 300) as store:
+        collect_garbage(store, RetentionPolicy(keep_last=250))  # collect records at the end
+        everything = store.generations(RUN)
+        assert [g.id for g in everything] == list(range(51, 301))
+        size = store.refs.reflog_path(RUN).stat().st_size
+    with castore.open(tmp_path / "s") as store:  # nothing parsed yet, as in a new process
+        bytes_read.clear()
+        assert store.generations(RUN, last=3) == everything[-3:]
+        assert sum(bytes_read) < size // 4
+        # Past the newest, down to where the collection stopped: still exact.
+        assert store.generations(RUN) == everything
+        bytes_read.clear()
+        assert cli.main(["log", str(tmp_path / "s"), "-n", "2"]) == 0
+        assert sum(bytes_read) < size // 4
