@@ -61,11 +61,16 @@ def open(  # noqa: A001 - the public name the API promises
 ) -> Store:
     """Open the castore store at ``path``, creating it (when ``create``) if absent.
 
-    The embedded default backend keeps chunk bytes in pack files and their index
-    and the manifests in LMDB, all inside the store directory.
+    ``path`` is a local directory (a string or path-like) or a ``file://`` URL;
+    any other URL scheme raises UnsupportedBackendError, never a directory
+    named after the URL. The embedded default backend keeps chunk bytes in pack
+    files and their index and the manifests in LMDB, all inside the store
+    directory.
     ``chunk_size`` (bytes) sets the default for a new store, or overrides it
     for this handle's saves; dedup works between saves of equal chunk size.
     """
+    from castore.location import parse_location
     from castore.storedir import open_store
 
-    return open_store(path, create=create, chunk_size=chunk_size, **options)
+    location = parse_location(path)
+    return open_store(location.path, create=create, chunk_size=chunk_size, **options)

@@ -11,6 +11,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── StoreLockedError             a lock could not be taken in time
     │   ├── StoreFullError               (OSError) the disk or the LMDB map is full
     │   ├── UnsafeStoreFileError         a store file is a symlink, pipe or other non-regular file
+    │   ├── UnsupportedBackendError      (ValueError) a URL scheme or backend castore cannot open
     │   └── AllocationError              (MemoryError) a tensor too large to allocate
     ├── FormatVersionError               written by a newer castore format
     ├── IntegrityError                   stored bytes are not what was named
@@ -95,6 +96,10 @@ class StoreNotFoundError(StoreError, FileNotFoundError):
 
 class NotAStoreError(StoreError):
     """The path exists but is a file or a directory castore did not create."""
+
+
+class UnsupportedBackendError(StoreError, ValueError):
+    """The store's address or marker names a backend this castore cannot open."""
 
 
 class StoreLockedError(StoreError):

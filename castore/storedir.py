@@ -17,7 +17,13 @@ from typing import Any
 
 from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.lmdb_backend import LmdbBackend
-from castore.errors import FormatVersionError, NotAStoreError, StoreError, StoreNotFoundError
+from castore.errors import (
+    FormatVersionError,
+    NotAStoreError,
+    StoreError,
+    StoreNotFoundError,
+    UnsupportedBackendError,
+)
 from castore.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.refs import RefStore, fsync_dir
 from castore.safefs import open_store_file, read_store_file, write_all, writing
@@ -117,6 +123,13 @@ def _read_marker(marker: Path) -> dict[str, Any]:
             path=str(marker.parent),
         )
     _check_marker_chunk_size(marker, config.get("chunk_size"))
+    backend = config.get("backend", "lmdb")  # markers of the first stores may lack it
+    if backend != "lmdb":
+        raise UnsupportedBackendError(
+            f"store marker {marker} names backend {backend!r}; this castore opens "
+            "'lmdb' stores: upgrade castore",
+            path=str(marker.parent),
+        )
     return config
 
 

@@ -1,0 +1,84 @@
+"""castore.open takes a path or a URL; a URL castore cannot serve is one clear error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import castore
+from castore.errors import StoreError, UnsupportedBackendError
+from castore.location import parse_location
+
+CLI = Path(sys.executable).parent / "castore"
+
+
+@pytest.mark.parametrize(
+    ("url", "says"),
+    [
+        ("s3://bucket/prefix", "not supported by this castore yet"),
+        ("S3://bucket/prefix", "not supported by this castore yet"),
+        ("gs://bucket/prefix", "unknown store scheme 'gs'"),
+        ("https://example.com/ckpt", "unknown store scheme 'https'"),
+        ("file://otherhost/ckpt", "not on host 'otherhost'"),
+        ("file://", "has no path"),
+    ],
+)
+def test_an_address_castore_cannot_open_is_refused_and_creates_nothing(
+    url: str, says: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(UnsupportedBackendError, match=says) as caught:
+        castore.open(url)
+    assert isinstance(caught.value, StoreError) and isinstance(caught.value, ValueError)
+    assert list(tmp_path.iterdir()) == []  # no ./s3:/bucket/prefix directory
+
+
+def test_file_urls_and_paths_open_the_same_store(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "my store"
+    with castore.open(path) as store:
+        store.save({"x": np.arange(4)}, run="r", step=1)
+    for address in (
+        f"file://{path}",
+        f"file://localhost{path}",
+        "file://" + str(path).replace(" ", "%20"),
+        str(path),
+    ):
+        with castore.open(address, create=False) as store:
+            assert store.resolve("r").id == 1, address
+    monkeypatch.chdir(tmp_path)
+    with castore.open("my store", create=False) as store:  # relative, no scheme: a path
+        assert store.resolve("r").id == 1
+    assert parse_location("s3:/not-a-url").path == Path("s3:/not-a-url")  # one slash: a path
+
+
+def test_a_marker_naming_another_backend_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    castore.open(path).close()
+    marker = path / "castore.json"
+    config = json.loads(marker.read_text())
+    config["backend"] = "s3"
+    marker.write_text(json.dumps(config))
+    with pytest.raises(UnsupportedBackendError, match="names backend 's3'"):
+        castore.open(path)
+
+
+def test_the_cli_says_so_in_one_line(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [str(CLI), "log", "s3://bucket/ckpt"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+        stdin=subprocess.DEVNULL,
+    )
+    assert result.returncode == 1
+    assert result.stderr.count("\n") == 1
+    assert "UnsupportedBackendError" in result.stderr and "s3://" in result.stderr
+    assert list(tmp_path.iterdir()) == []
