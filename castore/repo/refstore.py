@@ -128,7 +128,7 @@ class ComposedRefStore:
                     f"generation {new.generation} of run {run!r} is published, but its reflog "
                     f"record was not written ({exc}); the next save of the run records it",
                     ReflogWarning,
-                    stacklevel=4,
+                    stacklevel=5,  # past contextlib and the ref table: the advance's caller
                 )
 
         return around
