@@ -31,6 +31,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── LayoutMismatchError          ranks or targets disagree with the saved layout
     │   └── RankLocalMismatchError       per-rank state asked of a different world size
     ├── RefConflictError                 the ref moved under a compare-and-swap
+    ├── UnsupportedOperationError        (NotImplementedError) this backend cannot do that
     ├── GenerationNotFoundError          (LookupError) no such run or generation
     ├── TensorNotFoundError              (LookupError) no such tensor in a generation
     ├── InvalidNameError                 (ValueError) a run name that is unsafe
@@ -206,6 +207,10 @@ class RankLocalMismatchError(DistributedError):
 
 class RefConflictError(CastoreError):
     """A compare-and-swap ref advance found the ref moved since it was read."""
+
+
+class UnsupportedOperationError(CastoreError, NotImplementedError):
+    """The store's backend cannot do this (a path to a reflog file of a store in memory)."""
 
 
 class GenerationNotFoundError(CastoreError, LookupError):

@@ -173,7 +173,7 @@ def _check_reflog(store: Store, run: str) -> None:
     if damaged:
         raise GcAbortedError(
             f"gc aborted, nothing deleted: the reflog of run {run!r} has damaged lines "
-            f"{damaged[:10]} ({store.refs.reflog_path(run)}); a generation they name could "
+            f"{damaged[:10]} ({store.refs.reflog_location(run)}); a generation they name could "
             "be dropped by mistake",
             run=run,
         )
@@ -560,8 +560,7 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     if not root.exists():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
     _read_marker(root / MARKER)  # a real store, of a format we know
-    refs = RefStore(root)
-    fd = refs.hold_open(
+    hold = RefStore(root).hold_open(
         exclusive=True,
         busy=f"store {root} is open (in this or another process): close every user "
         "before compacting",
@@ -611,7 +610,7 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
             shutil.rmtree(work, ignore_errors=True)
         after = _bytes_on_disk(chunks_dir)  # unpadded until the next open
     finally:
-        os.close(fd)
+        hold.release()
     return CompactReport(before, after, time.perf_counter() - started)
 
 

@@ -66,7 +66,7 @@ def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> Re
     if not (root / MARKER).is_file():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
     _read_marker(root / MARKER)
-    fd = RefStore(root).hold_open(
+    hold = RefStore(root).hold_open(
         exclusive=True,
         busy=f"store {root} is open (in this or another process): close every user "
         "before rebuilding its index",
@@ -97,7 +97,7 @@ def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> Re
         finally:
             shutil.rmtree(work, ignore_errors=True)
     finally:
-        os.close(fd)
+        hold.release()
     report.seconds = time.perf_counter() - started
     return report
 

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import heapq
 import itertools
-import os
 import platform
 import re
 import sys
@@ -70,7 +69,8 @@ from castore.objects import (
     decode_object,
 )
 from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
-from castore.refs import RefStore, RefValue, validate_run_name
+from castore.refs import ComposedRefStore, RefStore, RefValue, validate_run_name
+from castore.repo.base import LockHold
 from castore.tree import decode_local_state, decode_tree, encode_state, encode_tree, torch_bytes
 
 GenerationSpec = int | str
@@ -210,30 +210,40 @@ def framework_versions() -> dict[str, str]:
 class Store:
     """A castore store on disk. Use :func:`castore.open` to get one."""
 
-    def __init__(self, path: Path, backend: ChunkBackend, chunk_size: int) -> None:
+    def __init__(
+        self,
+        path: Path,
+        backend: ChunkBackend,
+        chunk_size: int,
+        *,
+        refs: ComposedRefStore | None = None,
+    ) -> None:
+        """A store over ``backend`` (chunks, objects) and ``refs`` (refs, reflog, tags,
+        locks; default: those of the directory ``path``). ``path`` also names the
+        store in messages."""
         self.path = path
         self.backend = backend
         self.chunk_size = chunk_size
-        self.refs = RefStore(path)
+        self.refs = RefStore(path) if refs is None else refs
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
 
     # -- lifecycle --------------------------------------------------------
 
-    def _hold_open_lock(self, fd: int) -> None:
-        """Keep ``fd`` (the shared open lock, see castore.gc.compact) until :meth:`close`.
+    def _hold_open_lock(self, hold: LockHold) -> None:
+        """Keep ``hold`` (the shared open lock, see castore.gc.compact) until :meth:`close`.
 
         A Store dropped unclosed (a notebook cell run again rebinds it) lets go of
         the lock too, or compact would be refused until the process exits.
         """
-        self._open_lock = weakref.finalize(self, os.close, fd)
+        self._open_lock = weakref.finalize(self, hold.release)
         self._open_lock.atexit = False
 
     def close(self) -> None:
         """Close this handle; other Stores open on the same path are unaffected."""
         self.backend.close()
         if self._open_lock is not None:
-            self._open_lock()  # closes the fd once, releasing the shared open lock
+            self._open_lock()  # releases the shared open lock, once
 
     def __enter__(self) -> Store:
         return self

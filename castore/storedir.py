@@ -53,14 +53,14 @@ def open_store(
     config = _marker_or_new_store(root, create=create, chunk_size=chunk_size)
     size = chunk_size or int(config["chunk_size"])
     refs = RefStore(root)
-    fd = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
+    hold = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
     try:
         backend = LmdbBackend(root / "chunks", map_size=map_size)
     except BaseException:
-        os.close(fd)
+        hold.release()
         raise
-    store = Store(root, backend, size)
-    store._hold_open_lock(fd)
+    store = Store(root, backend, size, refs=refs)
+    store._hold_open_lock(hold)
     return store
 
 

@@ -214,7 +214,7 @@ def _check_reflog(store: Store, run: str, report: VerifyReport) -> None:
             Problem(
                 run,
                 None,
-                f"reflog {store.refs.reflog_path(run).name} has {len(damaged)} damaged "
+                f"reflog {store.refs.reflog_location(run)} has {len(damaged)} damaged "
                 f"line(s) {damaged[:10]}: complete but failing their checksum or not a "
                 "castore record",
             )

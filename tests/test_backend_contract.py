@@ -1,4 +1,4 @@
-"""The chunk backend contract, run against every backend (real LMDB on disk)."""
+"""The chunk backend contract (castore.testing.chunks) over every backend, and LMDB's own."""
 
 from __future__ import annotations
 
@@ -11,80 +11,23 @@ import pytest
 from castore.chunkstore import ChunkBackend, LmdbBackend, MemoryBackend, Namespace
 from castore.errors import StoreError
 from castore.hashing import digest_bytes
+from castore.testing.chunks import ChunkBackendTests, items
 
 
-@pytest.fixture(params=["lmdb", "memory"])
-def backend(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[ChunkBackend]:
-    made: ChunkBackend = (
-        LmdbBackend(tmp_path / "env") if request.param == "lmdb" else MemoryBackend()
-    )
-    yield made
-    made.close()
+class TestLmdbBackend(ChunkBackendTests):
+    @pytest.fixture
+    def backend(self, tmp_path: Path) -> Iterator[ChunkBackend]:
+        made = LmdbBackend(tmp_path / "env")
+        yield made
+        made.close()
 
 
-def items(count: int, size: int = 100) -> list[tuple[bytes, bytes]]:
-    values = [bytes([i % 256]) * size + i.to_bytes(4, "little") for i in range(count)]
-    return [(digest_bytes(v), v) for v in values]
-
-
-def test_put_then_read_returns_the_same_bytes(backend: ChunkBackend) -> None:
-    pairs = items(10)
-    result = backend.put_many(Namespace.CHUNKS, pairs)
-    assert (result.written, result.already_present) == (10, 0)
-    assert result.written_bytes == sum(len(v) for _, v in pairs)
-    got: list[bytes | None] = []
-    backend.read_many(
-        Namespace.CHUNKS,
-        [k for k, _ in pairs],
-        lambda values: got.extend(None if v is None else bytes(v) for v in values),
-    )
-    assert got == [v for _, v in pairs]
-
-
-def test_put_of_present_key_writes_nothing_and_keeps_the_first_value(
-    backend: ChunkBackend,
-) -> None:
-    key, value = items(1)[0]
-    backend.put_many(Namespace.CHUNKS, [(key, value)])
-    again = backend.put_many(Namespace.CHUNKS, [(key, b"something else")])
-    assert (again.written, again.already_present, again.written_bytes) == (0, 1, 0)
-    assert backend.get(Namespace.CHUNKS, key) == value
-
-
-def test_namespaces_are_separate(backend: ChunkBackend) -> None:
-    key, value = items(1)[0]
-    backend.put_many(Namespace.OBJECTS, [(key, value)])
-    assert backend.has_many(Namespace.OBJECTS, [key]) == [True]
-    assert backend.has_many(Namespace.CHUNKS, [key]) == [False]
-    assert backend.get(Namespace.CHUNKS, key) is None
-
-
-def test_missing_keys_read_as_none_in_order(backend: ChunkBackend) -> None:
-    pairs = items(3)
-    backend.put_many(Namespace.CHUNKS, pairs[:1] + pairs[2:])
-    seen: list[bool] = []
-    backend.read_many(
-        Namespace.CHUNKS, [k for k, _ in pairs], lambda vs: seen.extend(v is not None for v in vs)
-    )
-    assert seen == [True, False, True]
-    assert backend.has_many(Namespace.CHUNKS, [k for k, _ in pairs]) == [True, False, True]
-
-
-def test_delete_listing_and_sizes(backend: ChunkBackend) -> None:
-    pairs = items(5, size=10)
-    backend.put_many(Namespace.CHUNKS, pairs)
-    assert sorted(backend.iter_keys(Namespace.CHUNKS)) == sorted(k for k, _ in pairs)
-    assert dict(backend.value_sizes(Namespace.CHUNKS)) == {k: len(v) for k, v in pairs}
-    assert backend.delete_many(Namespace.CHUNKS, [pairs[0][0], pairs[0][0], b"\0" * 32]) == 1
-    assert len(list(backend.iter_keys(Namespace.CHUNKS))) == 4
-
-
-def test_values_can_be_memoryviews_of_larger_buffers(backend: ChunkBackend) -> None:
-    buffer = bytearray(range(256)) * 4
-    view = memoryview(buffer)[100:300]
-    key = digest_bytes(view)
-    backend.put_many(Namespace.CHUNKS, [(key, view)])
-    assert backend.get(Namespace.CHUNKS, key) == bytes(buffer[100:300])
+class TestMemoryBackend(ChunkBackendTests):
+    @pytest.fixture
+    def backend(self) -> Iterator[ChunkBackend]:
+        made = MemoryBackend()
+        yield made
+        made.close()
 
 
 def test_lmdb_values_persist_across_reopen(tmp_path: Path) -> None:

@@ -19,10 +19,10 @@ from _helpers import assert_state_equal
 
 import castore
 import castore.gc as gc_module
-import castore.refs as refs_module
+import castore.repo.local as local_repo
 from castore import Store, cli
 from castore.gc import RetentionPolicy, collect_garbage
-from castore.refs import RefStore
+from castore.refs import PUBLISH_ACTIONS, RefStore
 from castore.verify import verify_store
 
 RUN = "h"
@@ -44,26 +44,26 @@ def saved(path: Path, count: int, **open_args: Any) -> Store:
 def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Every reflog byte range read, as its length."""
     reads: list[int] = []
-    real = refs_module._read_from
+    real = local_repo._read_from
 
     def counting(fd: int, start: int, end: int) -> bytes:
         data = real(fd, start, end)
         reads.append(len(data))
         return data
 
-    monkeypatch.setattr(refs_module, "_read_from", counting)
+    monkeypatch.setattr(local_repo, "_read_from", counting)
     return reads
 
 
 def test_a_save_reads_only_the_reflog_tail(tmp_path: Path, bytes_read: list[int]) -> None:
     store = saved(tmp_path / "s", 400)
     size = store.refs.reflog_path(RUN).stat().st_size
-    assert size > 20 * refs_module._TAIL_PIECE  # a reflog much longer than one tail read
+    assert size > 20 * local_repo._TAIL_PIECE  # a reflog much longer than one tail read
     store.close()
     with castore.open(tmp_path / "s") as store:  # as a new process: nothing parsed yet
         bytes_read.clear()
         store.save(state(400), run=RUN, step=400)
-        assert 0 < sum(bytes_read) <= refs_module._TAIL_PIECE
+        assert 0 < sum(bytes_read) <= local_repo._TAIL_PIECE
         assert [r["generation"] for r in store.refs.reflog(RUN)][-2:] == [400, 401]
 
 
@@ -73,7 +73,7 @@ def test_the_tail_read_finds_the_last_advance_behind_collect_records(tmp_path: P
         records = store.refs.reflog(RUN)
         assert records[-1]["action"] == "collect"
         last = store.refs.last_published(RUN)
-        publish = [r for r in records if r["action"] in refs_module.PUBLISH_ACTIONS]
+        publish = [r for r in records if r["action"] in PUBLISH_ACTIONS]
         assert last == publish[-1]
         store.save(state(300), run=RUN, step=300)
         # The advance was already logged, so no "recovered" record was added.

@@ -4,7 +4,9 @@ A backend maps 32-byte digests to immutable byte strings in two namespaces:
 ``chunks`` (tensor bytes) and ``objects`` (encoded manifests). It knows
 nothing of digests' meaning: verifying that bytes match their name is the
 caller's job (see :mod:`castore.store`), so a backend can be tested on the raw
-bytes underneath it, corrupt ones included.
+bytes underneath it, corrupt ones included. Every backend passes the contract
+suite :class:`castore.testing.chunks.ChunkBackendTests`; refs, the reflog, tags
+and locks are the repository's other parts (:mod:`castore.repo`).
 """
 
 from __future__ import annotations

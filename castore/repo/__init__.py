@@ -1,0 +1,40 @@
+"""A repository built from parts: chunks and objects, refs, reflog, tags, locks.
+
+A ``Store`` is a facade over a chunk backend (:mod:`castore.chunkstore`) and
+the mutable parts defined here, each an interface with a local-directory
+implementation, an in-memory one, and a contract suite in
+:mod:`castore.testing` that every implementation passes:
+
+=====================  ===========================  =======================
+interface              local directory              memory
+=====================  ===========================  =======================
+``base.RefTable``      ``local.LocalRefTable``      ``memory.MemoryRefTable``
+``base.Reflog``        ``local.LocalReflog``        ``memory.MemoryReflog``
+``base.TagTable``      ``local.LocalTagTable``      ``memory.MemoryTagTable``
+``base.StoreLocks``    ``local.LocalLocks``         ``memory.MemoryLocks``
+=====================  ===========================  =======================
+
+:class:`castore.repo.refstore.ComposedRefStore` composes one of each under the
+method names ``Store`` calls (``store.refs``); ``local.RefStore`` and
+``memory.MemoryRefStore`` are its two compositions, and
+:func:`castore.repo.memory.memory_store` builds a whole ``Store`` in memory.
+
+Only names that carry no storage are imported here, so ``castore.store`` can
+import this package without a cycle.
+"""
+
+from castore.repo.base import LockHold, Reflog, RefTable, StoreLocks, TagTable
+from castore.repo.records import ReflogView, RefValue
+from castore.repo.refstore import ComposedRefStore, RepoParts
+
+__all__ = [
+    "ComposedRefStore",
+    "LockHold",
+    "RefTable",
+    "RefValue",
+    "Reflog",
+    "ReflogView",
+    "RepoParts",
+    "StoreLocks",
+    "TagTable",
+]
