@@ -64,9 +64,9 @@ from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.commit import (
     COORDINATOR_FAULTS,
     check_chunks_present,
-    check_coverage,
     commit_objects,
-    group_entries,
+    encode_metadata,
+    framework_versions,
     make_root,
     publish,
     read_written_shards,
@@ -82,17 +82,12 @@ from castore.errors import (
     UnsupportedValueError,
 )
 from castore.hashing import Digest
+from castore.history import Generation
 from castore.layout import Box
+from castore.reading import allocate, box_requests, check_coverage, group_entries
 from castore.refs import validate_run_name
 from castore.shard import Shard
-from castore.store import (
-    Generation,
-    Store,
-    _allocate,
-    box_requests,
-    encode_metadata,
-    framework_versions,
-)
+from castore.store import Store
 from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key, torch_bytes
 
 SCHEME = "castore://"
@@ -585,7 +580,7 @@ class CastoreReader(_StoreUser, StorageReader):
                 flat = _writable(target, entry.dtype)
                 staging = None
                 if flat is None:  # another device, dtype or layout: stage, copy once agreed
-                    staging, flat = _allocate(entry.dtype, region.shape, "torch")
+                    staging, flat = allocate(entry.dtype, region.shape, "torch")
                 requests += box_requests(entry, region, region, flat)
                 targets.append((item, target, staging))
             return blobs, targets, requests, where

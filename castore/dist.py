@@ -28,10 +28,10 @@ from castore.chunkio import WriteStats
 from castore.commit import (
     COORDINATOR_FAULTS,
     check_chunks_present,
-    check_coverage,
     check_data_order,
     commit_objects,
-    group_entries,
+    encode_metadata,
+    framework_versions,
     make_root,
     publish,
     read_written_shards,
@@ -43,17 +43,12 @@ from castore.errors import (
 )
 from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
+from castore.history import Generation
 from castore.objects import TensorEntry
+from castore.reading import check_coverage, group_entries
 from castore.refs import RefValue, validate_run_name
 from castore.restore import LoadReport, LoadResult, load
-from castore.store import (
-    Generation,
-    Store,
-    annotate_interrupt,
-    check_step,
-    encode_metadata,
-    framework_versions,
-)
+from castore.store import Store, annotate_interrupt, check_step
 from castore.tree import EncodedTree, encode_state, tensor_names
 
 __all__ = ["LoadReport", "LoadResult", "load", "save"]

@@ -58,9 +58,9 @@ from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.commit import (
     COORDINATOR_FAULTS,
     ShardWrite,
-    check_coverage,
     commit_objects,
-    group_entries,
+    encode_metadata,
+    framework_versions,
     make_root,
     publish,
     root_stats,
@@ -76,8 +76,9 @@ from castore.errors import (
 )
 from castore.hashing import Digest, digest_bytes
 from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest, TensorEntry, encode_object
+from castore.reading import check_coverage, group_entries
 from castore.refs import encode_ref
-from castore.store import FallbackWarning, encode_metadata, framework_versions
+from castore.store import FallbackWarning
 from castore.tree import encode_state, tensor_names
 from castore.verify import verify_store
 
