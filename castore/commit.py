@@ -2,11 +2,18 @@
 
 1. ``write_shard``: a rank's chunks are committed, then (by the caller, or
    together with the root) its shard manifest object.
-2. ``publish``: the root object is committed, then the ref is advanced by
-   compare-and-swap. Nothing is visible to readers before that advance.
+2. ``publish_shards``: the one publish sequence of a generation that several
+   writers made (``castore.dist``, ``castore.dcp``, the tools). The
+   coordinator re-reads every writer's shard manifest, checks that their
+   boxes tile each tensor exactly once and that every chunk they name is
+   present, builds the root, then ``publish`` commits it and advances the
+   ref by compare-and-swap (the ref store logs the advance in the reflog).
+   Nothing is visible to readers before that advance.
 
-Both the single-process ``Store.save`` and the multi-rank ``castore.dist.save``
-are built from these steps; they differ only in who runs which step.
+The single-process ``Store.save`` calls ``publish`` itself: its one shard is
+still in memory (committed together with the root), each of its tensors is
+one whole box, and it wrote or found every chunk under the store lock it
+still holds, so the coordinator's checks have nothing to catch there.
 
 This module needs only a store's parts (:class:`StoreParts`), never
 :mod:`castore.store` itself, so the store facade can import it.
@@ -19,6 +26,7 @@ import platform
 import socket
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,6 +38,7 @@ from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.errors import (
     ChunkMissingError,
     CorruptObjectError,
+    LayoutMismatchError,
     UnsupportedValueError,
 )
 from castore.faults import fault_point
@@ -39,12 +48,13 @@ from castore.objects import (
     TYPE_SHARD,
     GenerationRoot,
     ShardManifest,
+    TensorEntry,
     encode_object,
 )
 from castore.progress import progress_bar, progress_wanted
-from castore.reading import read_object
+from castore.reading import check_coverage, group_entries, read_object
 from castore.refs import RefStore, RefValue
-from castore.tree import EncodedTree, check_depth, encode_local_state, encode_tree
+from castore.tree import EncodedTree, check_depth, encode_local_state, encode_tree, tensor_names
 
 
 class StoreParts(Protocol):
@@ -143,7 +153,8 @@ def publish(
     """Commit the root (with any objects not yet committed), then advance the ref.
 
     The last step of every publish: the ref's compare-and-swap is the commit
-    point, and the ref store logs it.
+    point, and the ref store logs it. Callers with shards from other writers
+    use :func:`publish_shards`, which checks them first.
     """
     root_bytes = encode_object(root)
     root_digest = Digest(digest_bytes(root_bytes))
@@ -273,3 +284,98 @@ def check_chunks_present(
             raise ChunkMissingError(
                 f"a shard names chunk {digest.hex()[:16]} that is not in the store", **where
             )
+
+
+def check_names(
+    skeleton: bytes, entries: dict[str, list[TensorEntry]], where: dict[str, Any]
+) -> None:
+    """The shards hold exactly the global tensors the state's skeleton names."""
+    referenced = {name for name, _ in tensor_names(skeleton)}
+    missing = sorted(referenced - entries.keys())
+    extra = sorted(entries.keys() - referenced)
+    if missing or extra:
+        raise LayoutMismatchError(
+            f"saved tensors do not match the state: missing {missing[:5]}, unexpected {extra[:5]}",
+            **where,
+        )
+
+
+# -- the one publish sequence -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckedShards:
+    """The shard manifests a root will name, re-read and checked by the coordinator."""
+
+    digests: list[bytes]
+    manifests: list[ShardManifest]
+    entries: dict[str, list[TensorEntry]]  # every global tensor: name -> its distinct boxes
+
+    @property
+    def tensors(self) -> int:
+        """Tensors the generation holds: each global one once, each rank's own per rank."""
+        return len(self.entries) + sum(len(s.local_tensors) for s in self.manifests)
+
+
+def check_shards(
+    store: StoreParts,
+    digests: list[bytes],
+    *,
+    run: str,
+    generation: int,
+    skeleton: bytes | None = None,
+    hint: str = "",
+) -> CheckedShards:
+    """The coordinator's checks before a root may name these shards.
+
+    Each manifest is the reporting writer's own, the boxes of every tensor
+    tile it exactly once, the shards hold the tensors ``skeleton`` (the
+    state's tree, when given) names, and every chunk they name is present:
+    a collection may have raced a writer that found a chunk and skipped it.
+    """
+    where = {"run": run, "generation": generation}
+    manifests = read_written_shards(store, digests, run=run, generation=generation, hint=hint)
+    entries = group_entries(manifests, where)
+    for boxes in entries.values():
+        check_coverage(boxes, where)
+    if skeleton is not None:
+        check_names(skeleton, entries, where)
+    check_chunks_present(store, manifests, where)
+    return CheckedShards(list(digests), manifests, entries)
+
+
+def publish_shards(
+    store: StoreParts,
+    *,
+    run: str,
+    generation: int,
+    parent: RefValue | None,
+    shards: list[bytes],
+    build_root: Callable[[CheckedShards], GenerationRoot],
+    faults: PublishFaults = COORDINATOR_FAULTS,
+    skeleton: bytes | None = None,
+    hint: str = "",
+) -> tuple[Digest, GenerationRoot]:
+    """Publish the committed shard manifests ``shards`` (in rank order) as one generation.
+
+    The one publish sequence of a generation several writers made: check the
+    shards (:func:`check_shards`), build the root from what was checked,
+    commit it and advance the ref from ``parent`` (:func:`publish`). Any
+    failed check raises before anything is written. Returns the root's
+    digest and the root.
+    """
+    checked = check_shards(
+        store, shards, run=run, generation=generation, skeleton=skeleton, hint=hint
+    )
+    root = build_root(checked)
+    expected_parent = parent.root.raw if parent else None
+    if (root.run, root.generation, root.parent, list(root.shards)) != (
+        run,
+        generation,
+        expected_parent,
+        list(shards),
+    ):
+        raise ValueError(
+            f"the root built for {run}@{generation} does not name the checked shards and parent"
+        )
+    return publish(store, parent=parent, root=root, faults=faults), root

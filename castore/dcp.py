@@ -62,14 +62,12 @@ from torch.futures import Future
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.commit import (
-    COORDINATOR_FAULTS,
-    check_chunks_present,
+    CheckedShards,
     commit_objects,
     encode_metadata,
     framework_versions,
     make_root,
-    publish,
-    read_written_shards,
+    publish_shards,
     root_stats,
     write_shard,
 )
@@ -84,7 +82,8 @@ from castore.errors import (
 from castore.hashing import Digest
 from castore.history import Generation
 from castore.layout import Box
-from castore.reading import allocate, box_requests, check_coverage, group_entries
+from castore.objects import GenerationRoot
+from castore.reading import allocate, box_requests
 from castore.refs import validate_run_name
 from castore.shard import Shard
 from castore.store import Store
@@ -415,30 +414,30 @@ class CastoreWriter(_StoreUser, StorageWriter):
             if missing:
                 raise CorruptObjectError(f"no shard manifest for writer {missing[0]}", **where)
             digests = [bytes.fromhex(shard_digests[i]) for i in range(len(shard_digests))]
-            shards = read_written_shards(
+
+            def build_root(checked: CheckedShards) -> GenerationRoot:
+                return make_root(
+                    run=run,
+                    generation=generation,
+                    step=self.step,
+                    parent=parent,
+                    world_size=len(checked.manifests),
+                    shards=checked.digests,
+                    state=_skeleton(metadata),
+                    metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
+                    stats=root_stats(stats, 0.0, len(checked.entries)),
+                    frameworks=framework_versions(),
+                )
+
+            published, root = publish_shards(
                 store,
-                digests,
                 run=run,
                 generation=generation,
+                parent=parent,
+                shards=digests,
+                build_root=build_root,
                 hint=": the ref moved during the save; save again",
             )
-            entries = group_entries(shards, where)
-            for boxes in entries.values():
-                check_coverage(boxes, where)
-            check_chunks_present(store, shards, where)
-            root = make_root(
-                run=run,
-                generation=generation,
-                step=self.step,
-                parent=parent,
-                world_size=len(shards),
-                shards=digests,
-                state=_skeleton(metadata),
-                metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
-                stats=root_stats(stats, 0.0, len(entries)),
-                frameworks=framework_versions(),
-            )
-            published = publish(store, parent=parent, root=root, faults=COORDINATOR_FAULTS)
         self.generation = Generation.from_root(published, root)
 
 
