@@ -61,8 +61,8 @@ from castore.reading import (
 from castore.refs import RefStore, RefValue, validate_run_name
 from castore.tree import encode_state
 
-# Names that lived here before reading, history and the root helpers had modules
-# of their own; importers of castore.store keep finding them.
+# Some of these now live in castore.reading, castore.history and castore.commit;
+# they are re-exported so that importers of castore.store keep finding them.
 __all__ = [
     "ChunkDelivery",
     "FallbackWarning",
@@ -282,6 +282,8 @@ class Store:
             frameworks=framework_versions(),
             data_order=order,
         )
+        # The last step of the publish sequence only (castore.commit): this save
+        # wrote its one shard itself, whole boxes, under the store lock it holds.
         digest = publish(
             self,
             parent=parent,
