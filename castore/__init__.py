@@ -24,8 +24,9 @@ from castore.errors import (
     StoreError,
     UnsupportedValueError,
 )
+from castore.history import Generation, SaveStats
 from castore.shard import NotLoaded, RankLocal, Shard
-from castore.store import Generation, SaveStats, Store
+from castore.store import Store
 
 __version__ = "0.1.0"
 

@@ -21,9 +21,10 @@ import castore
 from castore import gc
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
+from castore.history import Generation
 from castore.progress import format_size as format_bytes
 from castore.repair import repair_store
-from castore.store import Generation, Store
+from castore.store import Store
 from castore.tree import decode_tree
 
 EXIT_PROBLEMS = 1

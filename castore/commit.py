@@ -2,34 +2,47 @@
 
 1. ``write_shard``: a rank's chunks are committed, then (by the caller, or
    together with the root) its shard manifest object.
-2. ``publish``: the root object is committed, then the ref is advanced by
-   compare-and-swap. Nothing is visible to readers before that advance.
+2. ``publish_shards``: the one publish sequence of a generation that several
+   writers made (``castore.dist``, ``castore.dcp``, the tools). The
+   coordinator re-reads every writer's shard manifest, checks that their
+   boxes tile each tensor exactly once and that every chunk they name is
+   present, builds the root, then ``publish`` commits it and advances the
+   ref by compare-and-swap (the ref store logs the advance in the reflog).
+   Nothing is visible to readers before that advance.
 
-Both the single-process ``Store.save`` and the multi-rank ``castore.dist.save``
-are built from these steps; they differ only in who runs which step.
+The single-process ``Store.save`` calls ``publish`` itself: its one shard is
+still in memory (committed together with the root), each of its tensors is
+one whole box, and it wrote or found every chunk under the store lock it
+still holds, so the coordinator's checks have nothing to catch there.
+
+This module needs only a store's parts (:class:`StoreParts`), never
+:mod:`castore.store` itself, so the store facade can import it.
 """
 
 from __future__ import annotations
 
 import os
+import platform
 import socket
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgpack
+import numpy as np
 
 from castore.chunkio import WriteStats, write_leaves
-from castore.chunkstore.base import Namespace
+from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.errors import (
     ChunkMissingError,
     CorruptObjectError,
-    CoverageError,
+    LayoutMismatchError,
     UnsupportedValueError,
 )
 from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
-from castore.layout import Box
 from castore.objects import (
     MAX_FIELD_DEPTH,
     TYPE_SHARD,
@@ -39,11 +52,22 @@ from castore.objects import (
     encode_object,
 )
 from castore.progress import progress_bar, progress_wanted
-from castore.refs import RefValue
-from castore.tree import EncodedTree, check_depth, encode_local_state
+from castore.reading import check_coverage, group_entries, read_object
+from castore.refs import ComposedRefStore, RefValue
+from castore.tree import EncodedTree, check_depth, encode_local_state, encode_tree, tensor_names
 
-if TYPE_CHECKING:
-    from castore.store import Store
+
+class StoreParts(Protocol):
+    """What writing a generation needs of a store: its chunk backend, chunk size and refs."""
+
+    @property
+    def backend(self) -> ChunkBackend: ...
+
+    @property
+    def chunk_size(self) -> int: ...
+
+    @property
+    def refs(self) -> ComposedRefStore: ...
 
 
 @dataclass(frozen=True)
@@ -57,7 +81,7 @@ class ShardWrite:
 
 
 def write_shard(
-    store: Store,
+    store: StoreParts,
     encoded: EncodedTree,
     *,
     run: str,
@@ -95,7 +119,7 @@ def write_shard(
     return ShardWrite(digest_bytes(data), data, manifest, stats)
 
 
-def commit_objects(store: Store, objects: list[tuple[bytes, bytes]]) -> None:
+def commit_objects(store: StoreParts, objects: list[tuple[bytes, bytes]]) -> None:
     store.backend.put_many(Namespace.OBJECTS, objects)
 
 
@@ -119,14 +143,19 @@ COORDINATOR_FAULTS = PublishFaults(
 
 
 def publish(
-    store: Store,
+    store: StoreParts,
     *,
     parent: RefValue | None,
     root: GenerationRoot,
     faults: PublishFaults,
     extra_objects: tuple[tuple[bytes, bytes], ...] = (),
 ) -> Digest:
-    """Commit the root (with any objects not yet committed), then advance the ref."""
+    """Commit the root (with any objects not yet committed), then advance the ref.
+
+    The last step of every publish: the ref's compare-and-swap is the commit
+    point, and the ref store logs it. Callers with shards from other writers
+    use :func:`publish_shards`, which checks them first.
+    """
     root_bytes = encode_object(root)
     root_digest = Digest(digest_bytes(root_bytes))
     fault_point(faults.before_root)
@@ -201,75 +230,39 @@ def make_root(
     )
 
 
-# -- layout checks -----------------------------------------------------------
+def encode_metadata(metadata: dict[str, Any] | None) -> bytes:
+    """User metadata: plain values only, encoded like a state without tensors."""
+    return encode_tree(dict(metadata or {}), allow_tensors=False)[0]
 
 
-def group_entries(
-    shards: list[ShardManifest], where: dict[str, Any]
-) -> dict[str, list[TensorEntry]]:
-    """Every global tensor: name -> its distinct boxes.
+def framework_versions() -> dict[str, str]:
+    """The versions a root records: castore, Python, numpy, and torch if it is loaded."""
+    from castore import __version__
 
-    Two ranks may hold the same box (replicated shards); identical boxes with
-    identical chunks count once, identical boxes with different bytes are an
-    error.
-    """
-    grouped: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], TensorEntry]] = {}
-    for shard in shards:
-        for entry in shard.tensors:
-            boxes = grouped.setdefault(entry.name, {})
-            key = (entry.offsets, entry.local_shape)
-            seen = boxes.get(key)
-            if seen is None:
-                boxes[key] = entry
-            elif seen.chunks != entry.chunks or seen.dtype != entry.dtype:
-                raise CoverageError(
-                    f"two ranks saved different bytes for the same box {key} of tensor "
-                    f"{entry.name!r}",
-                    tensor=entry.name,
-                    **where,
-                )
-    return {name: list(boxes.values()) for name, boxes in grouped.items()}
+    versions = {
+        "castore": __version__,
+        "python": platform.python_version(),
+        "numpy": np.__version__,
+    }
+    torch = sys.modules.get("torch")
+    if torch is not None:
+        versions["torch"] = str(torch.__version__)
+    return versions
 
 
-def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
-    """The boxes of one tensor must agree and cover it exactly once."""
-    first = boxes[0]
-    name = first.name
-    where = {**where, "tensor": name}
-    for box in boxes:
-        if box.shape != first.shape or box.dtype != first.dtype:
-            raise CoverageError(
-                f"boxes of tensor {name!r} disagree: {first.dtype}{list(first.shape)} vs "
-                f"{box.dtype}{list(box.shape)}",
-                **where,
-            )
-    spans = [Box(b.offsets, b.local_shape) for b in boxes]
-    for i, a in enumerate(spans):
-        for b in spans[i + 1 :]:
-            overlap = a.intersect(b)
-            if overlap is not None and overlap.numel:
-                raise CoverageError(
-                    f"boxes of tensor {name!r} overlap at offsets {list(overlap.offsets)}",
-                    tensor=name,
-                    **where,
-                )
-    covered = sum(span.numel for span in spans)
-    total = Box.whole(first.shape).numel
-    if covered != total:
-        raise CoverageError(
-            f"boxes of tensor {name!r} cover {covered} of its {total} elements",
-            **where,
-        )
+# -- the coordinator's checks -------------------------------------------------
 
 
 def read_written_shards(
-    store: Store, digests: list[bytes], *, run: str, generation: int, hint: str = ""
+    store: StoreParts, digests: list[bytes], *, run: str, generation: int, hint: str = ""
 ) -> list[ShardManifest]:
     """Re-read the shard manifests the writers reported, and check whose they are."""
     where = {"run": run, "generation": generation}
     shards: list[ShardManifest] = []
     for rank, digest in enumerate(digests):
-        shard: ShardManifest = store.read_object(digest, expect=TYPE_SHARD, rank=rank, **where)
+        shard: ShardManifest = read_object(
+            store.backend, digest, expect=TYPE_SHARD, rank=rank, **where
+        )
         if (shard.run, shard.generation, shard.rank) != (run, generation, rank):
             raise CorruptObjectError(
                 f"rank {rank} reported a shard of {shard.run}@{shard.generation} "
@@ -280,7 +273,9 @@ def read_written_shards(
     return shards
 
 
-def check_chunks_present(store: Store, shards: list[ShardManifest], where: dict[str, Any]) -> None:
+def check_chunks_present(
+    store: StoreParts, shards: list[ShardManifest], where: dict[str, Any]
+) -> None:
     """Every chunk the shards name is in the store (a collection may not have raced a save)."""
     digests = list({c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks})
     present = store.backend.has_many(Namespace.CHUNKS, digests)
@@ -289,3 +284,98 @@ def check_chunks_present(store: Store, shards: list[ShardManifest], where: dict[
             raise ChunkMissingError(
                 f"a shard names chunk {digest.hex()[:16]} that is not in the store", **where
             )
+
+
+def check_names(
+    skeleton: bytes, entries: dict[str, list[TensorEntry]], where: dict[str, Any]
+) -> None:
+    """The shards hold exactly the global tensors the state's skeleton names."""
+    referenced = {name for name, _ in tensor_names(skeleton)}
+    missing = sorted(referenced - entries.keys())
+    extra = sorted(entries.keys() - referenced)
+    if missing or extra:
+        raise LayoutMismatchError(
+            f"saved tensors do not match the state: missing {missing[:5]}, unexpected {extra[:5]}",
+            **where,
+        )
+
+
+# -- the one publish sequence -------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CheckedShards:
+    """The shard manifests a root will name, re-read and checked by the coordinator."""
+
+    digests: list[bytes]
+    manifests: list[ShardManifest]
+    entries: dict[str, list[TensorEntry]]  # every global tensor: name -> its distinct boxes
+
+    @property
+    def tensors(self) -> int:
+        """Tensors the generation holds: each global one once, each rank's own per rank."""
+        return len(self.entries) + sum(len(s.local_tensors) for s in self.manifests)
+
+
+def check_shards(
+    store: StoreParts,
+    digests: list[bytes],
+    *,
+    run: str,
+    generation: int,
+    skeleton: bytes | None = None,
+    hint: str = "",
+) -> CheckedShards:
+    """The coordinator's checks before a root may name these shards.
+
+    Each manifest is the reporting writer's own, the boxes of every tensor
+    tile it exactly once, the shards hold the tensors ``skeleton`` (the
+    state's tree, when given) names, and every chunk they name is present:
+    a collection may have raced a writer that found a chunk and skipped it.
+    """
+    where = {"run": run, "generation": generation}
+    manifests = read_written_shards(store, digests, run=run, generation=generation, hint=hint)
+    entries = group_entries(manifests, where)
+    for boxes in entries.values():
+        check_coverage(boxes, where)
+    if skeleton is not None:
+        check_names(skeleton, entries, where)
+    check_chunks_present(store, manifests, where)
+    return CheckedShards(list(digests), manifests, entries)
+
+
+def publish_shards(
+    store: StoreParts,
+    *,
+    run: str,
+    generation: int,
+    parent: RefValue | None,
+    shards: list[bytes],
+    build_root: Callable[[CheckedShards], GenerationRoot],
+    faults: PublishFaults = COORDINATOR_FAULTS,
+    skeleton: bytes | None = None,
+    hint: str = "",
+) -> tuple[Digest, GenerationRoot]:
+    """Publish the committed shard manifests ``shards`` (in rank order) as one generation.
+
+    The one publish sequence of a generation several writers made: check the
+    shards (:func:`check_shards`), build the root from what was checked,
+    commit it and advance the ref from ``parent`` (:func:`publish`). Any
+    failed check raises before anything is written. Returns the root's
+    digest and the root.
+    """
+    checked = check_shards(
+        store, shards, run=run, generation=generation, skeleton=skeleton, hint=hint
+    )
+    root = build_root(checked)
+    expected_parent = parent.root.raw if parent else None
+    if (root.run, root.generation, root.parent, list(root.shards)) != (
+        run,
+        generation,
+        expected_parent,
+        list(shards),
+    ):
+        raise ValueError(
+            f"the root built for {run}@{generation} does not name the checked shards and parent"
+        )
+    return publish(store, parent=parent, root=root, faults=faults), root

@@ -62,14 +62,12 @@ from torch.futures import Future
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.commit import (
-    COORDINATOR_FAULTS,
-    check_chunks_present,
-    check_coverage,
+    CheckedShards,
     commit_objects,
-    group_entries,
+    encode_metadata,
+    framework_versions,
     make_root,
-    publish,
-    read_written_shards,
+    publish_shards,
     root_stats,
     write_shard,
 )
@@ -82,17 +80,13 @@ from castore.errors import (
     UnsupportedValueError,
 )
 from castore.hashing import Digest
+from castore.history import Generation
 from castore.layout import Box
+from castore.objects import GenerationRoot
+from castore.reading import allocate, box_requests
 from castore.refs import validate_run_name
 from castore.shard import Shard
-from castore.store import (
-    Generation,
-    Store,
-    _allocate,
-    box_requests,
-    encode_metadata,
-    framework_versions,
-)
+from castore.store import Store
 from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key, torch_bytes
 
 SCHEME = "castore://"
@@ -420,30 +414,30 @@ class CastoreWriter(_StoreUser, StorageWriter):
             if missing:
                 raise CorruptObjectError(f"no shard manifest for writer {missing[0]}", **where)
             digests = [bytes.fromhex(shard_digests[i]) for i in range(len(shard_digests))]
-            shards = read_written_shards(
+
+            def build_root(checked: CheckedShards) -> GenerationRoot:
+                return make_root(
+                    run=run,
+                    generation=generation,
+                    step=self.step,
+                    parent=parent,
+                    world_size=len(checked.manifests),
+                    shards=checked.digests,
+                    state=_skeleton(metadata),
+                    metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
+                    stats=root_stats(stats, 0.0, len(checked.entries)),
+                    frameworks=framework_versions(),
+                )
+
+            published, root = publish_shards(
                 store,
-                digests,
                 run=run,
                 generation=generation,
+                parent=parent,
+                shards=digests,
+                build_root=build_root,
                 hint=": the ref moved during the save; save again",
             )
-            entries = group_entries(shards, where)
-            for boxes in entries.values():
-                check_coverage(boxes, where)
-            check_chunks_present(store, shards, where)
-            root = make_root(
-                run=run,
-                generation=generation,
-                step=self.step,
-                parent=parent,
-                world_size=len(shards),
-                shards=digests,
-                state=_skeleton(metadata),
-                metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
-                stats=root_stats(stats, 0.0, len(entries)),
-                frameworks=framework_versions(),
-            )
-            published = publish(store, parent=parent, root=root, faults=COORDINATOR_FAULTS)
         self.generation = Generation.from_root(published, root)
 
 
@@ -585,7 +579,7 @@ class CastoreReader(_StoreUser, StorageReader):
                 flat = _writable(target, entry.dtype)
                 staging = None
                 if flat is None:  # another device, dtype or layout: stage, copy once agreed
-                    staging, flat = _allocate(entry.dtype, region.shape, "torch")
+                    staging, flat = allocate(entry.dtype, region.shape, "torch")
                 requests += box_requests(entry, region, region, flat)
                 targets.append((item, target, staging))
             return blobs, targets, requests, where

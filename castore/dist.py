@@ -26,15 +26,13 @@ import msgpack
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.chunkio import WriteStats
 from castore.commit import (
-    COORDINATOR_FAULTS,
-    check_chunks_present,
-    check_coverage,
+    CheckedShards,
     check_data_order,
     commit_objects,
-    group_entries,
+    encode_metadata,
+    framework_versions,
     make_root,
-    publish,
-    read_written_shards,
+    publish_shards,
     root_stats,
     write_shard,
 )
@@ -43,18 +41,12 @@ from castore.errors import (
 )
 from castore.faults import fault_point
 from castore.hashing import Digest, digest_bytes
-from castore.objects import TensorEntry
+from castore.history import Generation
+from castore.objects import GenerationRoot
 from castore.refs import RefValue, validate_run_name
 from castore.restore import LoadReport, LoadResult, load
-from castore.store import (
-    Generation,
-    Store,
-    annotate_interrupt,
-    check_step,
-    encode_metadata,
-    framework_versions,
-)
-from castore.tree import EncodedTree, encode_state, tensor_names
+from castore.store import Store, annotate_interrupt, check_step
+from castore.tree import EncodedTree, encode_state
 
 __all__ = ["LoadReport", "LoadResult", "load", "save"]
 
@@ -250,48 +242,36 @@ def _validate_and_publish(
     started: float,
 ) -> bytes:
     generation = proposal["generation"]
-    where = {"run": run, "generation": generation}
-    shards = read_written_shards(
-        store, [ack["shard"] for ack in acks], run=run, generation=generation
-    )
-    entries = group_entries(shards, where)
-    for boxes in entries.values():
-        check_coverage(boxes, where)
-    _check_names(prepared.encoded.skeleton, entries, where)
-    check_chunks_present(store, shards, where)
+    parent = proposal["parent"]
+    parent_ref = None if parent is None else RefValue(run, parent[0], Digest(parent[1]), parent[2])
     stats = WriteStats()
     for ack in acks:
         stats += WriteStats(
             ack["logical_bytes"], ack["new_bytes"], ack["new_chunks"], ack["reused_chunks"]
         )
-    tensors = len(entries) + sum(len(s.local_tensors) for s in shards)
-    parent = proposal["parent"]
-    parent_ref = None if parent is None else RefValue(run, parent[0], Digest(parent[1]), parent[2])
-    root = make_root(
+
+    def build_root(checked: CheckedShards) -> GenerationRoot:
+        return make_root(
+            run=run,
+            generation=generation,
+            step=step,
+            parent=parent_ref,
+            world_size=comm.world_size,
+            shards=checked.digests,
+            state=prepared.encoded.skeleton,
+            metadata=prepared.metadata,
+            stats=root_stats(stats, time.perf_counter() - started, checked.tensors),
+            frameworks=framework_versions(),
+            data_order=prepared.data_order,
+        )
+
+    digest, _ = publish_shards(
+        store,
         run=run,
         generation=generation,
-        step=step,
         parent=parent_ref,
-        world_size=comm.world_size,
         shards=[ack["shard"] for ack in acks],
-        state=prepared.encoded.skeleton,
-        metadata=prepared.metadata,
-        stats=root_stats(stats, time.perf_counter() - started, tensors),
-        frameworks=framework_versions(),
-        data_order=prepared.data_order,
+        build_root=build_root,
+        skeleton=prepared.encoded.skeleton,
     )
-    digest = publish(store, parent=parent_ref, root=root, faults=COORDINATOR_FAULTS)
     return digest.raw
-
-
-def _check_names(
-    skeleton: bytes, entries: dict[str, list[TensorEntry]], where: dict[str, Any]
-) -> None:
-    referenced = {name for name, _ in tensor_names(skeleton)}
-    missing = sorted(referenced - entries.keys())
-    extra = sorted(entries.keys() - referenced)
-    if missing or extra:
-        raise LayoutMismatchError(
-            f"saved tensors do not match the state: missing {missing[:5]}, unexpected {extra[:5]}",
-            **where,
-        )

@@ -49,10 +49,11 @@ from castore.errors import (
 )
 from castore.faults import fault_point
 from castore.hashing import Digest
+from castore.history import Generation
 from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest
 from castore.progress import Bar, Phases, format_size, progress_bar
 from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, validate_run_name
-from castore.store import Generation, Store
+from castore.store import Store
 
 DELETE_BATCH = 1024  # keys per delete transaction
 # A pack less than this fraction live is rewritten by a collection; compact rewrites all.

@@ -19,7 +19,6 @@ import numpy as np
 from castore import errors
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.chunkio import ChunkRequest, read_agree_deliver
-from castore.commit import check_coverage
 from castore.dtypes import numpy_dtype
 from castore.errors import (
     CorruptObjectError,
@@ -30,20 +29,20 @@ from castore.errors import (
     TensorNotFoundError,
 )
 from castore.hashing import Digest
+from castore.history import Generation, Skipped
 from castore.layout import Box
 from castore.objects import GenerationRoot, ShardManifest, TensorEntry
-from castore.refs import validate_run_name
-from castore.shard import NotLoaded, Shard
-from castore.store import (
-    Generation,
-    Skipped,
-    Store,
-    _allocate,
-    _check_framework,
-    _framework_for,
+from castore.reading import (
+    allocate,
     box_requests,
+    check_coverage,
+    check_framework,
+    framework_for,
     numpy_as_torch,
 )
+from castore.refs import validate_run_name
+from castore.shard import NotLoaded, Shard
+from castore.store import Store
 from castore.tree import decode_tree, join_path, torch_bytes
 
 
@@ -112,14 +111,14 @@ def load(
     """
     comm = Group(group, coordinator, timeout)
     validate_run_name(run)
-    _check_framework(framework)
+    check_framework(framework)
     if fallback not in (None, "previous"):
         raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
     options = _Options(targets, rank_local, framework, load_rest)
     if fallback is None:
-        digest = _agree_on_root(store, run, generation, comm)
+        digest = agree_on_root(store, run, generation, comm)
         return _load_root(store, run, digest, None, comm, options, [], _Outcome())
-    candidates, skipped = _agree_on_candidates(store, run, generation, comm)
+    candidates, skipped = agree_on_candidates(store, run, generation, comm)
     for gen_id, digest in candidates:
         outcome = _Outcome()
         try:
@@ -234,7 +233,7 @@ def _is_integrity(type_name: str) -> bool:
     return isinstance(cls, type) and issubclass(cls, IntegrityError)
 
 
-def _agree_on_candidates(
+def agree_on_candidates(
     store: Store, run: str, generation: int | str, comm: Group
 ) -> tuple[list[tuple[int, Digest]], list[Skipped]]:
     """The coordinator's fallback order, newest first, and a damaged ref, for every rank."""
@@ -263,7 +262,7 @@ def _agree_on_candidates(
     return [(int(g), Digest(d)) for g, d in message["candidates"]], skipped
 
 
-def _agree_on_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:
+def agree_on_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:
     """Invariant 5: the coordinator resolves the generation once, for everyone."""
     message: dict[str, Any] = {}
     failure: BaseException | None = None
@@ -334,7 +333,7 @@ def _plan_targets(
         target = _Target(name, live, tensor, box, saved.dtype)
         target.flat = _writable_bytes(tensor)
         if target.flat is None:
-            target.staging, target.flat = _allocate(saved.dtype, box.shape, "numpy")
+            target.staging, target.flat = allocate(saved.dtype, box.shape, "numpy")
         planned.append(target)
     return planned
 
@@ -349,7 +348,7 @@ def _plan_rest(
             continue
         saved = boxes[0]
         check_coverage(boxes, where)
-        tensor, flat = _allocate(saved.dtype, saved.shape, _framework_for(saved, framework))
+        tensor, flat = allocate(saved.dtype, saved.shape, framework_for(saved, framework))
         target = _Target(name, tensor, tensor, Box.whole(saved.shape), saved.dtype, flat=flat)
         planned.append(target)
     return planned

@@ -54,9 +54,10 @@ from castore.errors import (
     SaveBoundaryError,
 )
 from castore.hashing import Digest, digest_bytes
-from castore.restore import LoadReport, _agree_on_candidates, _agree_on_root
+from castore.history import Generation, Skipped
+from castore.restore import LoadReport, agree_on_candidates, agree_on_root
 from castore.shard import RankLocal
-from castore.store import Generation, Skipped, Store
+from castore.store import Store
 from castore.tree import decode_tree
 
 RNG_VERSION = 1
@@ -665,8 +666,8 @@ class TrainState:
         comm = Group(group, coordinator, timeout)
         where = (store, run, resume, comm, group, coordinator, timeout)
         if fallback is None:
-            return self._load_root(*where, _agree_on_root(store, run, generation, comm), [])
-        candidates, skipped = _agree_on_candidates(store, run, generation, comm)
+            return self._load_root(*where, agree_on_root(store, run, generation, comm), [])
+        candidates, skipped = agree_on_candidates(store, run, generation, comm)
         for gen_id, digest in candidates:
             try:
                 return self._load_root(*where, digest, skipped)
@@ -947,7 +948,7 @@ def load_weights(
     :class:`TrainState` saves).
     """
     comm = Group(group, coordinator, timeout)
-    digest = _agree_on_root(store, run, generation, comm)
+    digest = agree_on_root(store, run, generation, comm)
     module = unwrap(model)
 
     def check() -> None:

@@ -25,6 +25,7 @@ from castore.errors import CastoreError, GenerationNotFoundError
 from castore.hashing import Digest, digest_bytes
 from castore.objects import GenerationRoot, TensorEntry
 from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
+from castore.reading import check_coverage
 from castore.refs import validate_run_name
 from castore.tree import decode_tree, tensor_names
 
@@ -276,8 +277,6 @@ def _roots(
 
 def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -> Users | None:
     """Check a generation's manifests; its chunks and the entries naming them (None: unreadable)."""
-    from castore.commit import check_coverage
-
     report.generations += 1
     report.objects += 1 + len(root.shards)
     problems = report.problems

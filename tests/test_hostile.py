@@ -189,10 +189,10 @@ def test_the_property_catches_a_reader_that_skips_validation(
     saved: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Broken control: without the entry checks, a short entry returns bytes nobody wrote."""
-    import castore.store as store_module
+    import castore.reading as reading_module
     from castore.objects import TensorEntry
 
-    allocate = store_module._allocate
+    allocate = reading_module.allocate
 
     def poisoned(dtype: str, shape: tuple[int, ...], framework: str) -> Any:
         tensor, flat = allocate(dtype, shape, framework)
@@ -200,7 +200,7 @@ def test_the_property_catches_a_reader_that_skips_validation(
         return tensor, flat
 
     monkeypatch.setattr(TensorEntry, "check", lambda self: None)
-    monkeypatch.setattr(store_module, "_allocate", poisoned)
+    monkeypatch.setattr(reading_module, "allocate", poisoned)
     forged = forge_entry(
         saved, RUN, TENSOR, BAD_ENTRIES["nbytes and chunks smaller than the shape"]
     )

@@ -7,7 +7,7 @@ plus one generation of a second run ``other``. For the cases about ranks,
 generation 3 is written as a 2-rank generation in this one process, the way
 ``castore.dist.save`` does it: each rank's chunks and shard manifest
 (``castore.commit.write_shard``), then the coordinator's checks and the root
-(``make_root``/``publish``). The newest generation is then damaged, and four
+(``castore.commit.publish_shards``). The newest generation is then damaged, and four
 outcomes are recorded:
 
 * load: ``Store.load(run)``: the error type and message, or the generation it
@@ -51,18 +51,19 @@ import numpy as np
 from tabulate import tabulate
 
 import castore
-from castore import RankLocal, Shard, Store
+from castore import RankLocal, Shard, Store, faults
 from castore.chunkio import WriteStats
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.commit import (
     COORDINATOR_FAULTS,
+    CheckedShards,
     ShardWrite,
-    check_coverage,
     commit_objects,
-    group_entries,
+    encode_metadata,
+    framework_versions,
     make_root,
-    publish,
+    publish_shards,
     root_stats,
     write_shard,
 )
@@ -75,10 +76,10 @@ from castore.errors import (
     ObjectMissingError,
 )
 from castore.hashing import Digest, digest_bytes
-from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest, TensorEntry, encode_object
+from castore.objects import GenerationRoot, TensorEntry, encode_object
 from castore.refs import encode_ref
-from castore.store import FallbackWarning, encode_metadata, framework_versions
-from castore.tree import encode_state, tensor_names
+from castore.store import FallbackWarning
+from castore.tree import encode_state
 from castore.verify import verify_store
 
 RUN = "run"
@@ -254,46 +255,44 @@ def write_rank_shards(store: Store, generation: int) -> tuple[list[ShardWrite], 
     return writes, skeleton
 
 
-def sharded_root(
+def publish_sharded(
     store: Store, generation: int, writes: list[ShardWrite], skeleton: bytes
-) -> GenerationRoot:
-    """The coordinator's checks and root, as ``castore.dist._validate_and_publish`` does."""
-    where = {"run": RUN, "generation": generation}
-    manifests: list[ShardManifest] = [
-        store.read_object(w.digest, expect=TYPE_SHARD, rank=r, **where)
-        for r, w in enumerate(writes)
-    ]
-    entries = group_entries(manifests, where)
-    for boxes in entries.values():
-        check_coverage(boxes, where)
-    if {name for name, _ in tensor_names(skeleton)} != set(entries):
-        raise AssertionError("the shards do not hold the state's tensors")
-    chunks = [c for m in manifests for e in m.tensors + m.local_tensors for c in e.chunks]
-    if not all(store.backend.has_many(Namespace.CHUNKS, chunks)):
-        raise AssertionError("a shard names a chunk that is not in the store")
+) -> tuple[Digest, GenerationRoot]:
+    """The coordinator's checks, root and publish, through the sequence castore.dist uses."""
+    parent = store.refs.read(RUN)
     stats = WriteStats()
     for write in writes:
         stats += write.stats
-    tensors = len(entries) + sum(len(m.local_tensors) for m in manifests)
-    return make_root(
+
+    def build_root(checked: CheckedShards) -> GenerationRoot:
+        return make_root(
+            run=RUN,
+            generation=generation,
+            step=10 * generation,
+            parent=parent,
+            world_size=RANKS,
+            shards=checked.digests,
+            state=skeleton,
+            metadata=encode_metadata({}),
+            stats=root_stats(stats, 0.0, checked.tensors),
+            frameworks=framework_versions(),
+        )
+
+    return publish_shards(
+        store,
         run=RUN,
         generation=generation,
-        step=10 * generation,
-        parent=store.refs.read(RUN),
-        world_size=RANKS,
+        parent=parent,
         shards=[w.digest for w in writes],
-        state=skeleton,
-        metadata=encode_metadata({}),
-        stats=root_stats(stats, 0.0, tensors),
-        frameworks=framework_versions(),
+        build_root=build_root,
+        skeleton=skeleton,
     )
 
 
 def save_sharded(store: Store, generation: int) -> None:
     """Publish a 2-rank generation from this one process."""
     writes, skeleton = write_rank_shards(store, generation)
-    root = sharded_root(store, generation, writes, skeleton)
-    publish(store, parent=store.refs.read(RUN), root=root, faults=COORDINATOR_FAULTS)
+    publish_sharded(store, generation, writes, skeleton)
 
 
 # -- damage helpers --------------------------------------------------------------
@@ -517,9 +516,16 @@ def damage_coordinator_lost(fixture: Fixture) -> None:
 def damage_coordinator_lost_after_root(fixture: Fixture) -> None:
     """The coordinator committed generation 4's root and died before the ref advance."""
     writes, skeleton = write_rank_shards(fixture.store, NEWEST + 1)
-    root = sharded_root(fixture.store, NEWEST + 1, writes, skeleton)
-    data = encode_object(root)
-    commit_objects(fixture.store, [(digest_bytes(data), data)])
+    point = COORDINATOR_FAULTS.before_ref_advance
+    faults.arm(point, "raise")
+    try:
+        publish_sharded(fixture.store, NEWEST + 1, writes, skeleton)
+    except faults.InjectedFault:
+        pass  # where the coordinator died: its root committed, the ref not advanced
+    else:
+        raise AssertionError(f"the publish did not stop at {point}")
+    finally:
+        faults.disarm(point)
 
 
 # -- expected outcomes -----------------------------------------------------------

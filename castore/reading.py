@@ -1,0 +1,408 @@
+"""Reading a generation: verified objects, tensor boxes, and the chunk reads that fill tensors.
+
+Objects (roots, shard manifests) are read from a chunk backend and accepted
+only if their bytes hash to the digest that named them (invariant 3). A
+tensor is rebuilt from its saved boxes: the boxes must tile it exactly once
+(:func:`check_coverage`, also the coordinator's check before a publish),
+then each box's chunks are mapped onto the destination's bytes
+(:func:`box_transfer`) and read, verified and delivered by
+:mod:`castore.chunkio`.
+
+:class:`~castore.Store` delegates its reads here; ``castore.restore``,
+``castore.dcp`` and ``castore.commit`` use these functions directly. Nothing
+here writes to the store, and nothing imports torch until a caller asks for
+a torch tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from castore import dtypes
+from castore.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
+from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.errors import (
+    AllocationError,
+    ChecksumMismatchError,
+    CorruptObjectError,
+    CoverageError,
+    FormatVersionError,
+    ObjectMissingError,
+    TensorNotFoundError,
+)
+from castore.hashing import Digest, digest_bytes
+from castore.layout import Box, normalize_index, plan_copy
+from castore.objects import (
+    TYPE_ROOT,
+    TYPE_SHARD,
+    GenerationRoot,
+    ShardManifest,
+    TensorEntry,
+    decode_object,
+)
+from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
+from castore.tree import decode_local_state, decode_tree, torch_bytes
+
+# -- objects ------------------------------------------------------------------
+
+
+def read_object(backend: ChunkBackend, digest: bytes, *, expect: str, **where: Any) -> Any:
+    """Read, verify and decode one manifest object."""
+    data = backend.get(Namespace.OBJECTS, digest)
+    if data is None:
+        raise ObjectMissingError(f"{expect} object {digest.hex()[:16]} is missing", **where)
+    actual = digest_bytes(data)
+    if actual != digest:
+        raise ChecksumMismatchError(
+            f"{expect} object is damaged", expected=digest.hex(), actual=actual.hex(), **where
+        )
+    try:
+        return decode_object(data, expect=expect)
+    except (CorruptObjectError, FormatVersionError) as exc:
+        raise type(exc)(f"{expect} object {digest.hex()[:16]}: {exc}", **where) from exc
+
+
+def read_root(backend: ChunkBackend, digest: Digest, *, run: str) -> GenerationRoot:
+    """The root object ``digest`` of ``run``, verified."""
+    root: GenerationRoot = read_object(backend, digest.raw, expect=TYPE_ROOT, run=run)
+    if root.run != run:
+        raise CorruptObjectError(f"root {digest.short} belongs to run {root.run!r}", run=run)
+    return root
+
+
+def read_shards(backend: ChunkBackend, root: GenerationRoot) -> list[ShardManifest]:
+    """Every shard manifest ``root`` names, verified, each the manifest of its rank."""
+    where = {"run": root.run, "generation": root.generation}
+    if len(root.shards) != root.world_size:
+        raise CorruptObjectError(
+            f"root says {root.world_size} rank(s) wrote it but lists "
+            f"{len(root.shards)} shard manifest(s)",
+            **where,
+        )
+    shards: list[ShardManifest] = []
+    for index, digest in enumerate(root.shards):
+        shard: ShardManifest = read_object(backend, digest, expect=TYPE_SHARD, shard=index, **where)
+        if shard.run != root.run or shard.generation != root.generation:
+            raise CorruptObjectError(
+                f"shard {index} belongs to {shard.run}@{shard.generation}", **where
+            )
+        if shard.rank != index:
+            raise CorruptObjectError(
+                f"shard {index} is rank {shard.rank}'s manifest (listed twice or out of "
+                "rank order)",
+                **where,
+            )
+        shards.append(shard)
+    return shards
+
+
+def tensor_entries(
+    backend: ChunkBackend, root: GenerationRoot, shards: list[ShardManifest] | None = None
+) -> dict[str, list[TensorEntry]]:
+    """Every global tensor of a generation: name -> the distinct boxes that make it up."""
+    where = {"run": root.run, "generation": root.generation}
+    return group_entries(read_shards(backend, root) if shards is None else shards, where)
+
+
+# -- layout checks ------------------------------------------------------------
+
+
+def group_entries(
+    shards: list[ShardManifest], where: dict[str, Any]
+) -> dict[str, list[TensorEntry]]:
+    """Every global tensor: name -> its distinct boxes.
+
+    Two ranks may hold the same box (replicated shards); identical boxes with
+    identical chunks count once, identical boxes with different bytes are an
+    error.
+    """
+    grouped: dict[str, dict[tuple[tuple[int, ...], tuple[int, ...]], TensorEntry]] = {}
+    for shard in shards:
+        for entry in shard.tensors:
+            boxes = grouped.setdefault(entry.name, {})
+            key = (entry.offsets, entry.local_shape)
+            seen = boxes.get(key)
+            if seen is None:
+                boxes[key] = entry
+            elif seen.chunks != entry.chunks or seen.dtype != entry.dtype:
+                raise CoverageError(
+                    f"two ranks saved different bytes for the same box {key} of tensor "
+                    f"{entry.name!r}",
+                    tensor=entry.name,
+                    **where,
+                )
+    return {name: list(boxes.values()) for name, boxes in grouped.items()}
+
+
+def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
+    """The boxes of one tensor must agree and cover it exactly once."""
+    first = boxes[0]
+    name = first.name
+    where = {**where, "tensor": name}
+    for box in boxes:
+        if box.shape != first.shape or box.dtype != first.dtype:
+            raise CoverageError(
+                f"boxes of tensor {name!r} disagree: {first.dtype}{list(first.shape)} vs "
+                f"{box.dtype}{list(box.shape)}",
+                **where,
+            )
+    spans = [Box(b.offsets, b.local_shape) for b in boxes]
+    for i, a in enumerate(spans):
+        for b in spans[i + 1 :]:
+            overlap = a.intersect(b)
+            if overlap is not None and overlap.numel:
+                raise CoverageError(
+                    f"boxes of tensor {name!r} overlap at offsets {list(overlap.offsets)}",
+                    tensor=name,
+                    **where,
+                )
+    covered = sum(span.numel for span in spans)
+    total = Box.whole(first.shape).numel
+    if covered != total:
+        raise CoverageError(
+            f"boxes of tensor {name!r} cover {covered} of its {total} elements",
+            **where,
+        )
+
+
+# -- where chunks land --------------------------------------------------------
+
+ChunkDelivery = Callable[[int, np.ndarray], None]
+
+
+def box_transfer(
+    entry: TensorEntry, region: Box, dst_box: Box, dst_flat: np.ndarray
+) -> tuple[Sequence[int] | np.ndarray, ChunkDelivery]:
+    """Which chunks of a saved box hold ``region``, and how each lands in a destination.
+
+    ``dst_flat`` is the flat byte buffer of the box ``dst_box`` (global
+    coordinates); ``region`` lies inside both boxes.
+    """
+    entry_box = Box(entry.offsets, entry.local_shape)
+    if region == entry_box == dst_box:
+        return range(len(entry.chunks)), place_whole(entry, dst_flat)
+    plan = plan_copy(
+        entry.local_shape,
+        region.relative_to(entry_box),
+        dst_box.shape,
+        region.relative_to(dst_box),
+        dtypes.numpy_dtype(entry.dtype).itemsize,
+    )
+
+    def scatter(index: int, chunk: np.ndarray) -> None:
+        plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
+
+    return plan.chunk_indices(entry.chunk_size), scatter
+
+
+def place_whole(entry: TensorEntry, dst_flat: np.ndarray) -> ChunkDelivery:
+    """Delivery into a buffer that is the saved box's own: chunk i lands at i*chunk_size."""
+    chunk_size = entry.chunk_size
+
+    def place(index: int, chunk: np.ndarray) -> None:
+        at = index * chunk_size
+        dst_flat[at : at + chunk.size] = chunk
+
+    return place
+
+
+def box_requests(
+    entry: TensorEntry, region: Box, dst_box: Box, dst_flat: np.ndarray
+) -> list[ChunkRequest]:
+    """The chunk reads that copy ``region`` of a saved box into a destination (box_transfer)."""
+    indices, deliver = box_transfer(entry, region, dst_box, dst_flat)
+    return [ChunkRequest(entry, int(i), deliver) for i in indices]
+
+
+# -- new tensors --------------------------------------------------------------
+
+
+def check_framework(framework: str) -> None:
+    """``framework`` is one a load can give tensors as."""
+    if framework not in ("numpy", "torch", "auto"):
+        raise ValueError(f"framework must be 'numpy', 'torch' or 'auto', got {framework!r}")
+
+
+def framework_for(entry: TensorEntry, requested: str) -> str:
+    """``auto`` gives each tensor back as the kind of array it was saved from."""
+    if requested != "auto":
+        return requested
+    return "torch" if entry.framework == "torch" else "numpy"
+
+
+def allocate(dtype: str, shape: tuple[int, ...], framework: str) -> tuple[Any, np.ndarray]:
+    """A new tensor and a flat uint8 view of its memory.
+
+    Callers check the saved boxes' coverage first, so the size is one the
+    manifest's chunks account for; this process may still lack the memory.
+    """
+    try:
+        if framework == "torch":
+            import torch
+
+            tensor = torch.empty(shape, dtype=dtypes.torch_dtype(dtype))
+            return tensor, torch_bytes(tensor)
+        array = np.empty(shape, dtype=dtypes.numpy_dtype(dtype))
+        return array, array.reshape(-1).view(np.uint8)
+    except (MemoryError, RuntimeError) as exc:  # torch reports a failed allocation as RuntimeError
+        raise AllocationError(
+            f"cannot allocate a {dtype} tensor of shape {list(shape)}: {exc}",
+        ) from exc
+
+
+def numpy_as_torch(array: np.ndarray, dtype: str) -> Any:
+    """A torch tensor sharing ``array``'s bytes (a copy only if it is not contiguous).
+
+    Goes through uint8 because torch cannot take numpy's bfloat16/float8 types.
+    """
+    import torch
+
+    raw = torch.from_numpy(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+    return raw.view(dtypes.torch_dtype(dtype)).reshape(array.shape)
+
+
+# -- reading tensors ----------------------------------------------------------
+
+
+def plan_tensor(
+    boxes: list[TensorEntry],
+    framework: str,
+    where: dict[str, Any],
+    requests: list[ChunkRequest],
+) -> Any:
+    """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``requests``."""
+    first = boxes[0]
+    if len(boxes) == 1 and first.local_shape == first.shape:
+        # One box the size of the tensor covers it exactly: the entry's own
+        # check put the box inside the shape. The common case, made cheap
+        # for states of many small tensors.
+        tensor, flat = allocate(first.dtype, first.shape, framework)
+        place = place_whole(first, flat)
+        requests += [ChunkRequest(first, i, place) for i in range(len(first.chunks))]
+        return tensor
+    check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
+    tensor, flat = allocate(first.dtype, first.shape, framework)
+    whole = Box.whole(first.shape)
+    for entry in boxes:
+        requests += box_requests(entry, Box(entry.offsets, entry.local_shape), whole, flat)
+    return tensor
+
+
+def read_tensor(
+    backend: ChunkBackend,
+    counters: ReadCounters,
+    boxes: list[TensorEntry],
+    framework: str,
+    where: dict[str, Any],
+    bar: Bar = NO_BAR,
+) -> Any:
+    """A new tensor holding the saved boxes of one tensor, every chunk verified."""
+    requests: list[ChunkRequest] = []
+    tensor = plan_tensor(boxes, framework, where, requests)
+    read_requests(backend, requests, counters, where, bar)
+    return tensor
+
+
+def load_rank_local(
+    backend: ChunkBackend,
+    counters: ReadCounters,
+    shard: ShardManifest,
+    path: str,
+    framework: str,
+    where: dict[str, Any],
+    bar: Bar = NO_BAR,
+) -> Any:
+    """Rebuild one RankLocal value of the rank that wrote ``shard``."""
+    skeletons = decode_local_state(shard.local_state)
+    if path not in skeletons:
+        raise CorruptObjectError(
+            f"rank {shard.rank} has no per-rank value at {path!r}", rank=shard.rank, **where
+        )
+    boxes = {entry.name: entry for entry in shard.local_tensors}
+
+    def lookup(name: str, _saved_framework: str) -> Any:
+        entry = boxes.get(name)
+        if entry is None:
+            raise CorruptObjectError(
+                f"per-rank tensor {name!r} of rank {shard.rank} is not in its shard", **where
+            )
+        return read_tensor(backend, counters, [entry], framework_for(entry, framework), where, bar)
+
+    return decode_tree(skeletons[path], lookup)
+
+
+def load_state(
+    backend: ChunkBackend,
+    counters: ReadCounters,
+    root: GenerationRoot,
+    shards: list[ShardManifest],
+    entries: dict[str, list[TensorEntry]],
+    framework: str,
+    progress: bool = False,
+) -> Any:
+    """The whole state ``root`` saved, every rank's per-rank values included."""
+    run = root.run
+    where: dict[str, Any] = {"run": run, "generation": root.generation}
+    # Every tensor is planned first, then all are read in one go: one read
+    # transaction and one set of pack maps, each shared chunk verified once.
+    requests: list[ChunkRequest] = []
+    tensors = {
+        name: plan_tensor(boxes, framework_for(boxes[0], framework), where, requests)
+        for name, boxes in entries.items()
+    }
+    per_rank: dict[str, dict[int, Any]] = {}
+    total = 0
+    if progress_wanted(progress):  # counting costs a pass over the requests: only for a bar
+        local_bytes = sum(e.nbytes for shard in shards for e in shard.local_tensors)
+        total = request_bytes(requests) + local_bytes
+    with progress_bar(progress, f"load {run}@{root.generation}", total) as bar:
+        read_requests(backend, requests, counters, where, bar)
+        for shard in shards:
+            for path in decode_local_state(shard.local_state):
+                value = load_rank_local(backend, counters, shard, path, framework, where, bar)
+                per_rank.setdefault(path, {})[shard.rank] = value
+
+    def lookup(name: str, _saved_framework: str) -> Any:
+        if name not in tensors:
+            raise CorruptObjectError(f"state refers to tensor {name!r}, no shard holds it", **where)
+        return tensors[name]
+
+    def rank_local(path: str) -> dict[int, Any]:
+        # Without a process group there is no "this rank": give every rank's value.
+        return per_rank.get(path, {})
+
+    return decode_tree(root.state, lookup, rank_local)
+
+
+def read_slice(
+    backend: ChunkBackend,
+    counters: ReadCounters,
+    root: GenerationRoot,
+    name: str,
+    index: Any,
+    *,
+    framework: str = "numpy",
+) -> Any:
+    """``tensor[index]`` of one tensor ``root`` saved, reading only the chunks it overlaps."""
+    check_framework(framework)
+    boxes = tensor_entries(backend, root).get(name)
+    where = {"run": root.run, "generation": root.generation, "tensor": name}
+    if not boxes:
+        raise TensorNotFoundError(f"no tensor {name!r} in {root.run}@{root.generation}", **where)
+    shape, dtype = boxes[0].shape, boxes[0].dtype
+    check_coverage(boxes, where)  # no region of the result may be left unwritten
+    box, selector = normalize_index(index, shape)
+    out, flat = allocate(dtype, box.shape, "numpy")
+    requests: list[ChunkRequest] = []
+    for entry in boxes:
+        region = box.intersect(Box(entry.offsets, entry.local_shape))
+        if region is not None and region.numel:
+            requests += box_requests(entry, region, box, flat)
+    read_requests(backend, requests, counters, where)
+    result = out[selector]
+    if framework == "torch":
+        return numpy_as_torch(result, dtype)
+    return result
