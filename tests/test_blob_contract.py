@@ -8,6 +8,7 @@ race tests fail a swap that does not re-read the version under its lock.
 
 from __future__ import annotations
 
+import errno
 import multiprocessing
 import os
 import signal
@@ -27,6 +28,7 @@ from castore.errors import (
     LockLostError,
     StoreLockedError,
     UnsafeStoreFileError,
+    UnsupportedBackendError,
 )
 from castore.testing import BlobStoreTests
 
@@ -305,3 +307,18 @@ def test_a_broken_create_would_fail_too(tmp_path: Path) -> None:
         BlobStoreTests().test_racing_creates_exactly_one_wins(Replaces(tmp_path))
     with pytest.raises((AssertionError, pytest.fail.Exception)):
         BlobStoreTests().test_a_second_create_raises_and_keeps_the_first(Replaces(tmp_path / "b"))
+
+
+def test_a_filesystem_without_hard_links_is_refused_in_one_line(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def no_links(*args: object, **kwargs: object) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted")
+
+    blobs = PosixBlobStore(tmp_path)
+    monkeypatch.setattr(os, "link", no_links)
+    with pytest.raises(UnsupportedBackendError, match="cannot make hard links") as refused:
+        blobs.create("packs/p", b"x")
+    assert "\n" not in str(refused.value)
+    monkeypatch.undo()
+    assert list(blobs.list()) == [] and list((tmp_path / "packs").iterdir()) == []

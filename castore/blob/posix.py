@@ -76,6 +76,7 @@ from castore.errors import (
     StoreError,
     StoreLockedError,
     UnsafeStoreFileError,
+    UnsupportedBackendError,
 )
 from castore.faults import fault_point
 from castore.hashing import Buffer
@@ -83,7 +84,8 @@ from castore.safefs import kind_of, write_all, writing
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-_READ_PIECE = 1 << 20
+# What link(2) answers on a filesystem without hard links (vfat, many FUSE mounts).
+_NO_HARD_LINKS = frozenset({errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS})
 _MAX_LOCK_RECORD = 4096
 _POLL_FIRST, _POLL_MOST = 0.001, 0.05
 DEFAULT_STALE_LOCK_AFTER = 60.0
@@ -305,6 +307,13 @@ class PosixBlobStore(BlobStore):
             # count of our own temp file says whether it was made.
             if os.stat(temp, dir_fd=dir_fd, follow_symlinks=False).st_nlink == 2:
                 return True
+            if exc.errno in _NO_HARD_LINKS:
+                raise UnsupportedBackendError(
+                    f"the filesystem of {self.root} cannot make hard links "
+                    f"({exc.strerror}): a shared blob directory needs link(2) for "
+                    "create-if-absent; use NFS, Lustre or a local filesystem",
+                    path=str(self.root),
+                ) from exc
             if exc.errno != errno.EEXIST:
                 raise
         try:
