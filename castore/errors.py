@@ -9,6 +9,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── StoreNotFoundError           (FileNotFoundError) nothing at the path
     │   ├── NotAStoreError               the path is a file or a foreign directory
     │   ├── StoreLockedError             a lock could not be taken in time
+    │   │   └── LockLostError            a lock was broken as stale before its holder wrote
     │   ├── StoreFullError               (OSError) the disk or the LMDB map is full
     │   ├── UnsafeStoreFileError         a store file is a symlink, pipe or other non-regular file
     │   ├── UnsupportedBackendError      (ValueError) a URL scheme or backend castore cannot open
@@ -31,6 +32,12 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── LayoutMismatchError          ranks or targets disagree with the saved layout
     │   └── RankLocalMismatchError       per-rank state asked of a different world size
     ├── RefConflictError                 the ref moved under a compare-and-swap
+    │   └── BlobConflictError            a blob's version moved under a compare-and-swap
+    ├── BlobError                        a blob primitive was refused
+    │   ├── BlobNotFoundError            (FileNotFoundError) no blob of that name
+    │   ├── BlobExistsError              (FileExistsError) a create-if-absent found one
+    │   ├── BlobRangeError               (IndexError) a byte range outside the blob
+    │   └── BlobTooLargeError            a mutable blob larger than any swap writes
     ├── UnsupportedOperationError        (NotImplementedError) this backend cannot do that
     ├── GenerationNotFoundError          (LookupError) no such run or generation
     ├── TensorNotFoundError              (LookupError) no such tensor in a generation
@@ -205,8 +212,36 @@ class RankLocalMismatchError(DistributedError):
     """Per-rank state restored onto a different world size without a mapping."""
 
 
+class LockLostError(StoreLockedError):
+    """A holder kept a lock past its stale timeout; it was broken, and nothing was written."""
+
+
 class RefConflictError(CastoreError):
     """A compare-and-swap ref advance found the ref moved since it was read."""
+
+
+class BlobConflictError(RefConflictError):
+    """A blob compare-and-swap found another version than expected (or a blob, or none)."""
+
+
+class BlobError(CastoreError):
+    """A blob primitive (castore.blob) was refused; ``name`` says which blob."""
+
+
+class BlobNotFoundError(BlobError, FileNotFoundError):
+    """No blob of that name."""
+
+
+class BlobExistsError(BlobError, FileExistsError):
+    """A create-if-absent found the blob already there; its content is unchanged."""
+
+
+class BlobRangeError(BlobError, IndexError):
+    """A byte range that is inverted, negative, or reaches past the blob's end."""
+
+
+class BlobTooLargeError(BlobError):
+    """A blob read as mutable is larger than any compare-and-swap writes."""
 
 
 class UnsupportedOperationError(CastoreError, NotImplementedError):

@@ -21,11 +21,13 @@ suite                      fixture    builds
 ``StoreLocksTests``        ``locks``  a :class:`castore.repo.base.StoreLocks`
 ``ChunkBackendTests``      ``backend`` a :class:`castore.chunkstore.base.ChunkBackend`
 ``StoreTests``             ``store``  a whole :class:`castore.Store` (end to end)
+``BlobStoreTests``         ``blobs``  a :class:`castore.blob.base.BlobStore`
 =========================  =========  ==============================================
 
 Importing this package imports pytest; ``import castore`` never does.
 """
 
+from castore.testing.blobs import BlobStoreTests
 from castore.testing.chunks import ChunkBackendTests
 from castore.testing.locks import StoreLocksTests
 from castore.testing.reflog import ReflogTests
@@ -34,6 +36,7 @@ from castore.testing.store import StoreTests
 from castore.testing.tags import TagTableTests
 
 __all__ = [
+    "BlobStoreTests",
     "ChunkBackendTests",
     "RefTableTests",
     "ReflogTests",

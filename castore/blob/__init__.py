@@ -1,0 +1,21 @@
+"""Blobs: the primitives format 3 will lay a store out over (not used by stores yet).
+
+:mod:`castore.blob.base` defines :class:`BlobStore` (create-if-absent,
+compare-and-swap, ranged get, head, list a prefix, delete) and its
+:class:`Version` token; :mod:`castore.blob.memory` keeps blobs in memory for
+tests, :mod:`castore.blob.posix` in a directory several nodes share. Every
+implementation passes :class:`castore.testing.blobs.BlobStoreTests`.
+"""
+
+from castore.blob.base import BlobStore, ByteRange, Version, validate_blob_name
+from castore.blob.memory import MemoryBlobStore
+from castore.blob.posix import PosixBlobStore
+
+__all__ = [
+    "BlobStore",
+    "ByteRange",
+    "MemoryBlobStore",
+    "PosixBlobStore",
+    "Version",
+    "validate_blob_name",
+]
