@@ -29,6 +29,8 @@ POINTS = (
     "gc.mid_sweep",
     "gc.mid_chunks",
     "gc.reclaim_rewritten",
+    "blob.create_before_link",
+    "blob.swap_before_rename",
 )
 
 
