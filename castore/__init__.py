@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from castore import errors
+from castore.copying import CopyReport, copy
 from castore.errors import (
     CastoreError,
     ChecksumMismatchError,
@@ -34,6 +35,7 @@ __all__ = [
     "CastoreError",
     "ChecksumMismatchError",
     "ChunkMissingError",
+    "CopyReport",
     "FormatVersionError",
     "Generation",
     "GenerationNotFoundError",
@@ -48,6 +50,7 @@ __all__ = [
     "StoreError",
     "UnsupportedValueError",
     "__version__",
+    "copy",
     "errors",
     "open",
 ]

@@ -31,6 +31,10 @@ POINTS = (
     "gc.reclaim_rewritten",
     "blob.create_before_link",
     "blob.swap_before_rename",
+    "copy.mid_chunks",
+    "copy.before_root",
+    "copy.before_ref_advance",
+    "copy.after_ref_advance",
 )
 
 

@@ -16,6 +16,7 @@ def test_public_names_are_pinned() -> None:
             "CastoreError",
             "ChecksumMismatchError",
             "ChunkMissingError",
+            "CopyReport",
             "FormatVersionError",
             "Generation",
             "GenerationNotFoundError",
@@ -30,6 +31,7 @@ def test_public_names_are_pinned() -> None:
             "StoreError",
             "UnsupportedValueError",
             "__version__",
+            "copy",
             "errors",
             "open",
         ]
