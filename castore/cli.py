@@ -1,4 +1,4 @@
-"""The ``castore`` command: inspect, check, tag, collect and compact a store.
+"""The ``castore`` command: inspect, check, tag, collect, compact and copy stores.
 
 Every failure prints one line to stderr and exits non-zero; set
 ``CASTORE_DEBUG=1`` to get the traceback as well.
@@ -434,6 +434,37 @@ def cmd_compact(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_copy(args: argparse.Namespace) -> int:
+    if args.generation is not None and args.run is None:
+        raise ValueError("--generation needs --run: which run's generation to copy")
+    report = castore.copy(
+        args.store,
+        args.dst,
+        run=args.run,
+        generation=args.generation,
+        all_generations=args.all_generations,
+        progress=True,
+    )
+    for gen in report.generations:
+        if not gen.copied:
+            print(f"{gen.run}@{gen.id} {gen.root[:12]}: already in {args.dst}")
+            continue
+        print(
+            f"{gen.run}@{gen.id} {gen.root[:12]}: copied {gen.chunks_copied} chunk(s) "
+            f"({format_bytes(gen.bytes_copied)}), {gen.chunks_skipped} already there, "
+            f"of {format_bytes(gen.logical_bytes)}"
+            + ("; its parent is not copied" if gen.parent_marked else "")
+        )
+    if not report.copied:
+        print(f"nothing to copy: {len(report.present)} generation(s) already in {args.dst}")
+        return 0
+    print(
+        f"copied {len(report.copied)} generation(s), {len(report.present)} already there: "
+        f"{format_bytes(report.bytes_copied)} transferred of {format_bytes(report.logical_bytes)}"
+    )
+    return 0
+
+
 COMMANDS = {
     "log": cmd_log,
     "show": cmd_show,
@@ -444,6 +475,7 @@ COMMANDS = {
     "gc": cmd_gc,
     "repair": cmd_repair,
     "compact": cmd_compact,
+    "copy": cmd_copy,
 }
 
 

@@ -131,6 +131,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_tags(commands)
     _add_collection(commands)
     _add_maintenance(commands)
+    _add_copy(commands)
     return parser
 
 
@@ -306,4 +307,46 @@ def _add_maintenance(commands: Any) -> None:
         "Rewrite every pack with dead space and the LMDB file without its free pages.\n"
         "Offline: refused while any process has the store open.",
         "castore compact ./ckpt",
+    )
+
+
+def _add_copy(commands: Any) -> None:
+    copy: argparse.ArgumentParser = commands.add_parser(
+        "copy",
+        help="copy generations to another store (only the chunks it lacks)",
+        description="Copy generations from store SRC to store DST, oldest first: only the\n"
+        "chunks DST lacks are read, each re-hashed against its name before it is\n"
+        "written, and each generation is published at DST through DST's own commit,\n"
+        "with the same root digest. By default the latest generation of each run;\n"
+        "GEN is an id, a tag name or a root digest prefix, as in RUN@GEN. A DST that\n"
+        "does not exist is created. DST keeps its history consistent: a generation\n"
+        "whose parent is not copied logs that parent as not held there (collected).\n"
+        "Tags are not copied. An interrupted copy resumes: run it again.\n"
+        "Exit 1, with nothing of that generation published, when a chunk or object\n"
+        "of SRC is damaged or DST already has a newer generation of the run.",
+        epilog="examples:\n"
+        + "\n".join(
+            f"  {line}"
+            for line in (
+                "castore copy ./ckpt /mnt/backup/ckpt             # the latest of each run",
+                "castore copy ./ckpt /mnt/backup/ckpt --run exp1 --all",
+                "castore copy ./ckpt /mnt/backup/ckpt --run exp1 --generation release",
+            )
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    copy.add_argument("store", metavar="SRC", help=f"the store to copy from: {STORE_HELP}")
+    copy.add_argument("dst", metavar="DST", help="the store to copy into (created if absent)")
+    copy.add_argument("--run", help="copy this run only (default: every run with a ref)")
+    which = copy.add_mutually_exclusive_group()
+    which.add_argument(
+        "--generation",
+        metavar="GEN",
+        help="copy this generation of --run: an id, a tag or a root prefix (default: the latest)",
+    )
+    which.add_argument(
+        "--all",
+        action="store_true",
+        dest="all_generations",
+        help="copy every stored generation of the run(s), oldest first",
     )
