@@ -362,7 +362,8 @@ def _mark_parent_absent(source: Store, target: Store, root: GenerationRoot) -> b
     if parent.hex in listed or parent.hex in collected or (latest and latest.root == parent):
         return False
     gen = _logged_generation(source, root.run, parent) or root.generation - 1
-    target.refs.record_collected(root.run, gen, parent)
+    with target.refs.locked(root.run):  # reflog records are appended under the ref lock
+        target.refs.record_collected(root.run, gen, parent)
     return True
 
 
