@@ -148,13 +148,25 @@ def test_copy_all_copies_every_generation_bitwise_with_its_digest(
     assert report.bytes_copied < report.logical_bytes
 
 
-def test_an_incremental_copy_transfers_only_the_new_chunks(src: Store, dst_path: Path) -> None:
+def test_an_incremental_copy_transfers_only_the_new_chunks(
+    src: Store, dst_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     castore.copy(src, dst_path, all_generations=True)
     save_generations(src, range(5, 6))
     old = chunk_lengths(src, "exp", 4)
     new = chunk_lengths(src, "exp", 5)
     lacking = {k: n for k, n in new.items() if k not in old}
+    read: list[bytes] = []
+    read_many = src.backend.read_many
+
+    def counted(namespace: Namespace, keys: Any, sink: Any) -> None:
+        if namespace is Namespace.CHUNKS:
+            read.extend(keys)
+        read_many(namespace, keys, sink)
+
+    monkeypatch.setattr(src.backend, "read_many", counted)
     report = castore.copy(src, dst_path)
+    assert sorted(read) == sorted(lacking)  # SRC reads only what DST lacks
     [gen] = report.generations
     assert (gen.id, gen.copied, gen.parent_marked) == (5, True, False)
     assert gen.bytes_copied == sum(lacking.values()) > 0
@@ -300,8 +312,10 @@ def test_a_killed_copy_leaves_dst_intact_and_a_rerun_copies_only_the_rest(
         assert verify_store(dst, deep=True).problems == []
 
 
-@pytest.mark.parametrize("point", ["copy.before_root", "copy.before_ref_advance"])
-def test_a_copy_killed_before_its_ref_advance_publishes_nothing(
+@pytest.mark.parametrize(
+    "point", ["copy.before_root", "copy.before_ref_advance", "copy.after_ref_advance"]
+)
+def test_a_copy_killed_around_its_ref_advance_publishes_all_or_nothing(
     src: Store, dst_path: Path, point: str
 ) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
@@ -313,9 +327,11 @@ def test_a_copy_killed_before_its_ref_advance_publishes_nothing(
         timeout=120,
     )
     assert killed.returncode == -9, killed.stderr
+    published = point == "copy.after_ref_advance"
     with castore.open(dst_path, create=False) as dst:
-        assert dst.refs.read("exp") is None
-    assert castore.copy(src, dst_path).generations[0].copied
+        ref = dst.refs.read("exp")
+        assert (ref is not None and ref.generation == 4) if published else ref is None
+    assert castore.copy(src, dst_path).generations[0].copied is not published
     with castore.open(dst_path, create=False) as dst:
         assert_bitwise(dst.load("exp"), state(4))
         assert verify_store(dst, deep=True).problems == []
