@@ -262,9 +262,7 @@ def copy_generation(
         # DST's own checks before its commit point: they re-read the manifests
         # just written and find every chunk they name present (has_many).
         check_shards(target, list(root.shards), run=run, generation=gen, skeleton=root.state)
-        published = publish(target, parent=parent, root=root, faults=COPY_FAULTS)
-    if published != digest:
-        raise CorruptObjectError(f"root {digest.short} was published as {published.short}", **where)
+        publish(target, parent=parent, root=root, faults=COPY_FAULTS)
     return CopiedGeneration(
         run,
         gen,
