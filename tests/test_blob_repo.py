@@ -204,6 +204,17 @@ def test_two_writers_never_overwrite_each_others_records(blobs: BlobStore) -> No
     assert kept[0][:4] == records[:4] and sorted(r["generation"] for r in kept[0][4:]) == [5, 6]
 
 
+def test_a_kept_view_reads_what_another_handle_appended(blobs: BlobStore) -> None:
+    reader, writer = BlobReflog(blobs), BlobReflog(blobs)
+    writer.append("r", make_record(1))
+    assert [r["generation"] for r in reader.view("r").records] == [1]
+    writer.append("r", make_record(2))
+    writer.append("r", make_record(3))
+    assert reader.last_published("r") == make_record(3)  # from the kept view, extended
+    assert [r["generation"] for r in reader.view("r").records] == [1, 2, 3]
+    assert reader.view("r") is reader.cached_view("r")
+
+
 # -- racing advances: one winner, one record ------------------------------------------
 
 
