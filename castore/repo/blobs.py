@@ -272,7 +272,8 @@ class BlobReflog(Reflog):
     the end (``records_backwards``, ``last_published`` on a new handle) lists
     every name, because a list is ascending only and the blob interface has no
     start-after, then reads only the records consumed. An append costs one
-    create when this handle knows the end, else that listing first.
+    create when this handle knows the end, else that listing first. ``runs``
+    lists every record of every run (the interface lists no "directories").
     """
 
     def __init__(self, blobs: BlobStore) -> None:
