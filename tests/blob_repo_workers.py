@@ -8,7 +8,11 @@ ignores the version it read and overwrites whatever is there.
 
 ``race(root, index, barrier, results, broken)`` runs in a spawned process on a
 shared directory and puts ``(index, outcome)`` on ``results``: ``"won"`` or the
-name of the exception the advance raised.
+name of the exception the advance raised. ``race_leased`` races ref stores as
+``blob_refs`` builds them (run leases on), released together at the barrier.
+
+The paused racers have in-process locks only, so that the ref's swap alone
+keeps them apart (as when a stalled holder's run lease was taken over).
 """
 
 from __future__ import annotations
@@ -76,4 +80,11 @@ def racer_value(index: int) -> Any:
 
 def race(root: str, index: int, barrier: Any, results: Any, broken: bool) -> None:
     refs = racing_refs(PosixBlobStore(root, stale_lock_after=60.0), barrier, broken=broken)
+    results.put((index, advance_once(refs, index)))
+
+
+def race_leased(root: str, index: int, barrier: Any, results: Any, broken: bool) -> None:
+    """Racers as a store builds them (run leases on), released together, no pause inside."""
+    refs = blob_refs(PosixBlobStore(root, stale_lock_after=60.0))
+    barrier.wait(BARRIER_TIMEOUT)
     results.put((index, advance_once(refs, index)))

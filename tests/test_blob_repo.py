@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,20 +24,24 @@ from castore import Store
 from castore.blob import MemoryBlobStore, PosixBlobStore
 from castore.blob.base import BlobStore
 from castore.chunkstore.memory import MemoryBackend
-from castore.errors import CorruptRefError, RefConflictError
+from castore.errors import CorruptRefError, RefConflictError, StoreLockedError
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage, tag
 from castore.repo.base import RefTable
 from castore.repo.blobs import (
+    LEASE_FREE,
     BlobReflog,
     BlobRefTable,
     BlobStoreLocks,
     BlobTagTable,
+    LeaseLostWarning,
+    RunLeases,
     blob_refs,
     decode_record,
     encode_record,
     record_blob,
 )
 from castore.repo.records import Record, make_reflog_record
+from castore.repo.refstore import ComposedRefStore, RepoParts
 from castore.testing import (
     ReflogTests,
     RefTableTests,
@@ -111,6 +116,93 @@ class TestBlobStoreLocks(StoreLocksTests):
         return BlobStoreLocks()
 
 
+class TestBlobStoreLocksWithRunLeases(StoreLocksTests):
+    """The run lock also a lease blob: the suite holds as for in-process locks."""
+
+    @pytest.fixture
+    def locks(self, blobs: BlobStore) -> BlobStoreLocks:
+        return BlobStoreLocks(blobs, stale_after=30.0)
+
+
+def test_a_run_lease_excludes_another_node_until_released(blobs: BlobStore) -> None:
+    mine, theirs = BlobStoreLocks(blobs), BlobStoreLocks(blobs)  # two nodes
+    with mine.run_lock("r", timeout=1, busy="test"):
+        started = time.monotonic()
+        with pytest.raises(StoreLockedError, match="run r busy"):
+            with theirs.run_lock("r", timeout=0.3, busy="run r busy"):
+                pass
+        assert time.monotonic() - started >= 0.25
+        with theirs.run_lock("other", timeout=1, busy="test"):
+            pass  # another run's lease is free
+    with theirs.run_lock("r", timeout=1, busy="test"):
+        assert blobs.get("locks/runs/r") != LEASE_FREE
+    assert blobs.get("locks/runs/r") == LEASE_FREE
+
+
+def test_a_lease_left_by_a_dead_holder_is_taken_over_after_stale_after(
+    blobs: BlobStore,
+) -> None:
+    dead = RunLeases(blobs, stale_after=0.5)
+    held = dead.acquire("r", timeout=1, busy="test")  # and never released: killed
+    waiter = RunLeases(blobs, stale_after=0.5)
+    with pytest.raises(StoreLockedError):
+        waiter.acquire("r", timeout=0.3, busy="test")  # not before it looked stale
+    started = time.monotonic()
+    taken = waiter.acquire("r", timeout=5, busy="test")
+    assert 0.4 <= time.monotonic() - started < 5
+    with pytest.warns(LeaseLostWarning, match="taken over"):
+        dead.release(held)  # the stalled holder finds out; it frees nothing
+    assert blobs.get("locks/runs/r") != LEASE_FREE
+    waiter.release(taken)
+    assert blobs.get("locks/runs/r") == LEASE_FREE
+
+
+class SlowReflog(BlobReflog):
+    """Its appends wait a moment first: a writer slow between its ref swap and its record."""
+
+    def append(self, run: str, record: Record) -> None:
+        time.sleep(0.5)
+        super().append(run, record)
+
+
+def _node(blobs: BlobStore, *, leased: bool, reflog: BlobReflog) -> ComposedRefStore:
+    """The ref store of one node, with run leases or (the control) in-process locks only."""
+    locks = BlobStoreLocks(blobs if leased else None)
+    return ComposedRefStore(
+        RepoParts(BlobRefTable(blobs, locks), reflog, BlobTagTable(blobs), locks)
+    )
+
+
+@pytest.mark.parametrize("leased", [True, False])
+def test_run_leases_keep_two_nodes_reflog_in_order(blobs: BlobStore, leased: bool) -> None:
+    """Node A publishes generation 2 and is slow to log it; node B then publishes 3.
+
+    With run leases B waits for A's record; without them (the control) B logs
+    a ``recovered`` record for A's advance and the log ends out of order.
+    """
+    slow = _node(blobs, leased=leased, reflog=SlowReflog(blobs))
+    fast = _node(blobs, leased=leased, reflog=BlobReflog(blobs))
+    fast.advance("r", expected=None, new=value("r", 1))
+    node_a = threading.Thread(
+        target=slow.advance,
+        args=("r",),
+        kwargs={"expected": value("r", 1).root, "new": value("r", 2)},
+    )
+    node_a.start()
+    deadline = time.monotonic() + 10
+    while fast.read("r") != value("r", 2):  # A has swapped; its record is on its way
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    fast.advance("r", expected=value("r", 2).root, new=value("r", 3))
+    node_a.join(10)
+    logged = [(r["action"], r["generation"]) for r in blob_refs(blobs).reflog("r")]
+    in_order = [("advance", 1), ("advance", 2), ("advance", 3)]
+    if leased:
+        assert logged == in_order
+    else:
+        assert logged == [("advance", 1), ("recovered", 2), ("advance", 3), ("advance", 2)]
+
+
 # -- a whole store ------------------------------------------------------------------
 
 
@@ -138,10 +230,12 @@ def test_a_store_lays_out_refs_records_and_tags_as_blobs(blobs: BlobStore) -> No
         assert store.load("r", "best")["w"].tobytes() == (np.arange(300.0) + 2).tobytes()
         assert verify_store(store, deep=True).ok
         assert list(blobs.list()) == [
+            "locks/runs/r",  # the run's lease, free again
             *(f"logs/r/{n:012d}" for n in range(1, 7)),  # four advances, two collections
             "refs/r",
             "tags/r/best",
         ]
+        assert blobs.get("locks/runs/r") == LEASE_FREE
         # A new handle on the same blobs (and chunks) reads the same history.
         again = blob_store(blobs, chunks)
         assert [g.id for g in again.generations("r")] == [2, 4]
@@ -228,11 +322,12 @@ def _race_threads(blobs: BlobStore, *, broken: bool) -> list[str]:
     return race(RACERS, lambda i: blob_repo_workers.advance_once(stores[i], i))
 
 
-def _race_processes(root: Path, *, broken: bool) -> list[str]:
+def _race_processes(root: Path, *, broken: bool, leased: bool = False) -> list[str]:
     spawn = multiprocessing.get_context("spawn")
     barrier, results = spawn.Barrier(RACERS), spawn.Queue()
+    target = blob_repo_workers.race_leased if leased else blob_repo_workers.race
     racers = [
-        spawn.Process(target=blob_repo_workers.race, args=(str(root), i, barrier, results, broken))
+        spawn.Process(target=target, args=(str(root), i, barrier, results, broken))
         for i in range(RACERS)
     ]
     for racer in racers:
@@ -279,6 +374,16 @@ def test_processes_advancing_from_one_root_one_wins_with_one_record(tmp_path: Pa
         blobs = PosixBlobStore(root)
         _start(blobs)
         _check_one_winner(blobs, _race_processes(root, broken=False))
+
+
+@pytest.mark.slow
+def test_processes_with_run_leases_one_wins_with_one_record(tmp_path: Path) -> None:
+    for round_ in range(3):
+        root = tmp_path / f"round-{round_}"
+        blobs = PosixBlobStore(root)
+        _start(blobs)
+        _check_one_winner(blobs, _race_processes(root, broken=False, leased=True))
+        assert blobs.get("locks/runs/r") == LEASE_FREE
 
 
 def test_the_race_test_fails_an_advance_that_overwrites(tmp_path: Path) -> None:

@@ -8,6 +8,7 @@ directory, later S3); docs/FORMAT.md, "Format 3 (in progress)"::
     logs/RUN/NNNNNNNNNNNN       create-only: one reflog record, NNN... its 12-digit
                                 sequence number (1, 2, ...), in log order
     tags/RUN/NAME               mutable: the ref encoding, naming the tagged generation
+    locks/runs/RUN              mutable: the run's lease (a holder record, or free)
 
 A ref advance is one compare-and-swap on ``refs/RUN``: read it with its
 version, run the checks every ref table runs (``check_advance``), then swap
@@ -22,21 +23,31 @@ overwritten. Record numbers are dense (records are never deleted), which is
 what lets a handle that keeps its view read only what was appended since:
 it probes the next number until one is absent.
 
-**Locks are per process.** :class:`BlobStoreLocks` excludes threads of one
-process only; there is no lease blob yet, so two processes (two nodes) are not
-kept apart by the store lock (garbage collection against saves) nor by the run
-lock. What holds across nodes regardless is the ref's compare-and-swap: at most
-one advance from a given root wins. What does not yet: the reflog's order
-between two nodes whose advances interleave (one may append a ``recovered``
-record for an advance whose own record the other is about to append).
+**Locks.** The run lock is a lease blob ``locks/runs/RUN`` (:class:`RunLeases`)
+as well as an in-process lock, so the advances and reflog records of one run
+are ordered across processes and nodes; a lease left by a killed holder is
+taken over after ``stale_after`` seconds of no change. **The store lock and the
+open lock are held in one process only** (:class:`BlobStoreLocks`): there is no
+store lease yet, so garbage collection is not kept apart from saves on other
+nodes. The ref's compare-and-swap holds regardless: of advances from one
+root, at most one wins, even when a stalled holder's lease was taken over
+(then only the reflog's order is no longer guaranteed).
 """
 
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
+import secrets
+import socket
 import threading
+import time
+import warnings
 from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 
 from castore.blob.base import BlobStore, Version
 from castore.errors import (
@@ -45,6 +56,7 @@ from castore.errors import (
     BlobTooLargeError,
     CorruptRefError,
     RefConflictError,
+    StoreLockedError,
 )
 from castore.hashing import Digest, digest_bytes
 from castore.repo.base import AroundSwap, Reflog, RefTable, TagTable
@@ -69,6 +81,12 @@ from castore.repo.refstore import ComposedRefStore, RepoParts
 SEQUENCE_DIGITS = 12
 _SEQUENCE = re.compile(f"[0-9]{{{SEQUENCE_DIGITS}}}")
 _CHECK_CHARS = 32  # hex digits of blake3(JSON) after the record's tab, as in a local reflog
+# A run's lease blob when nobody holds it.
+LEASE_FREE = b'{"free":true}'
+# Seconds a waiter watches an unchanged run lease before taking it over: a run lock
+# is held for one ref swap and one record create, far less than this.
+DEFAULT_STALE_LEASE = 20.0
+_POLL_FIRST, _POLL_MOST = 0.002, 0.1
 
 
 def ref_blob(run: str) -> str:
@@ -107,15 +125,122 @@ def _read_ref_blob(blobs: BlobStore, name: str, run: str) -> tuple[RefValue, Ver
 # -- locks ------------------------------------------------------------------------
 
 
-class BlobStoreLocks(MemoryLocks):
-    """The store, run and open locks, held in this process only.
+class LeaseLostWarning(UserWarning):
+    """A run lease was taken over while held (its holder stalled past ``stale_after``).
 
-    **Cross-node exclusion is not provided yet**: another process on the same
-    blobs takes its own locks freely. Until a lease blob exists (the GC lease
-    of docs/FORMAT.md, "Format 3"), garbage collection on a blob store is safe
-    only when no other process saves to it. Ref advances stay safe without it:
-    their compare-and-swap is on the blob itself.
+    The ref's compare-and-swap still refused any stale advance; what may be
+    out of order is the reflog of that run (docs/FORMAT.md, "Locks").
     """
+
+
+@dataclass(frozen=True)
+class _HeldLease:
+    name: str
+    version: Version
+
+
+class RunLeases:
+    """Per run, a lease blob ``locks/runs/RUN`` that excludes other processes and nodes.
+
+    The blob holds a record unique to each acquisition (holder and token) or
+    the free record. Taking it is a compare-and-swap from the free record (or
+    from absent); releasing it, a swap back to free from the version taken.
+    A waiter takes over a lease only after watching the *same* version for
+    ``stale_after`` seconds on its own monotonic clock, so nodes' clocks need
+    not agree and a killed holder blocks its run for ``stale_after`` at most.
+    A holder that stalls longer than that loses the lease (its release warns,
+    LeaseLostWarning): its advance is still refused by the ref's
+    compare-and-swap if another moved the ref, but the run's reflog order is
+    then no longer guaranteed.
+    """
+
+    def __init__(self, blobs: BlobStore, *, stale_after: float = DEFAULT_STALE_LEASE) -> None:
+        if stale_after <= 0:
+            raise ValueError(f"stale_after must be positive, got {stale_after}")
+        self.blobs = blobs
+        self.stale_after = stale_after
+
+    def acquire(self, run: str, *, timeout: float, busy: str) -> _HeldLease:
+        name = f"locks/runs/{validate_run_name(run)}"
+        record = json.dumps(
+            {
+                "holder": f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}",
+                "token": secrets.token_hex(16),
+            },
+            sort_keys=True,
+        ).encode()
+        deadline = time.monotonic() + timeout
+        watched: tuple[Version, float] | None = None
+        pause = _POLL_FIRST
+        while True:
+            found = self.blobs.read_versioned(name)
+            version = None if found is None else found[1]
+            now = time.monotonic()
+            takeover = watched is not None and watched[0] == version
+            if (
+                found is None
+                or found[0] == LEASE_FREE
+                or (takeover and watched is not None and now - watched[1] >= self.stale_after)
+            ):
+                try:
+                    return _HeldLease(name, self.blobs.swap(name, record, version))
+                except BlobConflictError:
+                    watched = None  # someone else took it or let it go: look again
+                    continue
+            if not takeover:
+                watched = (version, now) if version is not None else None
+            if now >= deadline:
+                raise StoreLockedError(busy)
+            time.sleep(min(pause * (0.5 + random.random()), max(0.0, deadline - now)))
+            pause = min(2 * pause, _POLL_MOST)
+
+    def release(self, held: _HeldLease) -> None:
+        try:
+            self.blobs.swap(held.name, LEASE_FREE, held.version)
+        except BlobConflictError:
+            warnings.warn(
+                f"the lease {held.name!r} was taken over while held (held longer than "
+                f"{self.stale_after:.0f}s); the reflog of its run may be out of order",
+                LeaseLostWarning,
+                stacklevel=4,
+            )
+
+
+class BlobStoreLocks(MemoryLocks):
+    """The store, run and open locks of a blob store.
+
+    With ``blobs``, the run lock is also a lease blob (:class:`RunLeases`), so
+    ref advances and their reflog records of one run are ordered across
+    processes and nodes. **The store lock and the open lock are held in this
+    process only**: another process on the same blobs takes them freely. Until
+    a store lease exists (the GC lease of issue 12, section 3), garbage
+    collection on a blob store is safe only when no other process saves to it.
+    Ref advances are safe regardless: their compare-and-swap is on the blob.
+    """
+
+    def __init__(
+        self, blobs: BlobStore | None = None, *, stale_after: float = DEFAULT_STALE_LEASE
+    ) -> None:
+        super().__init__()
+        self.leases = None if blobs is None else RunLeases(blobs, stale_after=stale_after)
+
+    def run_lock(self, run: str, *, timeout: float, busy: str) -> AbstractContextManager[None]:
+        if self.leases is None:
+            return super().run_lock(run, timeout=timeout, busy=busy)
+        return self._leased(run, timeout, busy)
+
+    @contextmanager
+    def _leased(self, run: str, timeout: float, busy: str) -> Iterator[None]:
+        assert self.leases is not None
+        deadline = time.monotonic() + timeout
+        # This process's threads queue in memory first, so only one of them polls the blob.
+        with super().run_lock(run, timeout=timeout, busy=busy):
+            left = max(0.0, deadline - time.monotonic())
+            held = self.leases.acquire(run, timeout=left, busy=busy)
+            try:
+                yield
+            finally:
+                self.leases.release(held)
 
 
 # -- refs -------------------------------------------------------------------------
@@ -395,17 +520,17 @@ class BlobReflog(Reflog):
 
 
 class BlobRefStore(ComposedRefStore):
-    """Refs, reflog records and tags as blobs; locks in this process (see BlobStoreLocks)."""
+    """Refs, reflog records and tags as blobs; run leases; store locks in this process only."""
 
     backend_name = "blob"
 
     def __init__(self, blobs: BlobStore, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
-        locks = BlobStoreLocks()
+        locks = BlobStoreLocks(blobs)
         self.blobs = blobs
         parts = RepoParts(BlobRefTable(blobs, locks), BlobReflog(blobs), BlobTagTable(blobs), locks)
         super().__init__(parts, lock_timeout=lock_timeout)
 
 
 def blob_refs(blobs: BlobStore, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> BlobRefStore:
-    """The refs, reflog, tags and (per-process) locks of a store laid out on ``blobs``."""
+    """The refs, reflog, tags and locks (see BlobStoreLocks) of a store laid out on ``blobs``."""
     return BlobRefStore(blobs, lock_timeout=lock_timeout)
