@@ -1,0 +1,536 @@
+"""The repository parts of format 3 over the blob interface (in progress).
+
+**Not used by** ``castore.open`` **yet.** Refs, reflog records and tags as
+named blobs of a :class:`castore.blob.base.BlobStore` (memory, a shared
+directory, later S3); docs/FORMAT.md, "Format 3 (in progress)"::
+
+    refs/RUN                    mutable: the ref encoding of castore.repo.reffile
+    logs/RUN/NNNNNNNNNNNN       create-only: one reflog record, NNN... its 12-digit
+                                sequence number (1, 2, ...), in log order
+    tags/RUN/NAME               mutable: the ref encoding, naming the tagged generation
+    locks/runs/RUN              mutable: the run's lease (a holder record, or free)
+
+A ref advance is one compare-and-swap on ``refs/RUN``: read it with its
+version, run the checks every ref table runs (``check_advance``), then swap
+from that version. A writer that lost the swap re-reads the ref and raises
+RefConflictError as a local store does; it never writes a reflog record (the
+record is appended in ``around`` after the swap succeeds). So two writers on
+two nodes racing from one root give one winner and one record.
+
+A reflog record is created only if absent, under the next sequence number; a
+writer that finds its number taken tries the next one, so no record is ever
+overwritten. Record numbers are dense (records are never deleted), which is
+what lets a handle that keeps its view read only what was appended since:
+it probes the next number until one is absent.
+
+**Locks.** The run lock is a lease blob ``locks/runs/RUN`` (:class:`RunLeases`)
+as well as an in-process lock, so the advances and reflog records of one run
+are ordered across processes and nodes; a lease left by a killed holder is
+taken over after ``stale_after`` seconds of no change. **The store lock and the
+open lock are held in one process only** (:class:`BlobStoreLocks`): there is no
+store lease yet, so garbage collection is not kept apart from saves on other
+nodes. The ref's compare-and-swap holds regardless: of advances from one
+root, at most one wins, even when a stalled holder's lease was taken over
+(then only the reflog's order is no longer guaranteed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import re
+import secrets
+import socket
+import threading
+import time
+import warnings
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+
+from castore.blob.base import BlobStore, Version
+from castore.errors import (
+    BlobConflictError,
+    BlobExistsError,
+    BlobTooLargeError,
+    CorruptRefError,
+    RefConflictError,
+    StoreLockedError,
+)
+from castore.hashing import Digest, digest_bytes
+from castore.repo.base import AroundSwap, Reflog, RefTable, TagTable
+from castore.repo.memory import MemoryLocks
+from castore.repo.records import (
+    DEFAULT_LOCK_TIMEOUT,
+    PUBLISH_ACTIONS,
+    Record,
+    ReflogView,
+    RefValue,
+    check_advance,
+    check_new_value,
+    is_reflog_record,
+    is_valid_name,
+    run_lock_busy,
+    validate_run_name,
+    validate_tag_name,
+)
+from castore.repo.reffile import decode_ref, encode_ref
+from castore.repo.refstore import ComposedRefStore, RepoParts
+
+SEQUENCE_DIGITS = 12
+_SEQUENCE = re.compile(f"[0-9]{{{SEQUENCE_DIGITS}}}")
+_CHECK_CHARS = 32  # hex digits of blake3(JSON) after the record's tab, as in a local reflog
+# A run's lease blob when nobody holds it.
+LEASE_FREE = b'{"free":true}'
+# Seconds a waiter watches an unchanged run lease before taking it over: a run lock
+# is held for one ref swap and one record create, far less than this.
+DEFAULT_STALE_LEASE = 20.0
+_POLL_FIRST, _POLL_MOST = 0.002, 0.1
+
+
+def ref_blob(run: str) -> str:
+    return f"refs/{validate_run_name(run)}"
+
+
+def tag_blob(run: str, name: str) -> str:
+    return f"tags/{validate_run_name(run)}/{validate_tag_name(name)}"
+
+
+def record_blob(run: str, sequence: int) -> str:
+    return f"logs/{validate_run_name(run)}/{sequence:0{SEQUENCE_DIGITS}d}"
+
+
+def _runs_under(blobs: BlobStore, prefix: str, *, nested: bool) -> list[str]:
+    """The run segments of names ``PREFIX RUN`` (``PREFIX RUN/...`` when ``nested``)."""
+    found: set[str] = set()
+    for name in blobs.list(prefix):
+        run, slash, _ = name[len(prefix) :].partition("/")
+        if bool(slash) == nested and is_valid_name(run):
+            found.add(run)
+    return sorted(found)
+
+
+def _read_ref_blob(blobs: BlobStore, name: str, run: str) -> tuple[RefValue, Version] | None:
+    try:
+        found = blobs.read_versioned(name)
+    except BlobTooLargeError as exc:
+        raise CorruptRefError(f"blob {name!r} is larger than any ref", run=run) from exc
+    if found is None:
+        return None
+    data, version = found
+    return decode_ref(data, run=run), version
+
+
+# -- locks ------------------------------------------------------------------------
+
+
+class LeaseLostWarning(UserWarning):
+    """A run lease was taken over while held (its holder stalled past ``stale_after``).
+
+    The ref's compare-and-swap still refused any stale advance; what may be
+    out of order is the reflog of that run (docs/FORMAT.md, "Locks").
+    """
+
+
+@dataclass(frozen=True)
+class _HeldLease:
+    name: str
+    version: Version
+
+
+class RunLeases:
+    """Per run, a lease blob ``locks/runs/RUN`` that excludes other processes and nodes.
+
+    The blob holds a record unique to each acquisition (holder and token) or
+    the free record. Taking it is a compare-and-swap from the free record (or
+    from absent); releasing it, a swap back to free from the version taken.
+    A waiter takes over a lease only after watching the *same* version for
+    ``stale_after`` seconds on its own monotonic clock, so nodes' clocks need
+    not agree and a killed holder blocks its run for ``stale_after`` at most.
+    A holder that stalls longer than that loses the lease (its release warns,
+    LeaseLostWarning): its advance is still refused by the ref's
+    compare-and-swap if another moved the ref, but the run's reflog order is
+    then no longer guaranteed.
+    """
+
+    def __init__(self, blobs: BlobStore, *, stale_after: float = DEFAULT_STALE_LEASE) -> None:
+        if stale_after <= 0:
+            raise ValueError(f"stale_after must be positive, got {stale_after}")
+        self.blobs = blobs
+        self.stale_after = stale_after
+
+    def acquire(self, run: str, *, timeout: float, busy: str) -> _HeldLease:
+        name = f"locks/runs/{validate_run_name(run)}"
+        record = json.dumps(
+            {
+                "holder": f"{socket.gethostname()}:{os.getpid()}:{threading.get_ident()}",
+                "token": secrets.token_hex(16),
+            },
+            sort_keys=True,
+        ).encode()
+        deadline = time.monotonic() + timeout
+        watched: tuple[Version, float] | None = None
+        pause = _POLL_FIRST
+        while True:
+            found = self.blobs.read_versioned(name)
+            version = None if found is None else found[1]
+            now = time.monotonic()
+            takeover = watched is not None and watched[0] == version
+            if (
+                found is None
+                or found[0] == LEASE_FREE
+                or (takeover and watched is not None and now - watched[1] >= self.stale_after)
+            ):
+                try:
+                    return _HeldLease(name, self.blobs.swap(name, record, version))
+                except BlobConflictError:
+                    watched = None  # someone else took it or let it go: look again
+                    continue
+            if not takeover:
+                watched = (version, now) if version is not None else None
+            if now >= deadline:
+                raise StoreLockedError(busy)
+            time.sleep(min(pause * (0.5 + random.random()), max(0.0, deadline - now)))
+            pause = min(2 * pause, _POLL_MOST)
+
+    def release(self, held: _HeldLease) -> None:
+        try:
+            self.blobs.swap(held.name, LEASE_FREE, held.version)
+        except BlobConflictError:
+            warnings.warn(
+                f"the lease {held.name!r} was taken over while held (held longer than "
+                f"{self.stale_after:.0f}s); the reflog of its run may be out of order",
+                LeaseLostWarning,
+                stacklevel=4,
+            )
+
+
+class BlobStoreLocks(MemoryLocks):
+    """The store, run and open locks of a blob store.
+
+    With ``blobs``, the run lock is also a lease blob (:class:`RunLeases`), so
+    ref advances and their reflog records of one run are ordered across
+    processes and nodes. **The store lock and the open lock are held in this
+    process only**: another process on the same blobs takes them freely. Until
+    a store lease exists (the GC lease of issue 12, section 3), garbage
+    collection on a blob store is safe only when no other process saves to it.
+    Ref advances are safe regardless: their compare-and-swap is on the blob.
+    """
+
+    def __init__(
+        self, blobs: BlobStore | None = None, *, stale_after: float = DEFAULT_STALE_LEASE
+    ) -> None:
+        super().__init__()
+        self.leases = None if blobs is None else RunLeases(blobs, stale_after=stale_after)
+
+    def run_lock(self, run: str, *, timeout: float, busy: str) -> AbstractContextManager[None]:
+        if self.leases is None:
+            return super().run_lock(run, timeout=timeout, busy=busy)
+        return self._leased(run, timeout, busy)
+
+    @contextmanager
+    def _leased(self, run: str, timeout: float, busy: str) -> Iterator[None]:
+        assert self.leases is not None
+        deadline = time.monotonic() + timeout
+        # This process's threads queue in memory first, so only one of them polls the blob.
+        with super().run_lock(run, timeout=timeout, busy=busy):
+            left = max(0.0, deadline - time.monotonic())
+            held = self.leases.acquire(run, timeout=left, busy=busy)
+            try:
+                yield
+            finally:
+                self.leases.release(held)
+
+
+# -- refs -------------------------------------------------------------------------
+
+
+class BlobRefTable(RefTable):
+    """``refs/RUN`` blobs, advanced by compare-and-swap on the blob's version."""
+
+    def __init__(self, blobs: BlobStore, locks: BlobStoreLocks | None = None) -> None:
+        self.blobs = blobs
+        self.locks = locks or BlobStoreLocks()
+
+    def read(self, run: str) -> RefValue | None:
+        found = _read_ref_blob(self.blobs, ref_blob(run), run)
+        return None if found is None else found[0]
+
+    def runs(self) -> list[str]:
+        return _runs_under(self.blobs, "refs/", nested=False)
+
+    def advance(
+        self,
+        run: str,
+        *,
+        expected: Digest | None,
+        new: RefValue,
+        around: AroundSwap | None = None,
+        timeout: float = DEFAULT_LOCK_TIMEOUT,
+    ) -> RefValue | None:
+        check_new_value(run, new)
+        name = ref_blob(run)
+        # The run lock orders this process's threads (and their reflog appends);
+        # other processes are kept out of a stale swap by the blob's version alone.
+        with self.locks.run_lock(run, timeout=timeout, busy=run_lock_busy(run, timeout)):
+            found = _read_ref_blob(self.blobs, name, run)
+            current, version = (None, None) if found is None else found
+            check_advance(run, current, expected=expected, new=new)
+            if around is None:
+                self._swap_checked(run, name, new, version, expected)
+            else:
+                with around(current):
+                    self._swap_checked(run, name, new, version, expected)
+            return current
+
+    def _swap_checked(
+        self,
+        run: str,
+        name: str,
+        new: RefValue,
+        version: Version | None,
+        expected: Digest | None,
+    ) -> None:
+        try:
+            self._swap(name, encode_ref(new), version)
+        except BlobConflictError:
+            # Another node moved the ref between our read and our swap: say so as
+            # the checks would have, had they seen its value.
+            moved = self.read(run)
+            check_advance(run, moved, expected=expected, new=new)
+            raise RefConflictError(
+                f"ref of run {run!r} changed while advancing to generation "
+                f"{new.generation}; reload and retry",
+                run=run,
+            ) from None
+
+    def _swap(self, name: str, data: bytes, version: Version | None) -> None:
+        """The commit point: replace ``name`` only if it is still at ``version``."""
+        self.blobs.swap(name, data, version)
+
+
+# -- tags -------------------------------------------------------------------------
+
+
+class BlobTagTable(TagTable):
+    """``tags/RUN/NAME`` blobs in the ref encoding; a write replaces whatever is there."""
+
+    def __init__(self, blobs: BlobStore) -> None:
+        self.blobs = blobs
+
+    def get(self, run: str, name: str) -> RefValue | None:
+        validate_run_name(run)
+        if not is_valid_name(name):
+            return None
+        found = _read_ref_blob(self.blobs, tag_blob(run, name), run)
+        return None if found is None else found[0]
+
+    def all(self, run: str) -> dict[str, RefValue]:
+        prefix = f"tags/{validate_run_name(run)}/"
+        found = {}
+        for blob in self.blobs.list(prefix):
+            name = blob[len(prefix) :]
+            if is_valid_name(name):
+                value = self.get(run, name)
+                if value is not None:  # deleted since the listing
+                    found[name] = value
+        return dict(sorted(found.items()))
+
+    def write(self, run: str, name: str, value: RefValue) -> None:
+        blob = tag_blob(run, name)
+        data = encode_ref(value)
+        while True:  # last writer wins, as a rename over a local tag file does
+            found = self.blobs.read_versioned(blob)
+            try:
+                self.blobs.swap(blob, data, None if found is None else found[1])
+                return
+            except BlobConflictError:
+                continue
+
+    def delete(self, run: str, name: str) -> bool:
+        return self.blobs.delete(tag_blob(run, name))
+
+    def runs(self) -> list[str]:
+        return _runs_under(self.blobs, "tags/", nested=True)
+
+
+# -- reflog -----------------------------------------------------------------------
+
+
+def encode_record(record: Record) -> bytes:
+    """A record blob: ``JSON <TAB> 32 hex digits of blake3(JSON) <LF>`` (a local reflog line)."""
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    return f"{text}\t{digest_bytes(text.encode()).hex()[:_CHECK_CHARS]}\n".encode()
+
+
+def decode_record(data: bytes, run: str) -> Record | None:
+    """The record a blob holds, or None when it is damaged (create is atomic: nothing is torn)."""
+    text, tab, rest = data.decode("utf-8", "replace").rpartition("\t")
+    if not tab or rest != digest_bytes(text.encode()).hex()[:_CHECK_CHARS] + "\n":
+        return None
+    try:
+        record = json.loads(text)
+    except (ValueError, RecursionError):
+        return None
+    return record if is_reflog_record(record, run) else None
+
+
+class BlobReflogView(ReflogView):
+    """A view and the sequence number of the next record it has not read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.next = 1
+
+
+class BlobReflog(Reflog):
+    """``logs/RUN/NNNNNNNNNNNN`` record blobs, created once each, read in number order.
+
+    ``damaged`` positions are sequence numbers (the blob name's only variable
+    part): a record blob that fails its checksum or shape, or a number missing
+    below the highest one (records are never deleted, so a gap is damage).
+
+    Costs, for a log of n records: a fresh view lists the run's names (on S3,
+    one request per 1,000) and reads every record (n GETs); a kept view probes
+    one GET per record appended since, plus one that finds none. Reading from
+    the end (``records_backwards``, ``last_published`` on a new handle) lists
+    every name, because a list is ascending only and the blob interface has no
+    start-after, then reads only the records consumed. An append costs one
+    create when this handle knows the end, else that listing first. ``runs``
+    lists every record of every run (the interface lists no "directories").
+    """
+
+    def __init__(self, blobs: BlobStore) -> None:
+        self.blobs = blobs
+        self._views: dict[str, BlobReflogView] = {}
+        self._next_append: dict[str, int] = {}
+        self._guard = threading.Lock()
+
+    def location(self, run: str) -> str:
+        return f"the reflog blobs logs/{run}/ (positions are record numbers)"
+
+    def runs(self) -> list[str]:
+        return _runs_under(self.blobs, "logs/", nested=True)
+
+    def _sequences(self, run: str) -> list[int]:
+        """The record numbers present, ascending (other names under the prefix are ignored)."""
+        prefix = f"logs/{validate_run_name(run)}/"
+        tails = (name[len(prefix) :] for name in self.blobs.list(prefix))
+        return [int(tail) for tail in tails if _SEQUENCE.fullmatch(tail)]
+
+    def _load(self, run: str, sequence: int) -> tuple[Record | None, bool]:
+        """(the record, whether the blob exists)."""
+        try:
+            found = self.blobs.read_versioned(record_blob(run, sequence))
+        except BlobTooLargeError:
+            return None, True
+        if found is None:
+            return None, False
+        return decode_record(found[0], run), True
+
+    def append(self, run: str, record: Record) -> None:
+        validate_run_name(run)
+        if not is_reflog_record(record, run):
+            raise ValueError(f"not a reflog record of run {run!r}: {record!r}")
+        data = encode_record(record)
+        with self._guard:
+            sequence = self._next_append.get(run)
+        relisted = sequence is None
+        if sequence is None:
+            sequence = self._end(run) + 1
+        while True:
+            try:
+                self.blobs.create(record_blob(run, sequence), data)
+                break
+            except BlobExistsError:
+                # Another writer took this number: never overwrite, take a later one.
+                if relisted:
+                    sequence += 1
+                else:
+                    sequence, relisted = max(sequence + 1, self._end(run) + 1), True
+        with self._guard:
+            self._next_append[run] = sequence + 1
+
+    def _end(self, run: str) -> int:
+        sequences = self._sequences(run)
+        return sequences[-1] if sequences else 0
+
+    def view(self, run: str, *, fresh: bool = False) -> ReflogView:
+        validate_run_name(run)
+        with self._guard:
+            view = None if fresh else self._views.get(run)
+            if view is None:
+                view = self._read_all(run)
+            else:
+                self._extend(run, view)
+            self._views[run] = view
+            return view
+
+    def _read_all(self, run: str) -> BlobReflogView:
+        view = BlobReflogView()
+        present = self._sequences(run)
+        have = set(present)
+        for sequence in range(1, (present[-1] if present else 0) + 1):
+            record = self._load(run, sequence)[0] if sequence in have else None
+            if record is None:
+                view.damaged.append(sequence)  # a gap or a damaged blob
+            else:
+                view.add(record)
+        view.next = (present[-1] if present else 0) + 1
+        return view
+
+    def _extend(self, run: str, view: BlobReflogView) -> None:
+        while True:
+            record, exists = self._load(run, view.next)
+            if not exists:
+                return
+            if record is None:
+                view.damaged.append(view.next)
+            else:
+                view.add(record)
+            view.next += 1
+
+    def cached_view(self, run: str) -> ReflogView | None:
+        with self._guard:
+            kept = run in self._views
+        return self.view(run) if kept else None
+
+    def records_backwards(self, run: str) -> Iterator[Record]:
+        validate_run_name(run)
+        return self._backwards(run, self._sequences(run))
+
+    def _backwards(self, run: str, sequences: list[int]) -> Iterator[Record]:
+        for sequence in reversed(sequences):
+            record = self._load(run, sequence)[0]
+            if record is not None:
+                yield record
+
+    def last_published(self, run: str) -> Record | None:
+        view = self.cached_view(run)
+        if view is None:
+            return super().last_published(run)
+        for record in reversed(view.records):
+            if record["action"] in PUBLISH_ACTIONS:
+                return dict(record)
+        return None
+
+
+# -- the composition --------------------------------------------------------------
+
+
+class BlobRefStore(ComposedRefStore):
+    """Refs, reflog records and tags as blobs; run leases; store locks in this process only."""
+
+    backend_name = "blob"
+
+    def __init__(self, blobs: BlobStore, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
+        locks = BlobStoreLocks(blobs)
+        self.blobs = blobs
+        parts = RepoParts(BlobRefTable(blobs, locks), BlobReflog(blobs), BlobTagTable(blobs), locks)
+        super().__init__(parts, lock_timeout=lock_timeout)
+
+
+def blob_refs(blobs: BlobStore, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> BlobRefStore:
+    """The refs, reflog, tags and locks (see BlobStoreLocks) of a store laid out on ``blobs``."""
+    return BlobRefStore(blobs, lock_timeout=lock_timeout)
