@@ -272,3 +272,78 @@ def test_castore_imports_without_boto3_and_an_s3_store_says_what_is_missing() ->
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "pip install 'castore[s3]'" in result.stdout
+
+
+class _Answers:
+    """Answers the first requests with canned HTTP errors; ``first`` runs before each."""
+
+    def __init__(self, status: int, code: str, count: int, first: Any = None) -> None:
+        self.status, self.code, self.left, self.first = status, code, count, first
+
+    def __call__(self, request: Any, **kwargs: Any) -> Any:
+        from botocore.awsrequest import AWSResponse
+
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        if self.first is not None:
+            self.first()
+        body = f"<Error><Code>{self.code}</Code><Message>injected</Message></Error>".encode()
+        return AWSResponse(request.url, self.status, {}, _Raw(body))
+
+
+def test_a_conditional_request_conflict_is_retried(s3_endpoint: str, s3_bucket: str) -> None:
+    blobs = _store(s3_endpoint, s3_bucket)
+    conflicts = _Answers(409, "ConditionalRequestConflict", 2)
+    blobs.client.meta.events.register("before-send.s3.PutObject", conflicts)
+    first = blobs.swap("refs/r", b"one", None)
+    assert conflicts.left == 0 and blobs.read_versioned("refs/r") == (b"one", first)
+    conflicts.left = 100  # it never settles: a conflict, nothing written
+    with pytest.raises(BlobConflictError):
+        blobs.swap("refs/r", b"two", first)
+    conflicts.left = 0
+    assert blobs.read_versioned("refs/r") == (b"one", first)
+
+
+def test_a_retried_write_that_had_landed_is_still_ours(s3_endpoint: str, s3_bucket: str) -> None:
+    # The first attempt reaches S3 and is applied, but its answer is lost (a 503
+    # in its place); the retry then meets its own object and gets 412.
+    blobs = _store(s3_endpoint, s3_bucket)
+    first = blobs.swap("refs/r", b"one", None)
+    other = s3_client(s3_endpoint)
+
+    def lands() -> None:
+        other.put_object(
+            Bucket=s3_bucket, Key="stores/test/refs/r", Body=b"two", IfMatch=first.token
+        )
+
+    lost = _Answers(503, "ServiceUnavailable", 1, first=lands)
+    blobs.client.meta.events.register("before-send.s3.PutObject", lost)
+    second = blobs.swap("refs/r", b"two", first)
+    assert blobs.read_versioned("refs/r") == (b"two", second)
+
+    def someone_else() -> None:  # another writer's bytes: a real conflict
+        other.put_object(
+            Bucket=s3_bucket, Key="stores/test/refs/r", Body=b"x", IfMatch=second.token
+        )
+
+    lost.left, lost.first = 1, someone_else
+    with pytest.raises(BlobConflictError):
+        blobs.swap("refs/r", b"three", second)
+    assert blobs.get("refs/r") == b"x"
+
+
+def test_a_conflict_at_complete_aborts_the_upload(
+    s3_endpoint: str, s3_bucket: str, small_parts: int
+) -> None:
+    blobs = _store(
+        s3_endpoint, s3_bucket, part_size=small_parts, min_part_size=small_parts,
+        multipart_threshold=small_parts,
+    )  # fmt: skip
+    conflict = _Answers(409, "ConditionalRequestConflict", 1)
+    blobs.client.meta.events.register("before-send.s3.CompleteMultipartUpload", conflict)
+    with pytest.raises(BlobConflictError, match="nothing was written"):
+        blobs.create("packs/p", bytes(3 * small_parts))
+    assert _keys(s3_endpoint, s3_bucket) == [] and _uploads(s3_endpoint, s3_bucket) == []
+    blobs.create("packs/p", bytes(3 * small_parts))  # a new create goes through
+    assert blobs.head("packs/p") == 3 * small_parts

@@ -16,11 +16,15 @@ S3 API (docs/FORMAT.md, "Format 3 (in progress): blobs"):
   **delete** is ``HeadObject`` (did it exist?) then ``DeleteObject``.
 
 Versions are ETags. A 409 ``ConditionalRequestConflict`` (a concurrent
-conditional write) is retried as AWS advises; throttling and 5xx are retried
-with backoff by botocore's standard mode, within ``max_attempts`` and bounded
-connect/read timeouts. A retried conditional write whose first attempt did
-land answers 412 to the retry; the store then reads the object back and
-counts the write as its own when the bytes are the ones it wrote.
+conditional write; nothing written) on ``PutObject`` is retried as AWS
+advises, and past ``CONFLICT_RETRIES`` raised as BlobConflictError (by create
+too). On ``CompleteMultipartUpload`` AWS asks for a new upload of every part,
+which a stream cannot replay: the upload is aborted and BlobConflictError
+raised. Throttling and 5xx are retried with backoff by botocore's standard
+mode, within ``max_attempts`` and bounded connect/read timeouts. A retried
+conditional write whose first attempt did land answers 412 to the retry; the
+store then reads the object back and counts the write as its own when the
+bytes are the ones it wrote.
 
 boto3 is imported only when a store is built: ``import castore`` needs no boto3.
 """
@@ -208,27 +212,27 @@ class S3BlobStore(BlobStore):
         return done
 
     def _complete(self, name: str, key: str, upload: str, done: list[dict[str, Any]]) -> Any:
-        for attempt in range(CONFLICT_RETRIES):
-            try:
-                return self.client.complete_multipart_upload(
-                    Bucket=self.bucket,
-                    Key=key,
-                    UploadId=upload,
-                    MultipartUpload={"Parts": done},
-                    IfNoneMatch="*",
-                )
-            except self._errors.ClientError as error:
-                code = _code(error)
-                if code in ("PreconditionFailed", "412"):
-                    raise BlobExistsError(
-                        f"blob {name!r} exists in {self}; it keeps its content", name=name
-                    ) from None
-                if code != "ConditionalRequestConflict" or attempt == CONFLICT_RETRIES - 1:
-                    raise self._translate(error, "CompleteMultipartUpload", name) from None
-                _backoff(attempt)
-            except self._errors.BotoCoreError as error:
-                raise self._translate(error, "CompleteMultipartUpload", name) from None
-        raise AssertionError("unreachable")
+        try:
+            return self.client.complete_multipart_upload(
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload,
+                MultipartUpload={"Parts": done},
+                IfNoneMatch="*",
+            )
+        except self._errors.ClientError as error:
+            code = _code(error)
+            if code in ("PreconditionFailed", "412"):
+                raise BlobExistsError(
+                    f"blob {name!r} exists in {self}; it keeps its content", name=name
+                ) from None
+            if code == "ConditionalRequestConflict":
+                # AWS: start a new upload and send every part again; the parts
+                # are gone from memory, so the caller retries the create.
+                raise _still_conflicting(name, 1) from None
+            raise self._translate(error, "CompleteMultipartUpload", name) from None
+        except self._errors.BotoCoreError as error:
+            raise self._translate(error, "CompleteMultipartUpload", name) from None
 
     def _abort(self, key: str, upload: str) -> None:
         # Best effort: the failure being raised matters more than a failed cleanup.
@@ -327,8 +331,10 @@ class S3BlobStore(BlobStore):
                     raise _Precondition(retried) from None
                 if code in ("NoSuchKey", "404") and "IfMatch" in condition:
                     raise _Precondition(retried) from None  # AWS: If-Match on no object is 404
-                if code != "ConditionalRequestConflict" or attempt == CONFLICT_RETRIES - 1:
+                if code != "ConditionalRequestConflict":
                     raise self._translate(error, "PutObject", name) from None
+                if attempt == CONFLICT_RETRIES - 1:
+                    raise _still_conflicting(name, CONFLICT_RETRIES) from None
                 _backoff(attempt)
             except self._errors.BotoCoreError as error:
                 raise self._translate(error, "PutObject", name) from None
@@ -466,6 +472,14 @@ class _Precondition(Exception):
     def __init__(self, retried: bool) -> None:
         super().__init__("precondition failed")
         self.retried = retried
+
+
+def _still_conflicting(name: str, times: int) -> BlobConflictError:
+    return BlobConflictError(
+        f"blob {name!r}: a concurrent write conflicted (S3 409 ConditionalRequestConflict, "
+        f"{times} times); nothing was written: read it again and retry",
+        name=name,
+    )
 
 
 def _build_client(
