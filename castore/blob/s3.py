@@ -31,6 +31,7 @@ boto3 is imported only when a store is built: ``import castore`` needs no boto3.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -152,11 +153,10 @@ class S3BlobStore(BlobStore):
 
     def _create_streamed(self, name: str, pieces: Iterator[memoryview]) -> Version:
         parts = _parts(pieces, self.part_size)
-        first = next(parts, b"")
-        second = next(parts, None)
-        if second is None:  # it fitted in one part: one request
+        first, last = next(parts)
+        if last:  # it fits in one part: one request
             return self._put_new(name, memoryview(first))
-        return self._multipart(name, _chain(first, second, parts))
+        return self._multipart(name, itertools.chain([first], (part for part, _ in parts)))
 
     def _put_new(self, name: str, body: memoryview) -> Version:
         try:
@@ -169,7 +169,7 @@ class S3BlobStore(BlobStore):
             ) from None
         return Version(response["ETag"])
 
-    def _multipart(self, name: str, parts: Iterator[bytes | memoryview]) -> Version:
+    def _multipart(self, name: str, parts: Iterator[bytearray | memoryview]) -> Version:
         key = self._key(name)
         started = self._call(
             "CreateMultipartUpload",
@@ -188,7 +188,7 @@ class S3BlobStore(BlobStore):
         return Version(response["ETag"])
 
     def _upload_parts(
-        self, name: str, key: str, upload: str, parts: Iterator[bytes | memoryview]
+        self, name: str, key: str, upload: str, parts: Iterator[bytearray | memoryview]
     ) -> list[dict[str, Any]]:
         done: list[dict[str, Any]] = []
         for number, body in enumerate(parts, start=1):
@@ -206,7 +206,7 @@ class S3BlobStore(BlobStore):
                 Key=key,
                 UploadId=upload,
                 PartNumber=number,
-                Body=bytes(body),
+                Body=_body(body),
             )
             done.append({"ETag": answer["ETag"], "PartNumber": number})
         return done
@@ -322,7 +322,7 @@ class S3BlobStore(BlobStore):
         for attempt in range(CONFLICT_RETRIES):
             try:
                 return self.client.put_object(
-                    Bucket=self.bucket, Key=self._key(name), Body=bytes(body), **condition
+                    Bucket=self.bucket, Key=self._key(name), Body=_body(body), **condition
                 )
             except self._errors.ClientError as error:
                 code = _code(error)
@@ -567,27 +567,41 @@ def _total_size(response: Any) -> int:
     return int(response["ContentLength"])
 
 
+def _body(data: bytes | bytearray | memoryview) -> bytes | bytearray:
+    """A request body for ``data``, without a copy where botocore can take it as it is."""
+    if isinstance(data, (bytes, bytearray)):
+        return data
+    whole = data.obj
+    if isinstance(whole, (bytes, bytearray)) and data.nbytes == len(whole):
+        return whole
+    return bytes(data)
+
+
 def _slices(whole: memoryview, size: int) -> Iterator[memoryview]:
     for at in range(0, whole.nbytes, size):
         yield whole[at : at + size]
 
 
-def _parts(pieces: Iterator[memoryview], size: int) -> Iterator[bytes]:
-    """Regroup ``pieces`` into parts of exactly ``size`` bytes (the last may be shorter)."""
-    part = bytearray()
-    for piece in pieces:
-        while piece.nbytes:
-            room = size - len(part)
-            part += piece[:room]
-            piece = piece[room:]
-            if len(part) == size:
-                yield bytes(part)
-                part = bytearray()
-    if part:
-        yield bytes(part)
-
-
-def _chain(first: bytes, second: bytes, rest: Iterator[bytes]) -> Iterator[bytes]:
-    yield first
-    yield second
-    yield from rest
+def _parts(pieces: Iterator[memoryview], size: int) -> Iterator[tuple[bytearray, bool]]:
+    """Regroup ``pieces`` into parts of ``size`` bytes (the last may be shorter), each
+    with whether it is the last. One part is filled at a time, in place; to tell the
+    last part, at most one piece beyond it is read.
+    """
+    part, filled = bytearray(size), 0
+    pending: memoryview | None = memoryview(b"")
+    while pending is not None:
+        if not pending.nbytes:
+            pending = next(pieces, None)
+            continue
+        take = min(size - filled, pending.nbytes)
+        part[filled : filled + take] = pending[:take]
+        filled, pending = filled + take, pending[take:]
+        if filled == size:
+            while pending is not None and not pending.nbytes:
+                pending = next(pieces, None)
+            yield part, pending is None
+            if pending is None:
+                return
+            part, filled = bytearray(size), 0
+    del part[filled:]  # in place: no second buffer
+    yield part, True
