@@ -189,6 +189,20 @@ def test_an_endpoint_that_is_down_fails_within_the_bounded_wait() -> None:
     assert "\n" not in str(refused.value) and isinstance(refused.value, ConnectionError)
 
 
+def test_an_endpoint_that_never_answers_fails_within_the_bounded_wait() -> None:
+    with socket.socket() as silent:  # accepts connections (the kernel does), answers nothing
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(16)
+        endpoint = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        started = time.monotonic()
+        with pytest.raises(StoreUnavailableError, match="did not answer") as refused:
+            S3BlobStore("bucket", **store_arguments(endpoint),
+                        read_timeout=0.5, max_attempts=2)  # fmt: skip
+        elapsed = time.monotonic() - started
+    assert 1.0 <= elapsed < 10, elapsed  # two attempts of 0.5 s, and a backoff
+    assert "\n" not in str(refused.value)
+
+
 class _ServiceUnavailable:
     """Answers the first ``count`` requests with 503 SlowDown, before they are sent."""
 
