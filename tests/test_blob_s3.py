@@ -361,3 +361,38 @@ def test_a_conflict_at_complete_aborts_the_upload(
     assert _keys(s3_endpoint, s3_bucket) == [] and _uploads(s3_endpoint, s3_bucket) == []
     blobs.create("packs/p", bytes(3 * small_parts))  # a new create goes through
     assert blobs.head("packs/p") == 3 * small_parts
+
+
+def test_a_retried_completion_that_had_landed_is_still_ours(
+    s3_endpoint: str, s3_bucket: str, small_parts: int
+) -> None:
+    # The first completion is applied but its answer lost (a 503); the retry is
+    # answered 412, as the object now exists (moto replays a completed upload
+    # with 200 instead, so the 412 is injected too).
+    blobs = _store(
+        s3_endpoint, s3_bucket, part_size=small_parts, min_part_size=small_parts,
+        multipart_threshold=small_parts,
+    )  # fmt: skip
+    calls: list[int] = []
+
+    def lands(request: Any, **kwargs: Any) -> Any:
+        from botocore.awsrequest import AWSResponse
+
+        calls.append(1)
+        if len(calls) == 1:
+            sent = requests.post(request.url, data=request.body, headers=dict(request.headers))
+            assert sent.status_code == 200, sent.text
+            return AWSResponse(request.url, 503, {}, _Raw(b"<Error><Code>SlowDown</Code></Error>"))
+        if len(calls) == 2:
+            body = b"<Error><Code>PreconditionFailed</Code><Message>exists</Message></Error>"
+            return AWSResponse(request.url, 412, {}, _Raw(body))
+        return None
+
+    blobs.client.meta.events.register("before-send.s3.CompleteMultipartUpload", lands)
+    data = bytes(range(256)) * (3 * small_parts // 256)
+    version = blobs.create("packs/p", data)
+    assert len(calls) == 2
+    assert blobs.get("packs/p") == data and version.token == blobs._head_etag("packs/p")
+    assert _uploads(s3_endpoint, s3_bucket) == []
+    with pytest.raises(BlobExistsError):  # without a lost answer, a 412 is a 412
+        blobs.create("packs/p", data)

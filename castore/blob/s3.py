@@ -23,8 +23,9 @@ which a stream cannot replay: the upload is aborted and BlobConflictError
 raised. Throttling and 5xx are retried with backoff by botocore's standard
 mode, within ``max_attempts`` and bounded connect/read timeouts. A retried
 conditional write whose first attempt did land answers 412 to the retry; the
-store then reads the object back and counts the write as its own when the
-bytes are the ones it wrote.
+store then counts the write as its own when the object holds the bytes it
+wrote (PutObject), or when its upload is gone as completed (an abort answers
+NoSuchUpload; CompleteMultipartUpload).
 
 boto3 is imported only when a store is built: ``import castore`` needs no boto3.
 """
@@ -223,6 +224,8 @@ class S3BlobStore(BlobStore):
         except self._errors.ClientError as error:
             code = _code(error)
             if code in ("PreconditionFailed", "412"):
+                if _retry_attempts(error) > 0 and self._was_completed(key, upload):
+                    return {"ETag": self._head_etag(name)}  # our first attempt landed
                 raise BlobExistsError(
                     f"blob {name!r} exists in {self}; it keeps its content", name=name
                 ) from None
@@ -233,6 +236,18 @@ class S3BlobStore(BlobStore):
             raise self._translate(error, "CompleteMultipartUpload", name) from None
         except self._errors.BotoCoreError as error:
             raise self._translate(error, "CompleteMultipartUpload", name) from None
+
+    def _was_completed(self, key: str, upload: str) -> bool:
+        """Whether our upload is gone because it completed: aborting it says NoSuchUpload.
+
+        Only this writer completes or aborts its upload; a lifecycle rule that
+        aborts incomplete uploads acts after days, not within one retry.
+        """
+        try:
+            self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
+        except self._errors.ClientError as error:
+            return _code(error) == "NoSuchUpload"
+        return False
 
     def _abort(self, key: str, upload: str) -> None:
         # Best effort: the failure being raised matters more than a failed cleanup.
