@@ -144,9 +144,11 @@ def test_a_buffer_past_the_threshold_goes_up_in_parts(
     assert blobs.get("packs/p") == data
 
 
-def test_the_part_size_respects_the_minimum() -> None:
+def test_part_sizes_respect_the_s3_limits() -> None:
     with pytest.raises(ValueError, match="minimum part"):
         S3BlobStore("b", part_size=1 << 20, client=object(), check_bucket=False)
+    with pytest.raises(ValueError, match="largest single PutObject"):
+        S3BlobStore("b", multipart_threshold=6 << 30, client=object(), check_bucket=False)
 
 
 # -- faults ----------------------------------------------------------------------------
@@ -396,3 +398,14 @@ def test_a_retried_completion_that_had_landed_is_still_ours(
     assert _uploads(s3_endpoint, s3_bucket) == []
     with pytest.raises(BlobExistsError):  # without a lost answer, a 412 is a 412
         blobs.create("packs/p", data)
+
+
+def test_more_than_10000_parts_is_refused_before_any_upload(
+    s3_endpoint: str, s3_bucket: str
+) -> None:
+    blobs = _store(s3_endpoint, s3_bucket)
+    # 1-byte parts, set past the constructor's checks, stand in for a 160 GB buffer.
+    blobs.part_size = blobs.multipart_threshold = 1
+    with pytest.raises(StoreError, match="more than 10000 parts"):
+        blobs.create("packs/p", bytes(10_001))
+    assert _uploads(s3_endpoint, s3_bucket) == [] and blobs.head("packs/p") is None

@@ -66,6 +66,7 @@ from castore.hashing import Buffer
 MIB = 1 << 20
 AWS_MIN_PART = 5 * MIB  # every part but the last (AWS multipart limits)
 AWS_MAX_PARTS = 10_000
+AWS_MAX_PUT = 5 << 30  # the largest object one PutObject writes
 CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: AWS says retry the write
 
 _CREDENTIAL_CODES = frozenset(
@@ -115,8 +116,11 @@ class S3BlobStore(BlobStore):
     ) -> None:
         if part_size < min_part_size:
             raise ValueError(f"part_size {part_size} is below the minimum part {min_part_size}")
-        if multipart_threshold < part_size:
-            raise ValueError(f"multipart_threshold {multipart_threshold} is below part_size")
+        if not part_size <= multipart_threshold <= AWS_MAX_PUT:
+            raise ValueError(
+                f"multipart_threshold {multipart_threshold} must lie between part_size "
+                f"{part_size} and {AWS_MAX_PUT} (the largest single PutObject)"
+            )
         self.bucket = bucket
         self.prefix = _key_prefix(prefix)
         self.part_size = part_size
@@ -150,6 +154,8 @@ class S3BlobStore(BlobStore):
             return self._create_streamed(name, pieces_of(data))
         if whole.nbytes <= self.multipart_threshold:
             return self._put_new(name, whole)
+        if -(-whole.nbytes // self.part_size) > AWS_MAX_PARTS:
+            raise self._too_many_parts(name)  # before a single request
         return self._multipart(name, _slices(whole, self.part_size))
 
     def _create_streamed(self, name: str, pieces: Iterator[memoryview]) -> Version:
@@ -194,11 +200,7 @@ class S3BlobStore(BlobStore):
         done: list[dict[str, Any]] = []
         for number, body in enumerate(parts, start=1):
             if number > AWS_MAX_PARTS:
-                raise StoreError(
-                    f"blob {name!r} needs more than {AWS_MAX_PARTS} parts of {self.part_size} "
-                    "bytes (the S3 limit): build the store with a larger part_size",
-                    name=name,
-                )
+                raise self._too_many_parts(name)
             answer = self._call(
                 "UploadPart",
                 name,
@@ -211,6 +213,13 @@ class S3BlobStore(BlobStore):
             )
             done.append({"ETag": answer["ETag"], "PartNumber": number})
         return done
+
+    def _too_many_parts(self, name: str) -> StoreError:
+        return StoreError(
+            f"blob {name!r} needs more than {AWS_MAX_PARTS} parts of {self.part_size} bytes "
+            "(the S3 limit): build the store with a larger part_size",
+            name=name,
+        )
 
     def _complete(self, name: str, key: str, upload: str, done: list[dict[str, Any]]) -> Any:
         try:
