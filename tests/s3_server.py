@@ -31,10 +31,25 @@ _buckets = itertools.count()
 
 # Run in a child process so that the server's memory is not the client's: the
 # contract's streamed-create test measures the client's peak with tracemalloc.
+# moto answers on threads and checks If-None-Match / If-Match, then writes,
+# without a lock: under load two racers could both win, where S3 documents a
+# conditional write as atomic. One lock around each request gives the emulator
+# S3's atomicity; the client's requests still race each other on the wire.
 _SERVE = """
-import sys
-from moto.server import ThreadedMotoServer
-server = ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+import sys, threading
+from moto.moto_server import threaded_moto_server
+
+SERIALIZE = True
+one_at_a_time = threading.Lock()
+
+class Atomic(threaded_moto_server.DomainDispatcherApplication):
+    def __call__(self, environ, start_response):
+        with one_at_a_time:
+            return super().__call__(environ, start_response)
+
+if SERIALIZE:
+    threaded_moto_server.DomainDispatcherApplication = Atomic
+server = threaded_moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
 server.start()
 print("%s:%d" % server.get_host_and_port(), flush=True)
 sys.stdin.read()  # until the parent closes it

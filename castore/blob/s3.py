@@ -48,6 +48,13 @@ from castore.blob.base import (
     validate_blob_name,
     validate_blob_prefix,
 )
+from castore.blob.s3_errors import (
+    CONFLICT_RETRIES,
+    error_code,
+    retry_attempts,
+    still_conflicting,
+    translate,
+)
 from castore.errors import (
     BlobConflictError,
     BlobExistsError,
@@ -55,10 +62,7 @@ from castore.errors import (
     BlobTooLargeError,
     CastoreError,
     InvalidNameError,
-    StoreAccessDeniedError,
     StoreError,
-    StoreNotFoundError,
-    StoreUnavailableError,
     UnsupportedBackendError,
 )
 from castore.hashing import Buffer
@@ -67,22 +71,6 @@ MIB = 1 << 20
 AWS_MIN_PART = 5 * MIB  # every part but the last (AWS multipart limits)
 AWS_MAX_PARTS = 10_000
 AWS_MAX_PUT = 5 << 30  # the largest object one PutObject writes
-CONFLICT_RETRIES = 5  # 409 ConditionalRequestConflict: AWS says retry the write
-
-_CREDENTIAL_CODES = frozenset(
-    {
-        "InvalidAccessKeyId",
-        "SignatureDoesNotMatch",
-        "AccessDenied",
-        "ExpiredToken",
-        "InvalidToken",
-        "InvalidClientTokenId",
-        "403",
-    }
-)
-_UNAVAILABLE_CODES = frozenset(
-    {"SlowDown", "ServiceUnavailable", "InternalError", "RequestTimeout", "Throttling"}
-)
 
 
 class S3BlobStore(BlobStore):
@@ -231,9 +219,9 @@ class S3BlobStore(BlobStore):
                 IfNoneMatch="*",
             )
         except self._errors.ClientError as error:
-            code = _code(error)
+            code = error_code(error)
             if code in ("PreconditionFailed", "412"):
-                if _retry_attempts(error) > 0 and self._was_completed(key, upload):
+                if retry_attempts(error) > 0 and self._was_completed(key, upload):
                     return {"ETag": self._head_etag(name)}  # our first attempt landed
                 raise BlobExistsError(
                     f"blob {name!r} exists in {self}; it keeps its content", name=name
@@ -241,7 +229,7 @@ class S3BlobStore(BlobStore):
             if code == "ConditionalRequestConflict":
                 # AWS: start a new upload and send every part again; the parts
                 # are gone from memory, so the caller retries the create.
-                raise _still_conflicting(name, 1) from None
+                raise still_conflicting(name, 1) from None
             raise self._translate(error, "CompleteMultipartUpload", name) from None
         except self._errors.BotoCoreError as error:
             raise self._translate(error, "CompleteMultipartUpload", name) from None
@@ -255,7 +243,7 @@ class S3BlobStore(BlobStore):
         try:
             self.client.abort_multipart_upload(Bucket=self.bucket, Key=key, UploadId=upload)
         except self._errors.ClientError as error:
-            return _code(error) == "NoSuchUpload"
+            return error_code(error) == "NoSuchUpload"
         return False
 
     def _abort(self, key: str, upload: str) -> None:
@@ -275,7 +263,7 @@ class S3BlobStore(BlobStore):
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name), **ranged)
         except self._errors.ClientError as error:
-            if _code(error) in ("InvalidRange", "416"):
+            if error_code(error) in ("InvalidRange", "416"):
                 return self._get_checked(name, start, end)
             raise self._translate(error, "GetObject", name) from None
         except self._errors.BotoCoreError as error:
@@ -307,7 +295,7 @@ class S3BlobStore(BlobStore):
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
         except self._errors.ClientError as error:
-            if _code(error) in ("NoSuchKey", "404"):
+            if error_code(error) in ("NoSuchKey", "404"):
                 return None
             raise self._translate(error, "GetObject", name) from None
         except self._errors.BotoCoreError as error:
@@ -349,8 +337,8 @@ class S3BlobStore(BlobStore):
                     Bucket=self.bucket, Key=self._key(name), Body=_body(body), **condition
                 )
             except self._errors.ClientError as error:
-                code = _code(error)
-                retried = _retry_attempts(error) > 0
+                code = error_code(error)
+                retried = retry_attempts(error) > 0
                 if code in ("PreconditionFailed", "412"):
                     raise _Precondition(retried) from None
                 if code in ("NoSuchKey", "404") and "IfMatch" in condition:
@@ -358,7 +346,7 @@ class S3BlobStore(BlobStore):
                 if code != "ConditionalRequestConflict":
                     raise self._translate(error, "PutObject", name) from None
                 if attempt == CONFLICT_RETRIES - 1:
-                    raise _still_conflicting(name, CONFLICT_RETRIES) from None
+                    raise still_conflicting(name, CONFLICT_RETRIES) from None
                 _backoff(attempt)
             except self._errors.BotoCoreError as error:
                 raise self._translate(error, "PutObject", name) from None
@@ -406,7 +394,7 @@ class S3BlobStore(BlobStore):
         try:
             return self.client.head_object(Bucket=self.bucket, Key=self._key(name))
         except self._errors.ClientError as error:
-            if _code(error) in ("NoSuchKey", "404"):
+            if error_code(error) in ("NoSuchKey", "404"):
                 return None
             raise self._translate(error, "HeadObject", name) from None
         except self._errors.BotoCoreError as error:
@@ -431,63 +419,16 @@ class S3BlobStore(BlobStore):
             raise self._translate(error, operation, name) from None
 
     def _translate(self, error: Exception, operation: str, name: str | None) -> CastoreError:
-        """One typed castore error, in one line, for a botocore error."""
-        where = f"s3://{self.bucket}/{self.prefix}{name or ''}"
-        endpoint = getattr(self.client.meta, "endpoint_url", "?")
-        if not isinstance(error, self._errors.ClientError):
-            return self._translate_transport(error, operation, where, endpoint)
-        code = _code(error)
-        status = error.response.get("ResponseMetadata", {}).get("HTTPStatusCode")
-        message = error.response.get("Error", {}).get("Message", "")
-        if code == "NoSuchBucket" or (operation == "HeadBucket" and code in ("404", "NotFound")):
-            return StoreNotFoundError(
-                f"S3 bucket {self.bucket!r} does not exist at {endpoint}: create it, "
-                "or check the bucket name and the endpoint",
-                bucket=self.bucket,
-            )
-        if code in ("NoSuchKey", "404") and name is not None:
-            return BlobNotFoundError(f"no blob {name!r} in {self}", name=name)
-        if code in _CREDENTIAL_CODES or status == 403:
-            return StoreAccessDeniedError(
-                f"S3 refused the credentials for {operation} on {where} ({code}): check "
-                "AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, the profile, or the arguments",
-                bucket=self.bucket,
-            )
-        attempts = _retry_attempts(error) + 1
-        if code in _UNAVAILABLE_CODES or (isinstance(status, int) and status >= 500):
-            return StoreUnavailableError(
-                f"S3 {operation} on {where} kept failing ({code}, HTTP {status}) after "
-                f"{attempts} attempts: the endpoint is overloaded or down, retry later",
-                bucket=self.bucket,
-            )
-        return StoreError(
-            f"S3 {operation} on {where} failed: {code} (HTTP {status}) {message}".rstrip(),
+        return translate(
+            error,
+            self._errors,
+            store=repr(self),
             bucket=self.bucket,
+            where=f"s3://{self.bucket}/{self.prefix}{name or ''}",
+            endpoint=str(getattr(self.client.meta, "endpoint_url", "?")),
+            operation=operation,
+            name=name,
         )
-
-    def _translate_transport(
-        self, error: Exception, operation: str, where: str, endpoint: str
-    ) -> CastoreError:
-        errors = self._errors
-        if isinstance(error, errors.NoCredentialsError):
-            return StoreAccessDeniedError(
-                f"no AWS credentials found for {operation} on {where}: set AWS_ACCESS_KEY_ID "
-                "and AWS_SECRET_ACCESS_KEY, a profile, or pass them",
-                bucket=self.bucket,
-            )
-        if isinstance(error, (errors.EndpointConnectionError, errors.ConnectTimeoutError)):
-            return StoreUnavailableError(
-                f"cannot reach the S3 endpoint {endpoint} for {operation} on {where}: "
-                "is it up, and is the endpoint URL right?",
-                bucket=self.bucket,
-            )
-        if isinstance(error, errors.ReadTimeoutError):
-            return StoreUnavailableError(
-                f"the S3 endpoint {endpoint} did not answer {operation} on {where} in time",
-                bucket=self.bucket,
-            )
-        first = str(error).splitlines()[0] if str(error) else type(error).__name__
-        return StoreError(f"S3 {operation} on {where} failed: {first}", bucket=self.bucket)
 
 
 class _Precondition(Exception):
@@ -496,14 +437,6 @@ class _Precondition(Exception):
     def __init__(self, retried: bool) -> None:
         super().__init__("precondition failed")
         self.retried = retried
-
-
-def _still_conflicting(name: str, times: int) -> BlobConflictError:
-    return BlobConflictError(
-        f"blob {name!r}: a concurrent write conflicted (S3 409 ConditionalRequestConflict, "
-        f"{times} times); nothing was written: read it again and retry",
-        name=name,
-    )
 
 
 def _build_client(
@@ -558,14 +491,6 @@ def _is_blob_name(name: str) -> bool:
     except InvalidNameError:
         return False
     return True
-
-
-def _code(error: Any) -> str:
-    return str(error.response.get("Error", {}).get("Code", ""))
-
-
-def _retry_attempts(error: Any) -> int:
-    return int(error.response.get("ResponseMetadata", {}).get("RetryAttempts", 0))
 
 
 def _backoff(attempt: int) -> None:
