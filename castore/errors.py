@@ -13,6 +13,8 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── StoreFullError               (OSError) the disk or the LMDB map is full
     │   ├── UnsafeStoreFileError         a store file is a symlink, pipe or other non-regular file
     │   ├── UnsupportedBackendError      (ValueError) a URL scheme or backend castore cannot open
+    │   ├── StoreAccessDeniedError       (PermissionError) the object store refused the credentials
+    │   ├── StoreUnavailableError        (ConnectionError) the endpoint is down or kept failing
     │   └── AllocationError              (MemoryError) a tensor too large to allocate
     ├── FormatVersionError               written by a newer castore format
     ├── IntegrityError                   stored bytes are not what was named
@@ -108,6 +110,14 @@ class NotAStoreError(StoreError):
 
 class UnsupportedBackendError(StoreError, ValueError):
     """The store's address or marker names a backend this castore cannot open."""
+
+
+class StoreAccessDeniedError(StoreError, PermissionError):
+    """The object store refused the request's credentials (unknown key, bad signature, 403)."""
+
+
+class StoreUnavailableError(StoreError, ConnectionError):
+    """The endpoint cannot be reached, or kept answering 5xx/throttling past the retries."""
 
 
 class StoreLockedError(StoreError):
