@@ -46,6 +46,11 @@ def _store(endpoint: str, bucket: str, **extra: Any) -> S3BlobStore:
     return S3BlobStore(bucket, "stores/test", **store_arguments(endpoint), **extra)
 
 
+def _small_part_store(endpoint: str, bucket: str, part: int) -> S3BlobStore:
+    """A store that goes multipart at one part and uploads parts of that size."""
+    return _store(endpoint, bucket, part_size=part, min_part_size=part, multipart_threshold=part)
+
+
 class TestS3Blobs(BlobStoreTests):
     # A few parts' worth (the part being filled, its bytes, botocore's request
     # and checksum buffers): a bound that does not grow with the blob's 32 parts.
@@ -112,10 +117,7 @@ def test_real_5_mib_parts_stream_lazily(s3_endpoint: str, s3_bucket: str) -> Non
 def test_a_failed_multipart_leaves_no_object_and_no_upload(
     s3_endpoint: str, s3_bucket: str, small_parts: int
 ) -> None:
-    blobs = _store(
-        s3_endpoint, s3_bucket, part_size=small_parts, min_part_size=small_parts,
-        multipart_threshold=small_parts,
-    )  # fmt: skip
+    blobs = _small_part_store(s3_endpoint, s3_bucket, small_parts)
 
     def failing() -> Iterator[bytes]:
         yield bytes(3 * small_parts)  # three parts are up when the source breaks
@@ -134,10 +136,7 @@ def test_a_failed_multipart_leaves_no_object_and_no_upload(
 def test_a_buffer_past_the_threshold_goes_up_in_parts(
     s3_endpoint: str, s3_bucket: str, small_parts: int
 ) -> None:
-    blobs = _store(
-        s3_endpoint, s3_bucket, part_size=small_parts, min_part_size=small_parts,
-        multipart_threshold=small_parts,
-    )  # fmt: skip
+    blobs = _small_part_store(s3_endpoint, s3_bucket, small_parts)
     data = bytes(range(256)) * (small_parts * 5 // 2 // 256)
     version = blobs.create("packs/p", memoryview(data))
     assert version.token.strip('"').endswith("-3")
@@ -352,10 +351,7 @@ def test_a_retried_write_that_had_landed_is_still_ours(s3_endpoint: str, s3_buck
 def test_a_conflict_at_complete_aborts_the_upload(
     s3_endpoint: str, s3_bucket: str, small_parts: int
 ) -> None:
-    blobs = _store(
-        s3_endpoint, s3_bucket, part_size=small_parts, min_part_size=small_parts,
-        multipart_threshold=small_parts,
-    )  # fmt: skip
+    blobs = _small_part_store(s3_endpoint, s3_bucket, small_parts)
     conflict = _Answers(409, "ConditionalRequestConflict", 1)
     blobs.client.meta.events.register("before-send.s3.CompleteMultipartUpload", conflict)
     with pytest.raises(BlobConflictError, match="nothing was written"):
@@ -371,10 +367,7 @@ def test_a_retried_completion_that_had_landed_is_still_ours(
     # The first completion is applied but its answer lost (a 503); the retry is
     # answered 412, as the object now exists (moto replays a completed upload
     # with 200 instead, so the 412 is injected too).
-    blobs = _store(
-        s3_endpoint, s3_bucket, part_size=small_parts, min_part_size=small_parts,
-        multipart_threshold=small_parts,
-    )  # fmt: skip
+    blobs = _small_part_store(s3_endpoint, s3_bucket, small_parts)
     calls: list[int] = []
 
     def lands(request: Any, **kwargs: Any) -> Any:
