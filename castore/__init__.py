@@ -65,11 +65,21 @@ def open(  # noqa: A001 - the public name the API promises
 ) -> Store:
     """Open the castore store at ``path``, creating it (when ``create``) if absent.
 
-    ``path`` is a local directory (a string or path-like) or a ``file://`` URL;
-    any other URL scheme raises UnsupportedBackendError, never a directory
-    named after the URL. The embedded default backend keeps chunk bytes in pack
-    files and their index and the manifests in LMDB, all inside the store
-    directory.
+    ``path`` is a local directory (a string or path-like), a ``file://`` URL or
+    ``s3://BUCKET/PREFIX``; any other URL scheme raises UnsupportedBackendError,
+    never a directory named after the URL. The embedded default backend keeps
+    chunk bytes in pack files and their index and the manifests in LMDB, all
+    inside the store directory: one node. ``shared=True`` (or a directory
+    created so) lays the store out as blobs in a directory several nodes share
+    (NFS, Lustre); ``s3://`` lays it out as objects (format 3, docs/FORMAT.md).
+
+    Options of stores on blobs: ``cache_dir`` (the per-node index cache;
+    default ``$CASTORE_CACHE_DIR`` or ``~/.cache/castore``), ``store_lease``
+    (seconds before a dead holder's store lease is broken, default 60),
+    ``pack_bytes`` (the size packs are cut at). Of S3 stores: ``endpoint_url``
+    and ``region`` (default: boto3's chain, ``AWS_ENDPOINT_URL``), and
+    ``s3_options`` (keyword arguments of castore.blob.s3.S3BlobStore, e.g.
+    credentials). ``map_size`` applies to local LMDB stores only.
     ``chunk_size`` (bytes) sets the default for a new store, or overrides it
     for this handle's saves; dedup works between saves of equal chunk size.
     """
@@ -77,4 +87,10 @@ def open(  # noqa: A001 - the public name the API promises
     from castore.storedir import open_store
 
     location = parse_location(path)
+    if location.scheme == "s3":
+        from castore.storedir import open_s3_store
+
+        return open_s3_store(
+            location.bucket, location.prefix, create=create, chunk_size=chunk_size, **options
+        )
     return open_store(location.path, create=create, chunk_size=chunk_size, **options)

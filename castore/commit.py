@@ -120,7 +120,14 @@ def write_shard(
 
 
 def commit_objects(store: StoreParts, objects: list[tuple[bytes, bytes]]) -> None:
+    """Commit a rank's manifests; then check that its store lock still holds.
+
+    The check comes before the rank acks its shard: a rank whose store lease
+    was broken (castore.repo.leases) may have reused a chunk that a
+    collection has deleted since, so it must not vouch for its shard.
+    """
     store.backend.put_many(Namespace.OBJECTS, objects)
+    store.refs.check_store_lock()
 
 
 @dataclass(frozen=True)

@@ -43,13 +43,23 @@ def open_store(
     create: bool = True,
     chunk_size: int | None = None,
     map_size: int | None = None,
+    shared: bool = False,
+    **blob_options: Any,
 ) -> Store:
-    """Open (or create) the store at ``path``; see :func:`castore.open`."""
+    """Open (or create) the store at ``path``; see :func:`castore.open`.
+
+    A directory whose marker names the ``blobs`` backend, or any directory with
+    ``shared=True``, is a format-3 store on a shared directory (no LMDB, no
+    ``mmap``, no ``flock``): see :mod:`castore.storeblobs`.
+    """
     root = Path(path)
     if chunk_size is not None:
         chunk_size = _check_chunk_size(chunk_size)
     if root.exists() and not root.is_dir():
         raise NotAStoreError(f"{root} is a file, not a castore store", path=str(root))
+    marker = root / MARKER
+    if shared or (os.path.lexists(marker) and _names_blobs(marker)):
+        return _open_shared(root, create=create, chunk_size=chunk_size, **blob_options)
     config = _marker_or_new_store(root, create=create, chunk_size=chunk_size)
     size = chunk_size or int(config["chunk_size"])
     refs = RefStore(root)
@@ -62,6 +72,64 @@ def open_store(
     store = Store(root, backend, size, refs=refs)
     store._hold_open_lock(hold)
     return store
+
+
+def _names_blobs(marker: Path) -> bool:
+    """Whether the marker names format 3's ``blobs`` backend (a shared-directory store)."""
+    try:
+        config = json.loads(read_store_file(marker, limit=_MAX_MARKER))
+    except (OSError, ValueError, RecursionError):
+        return False  # _read_marker says what is wrong with it
+    return isinstance(config, dict) and config.get("backend") == "blobs"
+
+
+def _open_shared(root: Path, *, create: bool, chunk_size: int | None, **blob_options: Any) -> Store:
+    from castore.blob.posix import PosixBlobStore
+    from castore.storeblobs import open_blob_store
+
+    marker = root / MARKER
+    if os.path.lexists(marker) and not _names_blobs(marker):
+        _read_marker(marker)  # a damaged or foreign marker says so
+        raise UnsupportedBackendError(
+            f"{root} is a single-node store (LMDB): it cannot be opened shared=True; copy it "
+            f"into a shared store with: castore copy {root} NEW_DIR (after creating NEW_DIR "
+            "with castore.open(NEW_DIR, shared=True))",
+            path=str(root),
+        )
+    if not root.exists():
+        if not create:
+            raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            message = f"cannot create store directory {root}: {exc}"
+            raise StoreError(message, path=str(root)) from exc
+    blobs = PosixBlobStore(root)
+    return open_blob_store(blobs, str(root), create=create, chunk_size=chunk_size, **blob_options)
+
+
+def open_s3_store(
+    bucket: str,
+    prefix: str,
+    *,
+    create: bool = True,
+    chunk_size: int | None = None,
+    endpoint_url: str | None = None,
+    region: str | None = None,
+    s3_options: dict[str, Any] | None = None,
+    **blob_options: Any,
+) -> Store:
+    """Open (or create) the store at ``s3://bucket/prefix``; see :func:`castore.open`."""
+    from castore.blob.s3 import S3BlobStore
+    from castore.storeblobs import open_blob_store
+
+    if chunk_size is not None:
+        chunk_size = _check_chunk_size(chunk_size)
+    where = f"s3://{bucket}/{prefix}".rstrip("/")
+    blobs = S3BlobStore(
+        bucket, prefix, endpoint_url=endpoint_url, region=region, **(s3_options or {})
+    )
+    return open_blob_store(blobs, where, create=create, chunk_size=chunk_size, **blob_options)
 
 
 def _check_chunk_size(chunk_size: int) -> int:
@@ -122,7 +190,7 @@ def _read_marker(marker: Path) -> dict[str, Any]:
             "restore it with the castore that wrote it and save into a new store",
             path=str(marker.parent),
         )
-    _check_marker_chunk_size(marker, config.get("chunk_size"))
+    check_marker_chunk_size(marker, config.get("chunk_size"))
     backend = config.get("backend", "lmdb")  # markers of the first stores may lack it
     if backend != "lmdb":
         raise UnsupportedBackendError(
@@ -133,7 +201,7 @@ def _read_marker(marker: Path) -> dict[str, Any]:
     return config
 
 
-def _check_marker_chunk_size(marker: Path, chunk_size: Any) -> None:
+def check_marker_chunk_size(marker: Path | str, chunk_size: Any) -> None:
     # The marker may come from anywhere: a chunk size it names sizes every buffer a save cuts.
     if chunk_size is None:
         raise NotAStoreError(f"store marker {marker} has no chunk size", path=str(marker))

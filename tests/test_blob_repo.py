@@ -231,11 +231,13 @@ def test_a_store_lays_out_refs_records_and_tags_as_blobs(blobs: BlobStore) -> No
         assert verify_store(store, deep=True).ok
         assert list(blobs.list()) == [
             "locks/runs/r",  # the run's lease, free again
+            "locks/store/gc",  # the collection's store lease, free again (no save lease left)
             *(f"logs/r/{n:012d}" for n in range(1, 7)),  # four advances, two collections
             "refs/r",
             "tags/r/best",
         ]
         assert blobs.get("locks/runs/r") == LEASE_FREE
+        assert blobs.get("locks/store/gc") == b'{"free":true}'
         # A new handle on the same blobs (and chunks) reads the same history.
         again = blob_store(blobs, chunks)
         assert [g.id for g in again.generations("r")] == [2, 4]

@@ -20,8 +20,8 @@ CLI = Path(sys.executable).parent / "castore"
 @pytest.mark.parametrize(
     ("url", "says"),
     [
-        ("s3://bucket/prefix", "not supported by this castore yet"),
-        ("S3://bucket/prefix", "not supported by this castore yet"),
+        ("s3://B_ucket/prefix", "is not an S3 bucket name"),
+        ("s3://bucket/prefix?versionId=3", "takes no query"),
         ("gs://bucket/prefix", "unknown store scheme 'gs'"),
         ("https://example.com/ckpt", "unknown store scheme 'https'"),
         ("file://otherhost/ckpt", "not on host 'otherhost'"),
@@ -58,6 +58,21 @@ def test_file_urls_and_paths_open_the_same_store(
     assert parse_location("s3:/not-a-url").path == Path("s3:/not-a-url")  # one slash: a path
 
 
+@pytest.mark.parametrize(
+    ("url", "bucket", "prefix"),
+    [
+        ("s3://bucket", "bucket", ""),
+        ("s3://bucket/", "bucket", ""),
+        ("S3://my.bucket/a/b/", "my.bucket", "a/b/"),
+        ("s3://bucket/runs%20x", "bucket", "runs x/"),
+    ],
+)
+def test_s3_urls_name_a_bucket_and_a_prefix(url: str, bucket: str, prefix: str) -> None:
+    location = parse_location(url)
+    assert (location.scheme, location.bucket, location.prefix) == ("s3", bucket, prefix)
+    assert location.url.startswith(f"s3://{bucket}")
+
+
 def test_a_marker_naming_another_backend_is_refused(tmp_path: Path) -> None:
     path = tmp_path / "s"
     castore.open(path).close()
@@ -71,7 +86,7 @@ def test_a_marker_naming_another_backend_is_refused(tmp_path: Path) -> None:
 
 def test_the_cli_says_so_in_one_line(tmp_path: Path) -> None:
     result = subprocess.run(
-        [str(CLI), "log", "s3://bucket/ckpt"],
+        [str(CLI), "log", "gs://bucket/ckpt"],
         capture_output=True,
         text=True,
         timeout=60,
@@ -80,5 +95,5 @@ def test_the_cli_says_so_in_one_line(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
-    assert "UnsupportedBackendError" in result.stderr and "s3://" in result.stderr
+    assert "UnsupportedBackendError" in result.stderr and "gs://" in result.stderr
     assert list(tmp_path.iterdir()) == []

@@ -211,6 +211,14 @@ class StoreLocks(abc.ABC):
     def hold_open(self, *, exclusive: bool = False, busy: str = "") -> LockHold:
         """The open lock, without waiting: every open store shared, compaction exclusive."""
 
+    def check_held(self) -> None:
+        """Raise LockLostError if a store lock this process holds may have been broken.
+
+        Kernel and in-process locks cannot be broken: nothing to check. Leases
+        (castore.repo.leases) are checked before each step that acts on them.
+        """
+        return None
+
 
 def unsupported(what: str, backend: str) -> UnsupportedOperationError:
     """The one-line error of an operation a backend cannot do."""

@@ -1,6 +1,6 @@
-"""The repository parts of format 3 over the blob interface (in progress).
+"""The repository parts of format 3 over the blob interface.
 
-**Not used by** ``castore.open`` **yet.** Refs, reflog records and tags as
+Refs, reflog records and tags as
 named blobs of a :class:`castore.blob.base.BlobStore` (memory, a shared
 directory, later S3); docs/FORMAT.md, "Format 3 (in progress)"::
 
@@ -9,6 +9,7 @@ directory, later S3); docs/FORMAT.md, "Format 3 (in progress)"::
                                 sequence number (1, 2, ...), in log order
     tags/RUN/NAME               mutable: the ref encoding, naming the tagged generation
     locks/runs/RUN              mutable: the run's lease (a holder record, or free)
+    locks/store/...             the store leases (castore.repo.leases)
 
 A ref advance is one compare-and-swap on ``refs/RUN``: read it with its
 version, run the checks every ref table runs (``check_advance``), then swap
@@ -26,10 +27,9 @@ it probes the next number until one is absent.
 **Locks.** The run lock is a lease blob ``locks/runs/RUN`` (:class:`RunLeases`)
 as well as an in-process lock, so the advances and reflog records of one run
 are ordered across processes and nodes; a lease left by a killed holder is
-taken over after ``stale_after`` seconds of no change. **The store lock and the
-open lock are held in one process only** (:class:`BlobStoreLocks`): there is no
-store lease yet, so garbage collection is not kept apart from saves on other
-nodes. The ref's compare-and-swap holds regardless: of advances from one
+taken over after ``stale_after`` seconds of no change. The store lock is a
+store lease (:mod:`castore.repo.leases`): garbage collection is kept apart from
+saves on every node. The ref's compare-and-swap holds regardless: of advances from one
 root, at most one wins, even when a stalled holder's lease was taken over
 (then only the reflog's order is no longer guaranteed).
 """
@@ -60,6 +60,7 @@ from castore.errors import (
 )
 from castore.hashing import Digest, digest_bytes
 from castore.repo.base import AroundSwap, Reflog, RefTable, TagTable
+from castore.repo.leases import DEFAULT_STORE_LEASE, StoreLeases
 from castore.repo.memory import MemoryLocks
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
@@ -211,18 +212,43 @@ class BlobStoreLocks(MemoryLocks):
 
     With ``blobs``, the run lock is also a lease blob (:class:`RunLeases`), so
     ref advances and their reflog records of one run are ordered across
-    processes and nodes. **The store lock and the open lock are held in this
-    process only**: another process on the same blobs takes them freely. Until
-    a store lease exists (the GC lease of issue 12, section 3), garbage
-    collection on a blob store is safe only when no other process saves to it.
-    Ref advances are safe regardless: their compare-and-swap is on the blob.
+    processes and nodes, and the store lock is also a store lease
+    (:class:`castore.repo.leases.StoreLeases`), so garbage collection on one
+    node is kept apart from saves on every other. The open lock is held in
+    this process only (compaction, its one exclusive holder, does not apply
+    to blob stores).
     """
 
     def __init__(
-        self, blobs: BlobStore | None = None, *, stale_after: float = DEFAULT_STALE_LEASE
+        self,
+        blobs: BlobStore | None = None,
+        *,
+        stale_after: float = DEFAULT_STALE_LEASE,
+        store_lease: float = DEFAULT_STORE_LEASE,
     ) -> None:
         super().__init__()
         self.leases = None if blobs is None else RunLeases(blobs, stale_after=stale_after)
+        self.store_leases = None if blobs is None else StoreLeases(blobs, stale_after=store_lease)
+
+    def store_lock(
+        self, *, exclusive: bool, timeout: float, busy: str
+    ) -> AbstractContextManager[None]:
+        if self.store_leases is None:
+            return super().store_lock(exclusive=exclusive, timeout=timeout, busy=busy)
+        return self._store_leased(exclusive, timeout, busy)
+
+    @contextmanager
+    def _store_leased(self, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
+        assert self.store_leases is not None
+        deadline = time.monotonic() + timeout
+        with super().store_lock(exclusive=exclusive, timeout=timeout, busy=busy):
+            left = max(0.0, deadline - time.monotonic())
+            with self.store_leases.held(exclusive=exclusive, timeout=left, busy=busy):
+                yield
+
+    def check_held(self) -> None:
+        if self.store_leases is not None:
+            self.store_leases.check_held()
 
     def run_lock(self, run: str, *, timeout: float, busy: str) -> AbstractContextManager[None]:
         if self.leases is None:
@@ -520,17 +546,28 @@ class BlobReflog(Reflog):
 
 
 class BlobRefStore(ComposedRefStore):
-    """Refs, reflog records and tags as blobs; run leases; store locks in this process only."""
+    """Refs, reflog records and tags as blobs; run leases and store leases."""
 
     backend_name = "blob"
 
-    def __init__(self, blobs: BlobStore, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> None:
-        locks = BlobStoreLocks(blobs)
+    def __init__(
+        self,
+        blobs: BlobStore,
+        *,
+        lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+        store_lease: float = DEFAULT_STORE_LEASE,
+    ) -> None:
+        locks = BlobStoreLocks(blobs, store_lease=store_lease)
         self.blobs = blobs
         parts = RepoParts(BlobRefTable(blobs, locks), BlobReflog(blobs), BlobTagTable(blobs), locks)
         super().__init__(parts, lock_timeout=lock_timeout)
 
 
-def blob_refs(blobs: BlobStore, *, lock_timeout: float = DEFAULT_LOCK_TIMEOUT) -> BlobRefStore:
+def blob_refs(
+    blobs: BlobStore,
+    *,
+    lock_timeout: float = DEFAULT_LOCK_TIMEOUT,
+    store_lease: float = DEFAULT_STORE_LEASE,
+) -> BlobRefStore:
     """The refs, reflog, tags and locks (see BlobStoreLocks) of a store laid out on ``blobs``."""
-    return BlobRefStore(blobs, lock_timeout=lock_timeout)
+    return BlobRefStore(blobs, lock_timeout=lock_timeout, store_lease=store_lease)

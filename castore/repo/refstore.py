@@ -72,6 +72,10 @@ class ComposedRefStore:
         """The store-wide lock: shared by saves and tags, exclusive for GC."""
         return self.parts.locks.store_lock(exclusive=exclusive, timeout=timeout, busy=busy)
 
+    def check_store_lock(self) -> None:
+        """Raise LockLostError if this process's store lock may have been broken (leases)."""
+        self.parts.locks.check_held()
+
     def hold_open(self, *, exclusive: bool = False, busy: str = "") -> LockHold:
         """The open lock, without waiting: every open store shared, compaction exclusive."""
         return self.parts.locks.hold_open(exclusive=exclusive, busy=busy)
@@ -117,6 +121,8 @@ class ComposedRefStore:
         @contextmanager
         def around(current: RefValue | None) -> Iterator[None]:
             self._reconcile_reflog(run, current)
+            # Last: right before the swap that publishes, a store lease must still be safe.
+            self.parts.locks.check_held()
             yield
             # Published: readers see the new root now, so the caller must hear success.
             # A missing record is appended by the next advance (_reconcile_reflog).

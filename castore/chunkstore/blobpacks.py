@@ -1,0 +1,724 @@
+"""Format 3's chunks and objects: packs, index blobs and objects laid out on a BlobStore.
+
+The layout (docs/FORMAT.md, "Format 3"):
+
+* ``packs/<pack>.pack`` -- an immutable pack in format 2's pack format (a
+  header, then ``digest | length | bytes`` records). ``<pack>`` is the blake3
+  of the record list (each digest and length, in order), which fixes every
+  byte of the pack: the name is the content's.
+* ``index/<pack>.<check>.idx`` -- an index blob: the pack's size and each
+  listed chunk's digest, offset and length. ``<check>`` is 128 bits (32 hex
+  digits) of the blake3 of the index blob's bytes, so a garbled or truncated
+  index blob is recognised.
+  A pack may have several index blobs for a moment (a collection writes the
+  smaller one before it deletes the larger); a chunk is present only if
+  **every** index blob of its pack lists it, so deleting a chunk from a pack
+  that stays is one small create and one delete.
+* ``objects/<2 hex>/<64 hex>`` -- manifests and roots, one blob each,
+  named by their digest.
+
+Nothing here is ever overwritten. A writer creates its pack, then the pack's
+index blob: a crash in between leaves a pack no index names, garbage that a
+collection deletes. A collection deletes index blobs before their pack.
+
+The chunk index lives in memory, built from the index blobs (fetched with
+one listing and a get per index blob not seen before). A per-node cache
+(:class:`castore.chunkstore.blobcache.IndexCache`) keeps index blobs across
+processes so a new process fetches only those written since. Correctness
+never depends on the cache: an index blob is used only while the listing
+shows it, and the bytes are checked against the name's blake3.
+
+Reads fetch byte ranges of packs: a window of requested chunks is grouped by
+pack, neighbouring chunks merged into one ranged request (their record
+headers, 40 bytes each, come along), and several requests are in flight.
+Chunk bytes are not verified here: the caller hashes every chunk
+(:mod:`castore.chunkio`).
+"""
+
+from __future__ import annotations
+
+import struct
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from castore.blob.base import BlobStore
+from castore.chunkstore.base import (
+    ChunkBackend,
+    IndexCheck,
+    Namespace,
+    PutResult,
+    ReadSink,
+    ReclaimStats,
+)
+from castore.chunkstore.blobcache import IndexCache
+from castore.chunkstore.packfile import PACK_HEADER, PACK_MAGIC, PACK_VERSION, RECORD_HEADER
+from castore.errors import (
+    BlobExistsError,
+    BlobNotFoundError,
+    BlobRangeError,
+    IndexCorruptError,
+    StoreError,
+)
+from castore.faults import fault_point
+from castore.hashing import Buffer, digest_bytes
+
+PACK_PREFIX = "packs/"
+INDEX_PREFIX = "index/"
+OBJECT_PREFIX = "objects/"
+PACK_SUFFIX = ".pack"
+INDEX_SUFFIX = ".idx"
+
+INDEX_MAGIC = b"CASTIDX\0"
+INDEX_VERSION = 1
+_INDEX_HEADER = struct.Struct("<8sIIQ")  # magic, version, entry count, pack size
+_INDEX_ENTRY = struct.Struct("<32sQQ")  # digest, offset of the chunk's bytes, length
+_PACK_NAME_TAG = b"castore-pack-v1\0"
+
+DEFAULT_PACK_BYTES = 128 << 20  # a pack is cut when its chunks reach this many bytes
+READ_WINDOW_BYTES = 128 << 20  # chunk bytes fetched ahead of the reader, per window
+MAX_SPAN_BYTES = 32 << 20  # the most one ranged request fetches
+MERGE_GAP = 64 << 10  # requested chunks this close in one pack share a request
+DEFAULT_THREADS = 8  # requests in flight
+
+
+@dataclass(frozen=True)
+class Location:
+    """Where one chunk's bytes lie: ``offset`` is that of its first byte in the pack."""
+
+    pack: str
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True)
+class IndexBlob:
+    """One parsed index blob."""
+
+    name: str
+    pack: str
+    pack_size: int
+    entries: tuple[tuple[bytes, int, int], ...]  # digest, offset, length
+
+
+@dataclass
+class FetchCounters:
+    """What reads of chunk bytes cost: ranged requests and the bytes they fetched."""
+
+    requests: int = 0
+    bytes: int = 0
+    chunk_bytes: int = 0  # the chunks' own bytes among them
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, requests: int, nbytes: int, chunk_bytes: int) -> None:
+        with self._lock:
+            self.requests += requests
+            self.bytes += nbytes
+            self.chunk_bytes += chunk_bytes
+
+
+def object_blob(key: bytes) -> str:
+    text = bytes(key).hex()
+    return f"{OBJECT_PREFIX}{text[:2]}/{text}"
+
+
+def pack_blob(pack: str) -> str:
+    return f"{PACK_PREFIX}{pack}{PACK_SUFFIX}"
+
+
+def pack_name(records: Sequence[tuple[bytes, int]]) -> str:
+    """A pack's name: the blake3 of its record list, which fixes its bytes."""
+    listing = b"".join(digest + length.to_bytes(8, "little") for digest, length in records)
+    return digest_bytes(_PACK_NAME_TAG + listing).hex()
+
+
+def encode_index(pack_size: int, entries: Sequence[tuple[bytes, int, int]]) -> bytes:
+    header = _INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, len(entries), pack_size)
+    return header + b"".join(_INDEX_ENTRY.pack(*entry) for entry in entries)
+
+
+def index_blob_name(pack: str, data: bytes) -> str:
+    return f"{INDEX_PREFIX}{pack}.{_index_check(data)}{INDEX_SUFFIX}"
+
+
+def _index_check(data: bytes) -> str:
+    """The check part of an index blob's name: 128 bits of the bytes' blake3 (32 hex)."""
+    return digest_bytes(data).hex()[:32]
+
+
+def parse_index(name: str, data: bytes) -> IndexBlob:
+    """Check an index blob against its name and parse it; IndexCorruptError says what is wrong."""
+    stem = name[len(INDEX_PREFIX) : -len(INDEX_SUFFIX)]
+    pack, _, expected = stem.partition(".")
+    if _index_check(data) != expected:
+        raise IndexCorruptError(
+            f"index blob {name!r} does not hash to its name: it is garbled or cut short"
+        )
+    if len(data) < _INDEX_HEADER.size:
+        raise IndexCorruptError(f"index blob {name!r} is {len(data)} bytes: too short")
+    magic, version, count, pack_size = _INDEX_HEADER.unpack_from(data)
+    if magic != INDEX_MAGIC or version != INDEX_VERSION:
+        raise IndexCorruptError(f"index blob {name!r} has magic {magic!r} version {version}")
+    if len(data) != _INDEX_HEADER.size + count * _INDEX_ENTRY.size:
+        raise IndexCorruptError(f"index blob {name!r} is {len(data)} bytes for {count} entries")
+    entries = tuple(_INDEX_ENTRY.iter_unpack(data[_INDEX_HEADER.size :]))
+    for digest, offset, length in entries:
+        if offset < PACK_HEADER.size + RECORD_HEADER.size or offset + length > pack_size:
+            raise IndexCorruptError(
+                f"index blob {name!r} places chunk {digest.hex()[:16]} at {offset}+{length}, "
+                f"outside its pack of {pack_size} bytes"
+            )
+    return IndexBlob(name, pack, pack_size, entries)
+
+
+def _is_index_name(name: str) -> bool:
+    if not (name.startswith(INDEX_PREFIX) and name.endswith(INDEX_SUFFIX)):
+        return False
+    parts = name[len(INDEX_PREFIX) : -len(INDEX_SUFFIX)].split(".")
+    return len(parts) == 2 and len(parts[0]) == 64 and len(parts[1]) == 32
+
+
+class BlobPackBackend(ChunkBackend):
+    """Chunks in packs and objects as blobs of ``blobs`` (format 3); see the module text."""
+
+    def __init__(
+        self,
+        blobs: BlobStore,
+        *,
+        cache: IndexCache | None = None,
+        pack_bytes: int = DEFAULT_PACK_BYTES,
+        threads: int = DEFAULT_THREADS,
+    ) -> None:
+        if pack_bytes <= 0:
+            raise ValueError(f"pack_bytes must be positive, got {pack_bytes}")
+        self.blobs = blobs
+        self.cache = cache
+        self.pack_bytes = pack_bytes
+        self.fetches = FetchCounters()
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="castore-blob")
+        self._lock = threading.RLock()
+        self._indexes: dict[str, IndexBlob] = {}  # by index blob name, as last listed
+        self._where: dict[bytes, Location] = {}
+        self._closed = False
+        # Called before each delete of a pack or index blob: the store's lease
+        # check (castore.repo.leases), so a collection that lost it stops.
+        self.before_delete: Callable[[], None] = lambda: None
+
+    def __repr__(self) -> str:
+        return f"<BlobPackBackend on {self.blobs}>"
+
+    # -- the chunk index ------------------------------------------------------
+
+    def refresh(self) -> None:
+        """List the index blobs; fetch those not seen before; drop those gone."""
+        self._check_open()
+        with self._lock:
+            listed = [name for name in self.blobs.list(INDEX_PREFIX) if _is_index_name(name)]
+            known = set(self._indexes)
+            new = [name for name in listed if name not in known]
+            gone = known - set(listed)
+            if not new and not gone:
+                return
+            for name in gone:
+                del self._indexes[name]
+            for parsed in self._pool.map(self._load_index, new):
+                if parsed is not None:
+                    self._indexes[parsed.name] = parsed
+            self._rebuild()
+
+    def _load_index(self, name: str) -> IndexBlob | None:
+        data = self.cache.get(name) if self.cache is not None else None
+        if data is not None:
+            try:
+                return parse_index(name, data)
+            except IndexCorruptError:
+                data = None  # a damaged cache entry: fetch the blob
+        try:
+            data = self.blobs.get(name)
+        except BlobNotFoundError:
+            return None  # deleted since the listing
+        parsed = parse_index(name, data)  # a garbled index blob raises: a store problem
+        if self.cache is not None:
+            self.cache.put(name, data)
+        return parsed
+
+    def _rebuild(self) -> None:
+        """The chunk map: a chunk is present where every index blob of its pack lists it."""
+        by_pack: dict[str, list[IndexBlob]] = defaultdict(list)
+        for parsed in self._indexes.values():
+            by_pack[parsed.pack].append(parsed)
+        where: dict[bytes, Location] = {}
+        for pack in sorted(by_pack):
+            blobs = by_pack[pack]
+            listed = {(d, o, n) for d, o, n in min(blobs, key=lambda b: len(b.entries)).entries}
+            for other in blobs:
+                listed.intersection_update(other.entries)
+            for digest, offset, length in sorted(listed, key=lambda e: e[1]):
+                where.setdefault(digest, Location(pack, offset, length))
+        self._where = where
+
+    def _live(self) -> dict[str, list[tuple[bytes, int, int]]]:
+        """Each pack's present chunks (digest, offset, length), by pack."""
+        live: dict[str, list[tuple[bytes, int, int]]] = defaultdict(list)
+        for digest, where in self._where.items():
+            live[where.pack].append((digest, where.offset, where.length))
+        return live
+
+    def _pack_sizes(self) -> dict[str, int]:
+        return {parsed.pack: parsed.pack_size for parsed in self._indexes.values()}
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise StoreError(f"{self!r} is closed")
+
+    # -- the contract ---------------------------------------------------------
+
+    def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
+        if Namespace(namespace) is Namespace.OBJECTS:
+            self._check_open()
+            names = [object_blob(k) for k in keys]
+            return [size is not None for size in self._pool.map(self.blobs.head, names)]
+        self.refresh()
+        return [bytes(k) in self._where for k in keys]
+
+    def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
+        self._check_open()
+        if Namespace(namespace) is Namespace.OBJECTS:
+            sink(self._objects(keys))
+            return
+        keys = [bytes(k) for k in keys]
+        if any(k not in self._where for k in keys):
+            self.refresh()
+        locations = [self._where.get(k) for k in keys]
+        values = _WindowedReader(self, locations)
+        try:
+            sink(values)
+        finally:
+            values.close()
+
+    def _objects(self, keys: Sequence[bytes]) -> Iterator[memoryview | None]:
+        def fetch(key: bytes) -> bytes | None:
+            try:
+                return self.blobs.get(object_blob(key))
+            except BlobNotFoundError:
+                return None
+
+        for value in self._pool.map(fetch, keys):
+            yield None if value is None else memoryview(value)
+
+    def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
+        if Namespace(namespace) is Namespace.OBJECTS:
+            self._check_open()
+            return self._put_objects(list(items))
+        self.refresh()
+        present = written = written_bytes = 0
+        pending: list[tuple[bytes, memoryview]] = []
+        pending_bytes = 0
+        taken: set[bytes] = set()
+        for key, value in items:
+            key = bytes(key)
+            if key in taken or key in self._where:
+                present += 1
+                continue
+            taken.add(key)
+            view = memoryview(value).cast("B")
+            pending.append((key, view))
+            pending_bytes += view.nbytes
+            if pending_bytes >= self.pack_bytes:
+                count, nbytes = self._write_pack(pending)
+                written, written_bytes = written + count, written_bytes + nbytes
+                pending, pending_bytes = [], 0
+        if pending:
+            count, nbytes = self._write_pack(pending)
+            written, written_bytes = written + count, written_bytes + nbytes
+        return PutResult(written, written_bytes, present + len(taken) - written)
+
+    def _put_objects(self, items: list[tuple[bytes, Buffer]]) -> PutResult:
+        def create(item: tuple[bytes, Buffer]) -> int:
+            key, value = item
+            try:
+                self.blobs.create(object_blob(bytes(key)), value)
+            except BlobExistsError:
+                return 0  # content-named: what is there is the same object
+            return memoryview(value).nbytes
+
+        sizes = list(self._pool.map(create, items))
+        written = sum(1 for size in sizes if size)
+        return PutResult(written, sum(sizes), len(items) - written)
+
+    def _write_pack(self, chunks: list[tuple[bytes, memoryview]]) -> tuple[int, int]:
+        """Create one pack of ``chunks`` and then its index blob; return (chunks, bytes)."""
+        records = [(key, view.nbytes) for key, view in chunks]
+        pack = pack_name(records)
+        entries: list[tuple[bytes, int, int]] = []
+        position = PACK_HEADER.size
+        for key, length in records:
+            position += RECORD_HEADER.size
+            entries.append((key, position, length))
+            position += length
+        size = position
+
+        def body() -> Iterator[Buffer]:
+            yield PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0)
+            for key, view in chunks:
+                yield RECORD_HEADER.pack(key, view.nbytes)
+                yield view
+
+        try:
+            self.blobs.create(pack_blob(pack), body())
+        except BlobExistsError:
+            # Same name, same records: another writer made this very pack. A
+            # squatter of another size is not it.
+            if self.blobs.head(pack_blob(pack)) != size:
+                raise StoreError(
+                    f"pack {pack_blob(pack)!r} exists with another size than its name fixes "
+                    f"({size} bytes): the store is damaged; run castore verify"
+                ) from None
+        fault_point("save.pack_unindexed")  # durable bytes that nothing names yet
+        self._create_index(pack, size, entries)
+        return len(entries), sum(length for _, _, length in entries)
+
+    def _create_index(self, pack: str, size: int, entries: Sequence[tuple[bytes, int, int]]) -> str:
+        data = encode_index(size, entries)
+        name = index_blob_name(pack, data)
+        try:
+            self.blobs.create(name, data)
+        except BlobExistsError:
+            pass  # content-named: the same index
+        if self.cache is not None:
+            self.cache.put(name, data)
+        with self._lock:
+            self._indexes[name] = IndexBlob(name, pack, size, tuple(entries))
+            self._rebuild()
+        return name
+
+    def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:
+        if Namespace(namespace) is Namespace.OBJECTS:
+            self._check_open()
+            names = [object_blob(bytes(k)) for k in keys]
+            self.before_delete()
+            return sum(self._pool.map(self.blobs.delete, names))
+        self.refresh()
+        with self._lock:
+            doomed: dict[str, set[bytes]] = defaultdict(set)
+            for key in keys:
+                where = self._where.get(bytes(key))
+                if where is not None:
+                    doomed[where.pack].add(bytes(key))
+            live = self._live()
+            sizes = self._pack_sizes()
+            for pack, dead in doomed.items():
+                keep = [entry for entry in live[pack] if entry[0] not in dead]
+                self._reindex(pack, sizes[pack], keep)
+            return sum(map(len, doomed.values()))
+
+    def _reindex(self, pack: str, size: int, keep: list[tuple[bytes, int, int]]) -> None:
+        """Let ``pack`` list only ``keep``: a smaller index blob first, then the old ones go.
+
+        With nothing to keep, the index blobs go and then the pack.
+        """
+        old = [name for name, parsed in self._indexes.items() if parsed.pack == pack]
+        if keep:
+            new = self._create_index(pack, size, sorted(keep, key=lambda e: e[1]))
+            old = [name for name in old if name != new]
+        for name in old:
+            self.before_delete()
+            self.blobs.delete(name)
+            self._indexes.pop(name, None)
+        if not keep:
+            self.before_delete()
+            self.blobs.delete(pack_blob(pack))
+        self._rebuild()
+
+    def iter_keys(self, namespace: Namespace) -> Iterator[bytes]:
+        if Namespace(namespace) is Namespace.OBJECTS:
+            self._check_open()
+            yield from [bytes.fromhex(n.rsplit("/", 1)[1]) for n in self._object_names()]
+            return
+        self.refresh()
+        yield from list(self._where)
+
+    def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
+        if Namespace(namespace) is Namespace.OBJECTS:
+            self._check_open()
+            names = self._object_names()
+            sizes = self._pool.map(self.blobs.head, names)
+            found = [
+                (bytes.fromhex(n.rsplit("/", 1)[1]), s)
+                for n, s in zip(names, sizes, strict=True)
+                if s is not None
+            ]
+            yield from found
+            return
+        self.refresh()
+        yield from [(k, where.length) for k, where in self._where.items()]
+
+    def _object_names(self) -> list[str]:
+        names = []
+        for name in self.blobs.list(OBJECT_PREFIX):
+            tail = name.rsplit("/", 1)[-1]
+            if len(tail) == 64 and all(c in "0123456789abcdef" for c in tail):
+                names.append(name)
+        return names
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        if self.cache is not None:
+            self.cache.close()
+
+    # -- space ----------------------------------------------------------------
+
+    def file_bytes(self) -> int:
+        """Bytes of every pack, index blob and object (one listing plus a head each)."""
+        names = [
+            name
+            for prefix in (PACK_PREFIX, INDEX_PREFIX, OBJECT_PREFIX)
+            for name in self.blobs.list(prefix)
+        ]
+        return sum(size or 0 for size in self._pool.map(self.blobs.head, names))
+
+    def orphan_packs(self) -> list[str]:
+        """Packs no index blob names: what a save cut short between its pack and its index left."""
+        self.refresh()
+        indexed = {parsed.pack for parsed in self._indexes.values()}
+        orphans = []
+        for name in self.blobs.list(PACK_PREFIX):
+            stem = name[len(PACK_PREFIX) : -len(PACK_SUFFIX)] if name.endswith(PACK_SUFFIX) else ""
+            if len(stem) == 64 and stem not in indexed:
+                orphans.append(stem)
+        return orphans
+
+    def reclaim(self, *, min_live: float = 0.5, merge_below: int = 0) -> ReclaimStats:
+        """Delete orphan packs; copy the live chunks of sparse or small packs into new ones.
+
+        Runs under the store's exclusive lock (garbage collection): no save is
+        writing a pack that has no index blob yet.
+        """
+        freed = deleted = rewritten = merged = moved = 0
+        for pack in self.orphan_packs():
+            size = self.blobs.head(pack_blob(pack)) or 0
+            self.before_delete()
+            if self.blobs.delete(pack_blob(pack)):
+                freed += size
+                deleted += 1
+        with self._lock:
+            live = self._live()
+            sizes = self._pack_sizes()
+            sparse, small = [], []
+            for pack, size in sorted(sizes.items()):
+                live_bytes = sum(length for _, _, length in live.get(pack, ()))
+                if size < merge_below:
+                    small.append(pack)
+                elif live_bytes < min_live * size:
+                    sparse.append(pack)
+            if len(small) < 2:
+                small = []  # one small pack has nothing to merge with
+            for group, is_merge in ((sparse, False), (small, True)):
+                if not group:
+                    continue
+                entries = [(pack, e) for pack in group for e in live.get(pack, ())]
+                moved += self._copy_chunks(entries)
+                fault_point("gc.reclaim_rewritten")
+                for pack in group:
+                    self._reindex(pack, sizes[pack], [])
+                    freed += sizes[pack]
+                    rewritten += 1
+                    merged += is_merge
+        return ReclaimStats(
+            packs_deleted=deleted,
+            packs_rewritten=rewritten,
+            packs_merged=merged,
+            chunks_moved=moved,
+            bytes_freed=freed,
+        )
+
+    def _copy_chunks(self, entries: list[tuple[str, tuple[bytes, int, int]]]) -> int:
+        """Write the chunks of ``entries`` into new packs (in batches of one pack's worth)."""
+        batch: list[tuple[str, tuple[bytes, int, int]]] = []
+        batch_bytes = moved = 0
+        for item in [*entries, None]:
+            if item is not None:
+                batch.append(item)
+                batch_bytes += item[1][2]
+            if batch and (item is None or batch_bytes >= self.pack_bytes):
+                locations = [Location(pack, off, n) for pack, (_, off, n) in batch]
+                reader = _WindowedReader(self, locations)
+                try:
+                    chunks = [
+                        (digest, memoryview(bytes(value)))
+                        for (_, (digest, _, _)), value in zip(batch, reader, strict=True)
+                        if value is not None
+                    ]
+                finally:
+                    reader.close()
+                if chunks:
+                    self._write_pack(chunks)
+                moved += len(chunks)
+                batch, batch_bytes = [], 0
+        return moved
+
+    # -- checks ---------------------------------------------------------------
+
+    def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
+        """Each index blob reads and hashes to its name, and its pack is there at its size."""
+        problems: list[str] = []
+        notes: list[str] = []
+        listed = [name for name in self.blobs.list(INDEX_PREFIX)]
+        parsed: list[IndexBlob] = []
+        for name in listed:
+            if not _is_index_name(name):
+                notes.append(f"{name!r} under {INDEX_PREFIX} is not an index blob name")
+                continue
+            try:
+                data = self.blobs.get(name)
+                parsed.append(parse_index(name, data))
+            except BlobNotFoundError:
+                continue
+            except IndexCorruptError as exc:
+                problems.append(str(exc))
+        packs = sorted({p.pack for p in parsed})
+        sizes = self._pool.map(self.blobs.head, map(pack_blob, packs))
+        heads = dict(zip(packs, sizes, strict=True))
+        for blob in parsed:
+            size = heads[blob.pack]
+            if size is None:
+                problems.append(f"index blob {blob.name!r} names pack {blob.pack}, which is gone")
+            elif size != blob.pack_size:
+                problems.append(
+                    f"pack {blob.pack} is {size} bytes; its index blob {blob.name!r} says "
+                    f"{blob.pack_size}"
+                )
+            elif hash_bytes:
+                problems.extend(self._check_records(blob))
+        orphans = self.orphan_packs() if not problems else []
+        notes.extend(f"pack {p} has no index blob (garbage of a save cut short)" for p in orphans)
+        entries = sum(len(p.entries) for p in parsed)
+        return IndexCheck(
+            entries=entries,
+            records=entries,
+            packs=len(packs),
+            problems=tuple(problems),
+            notes=tuple(notes),
+        )
+
+    def _check_records(self, blob: IndexBlob) -> list[str]:
+        """Each listed chunk's record header in the pack names the same digest and length."""
+        problems = []
+        for digest, offset, length in blob.entries:
+            header = self.blobs.get(pack_blob(blob.pack), offset - RECORD_HEADER.size, offset)
+            found, found_length = RECORD_HEADER.unpack(header)
+            if (found, found_length) != (digest, length):
+                problems.append(
+                    f"index blob {blob.name!r} lists chunk {digest.hex()[:16]} at offset "
+                    f"{offset}, where pack {blob.pack} records {found.hex()[:16]} "
+                    f"({found_length} bytes)"
+                )
+        return problems
+
+
+@dataclass(frozen=True)
+class _Span:
+    """One ranged request: ``[start, end)`` of ``pack``."""
+
+    pack: str
+    start: int
+    end: int
+
+
+class _WindowedReader:
+    """Each location's bytes in order (None where missing), fetched a window ahead.
+
+    A window is about READ_WINDOW_BYTES of chunks: grouped by pack, merged into
+    ranged requests, fetched on the backend's threads while the caller
+    consumes the window before it. At most two windows are in memory.
+    """
+
+    def __init__(self, backend: BlobPackBackend, locations: Sequence[Location | None]) -> None:
+        self.backend = backend
+        self.locations = locations
+        self._windows = self._cut()
+        self._ahead: list[tuple[range, dict[int, Future[Any]]]] = []
+        self._values = self._in_order()
+
+    def _cut(self) -> Iterator[range]:
+        start = size = 0
+        for index, where in enumerate(self.locations):
+            size += where.length if where is not None else 0
+            if size >= READ_WINDOW_BYTES:
+                yield range(start, index + 1)
+                start, size = index + 1, 0
+        if start < len(self.locations):
+            yield range(start, len(self.locations))
+
+    def _submit(self, window: range) -> tuple[range, dict[int, Future[Any]]]:
+        """Start the window's requests; map each position to its span's future and start."""
+        by_pack: dict[str, list[tuple[int, Location]]] = defaultdict(list)
+        for index in window:
+            where = self.locations[index]
+            if where is not None:
+                by_pack[where.pack].append((index, where))
+        futures: dict[int, Future[Any]] = {}
+        for pack, placed in by_pack.items():
+            placed.sort(key=lambda item: item[1].offset)
+            group: list[tuple[int, Location]] = []
+            for item in [*placed, None]:
+                if group:
+                    first, end = group[0][1].offset, max(w.offset + w.length for _, w in group)
+                    joins = (
+                        item is not None
+                        and item[1].offset - end <= MERGE_GAP
+                        and item[1].offset + item[1].length - first <= MAX_SPAN_BYTES
+                    )
+                    if not joins:
+                        chunk_bytes = sum(w.length for _, w in group)
+                        span = _Span(pack, first, end)
+                        future = self.backend._pool.submit(self._fetch, span, chunk_bytes)
+                        for member, _ in group:
+                            futures[member] = future
+                        group = []
+                if item is not None:
+                    group.append(item)
+        return window, futures
+
+    def _fetch(self, span: _Span, chunk_bytes: int) -> tuple[int, memoryview] | None:
+        try:
+            data = self.backend.blobs.get(pack_blob(span.pack), span.start, span.end)
+        except (BlobNotFoundError, BlobRangeError):
+            return None  # deleted or cut short: its chunks read as missing
+        self.backend.fetches.add(1, len(data), chunk_bytes)
+        return span.start, memoryview(data)
+
+    def __iter__(self) -> _WindowedReader:
+        return self
+
+    def __next__(self) -> memoryview | None:
+        return next(self._values)
+
+    def _in_order(self) -> Iterator[memoryview | None]:
+        self._ahead.append(self._submit(next(self._windows, range(0))))
+        while self._ahead:
+            window, futures = self._ahead.pop(0)
+            following = next(self._windows, None)
+            if following is not None:
+                self._ahead.append(self._submit(following))
+            for index in window:
+                where = self.locations[index]
+                future = futures.get(index)
+                got = None if future is None else future.result()
+                if where is None or got is None:
+                    yield None
+                    continue
+                start, data = got
+                yield data[where.offset - start : where.offset - start + where.length]
+
+    def close(self) -> None:
+        for _, futures in self._ahead:
+            for future in futures.values():
+                future.cancel()
+        self._ahead = []

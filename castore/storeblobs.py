@@ -1,0 +1,135 @@
+"""A format-3 store: every part laid out as blobs (S3, a shared directory, memory).
+
+The marker blob ``castore.json`` holds the same JSON as a format-2 store's
+marker file, with ``"format_version": 3``, ``"backend": "blobs"`` and a random
+``store_id`` (which names the per-node index cache). It is created with
+create-if-absent, so several ranks may create one store at once: one marker
+wins and every rank reads it.
+
+A ``Store`` over blobs is built from :class:`castore.chunkstore.blobpacks.BlobPackBackend`
+(packs, index blobs, objects) and :func:`castore.repo.blobs.blob_refs` (refs,
+reflog records, tags, run and store leases).
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+from castore.blob.base import BlobStore
+from castore.chunkio import DEFAULT_CHUNK_SIZE
+from castore.chunkstore.blobcache import IndexCache, default_cache_dir
+from castore.chunkstore.blobpacks import DEFAULT_PACK_BYTES, BlobPackBackend
+from castore.errors import (
+    BlobExistsError,
+    BlobTooLargeError,
+    FormatVersionError,
+    NotAStoreError,
+    StoreNotFoundError,
+    UnsupportedBackendError,
+)
+from castore.repo.blobs import blob_refs
+from castore.repo.leases import DEFAULT_STORE_LEASE
+from castore.store import Store
+
+MARKER = "castore.json"
+STORE_FORMAT = "castore-store"
+BLOB_VERSION = 3
+BLOB_BACKEND = "blobs"
+_MAX_MARKER = 1 << 16
+
+
+def open_blob_store(
+    blobs: BlobStore,
+    where: str,
+    *,
+    create: bool = True,
+    chunk_size: int | None = None,
+    cache_dir: str | Path | None = None,
+    store_lease: float = DEFAULT_STORE_LEASE,
+    pack_bytes: int = DEFAULT_PACK_BYTES,
+) -> Store:
+    """Open (or create) the format-3 store laid out on ``blobs``; ``where`` names it in messages."""
+    config = marker_or_new_store(blobs, where, create=create, chunk_size=chunk_size)
+    size = chunk_size or int(config["chunk_size"])
+    directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache = IndexCache(directory, str(config["store_id"]))
+    backend = BlobPackBackend(blobs, cache=cache, pack_bytes=pack_bytes)
+    refs = blob_refs(blobs, store_lease=store_lease)
+    store = Store(where, backend, size, refs=refs)  # type: ignore[arg-type]
+    backend.before_delete = refs.check_store_lock
+    return store
+
+
+def marker_or_new_store(
+    blobs: BlobStore, where: str, *, create: bool, chunk_size: int | None
+) -> dict[str, Any]:
+    """The marker's settings; a store is created first where there is nothing at all."""
+    found = _read(blobs, where)
+    if found is not None:
+        return found
+    if next(iter(blobs.list("")), None) is not None:
+        raise NotAStoreError(
+            f"{where} holds objects but no {MARKER}: not a castore store", path=where
+        )
+    if not create:
+        raise StoreNotFoundError(f"no castore store at {where}", path=where)
+    config = {
+        "format": STORE_FORMAT,
+        "format_version": BLOB_VERSION,
+        "backend": BLOB_BACKEND,
+        "chunk_size": chunk_size or DEFAULT_CHUNK_SIZE,
+        "store_id": secrets.token_hex(16),
+        "created": time.time(),
+    }
+    try:
+        blobs.create(MARKER, (json.dumps(config, indent=2, sort_keys=True) + "\n").encode())
+    except BlobExistsError:
+        pass  # another rank created the store first: its marker counts
+    found = _read(blobs, where)
+    assert found is not None  # created just now, by us or another
+    return found
+
+
+def _read(blobs: BlobStore, where: str) -> dict[str, Any] | None:
+    try:
+        found = blobs.read_versioned(MARKER)
+    except BlobTooLargeError as exc:
+        raise NotAStoreError(f"store marker of {where} is unreadable: {exc}", path=where) from exc
+    if found is None:
+        return None
+    return check_blob_marker(found[0], where)
+
+
+def check_blob_marker(data: bytes, where: str) -> dict[str, Any]:
+    """A format-3 marker's settings, checked; the errors say what is wrong and where."""
+    from castore.storedir import check_marker_chunk_size
+
+    try:
+        config = json.loads(data)
+    except (ValueError, RecursionError) as exc:
+        raise NotAStoreError(f"store marker of {where} is unreadable: {exc}", path=where) from exc
+    if not isinstance(config, dict) or config.get("format") != STORE_FORMAT:
+        raise NotAStoreError(f"{where}/{MARKER} is not a castore store marker", path=where)
+    version = config.get("format_version")
+    if not isinstance(version, int) or isinstance(version, bool) or version > BLOB_VERSION:
+        raise FormatVersionError(
+            f"store written by format version {version}; this castore reads up to "
+            f"{BLOB_VERSION}: upgrade castore",
+            path=where,
+        )
+    if version != BLOB_VERSION or config.get("backend") != BLOB_BACKEND:
+        raise UnsupportedBackendError(
+            f"store marker of {where} names format {version} backend {config.get('backend')!r}; "
+            f"a store on object storage or a shared directory is format {BLOB_VERSION}, "
+            f"backend {BLOB_BACKEND!r}",
+            path=where,
+        )
+    check_marker_chunk_size(f"{where}/{MARKER}", config.get("chunk_size"))
+    store_id = config.get("store_id")
+    if not isinstance(store_id, str) or not store_id.isalnum() or len(store_id) > 64:
+        raise NotAStoreError(f"store marker of {where} has no valid store_id", path=where)
+    return config
