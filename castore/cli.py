@@ -19,6 +19,7 @@ from tabulate import tabulate
 
 import castore
 from castore import gc
+from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
 from castore.history import Generation
@@ -372,10 +373,16 @@ def cmd_du(args: argparse.Namespace) -> int:
         f"physical  {format_bytes(usage.physical_bytes)} of chunks and objects, "
         f"{format_bytes(usage.garbage_bytes)} of it garbage (castore gc frees it)"
     )
-    print(
-        f"files     {format_bytes(usage.file_bytes)} on disk: LMDB file and chunk packs "
-        "(gc rewrites sparse packs; castore compact rewrites every pack and the LMDB file)"
-    )
+    if isinstance(store.backend, BlobPackBackend):
+        print(
+            f"blobs     {format_bytes(usage.file_bytes)} stored: packs, index blobs and "
+            "objects (gc rewrites sparse packs)"
+        )
+    else:
+        print(
+            f"files     {format_bytes(usage.file_bytes)} on disk: LMDB file and chunk packs "
+            "(gc rewrites sparse packs; castore compact rewrites every pack and the LMDB file)"
+        )
     return 0
 
 

@@ -35,7 +35,6 @@ import os
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from castore.chunkio import expected_length, verify_chunk
@@ -149,7 +148,7 @@ def copy(
         raise ValueError("a generation needs its run: pass run= as well")
     with ExitStack() as stack:
         source = _opened(src, stack, create=False)
-        if _path_of(dst) == source.path.resolve():
+        if _address(dst) == _address(source):
             raise ValueError(f"source and destination are the same store ({source.path})")
         target = _opened(dst, stack, create=True)
         report = CopyReport()
@@ -168,8 +167,13 @@ def copy(
         return report
 
 
-def _path_of(where: StoreOrPath) -> Path:
-    return (where.path if isinstance(where, Store) else Path(os.fspath(where))).resolve()
+def _address(where: StoreOrPath) -> str:
+    """A store's address for comparison: an absolute path, or an s3:// URL."""
+    from castore.location import parse_location
+
+    named = where.path if isinstance(where, Store) else where
+    location = parse_location(named if isinstance(named, str) else os.fspath(named))
+    return location.url if location.scheme == "s3" else str(location.path.resolve())
 
 
 def _opened(where: StoreOrPath, stack: ExitStack, *, create: bool) -> Store:

@@ -555,8 +555,14 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     from castore.chunkstore.lmdb_backend import LmdbBackend
 
     started = time.perf_counter()
-    root = Path(path)
-    from castore.storedir import MARKER, _read_marker
+    from castore.storedir import MARKER, _read_marker, local_lmdb_store
+
+    root = local_lmdb_store(
+        path,
+        "castore compact",
+        "its packs are immutable blobs that castore gc already rewrites when sparse, and it "
+        "has no LMDB file; there is nothing to compact",
+    )
 
     if not root.exists():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))

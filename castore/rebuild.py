@@ -59,10 +59,15 @@ def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> Re
     ``progress=True``: phase lines and a bar of the pack bytes re-hashed, on stderr
     (a terminal).
     """
-    from castore.storedir import MARKER, _read_marker
+    from castore.storedir import MARKER, _read_marker, local_lmdb_store
 
     started = time.perf_counter()
-    root = Path(path)
+    root = local_lmdb_store(
+        path,
+        "castore repair --rebuild-index",
+        "its chunk index is the index blobs, which every process reads afresh; "
+        "castore verify --deep checks them against the packs",
+    )
     if not (root / MARKER).is_file():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
     _read_marker(root / MARKER)

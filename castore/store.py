@@ -123,7 +123,7 @@ class Store:
 
     def __init__(
         self,
-        path: Path,
+        path: Path | str,
         backend: ChunkBackend,
         chunk_size: int,
         *,
@@ -131,11 +131,11 @@ class Store:
     ) -> None:
         """A store over ``backend`` (chunks, objects) and ``refs`` (refs, reflog, tags,
         locks; default: those of the directory ``path``). ``path`` also names the
-        store in messages."""
-        self.path = path
+        store in messages: a local directory, or the URL of a store on blobs."""
+        self.path: Path | str = path
         self.backend = backend
         self.chunk_size = chunk_size
-        self.refs = RefStore(path) if refs is None else refs
+        self.refs = RefStore(Path(path)) if refs is None else refs
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
 

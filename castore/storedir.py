@@ -23,6 +23,7 @@ from castore.errors import (
     StoreError,
     StoreNotFoundError,
     UnsupportedBackendError,
+    UnsupportedOperationError,
 )
 from castore.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.refs import RefStore, fsync_dir
@@ -130,6 +131,24 @@ def open_s3_store(
         bucket, prefix, endpoint_url=endpoint_url, region=region, **(s3_options or {})
     )
     return open_blob_store(blobs, where, create=create, chunk_size=chunk_size, **blob_options)
+
+
+def local_lmdb_store(path: str | os.PathLike[str], doing: str, why: str) -> Path:
+    """The directory of the local (LMDB) store ``path`` names, for an offline tool.
+
+    Raises UnsupportedOperationError, in one line, for a store on blobs (an
+    ``s3://`` URL, or a directory whose marker names the ``blobs`` backend):
+    ``doing`` is what does not apply and ``why`` says why.
+    """
+    from castore.location import parse_location
+
+    location = parse_location(path)
+    if location.scheme == "s3" or _names_blobs(location.path / MARKER):
+        raise UnsupportedOperationError(
+            f"{doing} does not apply to {location.url}, a store on object storage or a "
+            f"shared directory: {why}"
+        )
+    return location.path
 
 
 def _check_chunk_size(chunk_size: int) -> int:
