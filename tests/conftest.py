@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,21 @@ TEST_CHUNK_SIZE = 1024
 
 StateFactory = Callable[..., dict[str, Any]]
 StoreOpener = Callable[..., Store]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _index_cache_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """Stores on blobs keep a per-node index cache: never in the user's ~/.cache here.
+
+    Set in the environment, so worker processes the tests start use it too.
+    """
+    previous = os.environ.get("CASTORE_CACHE_DIR")
+    os.environ["CASTORE_CACHE_DIR"] = str(tmp_path_factory.mktemp("index-cache"))
+    yield
+    if previous is None:
+        os.environ.pop("CASTORE_CACHE_DIR", None)
+    else:
+        os.environ["CASTORE_CACHE_DIR"] = previous
 
 
 @pytest.fixture
