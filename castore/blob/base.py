@@ -243,6 +243,17 @@ class BlobStore(abc.ABC):
         pages internally; the caller sees one iterator.
         """
 
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
+        """Each listed blob's name and size in bytes, sorted as :meth:`list`.
+
+        By default a ``head`` per name (a blob deleted meanwhile is left out);
+        S3 reads the sizes off the listing's pages.
+        """
+        for name in self.list(prefix):
+            size = self.head(name)
+            if size is not None:
+                yield name, size
+
     @abc.abstractmethod
     def delete(self, name: str) -> bool:
         """Remove the blob; return whether it existed (deleting an absent one is no error)."""

@@ -362,6 +362,10 @@ class S3BlobStore(BlobStore):
     # -- list and delete -------------------------------------------------------------
 
     def list(self, prefix: str = "") -> Iterator[str]:
+        for name, _ in self.list_sizes(prefix):
+            yield name
+
+    def list_sizes(self, prefix: str = "") -> Iterator[tuple[str, int]]:
         validate_blob_prefix(prefix)
         pages = self.client.get_paginator("list_objects_v2").paginate(
             Bucket=self.bucket,
@@ -373,7 +377,7 @@ class S3BlobStore(BlobStore):
                 for entry in page.get("Contents", ()):
                     name = entry["Key"][len(self.prefix) :]
                     if _is_blob_name(name):  # foreign keys under the prefix are not blobs
-                        yield name
+                        yield name, int(entry["Size"])
         except (self._errors.ClientError, self._errors.BotoCoreError) as error:
             raise self._translate(error, "ListObjectsV2", None) from None
 

@@ -174,6 +174,15 @@ def parse_index(name: str, data: bytes) -> IndexBlob:
     return IndexBlob(name, pack, pack_size, entries)
 
 
+def _is_object_name(name: str) -> bool:
+    tail = name.rsplit("/", 1)[-1]
+    return len(tail) == 64 and all(c in "0123456789abcdef" for c in tail)
+
+
+def _pack_of(index_name: str) -> str:
+    return index_name[len(INDEX_PREFIX) :].split(".", 1)[0]
+
+
 def _is_index_name(name: str) -> bool:
     if not (name.startswith(INDEX_PREFIX) and name.endswith(INDEX_SUFFIX)):
         return False
@@ -201,6 +210,10 @@ class BlobPackBackend(ChunkBackend):
         self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="castore-blob")
         self._lock = threading.RLock()
         self._indexes: dict[str, IndexBlob] = {}  # by index blob name, as last listed
+        # Index blobs listed but unreadable (garbled, cut short), with what is wrong:
+        # their chunks count as absent (a save writes them again), and their pack is
+        # never taken for an orphan (a collection must not delete what it cannot read).
+        self.damaged: dict[str, str] = {}
         self._where: dict[bytes, Location] = {}
         self._closed = False
         # Called before each delete of a pack or index blob: the store's lease
@@ -217,19 +230,23 @@ class BlobPackBackend(ChunkBackend):
         self._check_open()
         with self._lock:
             listed = [name for name in self.blobs.list(INDEX_PREFIX) if _is_index_name(name)]
-            known = set(self._indexes)
+            known = set(self._indexes) | set(self.damaged)
             new = [name for name in listed if name not in known]
             gone = known - set(listed)
             if not new and not gone:
                 return
             for name in gone:
-                del self._indexes[name]
-            for parsed in self._pool.map(self._load_index, new):
-                if parsed is not None:
-                    self._indexes[parsed.name] = parsed
+                self._indexes.pop(name, None)
+                self.damaged.pop(name, None)
+            for name, parsed in zip(new, self._pool.map(self._load_index, new), strict=True):
+                if isinstance(parsed, IndexBlob):
+                    self._indexes[name] = parsed
+                elif parsed is not None:
+                    self.damaged[name] = parsed
             self._rebuild()
 
-    def _load_index(self, name: str) -> IndexBlob | None:
+    def _load_index(self, name: str) -> IndexBlob | str | None:
+        """The parsed index blob; what is wrong with it (str); None when it is gone."""
         data = self.cache.get(name) if self.cache is not None else None
         if data is not None:
             try:
@@ -240,7 +257,10 @@ class BlobPackBackend(ChunkBackend):
             data = self.blobs.get(name)
         except BlobNotFoundError:
             return None  # deleted since the listing
-        parsed = parse_index(name, data)  # a garbled index blob raises: a store problem
+        try:
+            parsed = parse_index(name, data)
+        except IndexCorruptError as exc:
+            return str(exc)
         if self.cache is not None:
             self.cache.put(name, data)
         return parsed
@@ -444,12 +464,10 @@ class BlobPackBackend(ChunkBackend):
     def value_sizes(self, namespace: Namespace) -> Iterator[tuple[bytes, int]]:
         if Namespace(namespace) is Namespace.OBJECTS:
             self._check_open()
-            names = self._object_names()
-            sizes = self._pool.map(self.blobs.head, names)
             found = [
-                (bytes.fromhex(n.rsplit("/", 1)[1]), s)
-                for n, s in zip(names, sizes, strict=True)
-                if s is not None
+                (bytes.fromhex(name.rsplit("/", 1)[1]), size)
+                for name, size in self.blobs.list_sizes(OBJECT_PREFIX)
+                if _is_object_name(name)
             ]
             yield from found
             return
@@ -457,12 +475,7 @@ class BlobPackBackend(ChunkBackend):
         yield from [(k, where.length) for k, where in self._where.items()]
 
     def _object_names(self) -> list[str]:
-        names = []
-        for name in self.blobs.list(OBJECT_PREFIX):
-            tail = name.rsplit("/", 1)[-1]
-            if len(tail) == 64 and all(c in "0123456789abcdef" for c in tail):
-                names.append(name)
-        return names
+        return [name for name in self.blobs.list(OBJECT_PREFIX) if _is_object_name(name)]
 
     def close(self) -> None:
         if self._closed:
@@ -476,17 +489,17 @@ class BlobPackBackend(ChunkBackend):
 
     def file_bytes(self) -> int:
         """Bytes of every pack, index blob and object (one listing plus a head each)."""
-        names = [
-            name
+        return sum(
+            size
             for prefix in (PACK_PREFIX, INDEX_PREFIX, OBJECT_PREFIX)
-            for name in self.blobs.list(prefix)
-        ]
-        return sum(size or 0 for size in self._pool.map(self.blobs.head, names))
+            for _, size in self.blobs.list_sizes(prefix)
+        )
 
     def orphan_packs(self) -> list[str]:
         """Packs no index blob names: what a save cut short between its pack and its index left."""
         self.refresh()
         indexed = {parsed.pack for parsed in self._indexes.values()}
+        indexed.update(_pack_of(name) for name in self.damaged)
         orphans = []
         for name in self.blobs.list(PACK_PREFIX):
             stem = name[len(PACK_PREFIX) : -len(PACK_SUFFIX)] if name.endswith(PACK_SUFFIX) else ""
@@ -566,27 +579,25 @@ class BlobPackBackend(ChunkBackend):
     # -- checks ---------------------------------------------------------------
 
     def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
-        """Each index blob reads and hashes to its name, and its pack is there at its size."""
-        problems: list[str] = []
-        notes: list[str] = []
-        listed = [name for name in self.blobs.list(INDEX_PREFIX)]
-        parsed: list[IndexBlob] = []
-        for name in listed:
-            if not _is_index_name(name):
-                notes.append(f"{name!r} under {INDEX_PREFIX} is not an index blob name")
-                continue
-            try:
-                data = self.blobs.get(name)
-                parsed.append(parse_index(name, data))
-            except BlobNotFoundError:
-                continue
-            except IndexCorruptError as exc:
-                problems.append(str(exc))
-        packs = sorted({p.pack for p in parsed})
-        sizes = self._pool.map(self.blobs.head, map(pack_blob, packs))
-        heads = dict(zip(packs, sizes, strict=True))
+        """Every index blob hashes to its name and its pack is there at the size it says.
+
+        One listing of the index blobs (each read once per process, see
+        :meth:`refresh`) and one of the packs, with their sizes.
+        ``hash_bytes``: also compare each chunk's record header in its pack
+        with the index (a ranged read per chunk).
+        """
+        self.refresh()
+        with self._lock:
+            parsed = list(self._indexes.values())
+            problems = [
+                f"index blob {name!r} is unreadable: {why}" for name, why in self.damaged.items()
+            ]
+        sizes = {
+            name[len(PACK_PREFIX) : -len(PACK_SUFFIX)]: size
+            for name, size in self.blobs.list_sizes(PACK_PREFIX)
+        }
         for blob in parsed:
-            size = heads[blob.pack]
+            size = sizes.get(blob.pack)
             if size is None:
                 problems.append(f"index blob {blob.name!r} names pack {blob.pack}, which is gone")
             elif size != blob.pack_size:
@@ -596,13 +607,15 @@ class BlobPackBackend(ChunkBackend):
                 )
             elif hash_bytes:
                 problems.extend(self._check_records(blob))
-        orphans = self.orphan_packs() if not problems else []
-        notes.extend(f"pack {p} has no index blob (garbage of a save cut short)" for p in orphans)
+        notes = [
+            f"pack {pack} has no index blob (garbage of a save cut short; gc deletes it)"
+            for pack in self.orphan_packs()
+        ]
         entries = sum(len(p.entries) for p in parsed)
         return IndexCheck(
             entries=entries,
             records=entries,
-            packs=len(packs),
+            packs=len({p.pack for p in parsed}),
             problems=tuple(problems),
             notes=tuple(notes),
         )
