@@ -46,6 +46,7 @@ import threading
 import time
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
@@ -88,6 +89,7 @@ LEASE_FREE = b'{"free":true}'
 # is held for one ref swap and one record create, far less than this.
 DEFAULT_STALE_LEASE = 20.0
 _POLL_FIRST, _POLL_MOST = 0.002, 0.1
+_READ_THREADS = 8  # record GETs in flight when a handle reads a run's whole log
 
 
 def ref_blob(run: str) -> str:
@@ -418,7 +420,7 @@ class BlobReflog(Reflog):
     below the highest one (records are never deleted, so a gap is damage).
 
     Costs, for a log of n records: a fresh view lists the run's names (on S3,
-    one request per 1,000) and reads every record (n GETs); a kept view probes
+    one request per 1,000) and reads every record (n GETs, 8 in flight); a kept view probes
     one GET per record appended since, plus one that finds none. Reading from
     the end (``records_backwards``, ``last_published`` on a new handle) lists
     every name, because a list is ascending only and the blob interface has no
@@ -497,8 +499,19 @@ class BlobReflog(Reflog):
         view = BlobReflogView()
         present = self._sequences(run)
         have = set(present)
-        for sequence in range(1, (present[-1] if present else 0) + 1):
-            record = self._load(run, sequence)[0] if sequence in have else None
+        numbers = range(1, (present[-1] if present else 0) + 1)
+
+        def load(sequence: int) -> Record | None:
+            return self._load(run, sequence)[0] if sequence in have else None
+
+        # One GET per record: several in flight (on S3 a fresh view of a long log
+        # would otherwise wait one round trip per record).
+        if len(numbers) > 1:
+            with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
+                records = list(pool.map(load, numbers))
+        else:
+            records = [load(sequence) for sequence in numbers]
+        for sequence, record in zip(numbers, records, strict=True):
             if record is None:
                 view.damaged.append(sequence)  # a gap or a damaged blob
             else:
