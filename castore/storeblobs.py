@@ -72,6 +72,12 @@ def marker_or_new_store(
     if found is not None:
         return found
     if next(iter(blobs.list("")), None) is not None:
+        # Another rank may have created the store since the first look: its marker
+        # is the first blob it writes, so a prefix with blobs and no marker now has
+        # one if (and only if) it is a store being created.
+        found = _read(blobs, where)
+        if found is not None:
+            return found
         raise NotAStoreError(
             f"{where} holds objects but no {MARKER}: not a castore store", path=where
         )
