@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo test lint bench clean
+.PHONY: demo demo-s3 test lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -16,6 +16,10 @@ $(VENV)/.installed: pyproject.toml Makefile
 demo: $(VENV)/.installed
 	$(PY) tools/demo.py --store ./demo-store
 	$(PY) tools/demo_dist.py --store ./demo-store
+
+# Starts moto's S3 server on the loopback itself (the dev extra brings it): no account, no network.
+demo-s3: $(VENV)/.installed
+	$(PY) tools/demo_s3.py
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -q

@@ -11,6 +11,11 @@ file: ``<!-- readme-test: skip (why) -->``.
 
 A ``castore.train.DataCursorWarning`` is an error here: the training example
 must count its examples correctly.
+
+A document that names ``s3://`` stores gets what a job on S3 has: moto's S3
+server on the loopback (tests/s3_server.py), ``AWS_ENDPOINT_URL`` and dummy
+credentials in the environment, and the bucket ``my-bucket`` (S3_BUCKET)
+created. Without boto3 and moto (the ``dev`` extra) such a document is skipped.
 """
 
 from __future__ import annotations
@@ -24,9 +29,17 @@ from pathlib import Path
 
 import pytest
 
+try:
+    import s3_server
+except pytest.skip.Exception:  # boto3 or moto missing
+    s3_server = None  # type: ignore[assignment]
+else:
+    s3_endpoint = s3_server.s3_endpoint  # the session's server, as this module's fixture
+
 REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 RUNNABLE = {"python", "sh", "console"}
+S3_BUCKET = "my-bucket"  # the bucket the documents' s3:// examples name
 SKIP = re.compile(r"<!-- readme-test: skip \((?P<why>[^)]+)\) -->")
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\s*$")
 
@@ -128,8 +141,26 @@ def castore_command(bin_dir: Path) -> None:
     script.chmod(0o755)
 
 
+def s3_environment(request: pytest.FixtureRequest) -> dict[str, str]:
+    """The variables that point boto3 at the test server, whose S3_BUCKET exists."""
+    if s3_server is None:
+        pytest.skip("the document's s3:// examples need boto3 and moto (the dev extra)")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    client = s3_server.s3_client(endpoint)
+    if S3_BUCKET not in [b["Name"] for b in client.list_buckets()["Buckets"]]:
+        client.create_bucket(Bucket=S3_BUCKET)
+    return {
+        "AWS_ENDPOINT_URL": endpoint,
+        "AWS_ACCESS_KEY_ID": s3_server.DUMMY_KEY,
+        "AWS_SECRET_ACCESS_KEY": s3_server.DUMMY_SECRET,
+        "AWS_DEFAULT_REGION": s3_server.REGION,
+    }
+
+
 @pytest.mark.parametrize("document", DOCUMENTS, ids=lambda p: p.name)
-def test_every_code_block_runs_as_written(document: Path, tmp_path: Path) -> None:
+def test_every_code_block_runs_as_written(
+    document: Path, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
     found = blocks(document)
     runnable = [b for b in found if b.lang in RUNNABLE and b.skip is None]
     stray = [b for b in found if b.skip is not None and b.lang not in RUNNABLE]
@@ -139,8 +170,10 @@ def test_every_code_block_runs_as_written(document: Path, tmp_path: Path) -> Non
     castore_command(tmp_path / "bin")
     work = tmp_path / "work"
     work.mkdir()
+    uses_s3 = any("s3://" in b.source for b in runnable)
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if not (uses_s3 and k == "AWS_PROFILE")},
+        **(s3_environment(request) if uses_s3 else {}),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
         "PATH": os.pathsep.join([str(tmp_path / "bin"), os.environ.get("PATH", "")]),
     }
