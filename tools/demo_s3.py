@@ -102,16 +102,12 @@ def point_at(endpoint: str) -> None:
         os.environ.pop(name, None)
 
 
-def create_bucket_and_store(scratch: str) -> None:
+def create_bucket(scratch: str) -> None:
     import boto3
 
     boto3.session.Session().client("s3").create_bucket(Bucket=BUCKET)
-    # The store is created before the ranks start. Ranks that create one store
-    # at once can refuse it: a rank that read no marker yet, then lists the
-    # blobs another rank wrote after creating it, raises NotAStoreError
-    # (castore.storeblobs.marker_or_new_store does not read the marker again).
-    os.environ["CASTORE_CACHE_DIR"] = os.path.join(scratch, "caches", "node-main")
-    castore.open(STORE).close()
+    # The store itself is not made here: the 4 ranks all open s3://demo/ckpt at
+    # once and one marker wins (castore.storeblobs.marker_or_new_store).
 
 
 # Each rank is a node of its own: its own per-node index cache directory.
@@ -210,7 +206,7 @@ def main() -> int:
     try:
         with s3_server() as endpoint:
             point_at(endpoint)
-            create_bucket_and_store(scratch)
+            create_bucket(scratch)
             print(f"moto S3 server at {endpoint}; AWS_ENDPOINT_URL points there; bucket {BUCKET}\n")
             ok = save_and_restore(scratch, steps, args.tamper) and copy_from_local(scratch, steps)
     finally:
