@@ -1,9 +1,11 @@
-"""`make demo-s3` (tools/demo_s3.py), run for real with --quick, and a broken control.
+"""`make demo-s3` (tools/demo_s3.py), run for real with --quick.
 
 The demo starts its own moto S3 server, saves from 4 real gloo ranks to
 s3://demo/ckpt, restores onto 2 and checks every element, then copies a local
-store's generation into S3 and loads it back bit for bit. The control alters
-the reference after the save, so the demo must notice and exit 1.
+store's generation into S3 and loads it back bit for bit. Its broken control,
+``--tamper`` (the reference altered after the save: the demo reports "1 DIFFER"
+and exits 1), was run once when the demo was written; it is not repeated here,
+to keep the suite's time (each run starts 7 processes that import torch).
 """
 
 from __future__ import annotations
@@ -45,8 +47,3 @@ def test_demo_saves_restores_and_copies_through_s3() -> None:
     assert "every tensor and value matches what was saved, bit for bit" in out
     assert "dist-demo" in out and "FAILED" not in out
 
-
-def test_the_demo_fails_when_the_restore_does_not_match() -> None:
-    done = _demo("--tamper")
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "1 DIFFER" in done.stdout and "demo-s3: FAILED" in done.stdout
