@@ -204,3 +204,110 @@ def test_gc_verify_and_repair(place: Place) -> None:
         after = verify_store(store)
         assert not after.ok  # the chunks are gone now: the damage stays reported
         assert any("missing" in str(p).lower() for p in after.problems)
+
+
+# -- the castore command -----------------------------------------------------------------
+
+
+def test_cli_inspects_tags_checks_and_collects(place: Place) -> None:
+    two_generations(place)
+    with place.open() as store:
+        store.save(state(2), run="r", step=30)
+    store_arg = place.address
+    (log, show, tag, tagged, deep, sampled, du, gc, after, repair, compact, rebuild) = place.cli(
+        ["log", store_arg],
+        ["show", store_arg, "r@1"],
+        ["tag", store_arg, "r@1", "keep"],
+        ["log", store_arg, "--run", "r"],
+        ["verify", store_arg, "--deep"],
+        ["verify", store_arg, "r@latest", "--sample", "50"],
+        ["du", store_arg],
+        ["gc", store_arg, "--keep", "1", "--yes"],
+        ["log", store_arg],
+        ["repair", store_arg],
+        ["compact", store_arg],
+        ["repair", store_arg, "--rebuild-index"],
+    )
+    for result in (log, show, tag, tagged, deep, sampled, du, gc, after, repair):
+        assert result.code == 0 and result.err == "", result
+    assert [line.split()[:2] for line in log.out.splitlines()[2:]] == [
+        ["1", "10"],
+        ["2", "20"],
+        ["3", "30"],
+    ]
+    assert show.out.startswith("generation r@1  step 10") and "model/w" in show.out
+    assert "tagged r@1" in tag.out and "keep" in tagged.out.splitlines()[2]
+    assert "deep (every chunk re-hashed)" in deep.out and deep.out.endswith("OK\n")
+    assert "sampled" in sampled.out and sampled.out.endswith("OK\n")
+    assert "3 generation(s)" in du.out and "blobs" in du.out
+    assert "1 generation(s) dropped" in gc.out  # r@2; r@1 is tagged, r@3 the newest
+    assert [line.split()[0] for line in after.out.splitlines()[2:]] == ["1", "3"]
+    assert "OK: every generation is whole" in repair.out
+    for refused, words in ((compact, "compact"), (rebuild, "rebuild")):
+        assert refused.code != 0 and refused.out == ""
+        assert len(refused.err.splitlines()) == 1, refused.err
+        assert refused.err.startswith("castore: error: UnsupportedOperationError")
+        assert words in refused.err and place.address in refused.err
+    with place.open() as store:
+        assert [g.id for g in store.generations("r")] == [1, 3]
+        assert verify_store(store, deep=True).ok
+
+
+# -- castore copy between any two stores ------------------------------------------------
+
+
+def roots(store: castore.Store, run: str = "r") -> list[tuple[int, str]]:
+    return [(g.id, g.root) for g in store.generations(run)]
+
+
+def test_copy_local_to_s3_to_local_and_shared(
+    tmp_path: Path, s3_endpoint: str, s3_bucket: str
+) -> None:
+    local, back = tmp_path / "local", tmp_path / "back"
+    s3 = s3_place(s3_endpoint, s3_bucket)
+    shared = shared_place(tmp_path / "shared")
+    with castore.open(local, chunk_size=CHUNK) as store:
+        store.save(state(0), run="r", step=10)
+        store.save(state(1), run="r", step=20)
+        store.save(state(1), run="r", step=30)  # every chunk r@2's: nothing new to copy
+        expected = roots(store)
+    shared.open().close()  # a shared store is created as one; a missing DST becomes a local store
+    results = s3.cli(
+        ["copy", local, s3.address, "--all"],
+        ["copy", local, s3.address, "--all"],
+        ["copy", s3.address, back, "--all"],
+        ["copy", s3.address, shared.address, "--run", "r", "--generation", "2"],
+        ["copy", s3.address, shared.address],
+        ["copy", s3.address, shared.address],
+        ["verify", s3.address, "--deep"],
+        ["verify", back, "--deep"],
+        ["verify", shared.address, "--deep"],
+    )
+    for result in results:
+        assert result.code == 0 and result.err == "", result
+    to_s3, again, to_back, only_2, rest, shared_again = (r.out.splitlines() for r in results[:6])
+    chunks_of_one = 3  # model/w is two 1 KiB chunks, model/b one
+    assert to_s3[:3] == [
+        f"r@1 {expected[0][1][:12]}: copied {chunks_of_one} chunk(s) (2.1 KiB), 0 already there, "
+        "of 2.1 KiB",
+        f"r@2 {expected[1][1][:12]}: copied {chunks_of_one} chunk(s) (2.1 KiB), 0 already there, "
+        "of 2.1 KiB",
+        f"r@3 {expected[2][1][:12]}: copied 0 chunk(s) (0 B), {chunks_of_one} already there, "
+        "of 2.1 KiB",
+    ]
+    assert again[-1] == f"nothing to copy: 3 generation(s) already in {s3.address}"
+    assert to_back[-1].startswith("copied 3 generation(s), 0 already there: 4.1 KiB transferred")
+    assert only_2[0].startswith(f"r@2 {expected[1][1][:12]}: copied {chunks_of_one} chunk(s)")
+    assert only_2[0].endswith("; its parent is not copied")
+    assert rest[0].startswith(f"r@3 {expected[2][1][:12]}: copied 0 chunk(s)")  # r@2's chunks
+    assert shared_again[-1] == f"nothing to copy: 1 generation(s) already in {shared.address}"
+    for verified in results[6:]:
+        assert verified.out.endswith("OK\n"), verified.out
+    with s3.open() as store:
+        assert roots(store) == expected
+        assert_same(store.load("r", 1), state(0))
+    with shared.open() as store:
+        assert roots(store) == expected[1:]  # r@1 is logged as not held there
+        assert_same(store.load("r"), state(1))
+    with castore.open(back, create=False) as store:
+        assert roots(store) == expected
