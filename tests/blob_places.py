@@ -71,13 +71,16 @@ class Place:
     def read(self, name: str) -> bytes:
         if self.kind == "shared":
             return (Path(self.address) / name).read_bytes()
-        return bytes(self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read())
+        return bytes(
+            self.client.get_object(Bucket=self.bucket, Key=self.prefix + name)["Body"].read()
+        )
 
     def rewrite(self, name: str, data: bytes) -> None:
         """Replace a blob's bytes behind castore's back (damage: blobs are never rewritten)."""
         if self.kind == "shared":
             path = Path(self.address) / name
-            path.chmod(0o644)
+            if path.exists():
+                path.chmod(0o644)
             path.write_bytes(data)
         else:
             self.client.put_object(Bucket=self.bucket, Key=self.prefix + name, Body=data)

@@ -10,8 +10,6 @@ is refused in one line.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -22,9 +20,9 @@ from blob_places import Place, s3_place, shared_place
 
 import castore
 import castore.gc
-from castore.store import FallbackWarning
 from castore.errors import IntegrityError
 from castore.repair import repair_store
+from castore.store import FallbackWarning
 from castore.verify import verify_store
 
 s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
