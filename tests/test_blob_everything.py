@@ -281,9 +281,13 @@ def test_copy_local_to_s3_to_local_and_shared(
         ["verify", s3.address, "--deep"],
         ["verify", back, "--deep"],
         ["verify", shared.address, "--deep"],
+        ["copy", s3.address, s3.address + "/"],  # the same store, spelled otherwise
     )
+    *results, same = results
     for result in results:
         assert result.code == 0 and result.err == "", result
+    assert same.code == 1 and same.out == "" and len(same.err.splitlines()) == 1
+    assert "source and destination are the same store" in same.err
     to_s3, again, to_back, only_2, rest, shared_again = (r.out.splitlines() for r in results[:6])
     chunks_of_one = 3  # model/w is two 1 KiB chunks, model/b one
     assert to_s3[:3] == [
