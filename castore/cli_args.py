@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import textwrap
 from typing import Any, NoReturn
 
 import castore
@@ -26,7 +27,12 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_USAGE, f"castore: {message} (see {self.prog} --help)\n")
 
 
-STORE_HELP = "the store's directory (the path given to castore.open)"
+STORE_HELP = (
+    "the store's directory (the path given to castore.open), a shared store's directory "
+    "(created with castore.open(DIR, shared=True)), or s3://BUCKET/PREFIX for a store on "
+    "S3-protocol object storage, reached through boto3's chain (AWS_ENDPOINT_URL, "
+    "AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, AWS_REGION or a profile)"
+)
 TARGET_HELP = """\
 RUN[@GEN] names a generation of run RUN:
   RUN           the newest generation (RUN@latest is the same)
@@ -113,13 +119,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="castore",
         description="Inspect, check, tag, collect and compact a castore store.\n\n"
-        f"STORE is {STORE_HELP}.\n"
+        + textwrap.fill(f"STORE is {STORE_HELP}.", 79)
+        + "\n"
         "Errors print one line and exit non-zero (CASTORE_DEBUG=1 adds the traceback).\n"
         "castore COMMAND --help describes a command, with examples.",
         epilog="examples:\n"
         "  castore log ./ckpt\n"
         "  castore show ./ckpt exp1@3\n"
         "  castore verify ./ckpt --deep\n"
+        "  castore log s3://bucket/ckpt\n"
         "  castore gc ./ckpt --keep 2 --dry-run",
         formatter_class=_HelpFormatter,
     )
@@ -331,12 +339,18 @@ def _add_copy(commands: Any) -> None:
                 "castore copy ./ckpt /mnt/backup/ckpt             # the latest of each run",
                 "castore copy ./ckpt /mnt/backup/ckpt --run exp1 --all",
                 "castore copy ./ckpt /mnt/backup/ckpt --run exp1 --generation release",
+                "castore copy ./ckpt s3://backups/ckpt            # a second failure domain",
             )
         ),
         formatter_class=_HelpFormatter,
     )
     copy.add_argument("store", metavar="SRC", help=f"the store to copy from: {STORE_HELP}")
-    copy.add_argument("dst", metavar="DST", help="the store to copy into (created if absent)")
+    copy.add_argument(
+        "dst",
+        metavar="DST",
+        help="the store to copy into, named as SRC is; a missing directory becomes a "
+        "single-node store and a missing s3:// store is created (create a shared one first)",
+    )
     copy.add_argument("--run", help="copy this run only (default: every run with a ref)")
     which = copy.add_mutually_exclusive_group()
     which.add_argument(

@@ -33,7 +33,6 @@ import functools
 import io
 import os
 from dataclasses import replace
-from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -112,7 +111,8 @@ def _open(store: Store | str | os.PathLike[str]) -> Store:
         return store
     import castore
 
-    return castore.open(Path(store))
+    # As given: Path() would fold an s3:// address into a local directory "s3:".
+    return castore.open(store)
 
 
 def _name(kind: str, fqn: str) -> str:
