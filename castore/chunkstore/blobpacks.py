@@ -523,9 +523,12 @@ class BlobPackBackend(ChunkBackend):
                 if not group:
                     continue
                 entries = [(pack, e) for pack in group for e in live.get(pack, ())]
-                moved += self._copy_chunks(entries)
+                copied, written = self._copy_chunks(entries)
+                moved += copied
                 fault_point("gc.reclaim_rewritten")
                 for pack in group:
+                    if pack in written:
+                        continue  # the copy is this very pack (the name is the content): keep it
                     self._reindex(pack, sizes[pack], [])
                     freed += sizes[pack]
                     rewritten += 1
@@ -538,9 +541,16 @@ class BlobPackBackend(ChunkBackend):
             bytes_freed=freed,
         )
 
-    def _copy_chunks(self, entries: list[tuple[str, tuple[bytes, int, int]]]) -> int:
-        """Write the chunks of ``entries`` into new packs (in batches of one pack's worth)."""
+    def _copy_chunks(
+        self, entries: list[tuple[str, tuple[bytes, int, int]]]
+    ) -> tuple[int, set[str]]:
+        """Write the chunks of ``entries`` into new packs (in batches of one pack's worth).
+
+        Returns how many chunks were copied and the packs written, which may
+        include one of the packs copied from: the same records make the same pack.
+        """
         batch: list[tuple[str, tuple[bytes, int, int]]] = []
+        written: set[str] = set()
         batch_bytes = moved = 0
         for item in [*entries, None]:
             if item is not None:
@@ -559,9 +569,10 @@ class BlobPackBackend(ChunkBackend):
                     reader.close()
                 if chunks:
                     self._write_pack(chunks)
+                    written.add(pack_name([(key, view.nbytes) for key, view in chunks]))
                 moved += len(chunks)
                 batch, batch_bytes = [], 0
-        return moved
+        return moved, written
 
     # -- checks ---------------------------------------------------------------
 
