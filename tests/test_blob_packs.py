@@ -203,6 +203,10 @@ def test_a_chunk_is_present_only_where_every_index_blob_of_its_pack_lists_it(
     backend.refresh()
     got = [backend.get(Namespace.CHUNKS, k) for k in keys]
     assert got == [pairs[0][1], None, pairs[2][1]]
+    # Two collections, each deleting another chunk: neither smaller blob alone is the answer.
+    other = encode_index(parsed.pack_size, [parsed.entries[1], parsed.entries[2]])
+    backend.blobs.create(index_blob_name(parsed.pack, other), other)
+    assert present(backend.blobs, keys) == [False, False, True]
 
 
 def test_a_merge_that_recreates_a_pack_keeps_its_chunks(backend: BlobPackBackend) -> None:
