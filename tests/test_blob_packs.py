@@ -146,6 +146,28 @@ def test_two_writers_of_the_same_chunks_make_one_pack(backend: BlobPackBackend) 
     assert present(backend.blobs, [k for k, _ in pairs]) == [True] * 3
 
 
+def test_a_chunk_two_writers_packed_differently_is_deleted_from_both_packs(
+    backend: BlobPackBackend,
+) -> None:
+    """Fix: a delete dropped one copy and left the chunk present through the other pack."""
+    pairs = items(4)
+    keys = [k for k, _ in pairs]
+    late = fresh(backend.blobs, pack_bytes=1 << 20)
+    late.refresh()
+    late.refresh = lambda: None  # type: ignore[method-assign]
+    first = fresh(backend.blobs, pack_bytes=1 << 20)
+    first.put_many(Namespace.CHUNKS, pairs[:3])  # packs [0, 1, 2] and [1, 2, 3]
+    late.put_many(Namespace.CHUNKS, pairs[1:])
+    first.close()
+    late.close()
+    assert len(listed(backend.blobs, PACK_PREFIX)) == 2
+    assert backend.delete_many(Namespace.CHUNKS, [keys[1], keys[1]]) == 1
+    assert present(backend.blobs, keys) == [True, False, True, True]
+    assert backend.get(Namespace.CHUNKS, keys[1]) is None
+    assert backend.delete_many(Namespace.CHUNKS, keys) == 3
+    assert listed(backend.blobs, PACK_PREFIX) == listed(backend.blobs, INDEX_PREFIX) == []
+
+
 def test_a_pack_without_its_index_blob_is_invisible_and_reclaim_deletes_it(
     backend: BlobPackBackend,
 ) -> None:

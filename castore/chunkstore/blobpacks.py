@@ -202,6 +202,7 @@ class BlobPackBackend(ChunkBackend):
         self._lock = threading.RLock()
         self._indexes: dict[str, IndexBlob] = {}  # by index blob name, as last listed
         self._where: dict[bytes, Location] = {}
+        self._present: dict[str, list[tuple[bytes, int, int]]] = {}  # by pack
         self._closed = False
         # Called before each delete of a pack or index blob: the store's lease
         # check (castore.repo.leases), so a collection that lost it stops.
@@ -251,21 +252,25 @@ class BlobPackBackend(ChunkBackend):
         for parsed in self._indexes.values():
             by_pack[parsed.pack].append(parsed)
         where: dict[bytes, Location] = {}
+        present: dict[str, list[tuple[bytes, int, int]]] = {}
         for pack in sorted(by_pack):
             blobs = by_pack[pack]
             listed = {(d, o, n) for d, o, n in min(blobs, key=lambda b: len(b.entries)).entries}
             for other in blobs:
                 listed.intersection_update(other.entries)
-            for digest, offset, length in sorted(listed, key=lambda e: e[1]):
+            present[pack] = sorted(listed, key=lambda e: e[1])
+            for digest, offset, length in present[pack]:
                 where.setdefault(digest, Location(pack, offset, length))
         self._where = where
+        self._present = present
 
     def _live(self) -> dict[str, list[tuple[bytes, int, int]]]:
-        """Each pack's present chunks (digest, offset, length), by pack."""
-        live: dict[str, list[tuple[bytes, int, int]]] = defaultdict(list)
-        for digest, where in self._where.items():
-            live[where.pack].append((digest, where.offset, where.length))
-        return live
+        """Each pack's present chunks (digest, offset, length), by pack.
+
+        A chunk may be present in two packs (two writers that raced to store
+        it): each pack lists its own copy.
+        """
+        return defaultdict(list, {pack: list(entries) for pack, entries in self._present.items()})
 
     def _pack_sizes(self) -> dict[str, int]:
         return {parsed.pack: parsed.pack_size for parsed in self._indexes.values()}
@@ -403,17 +408,14 @@ class BlobPackBackend(ChunkBackend):
             return sum(self._pool.map(self.blobs.delete, names))
         self.refresh()
         with self._lock:
-            doomed: dict[str, set[bytes]] = defaultdict(set)
-            for key in keys:
-                where = self._where.get(bytes(key))
-                if where is not None:
-                    doomed[where.pack].add(bytes(key))
+            dead = {bytes(key) for key in keys if bytes(key) in self._where}
             live = self._live()
             sizes = self._pack_sizes()
-            for pack, dead in doomed.items():
-                keep = [entry for entry in live[pack] if entry[0] not in dead]
-                self._reindex(pack, sizes[pack], keep)
-            return sum(map(len, doomed.values()))
+            for pack, entries in live.items():
+                keep = [entry for entry in entries if entry[0] not in dead]
+                if len(keep) < len(entries):  # every copy goes, in whichever pack it lies
+                    self._reindex(pack, sizes[pack], keep)
+            return len(dead)
 
     def _reindex(self, pack: str, size: int, keep: list[tuple[bytes, int, int]]) -> None:
         """Let ``pack`` list only ``keep``: a smaller index blob first, then the old ones go.
@@ -522,7 +524,12 @@ class BlobPackBackend(ChunkBackend):
             for group, is_merge in ((sparse, False), (small, True)):
                 if not group:
                     continue
-                entries = [(pack, e) for pack in group for e in live.get(pack, ())]
+                entries, copied_once = [], set()  # a chunk present in two packs: one copy
+                for pack in group:
+                    for entry in live.get(pack, ()):
+                        if entry[0] not in copied_once:
+                            copied_once.add(entry[0])
+                            entries.append((pack, entry))
                 copied, written = self._copy_chunks(entries)
                 moved += copied
                 fault_point("gc.reclaim_rewritten")
