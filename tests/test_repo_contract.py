@@ -3,7 +3,8 @@
 Local parts run on a real store directory under tmp_path (real files, real
 ``flock``); memory parts in this process. The store lock of a store on blobs
 runs the suite with every taker a separate handle (another node: only the
-store lease blobs keep them apart), on memory blobs and a shared directory.
+store lease blobs keep them apart), on memory blobs, a shared directory and
+S3 (moto on the loopback).
 A broken control at the end shows the compare-and-swap tests fail for a ref
 table that ignores ``expected``.
 """
@@ -132,12 +133,31 @@ class EachStoreLockANewNode(BlobStoreLocks):
             yield
 
 
+try:
+    import s3_server
+except pytest.skip.Exception:  # boto3 or moto is not installed: the S3 case skips
+    s3_server = None
+else:
+    s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
+    s3_bucket = s3_server.s3_bucket
+
+
 class TestStoreLeasesAcrossNodes(StoreLocksTests):
-    @pytest.fixture(params=["memory", "posix"])
+    @pytest.fixture(params=["memory", "posix", "s3"])
     def locks(self, request: pytest.FixtureRequest, tmp_path: Path) -> BlobStoreLocks:
         if request.param == "memory":
             return EachStoreLockANewNode(MemoryBlobStore(list_page_size=7))
-        return EachStoreLockANewNode(PosixBlobStore(tmp_path / "shared"))
+        if request.param == "posix":
+            return EachStoreLockANewNode(PosixBlobStore(tmp_path / "shared"))
+        if s3_server is None:
+            pytest.skip("boto3 and moto are needed for the S3 case")
+        from castore.blob.s3 import S3BlobStore
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        return EachStoreLockANewNode(
+            S3BlobStore(bucket, "locks", **s3_server.store_arguments(endpoint))
+        )
 
 
 def test_the_lease_suite_fails_nodes_that_share_no_lease() -> None:
