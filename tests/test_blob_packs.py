@@ -503,6 +503,7 @@ def marker(**changes: Any) -> bytes:
         (b"{not json", NotAStoreError, "unreadable"),
         (marker(format="other"), NotAStoreError, "not a castore store marker"),
         (marker(store_id="../escape"), NotAStoreError, "store_id"),
+        (marker(store_id="caf\u00e9"), NotAStoreError, "store_id"),
         (marker(chunk_size=0), NotAStoreError, "chunk_size"),
     ],
 )
