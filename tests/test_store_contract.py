@@ -82,6 +82,7 @@ class TestS3Store(StoreTests):
         credentials = {"access_key": arguments["access_key"], "secret_key": arguments["secret_key"]}
         with castore.open(
             f"s3://{bucket}/p",
+            shared=True,  # accepted: a store on S3 is always shared
             endpoint_url=endpoint,
             region=arguments["region"],
             s3_options=credentials,
