@@ -373,13 +373,22 @@ def test_a_cache_entry_of_a_deleted_index_blob_is_not_used(tmp_path: Path) -> No
     writer = BlobPackBackend(blobs, cache=IndexCache(tmp_path, "s"), pack_bytes=SMALL_PACK)
     writer.put_many(Namespace.CHUNKS, pairs)
     writer.close()
+    (old_index,) = listed(blobs, INDEX_PREFIX)
     # Another node deletes a chunk: a smaller index blob, the cached one deleted.
     elsewhere = fresh(blobs)
     elsewhere.delete_many(Namespace.CHUNKS, [keys[0]])
     elsewhere.close()
+    middle = listed(blobs, INDEX_PREFIX)
     reader = BlobPackBackend(blobs, cache=IndexCache(tmp_path, "s"))
     try:
         assert reader.has_many(Namespace.CHUNKS, keys) == [False, True, True]
+        assert reader.cache is not None
+        assert reader.cache.get(old_index) is None  # forgotten once the listing lacks it
+        reader.delete_many(Namespace.CHUNKS, [keys[1]])  # its own delete forgets at once
+        assert [reader.cache.get(n) is None for n in [*middle, *listed(blobs, INDEX_PREFIX)]] == [
+            True,
+            False,
+        ]
     finally:
         reader.close()
 

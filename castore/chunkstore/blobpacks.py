@@ -204,6 +204,7 @@ class BlobPackBackend(ChunkBackend):
         self._where: dict[bytes, Location] = {}
         self._present: dict[str, list[tuple[bytes, int, int]]] = {}  # by pack
         self._closed = False
+        self._cache_pruned = False
         # Called before each delete of a pack or index blob: the store's lease
         # check (castore.repo.leases), so a collection that lost it stops.
         self.before_delete: Callable[[], None] = lambda: None
@@ -221,6 +222,12 @@ class BlobPackBackend(ChunkBackend):
             known = set(self._indexes)
             new = [name for name in listed if name not in known]
             gone = known - set(listed)
+            if self.cache is not None:
+                # The first listing also forgets what other processes cached and the
+                # store has deleted since; later ones, what this handle saw go.
+                stale = gone if self._cache_pruned else set(self.cache.names()) - set(listed)
+                self._cache_pruned = True
+                self.cache.discard(sorted(stale))
             if not new and not gone:
                 return
             for name in gone:
@@ -430,6 +437,8 @@ class BlobPackBackend(ChunkBackend):
             self.before_delete()
             self.blobs.delete(name)
             self._indexes.pop(name, None)
+        if self.cache is not None:
+            self.cache.discard(old)
         if not keep:
             self.before_delete()
             self.blobs.delete(pack_blob(pack))
