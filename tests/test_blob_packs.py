@@ -373,24 +373,41 @@ def test_a_cache_entry_of_a_deleted_index_blob_is_not_used(tmp_path: Path) -> No
     writer = BlobPackBackend(blobs, cache=IndexCache(tmp_path, "s"), pack_bytes=SMALL_PACK)
     writer.put_many(Namespace.CHUNKS, pairs)
     writer.close()
-    (old_index,) = listed(blobs, INDEX_PREFIX)
-    # Another node deletes a chunk: a smaller index blob, the cached one deleted.
+    # Another node deletes every chunk: the pack and its (cached) index blob go.
     elsewhere = fresh(blobs)
-    elsewhere.delete_many(Namespace.CHUNKS, [keys[0]])
+    elsewhere.delete_many(Namespace.CHUNKS, keys)
     elsewhere.close()
-    middle = listed(blobs, INDEX_PREFIX)
+    assert list(blobs.list()) == []
     reader = BlobPackBackend(blobs, cache=IndexCache(tmp_path, "s"))
     try:
-        assert reader.has_many(Namespace.CHUNKS, keys) == [False, True, True]
-        assert reader.cache is not None
-        assert reader.cache.get(old_index) is None  # forgotten once the listing lacks it
-        reader.delete_many(Namespace.CHUNKS, [keys[1]])  # its own delete forgets at once
-        assert [reader.cache.get(n) is None for n in [*middle, *listed(blobs, INDEX_PREFIX)]] == [
-            True,
-            False,
-        ]
+        assert reader.has_many(Namespace.CHUNKS, keys) == [False] * 3
     finally:
         reader.close()
+
+
+def test_the_cache_forgets_index_blobs_the_store_deleted(tmp_path: Path) -> None:
+    """Fix: entries of deleted index blobs stayed, and the cache grew with every collection."""
+    blobs = MemoryBlobStore()
+    pairs = items(3)
+    keys = [k for k, _ in pairs]
+    writer = BlobPackBackend(blobs, cache=IndexCache(tmp_path, "s"), pack_bytes=SMALL_PACK)
+    writer.put_many(Namespace.CHUNKS, pairs)
+    writer.close()
+    (first,) = listed(blobs, INDEX_PREFIX)
+    elsewhere = fresh(blobs)  # another node: a smaller index blob, the cached one deleted
+    elsewhere.delete_many(Namespace.CHUNKS, [keys[0]])
+    elsewhere.close()
+    (second,) = listed(blobs, INDEX_PREFIX)
+    cache = IndexCache(tmp_path, "s")
+    reader = BlobPackBackend(blobs, cache=cache)
+    try:
+        assert reader.has_many(Namespace.CHUNKS, keys) == [False, True, True]
+        assert cache.names() == [second]  # the first listing pruned what the store lacks
+        reader.delete_many(Namespace.CHUNKS, [keys[1]])  # its own delete forgets at once
+        assert cache.names() == listed(blobs, INDEX_PREFIX) != [second]
+    finally:
+        reader.close()
+    assert first != second
 
 
 def test_a_corrupt_cache_entry_is_ignored(tmp_path: Path) -> None:
