@@ -136,6 +136,12 @@ def check_blob_marker(data: bytes, where: str) -> dict[str, Any]:
         )
     check_marker_chunk_size(f"{where}/{MARKER}", config.get("chunk_size"))
     store_id = config.get("store_id")
-    if not isinstance(store_id, str) or not store_id.isalnum() or len(store_id) > 64:
+    # ASCII only: it names the per-node cache directory (a non-ASCII letter is alnum too).
+    if not (
+        isinstance(store_id, str)
+        and store_id.isascii()
+        and store_id.isalnum()
+        and len(store_id) <= 64
+    ):
         raise NotAStoreError(f"store marker of {where} has no valid store_id", path=where)
     return config

@@ -118,9 +118,14 @@ def open_s3_store(
     endpoint_url: str | None = None,
     region: str | None = None,
     s3_options: dict[str, Any] | None = None,
+    shared: bool = True,
     **blob_options: Any,
 ) -> Store:
-    """Open (or create) the store at ``s3://bucket/prefix``; see :func:`castore.open`."""
+    """Open (or create) the store at ``s3://bucket/prefix``; see :func:`castore.open`.
+
+    A store on S3 is always shared: ``shared`` is accepted, so that one call
+    with ``shared=True`` opens a directory or a URL alike.
+    """
     from castore.blob.s3 import S3BlobStore
     from castore.storeblobs import open_blob_store
 

@@ -1,4 +1,10 @@
-"""The chunk backend contract (castore.testing.chunks) over every backend, and LMDB's own."""
+"""The chunk backend contract (castore.testing.chunks) over every backend, and LMDB's own.
+
+Format 3's BlobPackBackend runs it on memory blobs, a shared directory and S3
+(moto on the loopback), with packs of a few hundred bytes so that one
+``put_many`` cuts several; a variant reads every chunk through a new handle
+on the same blobs (an empty index cache), as another process would.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from castore.blob import MemoryBlobStore, PosixBlobStore
+from castore.blob.base import BlobStore
 from castore.chunkstore import ChunkBackend, LmdbBackend, MemoryBackend, Namespace
+from castore.chunkstore.blobcache import IndexCache
+from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.errors import StoreError
 from castore.hashing import digest_bytes
 from castore.testing.chunks import ChunkBackendTests, items
@@ -26,6 +36,70 @@ class TestMemoryBackend(ChunkBackendTests):
     @pytest.fixture
     def backend(self) -> Iterator[ChunkBackend]:
         made = MemoryBackend()
+        yield made
+        made.close()
+
+
+try:
+    import s3_server
+except pytest.skip.Exception:  # boto3 or moto is not installed: the S3 cases skip
+    s3_server = None
+else:
+    s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
+    s3_bucket = s3_server.s3_bucket
+
+SMALL_PACK = 256  # bytes: items(10) of about 100 bytes each fill four packs
+
+
+@pytest.fixture(params=["memory", "posix", "s3"])
+def blobs(request: pytest.FixtureRequest, tmp_path: Path) -> BlobStore:
+    if request.param == "memory":
+        return MemoryBlobStore(list_page_size=7)
+    if request.param == "posix":
+        return PosixBlobStore(tmp_path / "shared")
+    if s3_server is None:
+        pytest.skip("boto3 and moto are needed for the S3 cases")
+    endpoint = request.getfixturevalue("s3_endpoint")
+    bucket = request.getfixturevalue("s3_bucket")
+    from castore.blob.s3 import S3BlobStore
+
+    return S3BlobStore(bucket, "store", **s3_server.store_arguments(endpoint))
+
+
+class TestBlobPackBackend(ChunkBackendTests):
+    @pytest.fixture
+    def backend(self, blobs: BlobStore, tmp_path: Path) -> Iterator[ChunkBackend]:
+        cache = IndexCache(tmp_path / "cache", "contract")
+        made = BlobPackBackend(blobs, cache=cache, pack_bytes=SMALL_PACK)
+        yield made
+        made.close()
+
+
+class _ReadsThroughANewHandle(BlobPackBackend):
+    """Every presence check and read by a new backend on the same blobs, with no cache."""
+
+    def _fresh(self) -> BlobPackBackend:
+        return BlobPackBackend(self.blobs, pack_bytes=self.pack_bytes)
+
+    def has_many(self, namespace, keys):  # type: ignore[no-untyped-def]
+        fresh = self._fresh()
+        try:
+            return fresh.has_many(namespace, keys)
+        finally:
+            fresh.close()
+
+    def read_many(self, namespace, keys, sink):  # type: ignore[no-untyped-def]
+        fresh = self._fresh()
+        try:
+            fresh.read_many(namespace, keys, sink)
+        finally:
+            fresh.close()
+
+
+class TestBlobPackBackendReadByANewHandle(ChunkBackendTests):
+    @pytest.fixture
+    def backend(self) -> Iterator[ChunkBackend]:
+        made = _ReadsThroughANewHandle(MemoryBlobStore(), pack_bytes=SMALL_PACK)
         yield made
         made.close()
 

@@ -1,19 +1,28 @@
 """The repository contract suites (castore.testing) over every implementation.
 
 Local parts run on a real store directory under tmp_path (real files, real
-``flock``); memory parts in this process. A broken control at the end shows
-the compare-and-swap tests fail for a ref table that ignores ``expected``.
+``flock``); memory parts in this process. The store lock of a store on blobs
+runs the suite with every taker a separate handle (another node: only the
+store lease blobs keep them apart), on memory blobs, a shared directory and
+S3 (moto on the loopback).
+A broken control at the end shows the compare-and-swap tests fail for a ref
+table that ignores ``expected``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 import pytest
 
+from castore.blob import MemoryBlobStore, PosixBlobStore
+from castore.blob.base import BlobStore
 from castore.errors import RefConflictError, UnsupportedOperationError
 from castore.hashing import Digest
 from castore.repo.base import AroundSwap, RefTable
+from castore.repo.blobs import BlobStoreLocks
 from castore.repo.local import LocalLocks, LocalReflog, LocalRefTable, LocalTagTable, RefStore
 from castore.repo.memory import (
     MemoryLocks,
@@ -100,6 +109,70 @@ class TestMemoryLocks(StoreLocksTests):
     @pytest.fixture
     def locks(self) -> MemoryLocks:
         return MemoryLocks()
+
+
+# -- store leases: each store-lock taker another node -----------------------------
+
+
+class EachStoreLockANewNode(BlobStoreLocks):
+    """Every store lock taken through a new BlobStoreLocks on the same blobs (a node each)."""
+
+    def __init__(self, blobs: BlobStore) -> None:
+        super().__init__(blobs, store_lease=30.0)
+        self.blobs = blobs
+
+    def store_lock(
+        self, *, exclusive: bool, timeout: float, busy: str
+    ) -> AbstractContextManager[None]:
+        return self._on_a_new_node(exclusive, timeout, busy)
+
+    @contextmanager
+    def _on_a_new_node(self, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
+        node = BlobStoreLocks(self.blobs, store_lease=30.0)
+        with node.store_lock(exclusive=exclusive, timeout=timeout, busy=busy):
+            yield
+
+
+try:
+    import s3_server
+except pytest.skip.Exception:  # boto3 or moto is not installed: the S3 case skips
+    s3_server = None
+else:
+    s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
+    s3_bucket = s3_server.s3_bucket
+
+
+class TestStoreLeasesAcrossNodes(StoreLocksTests):
+    @pytest.fixture(params=["memory", "posix", "s3"])
+    def locks(self, request: pytest.FixtureRequest, tmp_path: Path) -> BlobStoreLocks:
+        if request.param == "memory":
+            return EachStoreLockANewNode(MemoryBlobStore(list_page_size=7))
+        if request.param == "posix":
+            return EachStoreLockANewNode(PosixBlobStore(tmp_path / "shared"))
+        if s3_server is None:
+            pytest.skip("boto3 and moto are needed for the S3 case")
+        from castore.blob.s3 import S3BlobStore
+
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        return EachStoreLockANewNode(
+            S3BlobStore(bucket, "locks", **s3_server.store_arguments(endpoint))
+        )
+
+
+def test_the_lease_suite_fails_nodes_that_share_no_lease() -> None:
+    """Broken control: nodes with only in-process locks do not exclude each other."""
+
+    class NoLeases(EachStoreLockANewNode):
+        @contextmanager
+        def _on_a_new_node(self, exclusive: bool, timeout: float, busy: str) -> Iterator[None]:
+            with BlobStoreLocks().store_lock(exclusive=exclusive, timeout=timeout, busy=busy):
+                yield
+
+    suite = StoreLocksTests()
+    with pytest.raises(AssertionError):
+        suite.test_exclusive_excludes_shared_and_exclusive(NoLeases(MemoryBlobStore()))
+    suite.test_exclusive_excludes_shared_and_exclusive(EachStoreLockANewNode(MemoryBlobStore()))
 
 
 def test_a_memory_refstore_refuses_what_needs_a_directory_in_one_line() -> None:

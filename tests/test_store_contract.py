@@ -1,4 +1,10 @@
-"""A whole store end to end (castore.testing.StoreTests): on disk and in memory."""
+"""A whole store end to end (castore.testing.StoreTests): on disk, in memory and on blobs.
+
+Format 3 runs it three ways, as users open it: memory blobs through
+``open_blob_store``, a shared directory through ``castore.open(path,
+shared=True)`` and S3 (moto on the loopback) through
+``castore.open("s3://...")``, with packs of a few KiB.
+"""
 
 from __future__ import annotations
 
@@ -12,13 +18,24 @@ import pytest
 
 import castore
 from castore import Store
+from castore.blob import MemoryBlobStore
 from castore.errors import UnsupportedOperationError
 from castore.gc import RetentionPolicy, collect_garbage
 from castore.repo.memory import MemoryRefStore, memory_store
+from castore.storeblobs import open_blob_store
 from castore.testing import StoreTests
 from castore.verify import verify_store
 
+try:
+    import s3_server
+except pytest.skip.Exception:  # boto3 or moto is not installed: the S3 store skips
+    s3_server = None
+else:
+    s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
+    s3_bucket = s3_server.s3_bucket
+
 CHUNK = 1024
+PACK = 4096
 
 
 class TestLocalStore(StoreTests):
@@ -32,6 +49,46 @@ class TestMemoryStore(StoreTests):
     @pytest.fixture
     def store(self) -> Iterator[Store]:
         with memory_store(chunk_size=CHUNK, name="contract") as opened:
+            yield opened
+
+
+class TestBlobStoreInMemory(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[Store]:
+        blobs = MemoryBlobStore(list_page_size=7)
+        with open_blob_store(
+            blobs, "memory://test", chunk_size=CHUNK, pack_bytes=PACK, cache_dir=tmp_path
+        ) as opened:
+            yield opened
+
+
+class TestSharedDirectoryStore(StoreTests):
+    @pytest.fixture
+    def store(self, tmp_path: Path) -> Iterator[Store]:
+        with castore.open(
+            tmp_path / "shared", shared=True, chunk_size=CHUNK, pack_bytes=PACK
+        ) as opened:
+            yield opened
+
+
+class TestS3Store(StoreTests):
+    @pytest.fixture
+    def store(self, request: pytest.FixtureRequest) -> Iterator[Store]:
+        if s3_server is None:
+            pytest.skip("boto3 and moto are needed for the S3 store")
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        arguments = s3_server.store_arguments(endpoint)
+        credentials = {"access_key": arguments["access_key"], "secret_key": arguments["secret_key"]}
+        with castore.open(
+            f"s3://{bucket}/p",
+            shared=True,  # accepted: a store on S3 is always shared
+            endpoint_url=endpoint,
+            region=arguments["region"],
+            s3_options=credentials,
+            chunk_size=CHUNK,
+            pack_bytes=PACK,
+        ) as opened:
             yield opened
 
 

@@ -102,6 +102,30 @@ class IndexCache:
             with self._lock:
                 self._off(f"the index cache at {self.path} failed a write: {exc}")
 
+    def names(self) -> list[str]:
+        """The names of the index blobs cached (all of this store's)."""
+        if not self._usable():
+            return []
+        try:
+            with self._env.begin() as txn:
+                return [bytes(key).decode() for key in txn.cursor().iternext(values=False)]
+        except (lmdb.Error, UnicodeDecodeError) as exc:
+            with self._lock:
+                self._off(f"the index cache at {self.path} failed a read: {exc}")
+            return []
+
+    def discard(self, names: list[str]) -> None:
+        """Forget index blobs the store no longer lists (else the cache only ever grows)."""
+        if not names or not self._usable():
+            return
+        try:
+            with self._lock, self._env.begin(write=True) as txn:
+                for name in names:
+                    txn.delete(name.encode())
+        except lmdb.Error as exc:
+            with self._lock:
+                self._off(f"the index cache at {self.path} failed a write: {exc}")
+
     def close(self) -> None:
         env, self._env = self._env, None
         if env is None or os.getpid() != self._pid:

@@ -215,7 +215,9 @@ class BlobPackBackend(ChunkBackend):
         # never taken for an orphan (a collection must not delete what it cannot read).
         self.damaged: dict[str, str] = {}
         self._where: dict[bytes, Location] = {}
+        self._present: dict[str, list[tuple[bytes, int, int]]] = {}  # by pack
         self._closed = False
+        self._cache_pruned = False
         # Called before each delete of a pack or index blob: the store's lease
         # check (castore.repo.leases), so a collection that lost it stops.
         self.before_delete: Callable[[], None] = lambda: None
@@ -233,6 +235,12 @@ class BlobPackBackend(ChunkBackend):
             known = set(self._indexes) | set(self.damaged)
             new = [name for name in listed if name not in known]
             gone = known - set(listed)
+            if self.cache is not None:
+                # The first listing also forgets what other processes cached and the
+                # store has deleted since; later ones, what this handle saw go.
+                stale = gone if self._cache_pruned else set(self.cache.names()) - set(listed)
+                self._cache_pruned = True
+                self.cache.discard(sorted(stale))
             if not new and not gone:
                 return
             for name in gone:
@@ -271,21 +279,25 @@ class BlobPackBackend(ChunkBackend):
         for parsed in self._indexes.values():
             by_pack[parsed.pack].append(parsed)
         where: dict[bytes, Location] = {}
+        present: dict[str, list[tuple[bytes, int, int]]] = {}
         for pack in sorted(by_pack):
             blobs = by_pack[pack]
             listed = {(d, o, n) for d, o, n in min(blobs, key=lambda b: len(b.entries)).entries}
             for other in blobs:
                 listed.intersection_update(other.entries)
-            for digest, offset, length in sorted(listed, key=lambda e: e[1]):
+            present[pack] = sorted(listed, key=lambda e: e[1])
+            for digest, offset, length in present[pack]:
                 where.setdefault(digest, Location(pack, offset, length))
         self._where = where
+        self._present = present
 
     def _live(self) -> dict[str, list[tuple[bytes, int, int]]]:
-        """Each pack's present chunks (digest, offset, length), by pack."""
-        live: dict[str, list[tuple[bytes, int, int]]] = defaultdict(list)
-        for digest, where in self._where.items():
-            live[where.pack].append((digest, where.offset, where.length))
-        return live
+        """Each pack's present chunks (digest, offset, length), by pack.
+
+        A chunk may be present in two packs (two writers that raced to store
+        it): each pack lists its own copy.
+        """
+        return defaultdict(list, {pack: list(entries) for pack, entries in self._present.items()})
 
     def _pack_sizes(self) -> dict[str, int]:
         return {parsed.pack: parsed.pack_size for parsed in self._indexes.values()}
@@ -423,17 +435,14 @@ class BlobPackBackend(ChunkBackend):
             return sum(self._pool.map(self.blobs.delete, names))
         self.refresh()
         with self._lock:
-            doomed: dict[str, set[bytes]] = defaultdict(set)
-            for key in keys:
-                where = self._where.get(bytes(key))
-                if where is not None:
-                    doomed[where.pack].add(bytes(key))
+            dead = {bytes(key) for key in keys if bytes(key) in self._where}
             live = self._live()
             sizes = self._pack_sizes()
-            for pack, dead in doomed.items():
-                keep = [entry for entry in live[pack] if entry[0] not in dead]
-                self._reindex(pack, sizes[pack], keep)
-            return sum(map(len, doomed.values()))
+            for pack, entries in live.items():
+                keep = [entry for entry in entries if entry[0] not in dead]
+                if len(keep) < len(entries):  # every copy goes, in whichever pack it lies
+                    self._reindex(pack, sizes[pack], keep)
+            return len(dead)
 
     def _reindex(self, pack: str, size: int, keep: list[tuple[bytes, int, int]]) -> None:
         """Let ``pack`` list only ``keep``: a smaller index blob first, then the old ones go.
@@ -448,6 +457,8 @@ class BlobPackBackend(ChunkBackend):
             self.before_delete()
             self.blobs.delete(name)
             self._indexes.pop(name, None)
+        if self.cache is not None:
+            self.cache.discard(old)
         if not keep:
             self.before_delete()
             self.blobs.delete(pack_blob(pack))
@@ -535,10 +546,18 @@ class BlobPackBackend(ChunkBackend):
             for group, is_merge in ((sparse, False), (small, True)):
                 if not group:
                     continue
-                entries = [(pack, e) for pack in group for e in live.get(pack, ())]
-                moved += self._copy_chunks(entries)
+                entries, copied_once = [], set()  # a chunk present in two packs: one copy
+                for pack in group:
+                    for entry in live.get(pack, ()):
+                        if entry[0] not in copied_once:
+                            copied_once.add(entry[0])
+                            entries.append((pack, entry))
+                copied, written = self._copy_chunks(entries)
+                moved += copied
                 fault_point("gc.reclaim_rewritten")
                 for pack in group:
+                    if pack in written:
+                        continue  # the copy is this very pack (the name is the content): keep it
                     self._reindex(pack, sizes[pack], [])
                     freed += sizes[pack]
                     rewritten += 1
@@ -551,9 +570,16 @@ class BlobPackBackend(ChunkBackend):
             bytes_freed=freed,
         )
 
-    def _copy_chunks(self, entries: list[tuple[str, tuple[bytes, int, int]]]) -> int:
-        """Write the chunks of ``entries`` into new packs (in batches of one pack's worth)."""
+    def _copy_chunks(
+        self, entries: list[tuple[str, tuple[bytes, int, int]]]
+    ) -> tuple[int, set[str]]:
+        """Write the chunks of ``entries`` into new packs (in batches of one pack's worth).
+
+        Returns how many chunks were copied and the packs written, which may
+        include one of the packs copied from: the same records make the same pack.
+        """
         batch: list[tuple[str, tuple[bytes, int, int]]] = []
+        written: set[str] = set()
         batch_bytes = moved = 0
         for item in [*entries, None]:
             if item is not None:
@@ -572,9 +598,10 @@ class BlobPackBackend(ChunkBackend):
                     reader.close()
                 if chunks:
                     self._write_pack(chunks)
+                    written.add(pack_name([(key, view.nbytes) for key, view in chunks]))
                 moved += len(chunks)
                 batch, batch_bytes = [], 0
-        return moved
+        return moved, written
 
     # -- checks ---------------------------------------------------------------
 
