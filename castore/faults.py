@@ -31,6 +31,7 @@ POINTS = (
     "gc.reclaim_rewritten",
     "blob.create_before_link",
     "blob.swap_before_rename",
+    "blob.mid_multipart",
     "copy.mid_chunks",
     "copy.before_root",
     "copy.before_ref_advance",

@@ -37,6 +37,18 @@ Scenarios and the generation a fresh reader must select:
   coordinator_before_root                                          -> U-1
   gc_mid_sweep          gc killed after its first batch of objects -> U
   gc_mid_chunks         gc killed after its first batch of chunks  -> U
+  worker_mid_multipart  blob.mid_multipart on rank 1: its first pack's first
+                        part uploaded, the upload never completed  -> U-1
+                        (--backend s3 only)
+
+``--backend`` puts every store of the drill on the local store (LMDB, the
+default), a shared directory (``castore.open(path, shared=True)``) or S3
+(moto's server on the loopback, started by the drill; tools/drill_backends.py).
+On the blob backends each process is a node with its own index cache, and
+the stores are opened with a 2 s store lease, so the collection after a
+SIGKILLed ``castore gc`` waits seconds, not a minute, for its lease; on S3
+packs go up as multipart uploads of 8 KiB parts, so that
+``worker_mid_multipart`` kills a rank inside one.
 
 So that "mid" really is mid with a state of ~70 KiB, the drill writes with
 4 KiB chunks and shrinks castore's write batch (``chunkio.WRITE_BATCH_BYTES``,
@@ -76,6 +88,7 @@ from typing import Any
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
 import resume_parity  # noqa: E402 - the training job this drill crashes and resumes
+from drill_backends import BACKENDS, DrillBackend, open_options  # noqa: E402
 
 RUN = "drill"
 CHUNK_SIZE = 4096  # the store's chunk size: a shard spans many chunks
@@ -111,7 +124,10 @@ SCENARIOS = (
     Scenario("coordinator_before_root", "dist.coordinator_before_root", "save", 0, "previous"),
     Scenario("gc_mid_sweep", "gc.mid_sweep", "gc", None, "new"),
     Scenario("gc_mid_chunks", "gc.mid_chunks", "gc", None, "new"),
+    # S3 only: rank 1 dies between the first part of a pack and the upload's completion.
+    Scenario("worker_mid_multipart", "blob.mid_multipart", "save", 1, "previous"),
 )
+S3_ONLY = {"worker_mid_multipart"}
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 
@@ -232,7 +248,8 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     phase = config["phase"]
     if phase == "reference":
         return {"updates": _train(job, until=config["updates"] + 1)}
-    store = castore.open(config["store"], create=False)
+    node = f"{config['label']}-rank{rank}"
+    store = castore.open(config["store"], create=False, **open_options(node))
     if phase == "train":
         castore.chunkio.WRITE_BATCH_BYTES = config["write_batch"]
 
@@ -277,7 +294,7 @@ def _reader(path: str, plan_keep: int | None) -> int:
     from castore.verify import verify_store
 
     out: dict[str, Any] = {}
-    with _closing(castore.open(path, create=False)) as store:
+    with _closing(castore.open(path, create=False, **open_options("reader"))) as store:
         try:
             out["selected"] = store.resolve(RUN, "latest").id
         except CastoreError as exc:
@@ -329,10 +346,19 @@ def _collector(path: str, keep: int, delete_batch: int) -> int:
     ``--yes``: run from a terminal, the drill's collector would otherwise stop at
     gc's question, which nobody sees (its output is captured).
     """
+    import castore
+    import castore.cli
     import castore.gc
     from castore.cli import main as castore_cli
 
     castore.gc.DELETE_BATCH = delete_batch
+    options = open_options("collector")
+    if options:  # a store on blobs: this node's cache, the drill's short store lease
+
+        def open_here(path: str) -> Any:
+            return castore.open(path, create=False, **options)
+
+        castore.cli._open = open_here
     return castore_cli(["gc", path, "--keep", str(keep), "--yes"])
 
 
@@ -340,8 +366,8 @@ def _self_command(*args: str) -> list[str]:
     return [sys.executable, str(Path(__file__).resolve()), *args]
 
 
-def read_store(path: Path, *, plan_keep: int | None = None) -> dict[str, Any]:
-    command = _self_command("--reader", str(path))
+def read_store(path: str, *, plan_keep: int | None = None) -> dict[str, Any]:
+    command = _self_command("--reader", path)
     if plan_keep is not None:
         command += ["--plan-keep", str(plan_keep)]
     env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
@@ -351,11 +377,11 @@ def read_store(path: Path, *, plan_keep: int | None = None) -> dict[str, Any]:
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
 
 
-def collect(path: Path, *, fault: str | None) -> subprocess.CompletedProcess[str]:
+def collect(path: str, *, fault: str | None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
     if fault:
         env["CASTORE_FAULTS"] = f"{fault}=kill"
-    command = _self_command("--collector", str(path), str(GC_KEEP), str(DELETE_BATCH))
+    command = _self_command("--collector", path, str(GC_KEEP), str(DELETE_BATCH))
     return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
 
 
@@ -473,10 +499,10 @@ class Row:
         return not self.failures
 
 
-def _new_store(path: Path) -> None:
+def _new_store(location: str) -> None:
     import castore
 
-    castore.open(path, chunk_size=CHUNK_SIZE).close()
+    castore.open(location, chunk_size=CHUNK_SIZE, **open_options("creator")).close()
 
 
 def _survivors(crash: Launch, armed: int) -> tuple[str, list[str]]:
@@ -526,13 +552,13 @@ def _mid_shard_evidence(progress: Path) -> tuple[str, bool]:
 
 
 def run_save_scenario(
-    config: dict[str, Any], scenario: Scenario, row: Row, scenario_dir: Path
-) -> Path:
-    store = scenario_dir / "store"
+    config: dict[str, Any], scenario: Scenario, row: Row, scenario_dir: Path, backend: DrillBackend
+) -> str:
+    store = backend.location(scenario_dir)
     _new_store(store)
     settings = {
         **config,
-        "store": str(store),
+        "store": store,
         "point": scenario.point,
         "workdir": str(scenario_dir),
     }
@@ -554,14 +580,19 @@ def run_save_scenario(
         row.evidence, mid = _mid_shard_evidence(progress)
         if not mid:
             row.failures.append(f"not killed mid-shard: {row.evidence}")
+    if scenario.point == "blob.mid_multipart":
+        uploads = backend.incomplete_uploads(store)
+        row.evidence = f"{uploads} multipart upload(s) left incomplete"
+        if uploads < 1:
+            row.failures.append(f"not killed mid-multipart: {row.evidence}")
     return store
 
 
 def run_gc_scenario(
-    config: dict[str, Any], scenario: Scenario, row: Row, scenario_dir: Path, trained: Path
-) -> Path:
-    store = scenario_dir / "store"
-    shutil.copytree(trained, store)
+    scenario: Scenario, row: Row, scenario_dir: Path, trained: str, backend: DrillBackend
+) -> str:
+    store = backend.location(scenario_dir)
+    backend.copy(trained, store)
     before = read_store(store, plan_keep=GC_KEEP)
     would = before.get("would_free", {"objects": 0, "chunks": 0})
     killed = collect(store, fault=scenario.point)
@@ -608,7 +639,8 @@ def run_scenario(
     config: dict[str, Any],
     scenario: Scenario,
     reference: list[dict[str, Any]],
-    trained: Path | None,
+    trained: str | None,
+    backend: DrillBackend,
 ) -> Row:
     clock = time.perf_counter()
     updates = config["updates"]
@@ -621,10 +653,10 @@ def run_scenario(
     scenario_dir = Path(config["workdir"], scenario.name)
     scenario_dir.mkdir(parents=True, exist_ok=True)
     if scenario.kind == "save":
-        store = run_save_scenario(config, scenario, row, scenario_dir)
+        store = run_save_scenario(config, scenario, row, scenario_dir, backend)
     else:
         assert trained is not None
-        store = run_gc_scenario(config, scenario, row, scenario_dir, trained)
+        store = run_gc_scenario(scenario, row, scenario_dir, trained, backend)
 
     seen = read_store(store)
     row.selected = seen.get("selected")
@@ -655,9 +687,7 @@ def run_scenario(
     if scenario.kind == "gc" and row.listed != list(range(updates - GC_KEEP + 1, updates + 1)):
         row.failures.append(f"after gc --keep {GC_KEEP} the run lists {row.listed}")
 
-    resume = launch(
-        {**config, "store": str(store), "workdir": str(scenario_dir)}, "resume", "resume"
-    )
+    resume = launch({**config, "store": store, "workdir": str(scenario_dir)}, "resume", "resume")
     results = resume.results
     if any(r is None or "ok" not in r for r in results):
         errors = [
@@ -707,7 +737,16 @@ def run_drill(args: argparse.Namespace) -> dict[str, Any]:
         "timeout": args.timeout,
         "write_batch": WRITE_BATCH,
         "control": args.control,
+        "backend": args.backend,
     }
+    with DrillBackend(args.backend, workdir) as backend:
+        return _run_rows(args, config, backend)
+
+
+def _run_rows(
+    args: argparse.Namespace, config: dict[str, Any], backend: DrillBackend
+) -> dict[str, Any]:
+    workdir = Path(config["workdir"])
     scenarios = [BY_NAME[name] for name in args.scenarios]
     clock = time.perf_counter()
     timings: dict[str, float] = {}
@@ -717,23 +756,21 @@ def run_drill(args: argparse.Namespace) -> dict[str, Any]:
         launch({**config, "workdir": str(ref_dir)}, "reference", "reference"), "reference"
     )
     timings["reference"] = time.perf_counter() - clock
-    trained: Path | None = None
+    trained: str | None = None
     if any(s.kind == "gc" for s in scenarios):
         step = time.perf_counter()
         trained_dir = workdir / "trained"
         trained_dir.mkdir(exist_ok=True)
-        trained = trained_dir / "store"
+        trained = backend.location(trained_dir)
         _new_store(trained)
         _require_ok(
-            launch(
-                {**config, "store": str(trained), "workdir": str(trained_dir)}, "train", "train"
-            ),
+            launch({**config, "store": trained, "workdir": str(trained_dir)}, "train", "train"),
             "uninterrupted training for the gc scenarios",
         )
         timings["train_for_gc"] = time.perf_counter() - step
     rows = []
     for scenario in scenarios:
-        row = run_scenario(config, scenario, reference, trained)
+        row = run_scenario(config, scenario, reference, trained, backend)
         rows.append(row)
         if args.verbose:
             print(f"{row.scenario}: {'PASS' if row.passed else 'FAIL'} ({row.seconds:.1f}s)")
@@ -747,8 +784,9 @@ def print_table(drill: dict[str, Any]) -> None:
     config = drill["config"]
     updates = config["updates"]
     print(
-        f"crash drill: {config['ranks']} ranks, generations 1..{updates} (fault armed at the "
-        f"save of update {updates}), chunks {CHUNK_SIZE} B, write batch {WRITE_BATCH} B, "
+        f"crash drill ({config['backend']} store): {config['ranks']} ranks, generations "
+        f"1..{updates} (fault armed at the save of update {updates}), chunks {CHUNK_SIZE} B, "
+        f"write batch {WRITE_BATCH} B, "
         f"gc --keep {GC_KEEP} with delete batch {DELETE_BATCH}"
         + (f", CONTROL {config['control']}" if config["control"] else "")
     )
@@ -821,9 +859,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "(default 4; quick 3)",
     )
     parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default="local",
+        help="where the stores live: the local store (LMDB), a shared directory, or S3 "
+        "(moto's server on the loopback); default local",
+    )
+    parser.add_argument(
         "--scenarios",
-        default=",".join(s.name for s in SCENARIOS),
-        help="comma list (default: all): " + ", ".join(s.name for s in SCENARIOS),
+        default=None,
+        help="comma list (default: all that apply to the backend): "
+        + ", ".join(s.name for s in SCENARIOS)
+        + f" ({', '.join(sorted(S3_ONLY))}: s3 only)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="2 ranks, 3 updates, every scenario (~1 min)"
@@ -842,10 +889,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     args.ranks = args.ranks or (2 if args.quick else 4)
     args.updates = args.updates or (3 if args.quick else 4)
+    if args.scenarios is None:
+        applies = [s.name for s in SCENARIOS if args.backend == "s3" or s.name not in S3_ONLY]
+        args.scenarios = ",".join(applies)
     args.scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
     unknown = [s for s in args.scenarios if s not in BY_NAME]
     if unknown:
         parser.error(f"unknown scenarios {unknown}; known: {', '.join(BY_NAME)}")
+    s3_only = [s for s in args.scenarios if s in S3_ONLY and args.backend != "s3"]
+    if s3_only:
+        parser.error(f"scenarios {s3_only} apply to --backend s3 only")
     if args.ranks < 2:
         parser.error("--ranks must be at least 2 (worker faults need a rank besides rank 0)")
     if args.updates < GC_KEEP + 1:

@@ -65,6 +65,7 @@ from castore.errors import (
     StoreError,
     UnsupportedBackendError,
 )
+from castore.faults import fault_point
 from castore.hashing import Buffer
 
 MIB = 1 << 20
@@ -200,6 +201,8 @@ class S3BlobStore(BlobStore):
                 Body=_body(body),
             )
             done.append({"ETag": answer["ETag"], "PartNumber": number})
+            if number == 1:
+                fault_point("blob.mid_multipart")  # a part stored, the upload incomplete
         return done
 
     def _too_many_parts(self, name: str) -> StoreError:
