@@ -81,7 +81,9 @@ _PACK_NAME_TAG = b"castore-pack-v1\0"
 DEFAULT_PACK_BYTES = 128 << 20  # a pack is cut when its chunks reach this many bytes
 READ_WINDOW_BYTES = 128 << 20  # chunk bytes fetched ahead of the reader, per window
 MAX_SPAN_BYTES = 32 << 20  # the most one ranged request fetches
-MERGE_GAP = 64 << 10  # requested chunks this close in one pack share a request
+# Requested chunks this close in one pack share a request: the 40-byte record
+# header between neighbours, or a small chunk nobody asked for.
+MERGE_GAP = 4 << 10
 DEFAULT_THREADS = 8  # requests in flight
 
 
