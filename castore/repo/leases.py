@@ -36,6 +36,24 @@ renewal, so the step has ``stale_after / 2`` to land. A lease that is lost or
 too old raises LockLostError and nothing is published or deleted. What is
 left is the request that is already on the wire when it passes the check and
 is delayed in flight for more than ``stale_after / 2``; the README says so.
+
+**What a stall longer than ``stale_after`` does** (tests/test_gc_leases.py):
+
+* a save: a collection breaks its lease and collects, possibly the chunks
+  the save found present and skipped. The save fails its check before its
+  rank acks and before the ref's compare-and-swap (LockLostError): nothing
+  is published, the previous generation is intact, and a later save writes
+  those chunks again. What it wrote before the check is garbage to the next
+  collection. (Its index blobs are the exception: one created after the
+  collection deleted its pack as an orphan would name a gone pack, so the
+  chunk backend must check before it creates one -- castore.chunkstore.blobpacks.)
+* a collection: a save frees ``gc`` and goes on. The collection fails its
+  check before it logs what it drops, before each delete batch (castore.gc)
+  and before each blob it deletes (the chunk backend's ``before_delete``);
+  what it deleted before the stall was garbage when it marked, and the save,
+  listing after, does not reuse it. (A pack's smaller index blob hides
+  chunks too, so the backend must check before it writes one as well.)
+* a killed holder blocks the others for ``stale_after`` at most.
 """
 
 from __future__ import annotations
