@@ -451,6 +451,8 @@ def tag(store: Store, run: str, generation: int | str, name: str) -> Generation:
         busy=f"store busy: garbage collection held {store.path}",
     ):
         gen = store.resolve(run, generation)
+        # A lease (blob stores) broken meanwhile: a collection may have dropped it.
+        store.refs.check_store_lock()
         store.refs.write_tag(
             run, name, RefValue(run, gen.id, Digest.from_hex(gen.root), time.time())
         )

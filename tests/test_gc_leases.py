@@ -642,3 +642,33 @@ def test_a_save_stalled_between_its_pack_and_its_index_leaves_no_dangling_index(
     assert generation.id == 3
     assert verify_store(b, deep=True).problems == []
     assert_state_equal(b.load(RUN), z)
+
+
+def test_a_tag_stalled_past_its_lease_is_not_written(
+    open_node: Opener, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A resolves generation 1 to tag it, stalls; B breaks A, drops 1; A writes no tag."""
+    a, b = open_node("a", LEASE), open_node("b", LEASE)
+    two_generations(a)
+    pause = Pause()
+    resolve = a.resolve
+
+    def paused(*args: Any, **kwargs: Any) -> Any:
+        found = resolve(*args, **kwargs)
+        pause()
+        return found
+
+    monkeypatch.setattr(a, "resolve", paused)
+    tagger, outcome = in_thread(lambda: castore.gc.tag(a, RUN, 1, "keep"))
+    assert pause.reached.wait(60), outcome
+    thaw = freeze_renewals(a, monkeypatch)
+    try:
+        assert keep_last_one(b, lock_timeout=30).dropped == {RUN: [1]}
+    finally:
+        pause.go.set()
+        joined(tagger, outcome)
+        thaw.set()
+    assert isinstance(outcome.get("error"), LockLostError), outcome
+    assert b.refs.tags(RUN) == {}  # no tag naming a collected generation
+    assert [g.id for g in b.generations(RUN)] == [2]
+    assert_sound(b)
