@@ -448,9 +448,10 @@ def test_a_killed_collection_holds_the_store_for_one_lease_at_most(
         assert collector.stdout is not None
         line = collector.stdout.readline()
         assert line == "sweeping\n", (line, collector.stderr.read() if collector.stderr else "")
-        a.refs.save_wait = 2 * LEASE  # the collection is alive: renewed, never broken
+        patient = open_node("patient", LONG)  # breaks nothing within the test
+        patient.refs.save_wait = 0.5
         with pytest.raises(StoreLockedError, match="garbage collection"):
-            a.save(WITH_X, run=RUN, step=3)
+            patient.save(WITH_X, run=RUN, step=3)
         os.kill(collector.pid, signal.SIGKILL)
         assert collector.wait(30) == -signal.SIGKILL
     finally:
