@@ -20,9 +20,15 @@ the end of the sweep. So a save that found chunk X present and skipped it
 cannot overlap a sweep that deletes X: either the save published first (X is
 then marked) or the sweep finished first (X is then absent and the save writes
 it). A collection that cannot take the lock in time fails with
-``StoreLockedError`` ("store busy") and deletes nothing. Readers take no lock:
-a load of a retained generation is never affected; a load of a generation
-being dropped may fail with a missing object, never with wrong bytes.
+``StoreLockedError`` ("store busy") and deletes nothing. On a store laid out
+as blobs the lock is a lease (castore.repo.leases) that a collection stalled
+past ``store_lease`` loses; it checks the lease before it logs what it drops,
+before each delete batch and before it reclaims pack space, and stops with
+``LockLostError`` once it is not safe (what it deleted before was garbage
+when it marked, and a save that broke its lease rewrote what it needs).
+Readers take no lock: a load of a retained generation is never affected; a
+load of a generation being dropped may fail with a missing object, never with
+wrong bytes.
 
 A collection killed at any point leaves every retained generation intact: only
 unmarked objects are ever deleted, and a later collection finishes the sweep.
@@ -319,6 +325,10 @@ def collect_garbage(
                 f"delete {len(garbage_objects)} object(s) and {len(garbage_chunks)} chunk(s), "
                 f"{format_size(report.bytes_freed)}"
             )
+            # A store lease (blob stores) is checked before each step that deletes or
+            # hides: a collection that stalled past it may have been broken by a save
+            # that went on, so it stops (LockLostError) instead of acting on its mark.
+            store.refs.check_store_lock()
             # First the durable intent: listings hide a dropped generation from now on,
             # so a sweep cut short never leaves a half-deleted generation on show.
             for run, gen in dropped_roots:
@@ -337,6 +347,7 @@ def collect_garbage(
                 ):
                     for start in range(0, len(keys), DELETE_BATCH):
                         batch = keys[start : start + DELETE_BATCH]
+                        store.refs.check_store_lock()
                         store.backend.delete_many(namespace, batch)
                         sweep.update(len(batch))
                         if start == 0:
@@ -348,6 +359,7 @@ def collect_garbage(
                 f"merge packs under {format_size(MERGE_PACKS_BELOW)}, "
                 f"{format_size(store.backend.file_bytes())} on disk now"
             )
+            store.refs.check_store_lock()
             reclaimed = store.backend.reclaim(
                 min_live=RECLAIM_MIN_LIVE, merge_below=MERGE_PACKS_BELOW
             )
@@ -439,6 +451,8 @@ def tag(store: Store, run: str, generation: int | str, name: str) -> Generation:
         busy=f"store busy: garbage collection held {store.path}",
     ):
         gen = store.resolve(run, generation)
+        # A lease (blob stores) broken meanwhile: a collection may have dropped it.
+        store.refs.check_store_lock()
         store.refs.write_tag(
             run, name, RefValue(run, gen.id, Digest.from_hex(gen.root), time.time())
         )

@@ -36,6 +36,24 @@ renewal, so the step has ``stale_after / 2`` to land. A lease that is lost or
 too old raises LockLostError and nothing is published or deleted. What is
 left is the request that is already on the wire when it passes the check and
 is delayed in flight for more than ``stale_after / 2``; the README says so.
+
+**What a stall longer than ``stale_after`` does** (tests/test_gc_leases.py):
+
+* a save: a collection breaks its lease and collects, possibly the chunks
+  the save found present and skipped. The save fails its check before its
+  rank acks and before the ref's compare-and-swap (LockLostError): nothing
+  is published, the previous generation is intact, and a later save writes
+  those chunks again. What it wrote before the check is garbage to the next
+  collection. (Its index blobs are the exception: one created after the
+  collection deleted its pack as an orphan would name a gone pack, so the
+  chunk backend must check before it creates one -- castore.chunkstore.blobpacks.)
+* a collection: a save frees ``gc`` and goes on. The collection fails its
+  check before it logs what it drops, before each delete batch (castore.gc)
+  and before each blob it deletes (the chunk backend's ``before_delete``);
+  what it deleted before the stall was garbage when it marked, and the save,
+  listing after, does not reuse it. (A pack's smaller index blob hides
+  chunks too, so the backend must check before it writes one as well.)
+* a killed holder blocks the others for ``stale_after`` at most.
 """
 
 from __future__ import annotations
@@ -116,7 +134,12 @@ class StoreLeases:
         pause = _POLL_FIRST
         while True:
             lease = self._create_save_lease()
-            found = self.blobs.read_versioned(GC_LEASE)
+            try:
+                found = self.blobs.read_versioned(GC_LEASE)
+            except BaseException:
+                # Not kept, so never renewed: a collection would wait stale_after for it.
+                self._forget_save_lease(lease)
+                raise
             if found is None or found[0] == FREE:
                 self._keep(lease)
                 return lease
@@ -143,6 +166,12 @@ class StoreLeases:
         sent = time.monotonic()
         version = self.blobs.swap(name, _encode(record), None)
         return _Lease(name, record, version, sent, exclusive=False)
+
+    def _forget_save_lease(self, lease: _Lease) -> None:
+        try:
+            self.blobs.delete(lease.name)
+        except CastoreError:
+            pass  # unreachable storage: a collection breaks it after stale_after
 
     def _break_gc(self, version: Version) -> None:
         try:
@@ -218,7 +247,10 @@ class StoreLeases:
                     seen[name] = (found[1], now)
             watched = seen
             if not watched:
-                continue  # all gone or broken: list again to be sure
+                # All gone or broken: list again to be sure, after a breath (saves that
+                # step aside come and go, and a listing of them must not spin).
+                time.sleep(_POLL_FIRST)
+                continue
             if now >= deadline:
                 raise StoreLockedError(busy)
             time.sleep(min(pause * (0.5 + random.random()), max(0.0, deadline - now)))
@@ -290,12 +322,14 @@ class StoreLeases:
 
     def check_held(self) -> None:
         """Raise LockLostError unless every lease held here was confirmed recently enough."""
-        now = time.monotonic()
         with self._guard:
             held = list(self._held)
         for lease in held:
             with lease.lock:
-                age = now - lease.confirmed
+                # The clock is read once the lock is ours: a renewal in flight holds it,
+                # maybe for long, and a time read before the wait would make a lease
+                # that it failed to renew look younger than it is.
+                age = time.monotonic() - lease.confirmed
                 if lease.lost or age >= self.stale_after / 2:
                     why = lease.lost or f"not renewed for {age:.1f}s"
                     raise LockLostError(
@@ -319,7 +353,12 @@ def _renew_forever(owner: weakref.ref[StoreLeases], wake: threading.Event) -> No
                 leases._keeper = None
                 return
         period = leases.renew_every
-        leases.renew()
+        try:
+            leases.renew()
+        except Exception:  # noqa: BLE001 - e.g. an OSError of a shared directory
+            # This thread must outlive one bad round: were it gone, no lease of this
+            # process would be renewed again, and every save would fail its check.
+            pass
         del leases
         wake.wait(period)
 
