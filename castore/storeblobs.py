@@ -60,7 +60,7 @@ def open_blob_store(
     backend = BlobPackBackend(blobs, cache=cache, pack_bytes=pack_bytes)
     refs = blob_refs(blobs, store_lease=store_lease)
     store = Store(where, backend, size, refs=refs)
-    backend.before_delete = refs.check_store_lock
+    backend.check_lease = refs.check_store_lock
     return store
 
 

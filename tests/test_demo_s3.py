@@ -46,4 +46,3 @@ def test_demo_saves_restores_and_copies_through_s3() -> None:
     assert "copied 1 generation(s)" in out
     assert "every tensor and value matches what was saved, bit for bit" in out
     assert "dist-demo" in out and "FAILED" not in out
-

@@ -558,12 +558,6 @@ def test_collections_concurrent_with_two_nodes_saving_never_lose_a_chunk(
     store.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlobPackBackend._reindex writes a pack's smaller index blob (which hides its "
-    "dropped chunks) before it calls before_delete; a collection broken between two packs "
-    "of one batch hides chunks a save has reused since (castore/chunkstore/blobpacks.py)",
-)
 def test_a_collection_stalled_between_two_packs_hides_nothing_more(
     open_node: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -597,17 +591,10 @@ def test_a_collection_stalled_between_two_packs_hides_nothing_more(
             outcome = joined(collector, collected)
         thaw.set()
     assert isinstance(outcome.get("error"), LockLostError), outcome
-    assert verify_store(a, deep=False).problems == []  # fails: generation 4 names a hidden chunk
+    assert verify_store(a, deep=False).problems == []  # generation 4 names no hidden chunk
     assert_state_equal(a.load(RUN), both)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BlobPackBackend._write_pack creates a pack's index blob without a lease check: "
-    "a save stalled past its lease between its pack and its index names a pack the "
-    "collection that broke it has deleted as an orphan, and other saves dedup against it "
-    "(castore/chunkstore/blobpacks.py)",
-)
 def test_a_save_stalled_between_its_pack_and_its_index_leaves_no_dangling_index(
     open_node: Opener, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -637,8 +624,8 @@ def test_a_save_stalled_between_its_pack_and_its_index_leaves_no_dangling_index(
         thaw.set()
     assert isinstance(outcome.get("error"), LockLostError), outcome
     # Another save of the same state must write the chunks of A's pack, not reuse
-    # them: today it finds them in A's late index blob (8 reused) and names 4
-    # chunks of a pack that is gone.
+    # them (before the fix it found them in A's late index blob and named 4 chunks
+    # of a pack that was gone).
     generation = b.save(z, run=RUN, step=3)
     assert generation.id == 3
     assert verify_store(b, deep=True).problems == []

@@ -220,9 +220,11 @@ class BlobPackBackend(ChunkBackend):
         self._present: dict[str, list[tuple[bytes, int, int]]] = {}  # by pack
         self._closed = False
         self._cache_pruned = False
-        # Called before each delete of a pack or index blob: the store's lease
-        # check (castore.repo.leases), so a collection that lost it stops.
-        self.before_delete: Callable[[], None] = lambda: None
+        # Called before each write that changes what is present (an index blob
+        # created, any blob deleted): the store's lease check (castore.repo.leases),
+        # so a save or a collection that lost its lease stops before it acts.
+        self.check_lease: Callable[[], None] = lambda: None
+        self._packs: set[str] = set()  # the packs the last listing showed
 
     def __repr__(self) -> str:
         return f"<BlobPackBackend on {self.blobs}>"
@@ -234,6 +236,16 @@ class BlobPackBackend(ChunkBackend):
         self._check_open()
         with self._lock:
             listed = [name for name in self.blobs.list(INDEX_PREFIX) if _is_index_name(name)]
+            # Listed after the index blobs: an index blob counts only while its pack
+            # is there too (a pack goes after its index blobs, so a pack missing here
+            # means damage, or a writer that lost its lease; its chunks are absent).
+            packs = {
+                name[len(PACK_PREFIX) : -len(PACK_SUFFIX)]
+                for name in self.blobs.list(PACK_PREFIX)
+                if name.endswith(PACK_SUFFIX)
+            }
+            packs_changed = packs != self._packs
+            self._packs = packs
             known = set(self._indexes) | set(self.damaged)
             new = [name for name in listed if name not in known]
             gone = known - set(listed)
@@ -243,7 +255,7 @@ class BlobPackBackend(ChunkBackend):
                 stale = gone if self._cache_pruned else set(self.cache.names()) - set(listed)
                 self._cache_pruned = True
                 self.cache.discard(sorted(stale))
-            if not new and not gone:
+            if not new and not gone and not packs_changed:
                 return
             for name in gone:
                 self._indexes.pop(name, None)
@@ -279,7 +291,8 @@ class BlobPackBackend(ChunkBackend):
         """The chunk map: a chunk is present where every index blob of its pack lists it."""
         by_pack: dict[str, list[IndexBlob]] = defaultdict(list)
         for parsed in self._indexes.values():
-            by_pack[parsed.pack].append(parsed)
+            if parsed.pack in self._packs:
+                by_pack[parsed.pack].append(parsed)
         where: dict[bytes, Location] = {}
         present: dict[str, list[tuple[bytes, int, int]]] = {}
         for pack in sorted(by_pack):
@@ -412,6 +425,9 @@ class BlobPackBackend(ChunkBackend):
                     f"({size} bytes): the store is damaged; run castore verify"
                 ) from None
         fault_point("save.pack_unindexed")  # durable bytes that nothing names yet
+        # A writer whose lease was broken meanwhile may have had this pack deleted
+        # as an orphan: it must not name it now.
+        self.check_lease()
         self._create_index(pack, size, entries)
         return len(entries), sum(length for _, _, length in entries)
 
@@ -426,6 +442,7 @@ class BlobPackBackend(ChunkBackend):
             self.cache.put(name, data)
         with self._lock:
             self._indexes[name] = IndexBlob(name, pack, size, tuple(entries))
+            self._packs.add(pack)  # written just before its index blob
             self._rebuild()
         return name
 
@@ -433,7 +450,7 @@ class BlobPackBackend(ChunkBackend):
         if Namespace(namespace) is Namespace.OBJECTS:
             self._check_open()
             names = [object_blob(bytes(k)) for k in keys]
-            self.before_delete()
+            self.check_lease()
             return sum(self._pool.map(self.blobs.delete, names))
         self.refresh()
         with self._lock:
@@ -451,18 +468,19 @@ class BlobPackBackend(ChunkBackend):
 
         With nothing to keep, the index blobs go and then the pack.
         """
+        self.check_lease()  # the smaller index blob already hides the dropped chunks
         old = [name for name, parsed in self._indexes.items() if parsed.pack == pack]
         if keep:
             new = self._create_index(pack, size, sorted(keep, key=lambda e: e[1]))
             old = [name for name in old if name != new]
         for name in old:
-            self.before_delete()
+            self.check_lease()
             self.blobs.delete(name)
             self._indexes.pop(name, None)
         if self.cache is not None:
             self.cache.discard(old)
         if not keep:
-            self.before_delete()
+            self.check_lease()
             self.blobs.delete(pack_blob(pack))
         self._rebuild()
 
@@ -529,7 +547,7 @@ class BlobPackBackend(ChunkBackend):
         freed = deleted = rewritten = merged = moved = 0
         for pack in self.orphan_packs():
             size = self.blobs.head(pack_blob(pack)) or 0
-            self.before_delete()
+            self.check_lease()
             if self.blobs.delete(pack_blob(pack)):
                 freed += size
                 deleted += 1

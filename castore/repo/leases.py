@@ -49,7 +49,7 @@ is delayed in flight for more than ``stale_after / 2``; the README says so.
   chunk backend must check before it creates one -- castore.chunkstore.blobpacks.)
 * a collection: a save frees ``gc`` and goes on. The collection fails its
   check before it logs what it drops, before each delete batch (castore.gc)
-  and before each blob it deletes (the chunk backend's ``before_delete``);
+  and before each blob it deletes (the chunk backend's ``check_lease``);
   what it deleted before the stall was garbage when it marked, and the save,
   listing after, does not reuse it. (A pack's smaller index blob hides
   chunks too, so the backend must check before it writes one as well.)
