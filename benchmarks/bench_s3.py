@@ -7,11 +7,12 @@ Run from the repository root (``make bench-s3`` installs what it needs)::
     .venv/bin/python benchmarks/bench_s3.py --state-mib 64 --repeats 1   # smoke run
 
 Needs ``moto[server]`` and boto3 (the ``dev`` extra) and s3fs (the ``bench``
-extra: ``pip install -e ".[torch,dev,bench]"``). s3fs rides on aiobotocore,
-which pins botocore to a narrow range, usually a release behind the newest
-boto3: install the extras together so that pip picks a boto3 to match
-(``pip install s3fs`` alone into an environment with a newer boto3
-downgrades botocore under it and leaves boto3 broken).
+extra): ``pip install -e ".[torch,dev,bench]"``, which ``make bench-s3`` runs.
+s3fs rides on aiobotocore, which pins botocore to a few patch releases, a
+release or so behind the newest boto3's; the ``bench`` extra names the boto3
+that matches, so pip downgrades boto3 and botocore together. (``pip install
+s3fs`` alone into an environment with a newer boto3 downgrades botocore under
+it and leaves boto3 broken.)
 
 One moto S3 server (a child process; requests served one at a time, part-size
 floor at the AWS default of 5 MiB) sits behind a counting reverse proxy
