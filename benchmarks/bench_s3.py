@@ -471,7 +471,7 @@ def ratio_rows(results: Results, systems: list[str], logical: int) -> list[list[
                     f"{seconds:.2f}",
                     f"{logical / GIB / seconds:.3f}",
                     f"{results.median(key, 'bytes_up') / MIB:.1f}",
-                    f"{results.median(key, 'bytes_down') / MIB:.1f}",
+                    f"{results.median(key, 'bytes_down') / MIB:.2f}",
                     f"{results.median(key, 'requests'):g}",
                     requests,
                 ]
@@ -494,6 +494,20 @@ def comparisons(results: Results, logical: int) -> list[dict[str, Any]]:
         entry["throughput"] = med("DCP", phase, "seconds") / med("castore", phase, "seconds")
         out.append(entry)
     return out
+
+
+def castore_report_line(results: Results, systems: list[str]) -> str:
+    """castore's own account of the 2->1 load (its LoadReport), next to the proxy's."""
+    if "castore" not in systems:
+        return ""
+    ratios = [
+        p.replies[0]["bytes_read"] / p.replies[0]["bytes_needed"]
+        for p in results.phases["castore 2->1 load"]
+    ]
+    return (
+        f"\ncastore's LoadReport for it: bytes_read / bytes_needed = "
+        f"{statistics.median(ratios):.4f} (chunk payloads only, no requests' framing)."
+    )
 
 
 def evaluate_goals(results: Results, logical: int, problem: str | None) -> list[dict[str, Any]]:
@@ -643,9 +657,10 @@ def main(argv: list[str] | None = None) -> int:
         "2->1 load: rank 0 alone restores the whole re-saved state; "
         + " ".join(
             f"{s} fetched {results.median(f'{s} 2->1 load', 'bytes_down') / logical:.4f}x "
-            "the bytes needed."
+            "the bytes needed (response bodies over the state's size)."
             for s in systems
         )
+        + castore_report_line(results, systems)
     )
     verdicts = evaluate_goals(results, logical, problem)
     print()
@@ -672,7 +687,9 @@ def write_json(
             "median_bytes_up": results.median(key, "bytes_up"),
             "median_bytes_down": results.median(key, "bytes_down"),
             "median_requests": results.median(key, "requests"),
-            "reps": [{"seconds": p.seconds, "counts": p.counts} for p in phases],
+            "reps": [
+                {"seconds": p.seconds, "counts": p.counts, "ranks": p.replies} for p in phases
+            ],
         }
         for key, phases in results.phases.items()
     }
