@@ -116,9 +116,9 @@ RESHARD_FETCH_GOAL = 1.01  # castore 2->1 load: bytes fetched / bytes needed <= 
 # -- the ranks ---------------------------------------------------------------
 
 
-def s3fs_options(endpoint: str) -> dict[str, Any]:
+def s3fs_options(endpoint: str, cache: dict[str, Any]) -> dict[str, Any]:
     """fsspec storage options for FsspecWriter/Reader: the endpoint said outright."""
-    return {"client_kwargs": {"endpoint_url": endpoint, "region_name": REGION}}
+    return {"client_kwargs": {"endpoint_url": endpoint, "region_name": REGION}, **cache}
 
 
 def open_castore(
@@ -144,7 +144,9 @@ def full_tensor(layout: Layout, index: int, changed: bool) -> Any:
     return torch.cat(parts)
 
 
-def worker(rank: int, port: int, layout: Layout, endpoint: str, conn: Any) -> None:
+def worker(
+    rank: int, port: int, layout: Layout, endpoint: str, cache: dict[str, Any], conn: Any
+) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -194,56 +196,49 @@ def worker(rank: int, port: int, layout: Layout, endpoint: str, conn: Any) -> No
     blocks_of = {"base": base, "changed": changed}
     conn.send({"ready": True})
 
-    def timed(call: Any, group: Any = None) -> float:
+    def timed(call: Any, group: Any = None) -> tuple[float, Any]:
+        """(seconds, result) of ``call()``, started together by a barrier of ``group``."""
         gc.collect()
         dist.barrier(group=group)
         started = time.perf_counter()
-        call()
-        return time.perf_counter() - started
+        result = call()
+        return time.perf_counter() - started, result
+
+    def check(loaded: list[Any], expected: Any) -> list[str]:
+        return [layout.name(i) for i, t in enumerate(loaded) if not torch.equal(t, expected(i))]
 
     def save(system: str, url: str, which: str, step: int, options: dict[str, Any]) -> dict:
         state = states[(system, which)]
         if system == "DCP":
-            writer = FsspecWriter(url, sync_files=False, **s3fs_options(endpoint))
-            return {"seconds": timed(lambda: dcp.save(state, storage_writer=writer))}
+            writer = FsspecWriter(url, sync_files=False, **s3fs_options(endpoint, cache))
+            seconds, _ = timed(lambda: dcp.save(state, storage_writer=writer))
+            return {"seconds": seconds}
         with open_castore(url, options, rank) as store:
-            out: dict[str, Any] = {}
-
-            def call() -> None:
-                generation = castore.dist.save(
+            seconds, generation = timed(
+                lambda: castore.dist.save(
                     store, state, run=RUN, step=step, timeout=COLLECTIVE_TIMEOUT
                 )
-                out.update(generation=generation.id, stats=vars(generation.stats))
-
-            out["seconds"] = timed(call)
-        return out
+            )
+        return {"seconds": seconds, "generation": generation.id, "stats": vars(generation.stats)}
 
     def load(system: str, url: str, which: str, verify: bool, options: dict[str, Any]) -> dict:
         fresh = [torch.full_like(block, float("nan")) for block in base]
+        out: dict[str, Any] = {}
         if system == "DCP":
             targets = dtensors(fresh)
-            reader = FsspecReader(url, **s3fs_options(endpoint))
-            out = {"seconds": timed(lambda: dcp.load(targets, storage_reader=reader))}
+            reader = FsspecReader(url, **s3fs_options(endpoint, cache))
+            out["seconds"], _ = timed(lambda: dcp.load(targets, storage_reader=reader))
         else:
+            blocks = shards(fresh)
             with open_castore(url, options, rank) as store:
-                result: list[Any] = []
-                out = {
-                    "seconds": timed(
-                        lambda: result.append(
-                            castore.dist.load(
-                                store, run=RUN, targets=shards(fresh), timeout=COLLECTIVE_TIMEOUT
-                            )
-                        )
+                out["seconds"], result = timed(
+                    lambda: castore.dist.load(
+                        store, run=RUN, targets=blocks, timeout=COLLECTIVE_TIMEOUT
                     )
-                }
-                report = result[0].report
-                out.update(bytes_read=report.bytes_read, bytes_needed=report.bytes_needed)
+                )
+            out.update(bytes_read=result.report.bytes_read, bytes_needed=result.report.bytes_needed)
         if verify:
-            out["bad"] = [
-                layout.name(i)
-                for i, block in enumerate(blocks_of[which])
-                if not torch.equal(fresh[i], block)
-            ]
+            out["bad"] = check(fresh, lambda i: blocks_of[which][i])
         return out
 
     def load_whole(system: str, url: str, which: str, verify: bool, options: dict) -> dict:
@@ -253,29 +248,22 @@ def worker(rank: int, port: int, layout: Layout, endpoint: str, conn: Any) -> No
         out: dict[str, Any] = {}
         if system == "DCP":
             targets = {layout.name(i): t for i, t in enumerate(fresh)}
-            reader = FsspecReader(url, **s3fs_options(endpoint))
-            call: Any = lambda: dcp.load(targets, storage_reader=reader, no_dist=True)  # noqa: E731
-            out["seconds"] = timed(call, solo)
+            reader = FsspecReader(url, **s3fs_options(endpoint, cache))
+            out["seconds"], _ = timed(
+                lambda: dcp.load(targets, storage_reader=reader, no_dist=True), solo
+            )
         else:
             whole = {layout.name(i): castore.Shard(t, shape, (0, 0)) for i, t in enumerate(fresh)}
             with open_castore(url, options, rank) as store:
-                result: list[Any] = []
-                out["seconds"] = timed(
-                    lambda: result.append(
-                        castore.dist.load(
-                            store, run=RUN, targets=whole, group=solo, timeout=COLLECTIVE_TIMEOUT
-                        )
+                out["seconds"], result = timed(
+                    lambda: castore.dist.load(
+                        store, run=RUN, targets=whole, group=solo, timeout=COLLECTIVE_TIMEOUT
                     ),
                     solo,
                 )
-            report = result[0].report
-            out.update(bytes_read=report.bytes_read, bytes_needed=report.bytes_needed)
+            out.update(bytes_read=result.report.bytes_read, bytes_needed=result.report.bytes_needed)
         if verify:
-            out["bad"] = [
-                layout.name(i)
-                for i, tensor in enumerate(fresh)
-                if not torch.equal(tensor, full_tensor(layout, i, which == "changed"))
-            ]
+            out["bad"] = check(fresh, lambda i: full_tensor(layout, i, which == "changed"))
         return out
 
     handlers = {"save": save, "load": load, "load_whole": load_whole}
@@ -292,8 +280,8 @@ def worker(rank: int, port: int, layout: Layout, endpoint: str, conn: Any) -> No
 
 
 class Ranks(PipedRanks):
-    def __init__(self, layout: Layout, endpoint: str) -> None:
-        super().__init__(layout.world, worker, (layout, endpoint), "bench-s3")
+    def __init__(self, layout: Layout, endpoint: str, s3fs_cache: dict[str, Any]) -> None:
+        super().__init__(layout.world, worker, (layout, endpoint, s3fs_cache), "bench-s3")
 
 
 # -- the parent: S3 set-up ---------------------------------------------------
@@ -547,6 +535,16 @@ def evaluate_goals(results: Results, logical: int, problem: str | None) -> list[
     return verdicts
 
 
+def s3fs_read_cache(args: argparse.Namespace) -> dict[str, Any]:
+    """The s3fs options the command line sets (none: s3fs's defaults, what DCP users get)."""
+    options: dict[str, Any] = {}
+    if args.s3fs_cache_type is not None:
+        options["default_cache_type"] = args.s3fs_cache_type
+    if args.s3fs_block_mib is not None:
+        options["default_block_size"] = int(args.s3fs_block_mib * MIB)
+    return options
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--state-mib", type=int, default=512, help="state size (default 512)")
@@ -558,6 +556,17 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--quiet", type=float, default=3.0, help="pause before each timed phase (s, default 3)"
+    )
+    parser.add_argument(
+        "--s3fs-cache-type",
+        default=None,
+        help="s3fs's default_cache_type for DCP's reads (default: s3fs's own, readahead)",
+    )
+    parser.add_argument(
+        "--s3fs-block-mib",
+        type=float,
+        default=None,
+        help="s3fs's default_block_size in MiB (default: s3fs's own, 50)",
     )
     parser.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
@@ -581,6 +590,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{moto.address}, behind the counting proxy at {proxy.endpoint}\n"
         f"systems: {', '.join(systems) or 'none'}"
         + "".join(f"\n  {s}: {p}" for s, p in problems.items() if p)
+        + f"\ns3fs options: {s3fs_read_cache(args) or 'its defaults'}"
         + f"\nrepeats: {args.repeats} (+{args.warmup} untimed), quiet {args.quiet:g} s",
         flush=True,
     )
@@ -594,7 +604,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     ranks: Ranks | None = None
     try:
-        ranks = Ranks(layout, proxy.endpoint)
+        ranks = Ranks(layout, proxy.endpoint, s3fs_read_cache(args))
         print(f"{layout.world} ranks up in {time.perf_counter() - started:.1f} s", flush=True)
         for rep in range(-args.warmup, args.repeats):
             rep_start = time.perf_counter()
@@ -703,6 +713,7 @@ def write_json(
         "repeats": args.repeats,
         "warmup_reps": args.warmup,
         "quiet_s": args.quiet,
+        "s3fs_options": s3fs_read_cache(args),
         "systems": systems,
         "unavailable": {s: p for s, p in problems.items() if p},
         "versions": versions(),
