@@ -26,6 +26,8 @@ MOTO IS AN EMULATOR: it keeps objects in this machine's memory and answers on
 the loopback, one request at a time. Its bytes and request counts are what a
 client would send to S3; its times are not S3's (no network latency, no
 per-prefix request rates, a server that shares these CPUs with the clients).
+moto also answers a ranged GET by copying the whole object and slicing it,
+so every ranged request costs server time in proportion to the object's size.
 The time ratios compare two clients against the same emulator, nothing more.
 
 ``--ranks`` (2) processes join one gloo group and stay alive for the whole run
@@ -56,6 +58,19 @@ re-save       the 10%-changed state. DCP has no dedup: a full save into a new
               tensors (DCP: ``dcp.load(..., no_dist=True)`` into plain tensors;
               castore: ``castore.dist.load`` in a one-rank group, with a fresh
               chunk-index cache, as a new node would have).
+
+DCP's reads over s3fs: FileSystemReader hands each stored item to
+``torch.load``, which seeks in it (the zip directory at the end first); s3fs's
+default read cache (``readahead``, 50 MiB blocks) fetches up to a block past
+each miss, so a backward seek costs a block again. With 256 MiB per rank
+file (512 MiB state, 2 ranks) DCP fetched 2.9x the state's size on both loads;
+with 32 MiB files (the 64 MiB smoke run) a file fits one block and DCP fetched
+1.002x. That is what DCP users get from s3fs's defaults, so it is the default
+here; ``--s3fs-cache-type`` and ``--s3fs-block-mib`` set s3fs's
+``default_cache_type`` / ``default_block_size`` to look at other trade-offs
+(``none`` issues a ranged GET per read call of torch.load: thousands of
+whole-object copies in moto; a 512 MiB run with it did not finish its first
+save-load round in 6 minutes).
 
 A time is the wall time of the save/load call, the maximum over the ranks
 that take part, after a barrier; each rank builds its writer/reader or opens
