@@ -68,8 +68,8 @@ with 32 MiB files (the 64 MiB smoke run) a file fits one block and DCP fetched
 1.002x. That is what DCP users get from s3fs's defaults, so it is the default
 here; ``--s3fs-cache-type`` and ``--s3fs-block-mib`` set s3fs's
 ``default_cache_type`` / ``default_block_size`` to look at other trade-offs
-(``none`` issues a ranged GET per read call of torch.load: thousands of
-whole-object copies in moto; a 512 MiB run with it had not finished its first
+(``none`` issues a ranged GET per read call of torch.load, each a
+whole-object copy in moto; a 512 MiB run with it had not finished its first
 repetition after 6 minutes, where one takes under 3 with s3fs's defaults).
 
 A time is the wall time of the save/load call, the maximum over the ranks
