@@ -145,7 +145,7 @@ class _Forwarder(BaseHTTPRequestHandler):
         return self._streamed(length), length
 
     def _dechunked(self) -> bytes:
-        pieces = []
+        pieces: list[bytes] = []
         while True:
             size = int(self.rfile.readline().split(b";", 1)[0].strip(), 16)
             if size == 0:
@@ -244,8 +244,8 @@ class CountingProxy:
             target=self._server.serve_forever, name="s3-counting-proxy", daemon=True
         )
         self._thread.start()
-        host, port = self._server.server_address[:2]
-        self.endpoint = f"http://{host}:{port}"
+        port = self._server.server_address[1]
+        self.endpoint = f"http://127.0.0.1:{port}"
 
     def take(self) -> Counters:
         """The counts since the last ``take`` (or the start), and start counting afresh."""

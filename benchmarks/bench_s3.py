@@ -520,7 +520,7 @@ def evaluate_goals(results: Results, logical: int, problem: str | None) -> list[
         ("full save", "throughput", ">=", THROUGHPUT_GOAL, "full save throughput"),
         ("load", "throughput", ">=", THROUGHPUT_GOAL, "load throughput (2 ranks)"),
     ]
-    verdicts = []
+    verdicts: list[dict[str, Any]] = []
     for phase, what, sense, bound, text in goals:
         goal = f"{text} {sense} {bound}x DCP's"
         if problem:
