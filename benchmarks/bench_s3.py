@@ -65,8 +65,14 @@ default read cache (``readahead``, 50 MiB blocks) fetches up to a block past
 each miss, so a backward seek costs a block again. With 256 MiB per rank
 file (512 MiB state, 2 ranks) DCP fetched 2.9x the state's size on both loads;
 with 32 MiB files (the 64 MiB smoke run) a file fits one block and DCP fetched
-1.002x. That is what DCP users get from s3fs's defaults, so it is the default
-here; ``--s3fs-cache-type`` and ``--s3fs-block-mib`` set s3fs's
+1.002x. With ``--s3fs-block-mib 256`` (a block as large as a rank's file)
+DCP fetched 1.0003x, wrote each file in one PUT instead of a multipart upload,
+and both its saves and loads got faster: the load throughput ratio went from
+about 3.3-3.8x in castore's favour to about 0.5x (one repetition). So the
+load ratio under the defaults measures s3fs's readahead (and moto's ranged
+GETs), not castore against a well-tuned DCP. The defaults are what DCP users
+get from s3fs, so they are the default here; ``--s3fs-cache-type`` and
+``--s3fs-block-mib`` set s3fs's
 ``default_cache_type`` / ``default_block_size`` to look at other trade-offs
 (``none`` issues a ranged GET per read call of torch.load, each a
 whole-object copy in moto; a 512 MiB run with it had not finished its first
