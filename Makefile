@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-s3 test lint bench clean
+.PHONY: demo demo-s3 test lint bench bench-s3 clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,17 @@ lint: $(VENV)/.installed
 
 bench: $(VENV)/.installed
 	$(PY) benchmarks/bench_save_load.py
+
+# s3fs (the bench extra) for DCP's fsspec writer; `make test` does not need it.
+$(VENV)/.installed-bench: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[torch,dev,bench]"
+	touch $@
+
+# castore on S3 against DCP's FsspecWriter (s3fs), both on one moto server.
+# BENCH_S3_ARGS="--state-mib 64 --repeats 1" is the smoke run (under two minutes).
+BENCH_S3_ARGS ?=
+bench-s3: $(VENV)/.installed-bench
+	$(PY) benchmarks/bench_s3.py $(BENCH_S3_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-store
