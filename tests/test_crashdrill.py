@@ -38,11 +38,12 @@ EXPECTED = {
 }
 
 
-# On S3 (moto), the rows the blob backends add, and those of the commit point and GC.
+# On S3 (moto), the row only the blob backends have and the one that leaves a dead
+# collector's store lease behind. `tools/crashdrill.py --backend s3` (and `shared`)
+# also runs the coordinator's rows around the ref compare-and-swap; all pass there,
+# and the suite keeps to these two for its time (each S3 row costs about 25 s here).
 S3_EXPECTED = {
     "worker_mid_multipart": ("blob.mid_multipart", UPDATES - 1),
-    "coordinator_before_ref_advance": ("dist.coordinator_before_ref_advance", UPDATES - 1),
-    "coordinator_after_ref_advance": ("dist.coordinator_after_ref_advance", UPDATES),
     "gc_mid_sweep": ("gc.mid_sweep", UPDATES),
 }
 
@@ -99,8 +100,7 @@ def test_quick_drill_on_s3_passes_the_blob_rows(tmp_path: Path) -> None:
         assert row["verify"] and row["all_listed_load"] and row["resumed_equal"], name
     # The killed rank left its pack's multipart upload begun, never completed.
     assert "multipart upload(s) left incomplete" in rows["worker_mid_multipart"]["evidence"]
-    assert rows["coordinator_after_ref_advance"]["garbage_left"] == {"objects": 0, "chunks": 0}
-    assert "RESULT: 4/4 scenarios pass" in done.stdout
+    assert "RESULT: 2/2 scenarios pass" in done.stdout
 
 
 def test_blob_only_rows_are_refused_on_other_backends(tmp_path: Path) -> None:
