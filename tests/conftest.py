@@ -14,6 +14,14 @@ import pytest
 import castore
 from castore import Store
 
+try:  # one moto server for the whole session (tests/s3_server.py), where boto3 and moto are
+    import s3_server
+
+    s3_endpoint = s3_server.s3_endpoint
+    s3_bucket = s3_server.s3_bucket
+except pytest.skip.Exception:  # without them, the S3 tests skip themselves
+    pass
+
 # Small on purpose: tensors of a few KiB then span several chunks.
 TEST_CHUNK_SIZE = 1024
 

@@ -44,9 +44,6 @@ try:
     import s3_server
 except pytest.skip.Exception:  # boto3 or moto is not installed: the S3 cases skip
     s3_server = None
-else:
-    s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
-    s3_bucket = s3_server.s3_bucket
 
 SMALL_PACK = 256  # bytes: items(10) of about 100 bytes each fill four packs
 

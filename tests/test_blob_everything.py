@@ -15,7 +15,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-import s3_server
 from blob_places import Place, s3_place, shared_place
 
 import castore
@@ -24,9 +23,6 @@ from castore.errors import IntegrityError
 from castore.repair import repair_store
 from castore.store import FallbackWarning
 from castore.verify import verify_store
-
-s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
-s3_bucket = s3_server.s3_bucket
 
 CHUNK = 1024
 BACKENDS = ["shared", "s3"]

@@ -20,7 +20,6 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
-import s3_server
 from blob_places import Place, s3_place, shared_place
 from s3_server import DUMMY_KEY, DUMMY_SECRET, REGION, store_arguments
 
@@ -34,9 +33,6 @@ from castore.errors import (
 )
 from castore.store import FallbackWarning
 from castore.verify import verify_store
-
-s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
-s3_bucket = s3_server.s3_bucket
 
 CHUNK = 1024
 

@@ -18,7 +18,6 @@ from typing import Any
 
 import pytest
 import requests
-import s3_server
 from s3_server import TEST_MIN_PART, s3_client, store_arguments
 
 from castore.blob.s3 import S3BlobStore
@@ -32,8 +31,6 @@ from castore.errors import (
 )
 from castore.testing import BlobStoreTests
 
-s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
-s3_bucket = s3_server.s3_bucket
 SMALL_PART = TEST_MIN_PART
 
 

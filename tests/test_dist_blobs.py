@@ -23,7 +23,6 @@ import dist_blob_workers as b
 import dist_workers as w
 import numpy as np
 import pytest
-import s3_server
 from dist_harness import RankOutcome, describe, run_ranks
 from s3_server import REGION, s3_client, store_arguments
 
@@ -31,8 +30,6 @@ import castore
 from castore.verify import verify_store
 
 pytestmark = pytest.mark.slow
-
-s3_endpoint = s3_server.s3_endpoint  # the session fixture, as this module's own
 
 LAUNCH_TIMEOUT = 150.0
 ALL_NAMES = [*w.TENSORS, b.ALIGNED]

@@ -54,9 +54,6 @@ try:
     import s3_server
 except pytest.skip.Exception:  # no boto3 or moto: the S3 cases skip, the rest run
     s3_server = None  # type: ignore[assignment]
-else:
-    s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
-    s3_bucket = s3_server.s3_bucket
 
 RUN = "run"
 CHUNK_SIZE = 1024

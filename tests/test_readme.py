@@ -33,8 +33,6 @@ try:
     import s3_server
 except pytest.skip.Exception:  # boto3 or moto missing
     s3_server = None  # type: ignore[assignment]
-else:
-    s3_endpoint = s3_server.s3_endpoint  # the session's server, as this module's fixture
 
 REPO = Path(__file__).resolve().parent.parent
 DOCUMENTS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]

@@ -30,9 +30,6 @@ try:
     import s3_server
 except pytest.skip.Exception:  # boto3 or moto is not installed: the S3 store skips
     s3_server = None
-else:
-    s3_endpoint = s3_server.s3_endpoint  # the fixtures, as this module's own
-    s3_bucket = s3_server.s3_bucket
 
 CHUNK = 1024
 PACK = 4096
