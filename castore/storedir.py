@@ -60,7 +60,17 @@ def open_store(
         raise NotAStoreError(f"{root} is a file, not a castore store", path=str(root))
     marker = root / MARKER
     if shared or (os.path.lexists(marker) and _names_blobs(marker)):
+        if map_size is not None:
+            raise ValueError(
+                f"map_size sizes a local store's LMDB file; {root} is a shared store (no LMDB)"
+            )
         return _open_shared(root, create=create, chunk_size=chunk_size, **blob_options)
+    if blob_options:
+        names = ", ".join(sorted(blob_options))
+        raise ValueError(
+            f"{names}: options of stores on blobs (shared=True, s3://); {root} is a local "
+            "store (LMDB)"
+        )
     config = _marker_or_new_store(root, create=create, chunk_size=chunk_size)
     size = chunk_size or int(config["chunk_size"])
     refs = RefStore(root)
@@ -129,6 +139,8 @@ def open_s3_store(
     from castore.blob.s3 import S3BlobStore
     from castore.storeblobs import open_blob_store
 
+    if blob_options.pop("map_size", None) is not None:
+        raise ValueError("map_size sizes a local store's LMDB file; an S3 store has none")
     if chunk_size is not None:
         chunk_size = _check_chunk_size(chunk_size)
     where = f"s3://{bucket}/{prefix}".rstrip("/")
