@@ -97,3 +97,13 @@ def test_the_cli_says_so_in_one_line(tmp_path: Path) -> None:
     assert result.stderr.count("\n") == 1
     assert "UnsupportedBackendError" in result.stderr and "gs://" in result.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+def test_options_of_the_other_kind_of_store_are_refused_in_one_line(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="options of stores on blobs") as caught:
+        castore.open(tmp_path / "local", cache_dir=tmp_path / "cache")
+    assert "\n" not in str(caught.value)
+    assert not (tmp_path / "local").exists()  # refused before anything was made
+    castore.open(tmp_path / "shared", shared=True).close()
+    with pytest.raises(ValueError, match="map_size sizes a local store's LMDB file"):
+        castore.open(tmp_path / "shared", map_size=1 << 30)
