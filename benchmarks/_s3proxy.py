@@ -21,14 +21,13 @@ not the HTTP framing or headers.
 from __future__ import annotations
 
 import http.client
-import os
-import subprocess
-import sys
 import threading
 from collections import defaultdict
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
+
+from castore.testing.moto import moto_server
 
 COPY_PIECE = 1 << 20  # bytes relayed per read while streaming a response body
 # Hop-by-hop headers (RFC 9110 section 7.6.1): they describe one connection, never forwarded.
@@ -43,55 +42,19 @@ HOP_BY_HOP = {
     "expect",
 }
 
-# The child process: moto's threaded server, one request at a time (see the docstring).
-_SERVE = """
-import sys, threading
-from moto.moto_server import threaded_moto_server
-
-one_at_a_time = threading.Lock()
-
-class Atomic(threaded_moto_server.DomainDispatcherApplication):
-    def __call__(self, environ, start_response):
-        with one_at_a_time:
-            return super().__call__(environ, start_response)
-
-threaded_moto_server.DomainDispatcherApplication = Atomic
-server = threaded_moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-print("%s:%d" % server.get_host_and_port(), flush=True)
-sys.stdin.read()  # until the parent closes it
-server.stop()
-"""
-
 
 class MotoServer:
-    """moto's S3 server in a child process; ``address`` is its ``host:port``."""
+    """moto's S3 server in a child process (castore.testing.moto); ``address`` is its host:port.
+
+    The part-size floor is the AWS default, 5 MiB, as real S3 has.
+    """
 
     def __init__(self) -> None:
-        env = dict(os.environ)
-        env.pop("S3_UPLOAD_PART_MIN_SIZE", None)  # the AWS floor, 5 MiB, as real S3 has
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SERVE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            text=True,
-        )
-        assert self.proc.stdout is not None
-        self.address = self.proc.stdout.readline().strip()
-        if not self.address:
-            self.close()
-            raise RuntimeError("the moto server did not start (is moto[server] installed?)")
+        self._running = moto_server()
+        self.address = self._running.__enter__().removeprefix("http://")
 
     def close(self) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()  # our own child, by its handle
-            self.proc.wait()
+        self._running.__exit__(None, None, None)
 
 
 @dataclass

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import itertools
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+
+from castore.testing.moto import moto_server
 
 boto3 = pytest.importorskip("boto3")
 pytest.importorskip("moto.server")
@@ -29,59 +29,12 @@ TEST_MIN_PART = 256 << 10
 _buckets = itertools.count()
 
 
-# Run in a child process so that the server's memory is not the client's: the
-# contract's streamed-create test measures the client's peak with tracemalloc.
-# moto answers on threads and checks If-None-Match / If-Match, then writes,
-# without a lock: under load two racers could both win, where S3 documents a
-# conditional write as atomic. One lock around each request gives the emulator
-# S3's atomicity; the client's requests still race each other on the wire.
-_SERVE = """
-import sys, threading
-from moto.moto_server import threaded_moto_server
-
-SERIALIZE = True
-one_at_a_time = threading.Lock()
-
-class Atomic(threaded_moto_server.DomainDispatcherApplication):
-    def __call__(self, environ, start_response):
-        with one_at_a_time:
-            return super().__call__(environ, start_response)
-
-if SERIALIZE:
-    threaded_moto_server.DomainDispatcherApplication = Atomic
-server = threaded_moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-print("%s:%d" % server.get_host_and_port(), flush=True)
-sys.stdin.read()  # until the parent closes it
-server.stop()
-"""
-
-
 @pytest.fixture(scope="session")
 def s3_endpoint() -> Iterator[str]:
-    env = dict(os.environ, S3_UPLOAD_PART_MIN_SIZE=str(TEST_MIN_PART))
-    server = subprocess.Popen(
-        [sys.executable, "-c", _SERVE],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        env=env,
-        text=True,
-    )
-    try:
-        assert server.stdout is not None
-        address = server.stdout.readline().strip()
-        if not address:
-            raise RuntimeError("the moto server did not start")
-        yield f"http://{address}"
-    finally:
-        assert server.stdin is not None
-        server.stdin.close()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+    # In a child process (castore.testing.moto): the contract's streamed-create
+    # test measures the client's peak memory with tracemalloc.
+    with moto_server(min_part_size=TEST_MIN_PART) as endpoint:
+        yield endpoint
 
 
 def s3_client(endpoint: str, **overrides: Any) -> Any:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -35,61 +34,25 @@ import demo_dist  # noqa: E402  (the 4-rank save and the 2-rank restore)
 
 import castore  # noqa: E402
 from castore.cli import main as castore_cli  # noqa: E402
+from castore.testing.moto import moto_server  # noqa: E402
 
 BUCKET = "demo"
 STORE = f"s3://{BUCKET}/ckpt"
 REGION = "us-east-1"
 
-# moto answers on threads and checks If-None-Match / If-Match, then writes,
-# without a lock, so two racing conditional writes could both win, where S3
-# documents them as atomic. One lock around each request gives the emulator
-# S3's atomicity (as tests/s3_server.py does); the ranks still race on the wire.
-_SERVE = """
-import sys, threading
-from moto.moto_server import threaded_moto_server
-
-one_at_a_time = threading.Lock()
-
-class Atomic(threaded_moto_server.DomainDispatcherApplication):
-    def __call__(self, environ, start_response):
-        with one_at_a_time:
-            return super().__call__(environ, start_response)
-
-threaded_moto_server.DomainDispatcherApplication = Atomic
-server = threaded_moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-print("%s:%d" % server.get_host_and_port(), flush=True)
-sys.stdin.read()  # until the parent closes it
-server.stop()
-"""
-
 
 @contextmanager
 def s3_server() -> Iterator[str]:
-    """moto's S3 server on a free loopback port, in a child process; yields its URL."""
-    server = subprocess.Popen(
-        [sys.executable, "-c", _SERVE],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
+    """moto's S3 server on a free loopback port, in a child process; yields its URL.
+
+    Requests are served one at a time, which gives the emulator S3's atomic
+    conditional writes (castore.testing.moto); the ranks still race on the wire.
+    """
     try:
-        assert server.stdout is not None
-        address = server.stdout.readline().strip()
-        if not address:
-            raise SystemExit(
-                "demo-s3: the moto S3 server did not start; is moto[server] installed?"
-            )
-        yield f"http://{address}"
-    finally:
-        assert server.stdin is not None
-        server.stdin.close()
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
+        with moto_server() as endpoint:
+            yield endpoint
+    except RuntimeError as exc:
+        raise SystemExit(f"demo-s3: {exc}") from None
 
 
 def point_at(endpoint: str) -> None:

@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
+
+from castore.testing.moto import moto_server
 
 BACKENDS = ("local", "shared", "s3")
 OPEN_ENV = "CRASHDRILL_OPEN"
@@ -30,25 +31,6 @@ PART_BYTES = 8 << 10  # S3 part size and multipart threshold in the drill
 BUCKET = "crashdrill"
 REGION = "us-east-1"
 DUMMY = "testing"
-
-_SERVE = """
-import sys, threading
-from moto.moto_server import threaded_moto_server
-
-one_at_a_time = threading.Lock()
-
-class Atomic(threaded_moto_server.DomainDispatcherApplication):
-    def __call__(self, environ, start_response):
-        with one_at_a_time:  # S3's conditional writes are atomic; moto's are not
-            return super().__call__(environ, start_response)
-
-threaded_moto_server.DomainDispatcherApplication = Atomic
-server = threaded_moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-server.start()
-print("%s:%d" % server.get_host_and_port(), flush=True)
-sys.stdin.read()  # until the parent closes it
-server.stop()
-"""
 
 
 class DrillBackend:
@@ -59,7 +41,7 @@ class DrillBackend:
             raise ValueError(f"unknown backend {kind!r}; known: {', '.join(BACKENDS)}")
         self.kind = kind
         self.workdir = workdir
-        self._server: subprocess.Popen[str] | None = None
+        self._server: AbstractContextManager[str] | None = None
         self.endpoint: str | None = None
 
     def __enter__(self) -> DrillBackend:
@@ -89,29 +71,16 @@ class DrillBackend:
     def __exit__(self, *exc: object) -> None:
         os.environ.pop(OPEN_ENV, None)
         if self._server is not None:
-            assert self._server.stdin is not None
-            self._server.stdin.close()
-            try:
-                self._server.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                self._server.kill()
-                self._server.wait()
+            self._server.__exit__(None, None, None)
+            self._server = None
 
     def _start_server(self) -> None:
-        env = dict(os.environ, S3_UPLOAD_PART_MIN_SIZE=str(PART_BYTES))
-        self._server = subprocess.Popen(
-            [sys.executable, "-c", _SERVE],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            env=env,
-            text=True,
-        )
-        assert self._server.stdout is not None
-        address = self._server.stdout.readline().strip()
-        if not address:
-            raise SystemExit("crash drill: moto's S3 server did not start")
-        self.endpoint = f"http://{address}"
+        self._server = moto_server(min_part_size=PART_BYTES)
+        try:
+            self.endpoint = self._server.__enter__()
+        except RuntimeError as exc:
+            self._server = None
+            raise SystemExit(f"crash drill: {exc}") from None
         self._client().create_bucket(Bucket=BUCKET)
 
     def _client(self) -> Any:
