@@ -1,4 +1,4 @@
-"""Blobs: the primitives format 3 will lay a store out over (not used by stores yet).
+"""Blobs: the primitives a format-3 store is laid out over (S3, a shared directory, memory).
 
 :mod:`castore.blob.base` defines :class:`BlobStore` (create-if-absent,
 compare-and-swap, ranged get, head, list a prefix, delete) and its

@@ -19,11 +19,11 @@ method names ``Store`` calls (``store.refs``); ``local.RefStore`` and
 ``memory.MemoryRefStore`` are its two compositions, and
 :func:`castore.repo.memory.memory_store` builds a whole ``Store`` in memory.
 
-Format 3 (in progress, not used by ``castore.open``): :mod:`castore.repo.blobs`
-implements the same interfaces over a blob store (``BlobRefTable``,
-``BlobReflog``, ``BlobTagTable``; ``BlobStoreLocks``: run leases across nodes,
-the store and open locks in one process only),
-composed by ``blobs.blob_refs(blobs)``.
+Format 3 (``castore.open("s3://...")``, ``castore.open(path, shared=True)``):
+:mod:`castore.repo.blobs` implements the same interfaces over a blob store
+(``BlobRefTable``, ``BlobReflog``, ``BlobTagTable``; ``BlobStoreLocks``: run
+leases and store leases across nodes, :mod:`castore.repo.leases`; the open
+lock in one process only), composed by ``blobs.blob_refs(blobs)``.
 
 Only names that carry no storage are imported here, so ``castore.store`` can
 import this package without a cycle.

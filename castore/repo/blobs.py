@@ -2,7 +2,7 @@
 
 Refs, reflog records and tags as
 named blobs of a :class:`castore.blob.base.BlobStore` (memory, a shared
-directory, later S3); docs/FORMAT.md, "Format 3 (in progress)"::
+directory, S3); docs/FORMAT.md, "Format 3: blobs"::
 
     refs/RUN                    mutable: the ref encoding of castore.repo.reffile
     logs/RUN/NNNNNNNNNNNN       create-only: one reflog record, NNN... its 12-digit
