@@ -64,3 +64,41 @@ def store_arguments(endpoint: str) -> dict[str, Any]:
         "access_key": DUMMY_KEY,
         "secret_key": DUMMY_SECRET,
     }
+
+
+class SlowDown:
+    """A botocore ``before-send`` hook: 503 SlowDown to ``count`` requests once ``after`` passed.
+
+    Register it on a client (``client.meta.events.register("before-send.s3.PutObject",
+    storm)``): the answered requests never reach the server. ``left`` and
+    ``answered`` may be reset between phases of a test.
+    """
+
+    def __init__(self, count: int, after: int = 0) -> None:
+        self.left, self.after, self.answered = count, after, 0
+
+    def __call__(self, request: Any, **kwargs: Any) -> Any:
+        if self.after > 0:
+            self.after -= 1
+            return None
+        if self.left <= 0:
+            return None
+        self.left -= 1
+        self.answered += 1
+        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your rate</Message></Error>"
+        return injected_response(request, 503, body, {"Content-Type": "application/xml"})
+
+
+def injected_response(request: Any, status: int, body: bytes, headers: dict[str, str]) -> Any:
+    """An HTTP answer botocore takes as the server's, for a ``before-send`` hook to return."""
+    from botocore.awsrequest import AWSResponse
+
+    return AWSResponse(request.url, status, headers, _RawBody(body))
+
+
+class _RawBody:
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    def stream(self, **kwargs: Any) -> Iterator[bytes]:
+        yield self.body

@@ -13,7 +13,6 @@ import multiprocessing
 import socket
 import struct
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 import requests
 from blob_places import Place, s3_place, shared_place
-from s3_server import DUMMY_KEY, DUMMY_SECRET, REGION, store_arguments
+from s3_server import DUMMY_KEY, DUMMY_SECRET, REGION, SlowDown, store_arguments
 
 import castore
 from castore.chunkstore.blobpacks import encode_index, index_blob_name
@@ -135,34 +134,6 @@ def test_an_endpoint_that_is_down_is_unavailable_within_a_bounded_wait() -> None
 
 
 # -- a 503 storm, injected on the client ---------------------------------------------------
-
-
-class SlowDown:
-    """Answers 503 SlowDown to ``count`` requests once ``after`` requests went through."""
-
-    def __init__(self, count: int, after: int = 0) -> None:
-        self.left, self.after, self.answered = count, after, 0
-
-    def __call__(self, request: Any, **kwargs: Any) -> Any:
-        from botocore.awsrequest import AWSResponse
-
-        if self.after > 0:
-            self.after -= 1
-            return None
-        if self.left <= 0:
-            return None
-        self.left -= 1
-        self.answered += 1
-        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your rate</Message></Error>"
-        return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Raw(body))
-
-
-class _Raw:
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-    def stream(self, **kwargs: Any) -> Iterator[bytes]:
-        yield self.body
 
 
 def stormy_place(endpoint: str, bucket: str, storm: SlowDown) -> Place:

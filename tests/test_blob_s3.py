@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 import requests
-from s3_server import TEST_MIN_PART, s3_client, store_arguments
+from s3_server import TEST_MIN_PART, SlowDown, injected_response, s3_client, store_arguments
 
 from castore.blob.s3 import S3BlobStore
 from castore.errors import (
@@ -219,35 +219,9 @@ def test_an_endpoint_that_never_answers_fails_within_the_bounded_wait() -> None:
     assert "\n" not in str(refused.value)
 
 
-class _ServiceUnavailable:
-    """Answers the first ``count`` requests with 503 SlowDown, before they are sent."""
-
-    def __init__(self, count: int) -> None:
-        self.left = count
-        self.answered = 0
-
-    def __call__(self, request: Any, **kwargs: Any) -> Any:
-        from botocore.awsrequest import AWSResponse
-
-        if self.left <= 0:
-            return None
-        self.left -= 1
-        self.answered += 1
-        body = b"<Error><Code>SlowDown</Code><Message>Please reduce your rate</Message></Error>"
-        return AWSResponse(request.url, 503, {"Content-Type": "application/xml"}, _Raw(body))
-
-
-class _Raw:
-    def __init__(self, body: bytes) -> None:
-        self.body = body
-
-    def stream(self, **kwargs: Any) -> Iterator[bytes]:
-        yield self.body
-
-
 def test_a_503_storm_is_retried_then_refused_in_one_line(s3_endpoint: str, s3_bucket: str) -> None:
     blobs = _store(s3_endpoint, s3_bucket, max_attempts=4)
-    storm = _ServiceUnavailable(3)  # fewer than max_attempts: the fourth gets through
+    storm = SlowDown(3)  # fewer than max_attempts: the fourth gets through
     blobs.client.meta.events.register("before-send.s3.PutObject", storm)
     blobs.swap("refs/r", b"one", None)
     assert storm.answered == 3 and blobs.get("refs/r") == b"one"
@@ -311,15 +285,13 @@ class _Answers:
         self.status, self.code, self.left, self.first = status, code, count, first
 
     def __call__(self, request: Any, **kwargs: Any) -> Any:
-        from botocore.awsrequest import AWSResponse
-
         if self.left <= 0:
             return None
         self.left -= 1
         if self.first is not None:
             self.first()
         body = f"<Error><Code>{self.code}</Code><Message>injected</Message></Error>".encode()
-        return AWSResponse(request.url, self.status, {}, _Raw(body))
+        return injected_response(request, self.status, body, {})
 
 
 def test_a_conditional_request_conflict_is_retried(s3_endpoint: str, s3_bucket: str) -> None:
@@ -386,16 +358,14 @@ def test_a_retried_completion_that_had_landed_is_still_ours(
     calls: list[int] = []
 
     def lands(request: Any, **kwargs: Any) -> Any:
-        from botocore.awsrequest import AWSResponse
-
         calls.append(1)
         if len(calls) == 1:
             sent = requests.post(request.url, data=request.body, headers=dict(request.headers))
             assert sent.status_code == 200, sent.text
-            return AWSResponse(request.url, 503, {}, _Raw(b"<Error><Code>SlowDown</Code></Error>"))
+            return injected_response(request, 503, b"<Error><Code>SlowDown</Code></Error>", {})
         if len(calls) == 2:
             body = b"<Error><Code>PreconditionFailed</Code><Message>exists</Message></Error>"
-            return AWSResponse(request.url, 412, {}, _Raw(body))
+            return injected_response(request, 412, body, {})
         return None
 
     blobs.client.meta.events.register("before-send.s3.CompleteMultipartUpload", lands)
