@@ -25,6 +25,7 @@ import castore
 from castore import Store
 from castore.blob import MemoryBlobStore
 from castore.blob.base import BlobStore
+from castore.chunkstore import blobpacks
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.blobcache import CacheWarning, IndexCache
 from castore.chunkstore.blobpacks import (
@@ -575,3 +576,24 @@ def test_objects_without_a_marker_are_not_a_store_and_nothing_is_not_one_either(
     with pytest.raises(NotAStoreError, match="no castore.json"):
         memory_store(blobs, tmp_path)
     assert list(blobs.list()) == ["objects/ab/somebody-elses"]
+
+
+def test_an_index_blob_over_the_bound_is_damage_and_is_never_fetched(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    blobs = MemoryBlobStore()
+    with memory_store(blobs, tmp_path / "node-a") as store:
+        store.save({"w": np.arange(2048, dtype=np.float32)}, run="r", step=1)
+    index = listed(blobs, INDEX_PREFIX)[0]
+    monkeypatch.setattr(blobpacks, "MAX_INDEX_BLOB", (blobs.head(index) or 0) - 1)
+    fetched: list[str] = []
+    get = blobs.get
+    monkeypatch.setattr(blobs, "get", lambda name, *a: fetched.append(name) or get(name, *a))
+    reader = fresh(blobs)
+    try:
+        reader.refresh()
+        assert "over the" in reader.damaged[index]
+        assert index not in fetched
+        assert not reader.check_index().ok
+    finally:
+        reader.close()

@@ -85,6 +85,7 @@ MAX_SPAN_BYTES = 32 << 20  # the most one ranged request fetches
 # header between neighbours, or a small chunk nobody asked for.
 MERGE_GAP = 4 << 10
 DEFAULT_THREADS = 8  # requests in flight
+MAX_INDEX_BLOB = 256 << 20  # 5.5 million entries: far past any pack's
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,8 @@ class BlobPackBackend(ChunkBackend):
         """List the index blobs; fetch those not seen before; drop those gone."""
         self._check_open()
         with self._lock:
-            listed = [name for name in self.blobs.list(INDEX_PREFIX) if _is_index_name(name)]
+            sizes = dict(self.blobs.list_sizes(INDEX_PREFIX))
+            listed = [name for name in sizes if _is_index_name(name)]
             # Listed after the index blobs: an index blob counts only while its pack
             # is there too (a pack goes after its index blobs, so a pack missing here
             # means damage, or a writer that lost its lease; its chunks are absent).
@@ -260,6 +262,15 @@ class BlobPackBackend(ChunkBackend):
             for name in gone:
                 self._indexes.pop(name, None)
                 self.damaged.pop(name, None)
+            # A hostile store's index blob is not fetched whatever its size: one over
+            # the bound is damage (a 128 MiB pack of 1 KiB chunks lists 6 MiB).
+            too_big = [name for name in new if sizes[name] > MAX_INDEX_BLOB]
+            for name in too_big:
+                self.damaged[name] = (
+                    f"index blob {name!r} is {sizes[name]} bytes, over the "
+                    f"{MAX_INDEX_BLOB} an index blob may have"
+                )
+            new = [name for name in new if sizes[name] <= MAX_INDEX_BLOB]
             for name, parsed in zip(new, self._pool.map(self._load_index, new), strict=True):
                 if isinstance(parsed, IndexBlob):
                     self._indexes[name] = parsed
