@@ -206,6 +206,14 @@ class Job:
         self.failed = threading.Event()
         self.staged = threading.Event()
         self.snapshot: Snapshot | None = None  # set once the caller has staged everything
+        self.input_ended = False  # the writer has taken the caller's last piece
+
+    def next_piece(self) -> Any:
+        """The caller's next piece, or ``_END`` once it has handed its last."""
+        item = self.pieces.get()
+        if item is _END:
+            self.input_ended = True
+        return item
 
     def hand(self, piece: Piece) -> None:
         self.pieces.put(piece)
@@ -216,9 +224,13 @@ class Job:
         self.staged.set()
 
     def drain(self) -> None:
-        """Give back every buffer still queued, up to the caller's last piece."""
-        while True:
-            item = self.pieces.get()
+        """Give back every buffer still queued, up to the caller's last piece.
+
+        Returns at once if the writer already took that last piece: a failure
+        after the write (the commit, the publish) must not wait for another.
+        """
+        while not self.input_ended:
+            item = self.next_piece()
             if item is _END:
                 return
             if item.buffer is not None:
@@ -324,7 +336,7 @@ class _Batch:
         """
         self.chunks = self.bytes = 0
         while self.bytes < self.limit:
-            piece = self.job.pieces.get()
+            piece = self.job.next_piece()
             if piece is _END:
                 self.ended = True
                 return
