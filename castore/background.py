@@ -412,9 +412,10 @@ class Background:
     def raise_unobserved(self) -> None:
         """Raise the error of the last save if nobody has seen it yet (once)."""
         last = self._last
-        if last is not None and last._unobserved_error is not None:
-            last._observed = True
-            raise last._unobserved_error
+        error = None if last is None else last._unobserved_error
+        if error is not None:
+            last._observed = True  # after reading it: observed, the property says None
+            raise error
 
     def settle(self, if_busy: str, run: str, step: int) -> PendingSave | None:
         """Before a save: wait for the one in flight, or return a skipped handle."""
