@@ -293,8 +293,12 @@ def write_staged(
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
     timeline: list[tuple[float, int]] = []
     while not batch.ended:
-        result = backend.put_many(Namespace.CHUNKS, batch.items())
-        batch.give_back()  # durable now: the buffers may take the next pieces
+        try:
+            result = backend.put_many(Namespace.CHUNKS, batch.items())
+        finally:
+            # Durable now, or failed: either way the buffers may take the next pieces
+            # (a failed batch's, never given back, would shrink the pool for good).
+            batch.give_back()
         stats.new_chunks += result.written
         stats.new_bytes += result.written_bytes
         stats.reused_chunks += batch.chunks - result.written
