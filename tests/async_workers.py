@@ -97,7 +97,13 @@ def save_and_mutate(rank: int, world_size: int, path: str, seed: int) -> dict[st
         )
         mutate(state)
         generation = pending.result(timeout=60)
-        return {"id": generation.id, "root": generation.root, "held": generation.stats.held_seconds}
+        return {
+            "id": generation.id,
+            "root": generation.root,
+            "stats": generation.stats,
+            "timings": dict(pending.timings),
+            "bytes": pending.bytes,
+        }
 
 
 def killed_mid_write(

@@ -98,6 +98,12 @@ def rich_state(seed: int = 0, scale: int = 1) -> dict[str, Any]:
         },
         "optimizer": {"moments": rng.standard_normal((32, 64)), "count": seed},
         "ids": torch.arange(1000, dtype=torch.int64) * seed,
+        "strided": {  # views that are not contiguous: a transpose, every other column
+            "torch": torch.from_numpy(rng.standard_normal((48, 40), dtype=np.float32)).t(),
+            "numpy": rng.standard_normal((40, 64), dtype=np.float32)[:, ::2],
+        },
+        "empty": torch.zeros(0, 4),
+        "scalar": torch.tensor(2.5),
         "rng": castore.RankLocal(rng.integers(0, 2**32, size=16, dtype=np.uint32)),
         "meta": {"seed": seed, "name": "rich"},
     }
@@ -516,6 +522,8 @@ def test_an_async_generation_records_the_bytes_written_and_the_time_held(store: 
     assert stats.written_bytes > stats.new_bytes == 32 << 10  # and the shard manifest
     assert 0 < stats.held_seconds < stats.seconds
     assert stats.held_seconds == pytest.approx(pending.timings["held"], abs=1e-5)
+    phases = ("held", "snapshot", "staging_wait", "write", "publish", "total")
+    assert set(phases) <= set(pending.timings), pending.timings
 
 
 @pytest.mark.xfail(
