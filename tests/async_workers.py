@@ -17,6 +17,7 @@ CHUNK_SIZE = 1024
 BATCH_BYTES = 4096
 ROWS, COLS = 64, 256  # "model/w": 64 KiB of float32, rows split between the ranks
 RUN = "run"
+SKEW_S = 1.0
 
 
 def global_arrays(seed: int) -> dict[str, np.ndarray]:
@@ -192,10 +193,31 @@ def staggered(rank: int, world_size: int, path: str, stagger_s: float) -> dict[s
         return {"started": started, "timeline": pending.timeline}
 
 
+def skewed(rank: int, world_size: int, path: str, skew_s: float) -> dict[str, Any]:
+    """Rank 0 (the coordinator) calls an async save ``skew_s`` after rank 1 does."""
+    import torch.distributed as dist
+
+    import castore
+    import castore.dist
+    from castore._comm import own_groups
+
+    own_groups(None)
+    with _open(path) as store:
+        dist.barrier()
+        if rank == 0:
+            time.sleep(skew_s)  # the ranks' skew, not a slow save
+        pending = castore.dist.save(
+            store, make_state(6, rank, world_size), run=RUN, step=6, blocking=False, if_busy="skip"
+        )
+        generation = pending.result(timeout=60)
+        return {"stats": generation.stats, "timings": dict(pending.timings)}
+
+
 def scenarios(rank: int, world_size: int, root: str, stagger_s: float) -> dict[str, Any]:
     """Several scenarios in one launch (each launch costs seconds), each on its own store."""
     return {
         "mutate": save_and_mutate(rank, world_size, f"{root}/mutate", 5),
         "skip": skip_when_any_rank_is_busy(rank, world_size, f"{root}/skip"),
         "stagger": staggered(rank, world_size, f"{root}/stagger", stagger_s),
+        "skewed": skewed(rank, world_size, f"{root}/skewed", SKEW_S),
     }

@@ -8,6 +8,8 @@ on disk with 1 KiB chunks (tests/conftest.py).
 from __future__ import annotations
 
 import copy
+import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -31,6 +33,7 @@ from castore.gc import RetentionPolicy, collect_garbage
 from castore.verify import verify_store
 
 RUN = "run"
+REPO = Path(__file__).resolve().parent.parent
 CHUNK = 1024  # the conftest store's chunk size
 # Paced so that a save of a few tens of KiB stays in flight for a few tenths of a second.
 SLOW = AsyncOptions(max_write_bytes_per_s=64 << 10)
@@ -481,13 +484,20 @@ EXIT_CHILD = textwrap.dedent(
 )
 
 
-def run_exiting_child(path: Path, exit_wait_s: float) -> subprocess.CompletedProcess[str]:
+def run_exiting_child(
+    path: Path, exit_wait_s: float, faults: str = ""
+) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    if faults:
+        env["CASTORE_FAULTS"] = faults
     return subprocess.run(
         [sys.executable, "-c", EXIT_CHILD, str(path), str(exit_wait_s)],
         capture_output=True,
         text=True,
         timeout=60,
-        cwd=Path(__file__).resolve().parent.parent,
+        cwd=REPO,
+        env=env,
     )
 
 
@@ -509,6 +519,21 @@ def test_exit_with_a_save_in_flight_waits_or_publishes_nothing(
     else:
         assert steps == [1], child.stderr
         assert len(in_flight) == 1 and "nothing of it is published" in in_flight[0], child.stderr
+
+
+@pytest.mark.parametrize("point", ["async.mid_write", "async.before_ref_advance"])
+def test_a_process_killed_during_its_async_save_leaves_the_previous_generation(
+    store_path: Path, point: str
+) -> None:
+    with castore.open(store_path, chunk_size=CHUNK) as store:
+        store.save(array_state(4096), run=RUN, step=1)
+    child = run_exiting_child(store_path, 600.0, faults=f"{point}=kill")
+    assert child.returncode == -signal.SIGKILL, child.stderr
+    with castore.open(store_path) as store:
+        assert [g.step for g in store.generations(RUN)] == [1]
+        report = verify_store(store)
+        assert report.ok, report.problems
+        assert store.save(array_state(4096, 3), run=RUN, step=3, blocking=False).result(30).id == 2
 
 
 # -- 8. what a generation records ----------------------------------------------------------------

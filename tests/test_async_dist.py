@@ -72,7 +72,23 @@ def test_an_async_multi_rank_generation_records_the_bytes_written_and_the_time_h
     stats = ranks[0]["stats"]
     assert stats.written_bytes == sum(r["bytes"].written for r in ranks)
     assert stats.held_seconds == pytest.approx(max(r["timings"]["held"] for r in ranks), abs=1e-5)
-    assert 0 < stats.held_seconds < stats.seconds
+    for rank in ranks:
+        assert 0 < rank["timings"]["held"] < rank["timings"]["total"], rank["timings"]
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="a multi-rank root's held_seconds is the longest any rank was held, timed from "
+    "that rank's call, but its seconds are timed from the coordinator's call (castore/dist.py): "
+    "a rank that calls first is 'held' longer than the whole save took",
+)
+def test_a_multi_rank_root_never_says_a_rank_was_held_longer_than_the_save(
+    scenarios: dict[str, Any],
+) -> None:
+    early = scenarios["skewed"][1]
+    assert early["timings"]["held"] >= w.SKEW_S * 0.8  # it waited for the coordinator to skip
+    stats = early["stats"]
+    assert stats.held_seconds <= stats.seconds, stats
 
 
 @pytest.mark.xfail(
