@@ -118,11 +118,11 @@ def test_stagger_delays_the_later_ranks_first_write(scenarios: dict[str, Any]) -
     assert first["timeline"][0][0] < second["timeline"][0][0]
 
 
+@pytest.mark.parametrize("killed", [1, 0], ids=["worker", "coordinator"])
 def test_a_rank_killed_mid_write_publishes_nothing_and_the_next_group_saves(
-    tmp_path: Path,
+    tmp_path: Path, killed: int
 ) -> None:
     path = tmp_path / "store"
-    killed = 1
     outcomes = run_ranks(
         2, w.killed_mid_write, str(path), killed, KILL_TIMEOUT, timeout=LAUNCH_TIMEOUT
     )
