@@ -135,7 +135,7 @@ class PendingSave:
         self.timings: dict[str, float] = {}
         self.bytes: SaveBytes | None = None
         self.peak_staging_bytes = 0
-        # Per write batch: (time.monotonic(), bytes handed to storage), for rates.
+        # (time.monotonic(), bytes) as each chunk was handed to storage: write rates.
         self.timeline: list[tuple[float, int]] = []
         self.staged_bytes = 0
         self._started = time.perf_counter() if started is None else started
@@ -252,7 +252,7 @@ class StagedWrite:
     entries: list[TensorEntry]
     stats: WriteStats
     seen: set[bytes]
-    timeline: list[tuple[float, int]]  # (monotonic time, bytes handed) per batch
+    timeline: list[tuple[float, int]]  # (monotonic time, bytes) per chunk handed
 
 
 def write_staged(
@@ -279,14 +279,12 @@ def write_staged(
     started = time.perf_counter()
     batch = _Batch(job, chunk_size, [[] for _ in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
-    timeline: list[tuple[float, int]] = []
     while not batch.ended:
         result = backend.put_many(Namespace.CHUNKS, batch.items())
         batch.give_back()  # durable now: the buffers may take the next pieces
         stats.new_chunks += result.written
         stats.new_bytes += result.written_bytes
         stats.reused_chunks += batch.chunks - result.written
-        timeline.append((time.monotonic(), batch.bytes))
         fault_point(midway_fault)
         fault_point("async.mid_write")
     if job.snapshot is None:
@@ -297,8 +295,8 @@ def write_staged(
     entries = [_entry(leaf, chunk_size, batch.digests[index]) for index, leaf in enumerate(leaves)]
     seen = {digest for chunks in batch.digests for digest in chunks}
     job.pending.timings["write"] = time.perf_counter() - started
-    job.pending.timeline = timeline
-    return StagedWrite(entries, stats, seen, timeline)
+    job.pending.timeline = batch.timeline
+    return StagedWrite(entries, stats, seen, batch.timeline)
 
 
 class _Batch:
@@ -315,6 +313,7 @@ class _Batch:
         self.ended = False
         self.held: list[Piece] = []
         self.chunks = self.bytes = 0
+        self.timeline: list[tuple[float, int]] = []
 
     def items(self) -> Iterator[tuple[bytes, memoryview]]:
         """(digest, bytes) of staged chunks, piece by piece, until ``limit`` bytes or the end.
@@ -342,6 +341,7 @@ class _Batch:
                 self.throttle.take(view.nbytes)
                 self.chunks += 1
                 self.bytes += view.nbytes
+                self.timeline.append((time.monotonic(), view.nbytes))
                 yield digest, view
 
     def give_back(self) -> None:
