@@ -27,6 +27,7 @@ publishes nothing and the previous generation stays latest.
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -390,6 +391,10 @@ class Background:
         self._current: PendingSave | None = None
         self._last: PendingSave | None = None
         self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[Job, Callable[[Job], Generation]] | None] = queue.Queue()
+        self._writer: tuple[int, threading.Thread] | None = None
+        # The writer thread ends when the handle closes, or is dropped unclosed.
+        self.stop_writer = weakref.finalize(self, self._jobs.put, None)
         self.exit_wait_s = AsyncOptions.exit_wait_s
         _LIVE.add(self)
 
@@ -421,16 +426,27 @@ class Background:
         return PendingSave(run, step, skipped=True)
 
     def start(self, job: Job, body: Callable[[Job], Generation]) -> None:
-        """Run ``body(job)`` on a writer thread of its own; the job's handle gets its outcome."""
+        """Run ``body(job)`` on this handle's writer thread; the job's handle gets its outcome."""
         pending = job.pending
         with self._lock:
             self._current = self._last = pending
             self.counters["started"] += 1
             self.exit_wait_s = job.options.exit_wait_s
-        thread = threading.Thread(
-            target=self._run, args=(job, body), name=f"castore-save-{pending.run}", daemon=True
-        )
-        thread.start()
+            if (
+                self._writer is None
+                or self._writer[0] != os.getpid()
+                or not self._writer[1].is_alive()
+            ):
+                # One long-lived thread: starting one per save cost milliseconds of stall.
+                thread = threading.Thread(
+                    target=_writer_loop,
+                    args=(weakref.ref(self), self._jobs),
+                    name="castore-writer",
+                    daemon=True,
+                )
+                thread.start()
+                self._writer = (os.getpid(), thread)
+        self._jobs.put((job, body))
 
     def _run(self, job: Job, body: Callable[[Job], Generation]) -> None:
         generation: Generation | None = None
@@ -488,7 +504,12 @@ def run_async(
     background.pool.configure(limit)
     background.pool.reset_peak()
     job = Job(pending, background.pool, options, fits=total <= limit)
-    background.start(job, body)
+    # A state that fits is staged before the writer starts, so the writer takes
+    # neither the GIL nor a core from the copy; one that does not fit is written
+    # as it is staged, the writer freeing the buffers the copy waits for.
+    staged: list[Piece] = []
+    if not job.fits:
+        background.start(job, body)
     try:
         snapshot = stage_leaves(
             leaves,
@@ -496,21 +517,30 @@ def run_async(
             pool=background.pool,
             mode=options.staging,
             known=background.known,
-            hand=job.hand,
+            hand=staged.append if job.fits else job.hand,
             aborted=job.failed.is_set,
         )
     except BaseException as exc:
+        if job.fits:
+            for piece in staged:
+                if piece.buffer is not None:
+                    background.pool.give(piece.buffer)
+            raise
         job.end_input(None)
         pending.wait()
         pending._observed = True  # raised here, so never again by the next save or close
         if isinstance(exc, SaveAborted) and pending._error is not None:
             raise pending._error from None
         raise
+    for piece in staged:
+        job.hand(piece)
     pending.timings["snapshot"] = snapshot.seconds
     pending.timings["staging_wait"] = background.pool.waited
     pending.timings["held"] = time.perf_counter() - pending._started
     pending.staged_bytes = snapshot.staged_bytes
     job.end_input(snapshot)
+    if job.fits:
+        background.start(job, body)
     return pending
 
 
@@ -606,6 +636,19 @@ def _check_bound(leaves: list[TensorLeaf], chunk_size: int, limit: int) -> None:
             f"staging_bytes={limit} cannot hold one piece of {largest} bytes (a chunk is "
             f"{chunk_size}): raise staging_bytes to at least {largest}"
         )
+
+
+def _writer_loop(
+    owner: weakref.ref[Background],
+    jobs: queue.Queue[tuple[Job, Callable[[Job], Generation]] | None],
+) -> None:
+    """Run each job handed to a store handle's writer, until the handle is gone."""
+    while (item := jobs.get()) is not None:
+        background = owner()
+        if background is None:
+            return
+        background._run(*item)
+        del background  # hold no reference between jobs: a dropped handle may go
 
 
 _LIVE: weakref.WeakSet[Background] = weakref.WeakSet()

@@ -177,6 +177,7 @@ class Store:
         if self._open_lock is not None:
             self._open_lock()  # releases the shared open lock, once
         if background is not None:
+            background.stop_writer()
             background.pool.clear()
             background.raise_unobserved()
 
