@@ -27,6 +27,7 @@ publishes nothing and the previous generation stays latest.
 from __future__ import annotations
 
 import atexit
+import os
 import queue
 import sys
 import threading
@@ -135,7 +136,7 @@ class PendingSave:
         self.timings: dict[str, float] = {}
         self.bytes: SaveBytes | None = None
         self.peak_staging_bytes = 0
-        # Per write batch: (time.monotonic(), bytes handed to storage), for rates.
+        # (time.monotonic(), bytes) as each chunk was handed to storage: write rates.
         self.timeline: list[tuple[float, int]] = []
         self.staged_bytes = 0
         self._started = time.perf_counter() if started is None else started
@@ -204,16 +205,8 @@ class Job:
         self.fits = fits  # the whole state fits the bound: writing waits for the snapshot
         self.pieces: queue.Queue[Any] = queue.Queue()
         self.failed = threading.Event()
-        self.staged = threading.Event()
         self.snapshot: Snapshot | None = None  # set once the caller has staged everything
-        self.input_ended = False  # the writer has taken the caller's last piece
-
-    def next_piece(self) -> Any:
-        """The caller's next piece, or ``_END`` once it has handed its last."""
-        item = self.pieces.get()
-        if item is _END:
-            self.input_ended = True
-        return item
+        self.input_ended = False  # the writer has taken the caller's end marker
 
     def hand(self, piece: Piece) -> None:
         self.pieces.put(piece)
@@ -221,19 +214,14 @@ class Job:
     def end_input(self, snapshot: Snapshot | None) -> None:
         self.snapshot = snapshot
         self.pieces.put(_END)
-        self.staged.set()
 
     def drain(self) -> None:
-        """Give back every buffer still queued, up to the caller's last piece.
-
-        Returns at once if the writer already took that last piece: a failure
-        after the write (the commit, the publish) must not wait for another.
-        """
+        """Give back every buffer still queued, up to the caller's last piece."""
         while not self.input_ended:
-            item = self.next_piece()
+            item = self.pieces.get()
             if item is _END:
-                return
-            if item.buffer is not None:
+                self.input_ended = True
+            elif item.buffer is not None:
                 self.pool.give(item.buffer)
 
 
@@ -264,7 +252,7 @@ class StagedWrite:
     entries: list[TensorEntry]
     stats: WriteStats
     seen: set[bytes]
-    timeline: list[tuple[float, int]]  # (monotonic time, bytes handed) per batch
+    timeline: list[tuple[float, int]]  # (monotonic time, bytes) per chunk handed
 
 
 def write_staged(
@@ -282,27 +270,19 @@ def write_staged(
     Chunks the caller did not copy (changed-chunk staging) must still be
     present: they are checked under the save lock the caller of this holds.
     """
-    if job.fits:
-        # Nothing to wait for buffers: hashing now would only take CPU from the
-        # caller's copy, lengthening the stall it is there to shorten.
-        job.staged.wait()
     if job.options.stagger_s and world > 1:
         time.sleep(job.options.stagger_s * rank / world)
     started = time.perf_counter()
     batch = _Batch(job, chunk_size, [[] for _ in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
-    timeline: list[tuple[float, int]] = []
     while not batch.ended:
         try:
             result = backend.put_many(Namespace.CHUNKS, batch.items())
         finally:
-            # Durable now, or failed: either way the buffers may take the next pieces
-            # (a failed batch's, never given back, would shrink the pool for good).
-            batch.give_back()
+            batch.give_back()  # durable now (or failed): the buffers may take the next pieces
         stats.new_chunks += result.written
         stats.new_bytes += result.written_bytes
         stats.reused_chunks += batch.chunks - result.written
-        timeline.append((time.monotonic(), batch.bytes))
         fault_point(midway_fault)
         fault_point("async.mid_write")
     if job.snapshot is None:
@@ -313,8 +293,8 @@ def write_staged(
     entries = [_entry(leaf, chunk_size, batch.digests[index]) for index, leaf in enumerate(leaves)]
     seen = {digest for chunks in batch.digests for digest in chunks}
     job.pending.timings["write"] = time.perf_counter() - started
-    job.pending.timeline = timeline
-    return StagedWrite(entries, stats, seen, timeline)
+    job.pending.timeline = batch.timeline
+    return StagedWrite(entries, stats, seen, batch.timeline)
 
 
 class _Batch:
@@ -331,6 +311,7 @@ class _Batch:
         self.ended = False
         self.held: list[Piece] = []
         self.chunks = self.bytes = 0
+        self.timeline: list[tuple[float, int]] = []
 
     def items(self) -> Iterator[tuple[bytes, memoryview]]:
         """(digest, bytes) of staged chunks, piece by piece, until ``limit`` bytes or the end.
@@ -340,9 +321,9 @@ class _Batch:
         """
         self.chunks = self.bytes = 0
         while self.bytes < self.limit:
-            piece = self.job.next_piece()
+            piece = self.job.pieces.get()
             if piece is _END:
-                self.ended = True
+                self.ended = self.job.input_ended = True
                 return
             self.held.append(piece)
             if piece.buffer is None:
@@ -358,6 +339,7 @@ class _Batch:
                 self.throttle.take(view.nbytes)
                 self.chunks += 1
                 self.bytes += view.nbytes
+                self.timeline.append((time.monotonic(), view.nbytes))
                 yield digest, view
 
     def give_back(self) -> None:
@@ -406,6 +388,10 @@ class Background:
         self._current: PendingSave | None = None
         self._last: PendingSave | None = None
         self._lock = threading.Lock()
+        self._jobs: queue.Queue[tuple[Job, Callable[[Job], Generation]] | None] = queue.Queue()
+        self._writer: tuple[int, threading.Thread] | None = None
+        # The writer thread ends when the handle closes, or is dropped unclosed.
+        self.stop_writer = weakref.finalize(self, self._jobs.put, None)
         self.exit_wait_s = AsyncOptions.exit_wait_s
         _LIVE.add(self)
 
@@ -438,16 +424,27 @@ class Background:
         return PendingSave(run, step, skipped=True)
 
     def start(self, job: Job, body: Callable[[Job], Generation]) -> None:
-        """Run ``body(job)`` on a writer thread of its own; the job's handle gets its outcome."""
+        """Run ``body(job)`` on this handle's writer thread; the job's handle gets its outcome."""
         pending = job.pending
         with self._lock:
             self._current = self._last = pending
             self.counters["started"] += 1
             self.exit_wait_s = job.options.exit_wait_s
-        thread = threading.Thread(
-            target=self._run, args=(job, body), name=f"castore-save-{pending.run}", daemon=True
-        )
-        thread.start()
+            if (
+                self._writer is None
+                or self._writer[0] != os.getpid()
+                or not self._writer[1].is_alive()
+            ):
+                # One long-lived thread: starting one per save cost milliseconds of stall.
+                thread = threading.Thread(
+                    target=_writer_loop,
+                    args=(weakref.ref(self), self._jobs),
+                    name="castore-writer",
+                    daemon=True,
+                )
+                thread.start()
+                self._writer = (os.getpid(), thread)
+        self._jobs.put((job, body))
 
     def _run(self, job: Job, body: Callable[[Job], Generation]) -> None:
         generation: Generation | None = None
@@ -459,8 +456,7 @@ class Background:
             job.failed.set()
             self.known.clear()  # what the failed save wrote may be incomplete
         finally:
-            if job.snapshot is None or error is not None:
-                job.drain()
+            job.drain()  # a failed writer leaves pieces queued; their buffers go back
             job.pending.peak_staging_bytes = self.pool.peak
             self.pool.trim()
         self.counters["published" if error is None else "failed"] += 1
@@ -505,7 +501,12 @@ def run_async(
     background.pool.configure(limit)
     background.pool.reset_peak()
     job = Job(pending, background.pool, options, fits=total <= limit)
-    background.start(job, body)
+    # A state that fits is staged before the writer starts, so the writer takes
+    # neither the GIL nor a core from the copy; one that does not fit is written
+    # as it is staged, the writer freeing the buffers the copy waits for.
+    staged: list[Piece] = []
+    if not job.fits:
+        background.start(job, body)
     try:
         snapshot = stage_leaves(
             leaves,
@@ -513,21 +514,30 @@ def run_async(
             pool=background.pool,
             mode=options.staging,
             known=background.known,
-            hand=job.hand,
+            hand=staged.append if job.fits else job.hand,
             aborted=job.failed.is_set,
         )
     except BaseException as exc:
+        if job.fits:
+            for piece in staged:
+                if piece.buffer is not None:
+                    background.pool.give(piece.buffer)
+            raise
         job.end_input(None)
         pending.wait()
         pending._observed = True  # raised here, so never again by the next save or close
         if isinstance(exc, SaveAborted) and pending._error is not None:
             raise pending._error from None
         raise
+    for piece in staged:
+        job.hand(piece)
     pending.timings["snapshot"] = snapshot.seconds
     pending.timings["staging_wait"] = background.pool.waited
     pending.timings["held"] = time.perf_counter() - pending._started
     pending.staged_bytes = snapshot.staged_bytes
     job.end_input(snapshot)
+    if job.fits:
+        background.start(job, body)
     return pending
 
 
@@ -623,6 +633,19 @@ def _check_bound(leaves: list[TensorLeaf], chunk_size: int, limit: int) -> None:
             f"staging_bytes={limit} cannot hold one piece of {largest} bytes (a chunk is "
             f"{chunk_size}): raise staging_bytes to at least {largest}"
         )
+
+
+def _writer_loop(
+    owner: weakref.ref[Background],
+    jobs: queue.Queue[tuple[Job, Callable[[Job], Generation]] | None],
+) -> None:
+    """Run each job handed to a store handle's writer, until the handle is gone."""
+    while (item := jobs.get()) is not None:
+        background = owner()
+        if background is None:
+            return
+        background._run(*item)
+        del background  # hold no reference between jobs: a dropped handle may go
 
 
 _LIVE: weakref.WeakSet[Background] = weakref.WeakSet()

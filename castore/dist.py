@@ -67,7 +67,7 @@ from castore.objects import GenerationRoot
 from castore.refs import RefValue, validate_run_name
 from castore.restore import LoadReport, LoadResult, load
 from castore.staging import leaf_nbytes
-from castore.store import Store, annotate_interrupt, check_step
+from castore.store import Store, annotate_interrupt, check_step, digests_of
 from castore.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 
 __all__ = ["LoadReport", "LoadResult", "PendingSave", "load", "save"]
@@ -221,6 +221,7 @@ def _save_in_group(
             own=mine,
             midway_fault="dist.worker_mid_shard",
         )
+        store.background.known = digests_of(shard.manifest)  # for a changed-chunk save next
         return _commit_shard(store, shard)
 
     digest = _commit_in_group(store, comm, run, step, prepared, failure, write, started)

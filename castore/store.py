@@ -119,6 +119,11 @@ def check_step(step: Any) -> int:
     return step
 
 
+def digests_of(shard: ShardManifest) -> set[bytes]:
+    """Every chunk a shard names (what a changed-chunk save after it need not stage)."""
+    return {digest for entry in shard.tensors + shard.local_tensors for digest in entry.chunks}
+
+
 class Store:
     """A castore store on disk. Use :func:`castore.open` to get one."""
 
@@ -172,6 +177,7 @@ class Store:
         if self._open_lock is not None:
             self._open_lock()  # releases the shared open lock, once
         if background is not None:
+            background.stop_writer()
             background.pool.clear()
             background.raise_unobserved()
 
@@ -320,6 +326,7 @@ class Store:
             self, encoded, run=run, generation=generation, rank=0, progress=progress
         )
         manifest = shard.manifest
+        self.background.known = digests_of(manifest)  # for a changed-chunk async save next
         root = make_root(
             run=run,
             generation=generation,
