@@ -102,6 +102,12 @@ MODES = (
 )
 CASTORE_ASYNC = ("castore-async", "castore-async-changed", "castore-async-throttled")
 ASYNC_MODES = (*CASTORE_ASYNC, "dcp-async")
+NOTES = (
+    "step: start of one step to the start of the next (a save call made after it included)",
+    "stall: wall time the training thread spent in the save call (sync: the whole save)",
+    "RPO: K + the most steps that began between a save's call and its publish (rounded up)",
+    "RSS rise: VmHWM at the end of the timed steps less VmHWM after the warm-up steps",
+)
 STALL_GOAL = 1.2  # an async save's median stall <= 1.2x a plain copy of the state's tensors
 RUN_TIMEOUT = 600.0  # seconds one mode's run may take
 # Imported once by the fork server, so a run's ranks start in a fraction of a second
@@ -114,14 +120,14 @@ class Config:
     """Every input of one invocation (it goes into the receipt as is)."""
 
     ranks: int = 2
-    steps: int = 40
+    steps: int = 30
     every: int = 10
     d_model: int = 256
     layers: int = 4
     vocab: int = 4096
     seq: int = 64
     batch: int = 2
-    rounds: int = 3
+    rounds: int = 5
     modes: tuple[str, ...] = MODES
     throttle_mib_s: float = 32.0
     stagger_s: float = 0.5
@@ -432,7 +438,7 @@ def rank_entry(rank: int, world: int, port: int, cfg: Config, mode: str, folder:
         out.put(run_rank(rank, world, port, cfg, mode, folder))
     except BaseException:
         out.put({"rank": rank, "error": traceback.format_exc()})
-        raise
+        sys.exit(1)  # the parent prints the traceback, once
 
 
 # -- the parent ----------------------------------------------------------------
@@ -592,7 +598,9 @@ def summarize(runs: dict[str, list[dict]], cfg: Config) -> dict[str, Any]:
 
 
 def ms(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1e3:.0f} ms"
+    if seconds is None:
+        return "-"
+    return f"{seconds * 1e3:.1f} ms" if seconds < 0.01 else f"{seconds * 1e3:.0f} ms"
 
 
 def mib(count: float | None) -> str:
@@ -603,7 +611,8 @@ def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def main_table(summary: dict[str, Any], cfg: Config) -> str:
+def main_table(summary: dict[str, Any]) -> str:
+    """Every mode under load: step-time ratios to the baseline, stalls, RPO, memory, bytes."""
     rows = []
     for mode, fig in summary["modes"].items():
         load = fig.get("under_load") or {}
@@ -692,7 +701,8 @@ def relative_run(run: dict) -> dict:
 
 def write_receipt(path: Path, inputs: dict, summary: dict, runs: dict, verdicts: list) -> None:
     raw = {mode: [relative_run(run) for run in mode_runs] for mode, mode_runs in runs.items()}
-    receipt = {"inputs": inputs, "figures": summary, "goals": verdicts, "raw": raw}
+    receipt = {"inputs": inputs, "figures": summary, "definitions": NOTES, "goals": verdicts}
+    receipt["raw"] = raw
     path.write_text(json.dumps(receipt, indent=1) + "\n")
 
 
@@ -815,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     if base:
         print("baseline step time: " + ", ".join(f"{k} {ms(v)}" for k, v in base["step_s"].items()))
-    print("\nunder load (step times as ratios to the baseline's)\n" + main_table(summary, cfg))
+    print("\nunder load (step times as ratios to the baseline's)\n" + main_table(summary))
+    print("\n".join(f"  {note}" for note in NOTES))
     print("\nthe broken control: the same saves on an idle job\n" + idle_table(summary))
     write_receipt(out / "cadence.json", inputs, summary, runs, verdicts)
     plot(out / "cadence.png", runs, cfg)
