@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-s3 test lint bench bench-s3 clean
+.PHONY: demo demo-s3 test lint bench bench-s3 bench-async cadence clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -41,6 +41,21 @@ $(VENV)/.installed-bench: $(VENV)/.installed
 BENCH_S3_ARGS ?=
 bench-s3: $(VENV)/.installed-bench
 	$(PY) benchmarks/bench_s3.py $(BENCH_S3_ARGS)
+
+# Async saves: stall and staging memory against a plain copy; bursts with and without stagger.
+bench-async: $(VENV)/.installed
+	$(PY) benchmarks/bench_async.py $(BENCH_ASYNC_ARGS)
+
+# The receipt of issue 13: a real DDP job with a save every K steps, every mode
+# interleaved (castore sync and async, DCP save and async_save); writes
+# cadence-out/receipt.json and cadence-out/steps.png. CADENCE_ARGS=--quick: a smoke run.
+$(VENV)/.installed-cadence: $(VENV)/.installed
+	$(PY) -m pip install --quiet -e ".[torch,dev,cadence]"
+	touch $@
+
+CADENCE_ARGS ?=
+cadence: $(VENV)/.installed-cadence
+	$(PY) tools/cadence.py $(CADENCE_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-store

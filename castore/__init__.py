@@ -12,6 +12,7 @@ import os
 from typing import Any
 
 from castore import errors
+from castore.background import AsyncOptions, PendingSave, SaveBytes
 from castore.copying import CopyReport, copy
 from castore.errors import (
     CastoreError,
@@ -32,6 +33,7 @@ from castore.store import Store
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncOptions",
     "CastoreError",
     "ChecksumMismatchError",
     "ChunkMissingError",
@@ -42,8 +44,10 @@ __all__ = [
     "IntegrityError",
     "InvalidNameError",
     "NotLoaded",
+    "PendingSave",
     "RankLocal",
     "RefConflictError",
+    "SaveBytes",
     "SaveStats",
     "Shard",
     "Store",

@@ -118,6 +118,38 @@ class Group:
         return msgpack.unpackb(bytes(buffer.cpu().numpy()), raw=False, strict_map_key=False)
 
 
+# -- castore's own groups ---------------------------------------------------------
+
+_OWN_GROUPS: dict[tuple[int, ...], tuple[Any, Any, Any]] = {}
+
+
+def own_groups(group: Any) -> tuple[Any, Any]:
+    """castore's own gloo groups over the ranks of ``group`` (None: the world).
+
+    The first is where an async save's writer thread runs its two-phase
+    commit, the second where callers agree whether to skip a save; neither
+    ever carries training's collectives, nor each other's. Made once per set
+    of ranks: the first call is a collective call of those ranks. Without
+    ``torch.distributed`` initialized both are None (a group of one).
+    """
+    if not (dist.is_available() and dist.is_initialized()):
+        return None, None
+    default = dist.distributed_c10d._get_default_group()
+    if group is None:
+        ranks = tuple(range(dist.get_world_size()))
+    else:
+        ranks = tuple(dist.get_process_group_ranks(group))
+    made = _OWN_GROUPS.get(ranks)
+    if made is None or made[0] is not default:  # a new world since: make them again
+        local = group is not None  # only a subgroup's own ranks call
+        writer, control = (
+            dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
+            for _ in range(2)
+        )
+        made = _OWN_GROUPS[ranks] = (default, writer, control)
+    return made[1], made[2]
+
+
 # -- failures as messages: every rank must learn of any rank's error ----------
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.errors import ChecksumMismatchError, ChunkMissingError
 from castore.faults import fault_point
-from castore.hashing import digest_bytes
+from castore.hashing import Buffer, digest_bytes
 from castore.objects import TensorEntry
 from castore.progress import NO_BAR, Bar
 from castore.tree import TensorLeaf
@@ -120,6 +120,31 @@ def _in_order(pieces: Sequence[memoryview], hashing: list[Future[list[bytes]]]) 
     from_pool = chain.from_iterable(future.result() for future in hashing)
     for piece in pieces:
         yield next(from_pool) if piece.nbytes >= INLINE_BYTES else digest_bytes(piece, threads=1)
+
+
+def digests_in_order(views: Sequence[memoryview], *, inline: bool = False) -> Iterator[bytes]:
+    """Every view's blake3 digest, in order: the big ones on the shared pool, unless ``inline``.
+
+    ``inline`` hashes on the calling thread only: a background save that must
+    not take more than one core from training.
+    """
+    if inline:
+        for view in views:
+            yield digest_bytes(view, threads=1)
+        return
+    pool = shared_pool()
+    hashing = [pool.submit(_hash_run, run) for run in _pool_runs(views)]
+    try:
+        yield from _in_order(views, hashing)
+    finally:
+        for future in hashing:
+            future.cancel()
+
+
+def cut_chunks(data: Buffer, chunk_size: int) -> list[memoryview]:
+    """``data`` cut into ``chunk_size`` views (the last may be short; none when empty)."""
+    flat = memoryview(data).cast("B")
+    return [flat[at : at + chunk_size] for at in range(0, flat.nbytes, chunk_size)]
 
 
 def write_leaves(

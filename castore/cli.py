@@ -57,7 +57,8 @@ def cmd_log(args: argparse.Namespace) -> int:
         if not rows:
             print("no generations")
             return 0
-        headers = ["id", "step", "time", "logical", "new", "dedup", "root", "tags"]
+        headers = ["id", "step", "time", "logical", "new", "written", "dedup", "held", "root"]
+        headers.append("tags")
         print(tabulate(rows, headers=(["run"] if len(runs) > 1 else []) + headers))
     return 0
 
@@ -70,10 +71,17 @@ def _log_row(gen: Generation, with_run: bool) -> list[Any]:
         _format_time(gen.time),
         format_bytes(stats.logical_bytes),
         format_bytes(stats.new_bytes),
+        format_bytes(stats.written_bytes),
         f"{100 * stats.dedup_ratio:.1f}%",
+        _format_seconds(stats.held_seconds),
         gen.root[:12],
     ]
     return [gen.run, *row] if with_run else row
+
+
+def _format_seconds(seconds: float) -> str:
+    """How long a save held its caller: milliseconds below 10 s."""
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.1f} s"
 
 
 def cmd_show(args: argparse.Namespace) -> int:

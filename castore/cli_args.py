@@ -149,7 +149,9 @@ def _add_inspection(commands: Any) -> None:
         "log",
         "table of generations with sizes and dedup",
         "List every generation of every run (or of one run), oldest first: id, step,\n"
-        "time, logical size, bytes new in that save, dedup %, root digest prefix, tags.",
+        "time, logical size, chunk bytes new in that save, bytes it wrote (new chunks\n"
+        "and manifests), dedup %, how long the save held training (for an async save:\n"
+        "its snapshot), root digest prefix, tags.",
         "castore log ./ckpt\ncastore log ./ckpt --run exp1 -n 10",
     )
     log.add_argument("--run", help="list only this run (no run column)")

@@ -106,14 +106,36 @@ def write_shard(
         entries, stats = write_leaves(
             store.backend, written, store.chunk_size, midway_fault=midway_fault, bar=bar
         )
+    return build_shard(
+        run=run,
+        generation=generation,
+        rank=rank,
+        tensors=entries[: len(leaves)],
+        local_state=local_state,
+        local_tensors=entries[len(leaves) :],
+        stats=stats,
+    )
+
+
+def build_shard(
+    *,
+    run: str,
+    generation: int,
+    rank: int,
+    tensors: list[TensorEntry],
+    local_state: bytes,
+    local_tensors: list[TensorEntry],
+    stats: WriteStats,
+) -> ShardWrite:
+    """A rank's shard manifest over entries whose chunks are durable, and its bytes."""
     manifest = ShardManifest(
         run=run,
         generation=generation,
         rank=rank,
-        tensors=tuple(entries[: len(leaves)]),
+        tensors=tuple(tensors),
         local_state=local_state,
         writer={"host": socket.gethostname(), "pid": os.getpid()},
-        local_tensors=tuple(entries[len(leaves) :]),
+        local_tensors=tuple(local_tensors),
     )
     data = encode_object(manifest)
     return ShardWrite(digest_bytes(data), data, manifest, stats)
@@ -177,7 +199,16 @@ def publish(
     return root_digest
 
 
-def root_stats(stats: WriteStats, seconds: float, tensors: int) -> dict[str, Any]:
+def root_stats(
+    stats: WriteStats,
+    seconds: float,
+    tensors: int,
+    *,
+    written_bytes: int,
+    held_seconds: float | None = None,
+) -> dict[str, Any]:
+    """A root's ``stats``: ``written_bytes`` counts new chunk bytes and shard manifests;
+    ``held_seconds``, how long the caller was held (the whole save unless async)."""
     return {
         "logical_bytes": stats.logical_bytes,
         "new_bytes": stats.new_bytes,
@@ -185,6 +216,8 @@ def root_stats(stats: WriteStats, seconds: float, tensors: int) -> dict[str, Any
         "reused_chunks": stats.reused_chunks,
         "seconds": round(seconds, 6),
         "tensors": tensors,
+        "written_bytes": written_bytes,
+        "held_seconds": round(seconds if held_seconds is None else held_seconds, 6),
     }
 
 

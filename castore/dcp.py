@@ -425,7 +425,9 @@ class CastoreWriter(_StoreUser, StorageWriter):
                     shards=checked.digests,
                     state=_skeleton(metadata),
                     metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
-                    stats=root_stats(stats, 0.0, len(checked.entries)),
+                    stats=root_stats(
+                        stats, 0.0, len(checked.entries), written_bytes=stats.new_bytes
+                    ),
                     frameworks=framework_versions(),
                 )
 

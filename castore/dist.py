@@ -18,15 +18,36 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import msgpack
 
-from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
+from castore._comm import (
+    DEFAULT_TIMEOUT,
+    Group,
+    attempt,
+    describe,
+    own_groups,
+    raise_failures,
+    rebuild,
+)
+from castore.background import (
+    IF_BUSY,
+    AsyncOptions,
+    Job,
+    PendingSave,
+    SaveBytes,
+    report_failure,
+    run_async,
+    write_staged,
+)
 from castore.chunkio import WriteStats
 from castore.commit import (
     CheckedShards,
+    ShardWrite,
+    build_shard,
     check_data_order,
     commit_objects,
     encode_metadata,
@@ -45,10 +66,11 @@ from castore.history import Generation
 from castore.objects import GenerationRoot
 from castore.refs import RefValue, validate_run_name
 from castore.restore import LoadReport, LoadResult, load
-from castore.store import Store, annotate_interrupt, check_step
-from castore.tree import EncodedTree, encode_state
+from castore.staging import leaf_nbytes
+from castore.store import Store, annotate_interrupt, check_step, digests_of
+from castore.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 
-__all__ = ["LoadReport", "LoadResult", "load", "save"]
+__all__ = ["LoadReport", "LoadResult", "PendingSave", "load", "save"]
 
 
 # -- save ----------------------------------------------------------------------
@@ -62,26 +84,48 @@ class _Prepared:
     layout: str  # digest of the tensors' names, kinds, dtypes and global shapes
     replicated: list[tuple[str, int]]  # (name, nbytes) of tensors written by one rank
     sharded_bytes: int
+    # The global tensors this rank writes, when fixed before the ranks meet
+    # (async saves stage only those); None: assigned from every rank's load.
+    owned: set[str] | None = None
 
 
 def _prepare(
-    state: Any, step: int, metadata: dict[str, Any] | None, data_order: dict[str, Any] | None
+    state: Any,
+    step: int,
+    metadata: dict[str, Any] | None,
+    data_order: dict[str, Any] | None,
+    *,
+    owner: tuple[int, int] | None = None,
 ) -> _Prepared:
+    """Encode this rank's state; ``owner`` (rank, world): fix now which tensors it writes.
+
+    Fixed before the ranks meet, the replicated tensors are balanced alone
+    (each rank's sharded bytes are not known yet), and an async save stages
+    only what this rank writes (castore.staging).
+    """
     check_step(step)
-    encoded = encode_state(state)
+    encoded = encode_state(state, defer_device=owner is not None)
     layout = sorted(
         (leaf.name, "shard" if leaf.sharded else "replicated", leaf.dtype, list(leaf.shape))
         for leaf in encoded.leaves
     )
+    replicated = sorted(
+        (leaf.name, leaf_nbytes(leaf)) for leaf in encoded.leaves if not leaf.sharded
+    )
+    owned = None
+    if owner is not None:
+        rank, world = owner
+        owners = _assign_replicated(replicated, [0] * world)
+        owned = {leaf.name for leaf in encoded.leaves if leaf.sharded}
+        owned |= {name for name, at in owners.items() if at == rank}
     return _Prepared(
         encoded=encoded,
         metadata=encode_metadata(metadata),
         data_order=check_data_order(data_order),
         layout=digest_bytes(msgpack.packb(layout)).hex(),
-        replicated=sorted(
-            (leaf.name, leaf.data.nbytes) for leaf in encoded.leaves if not leaf.sharded
-        ),
-        sharded_bytes=sum(leaf.data.nbytes for leaf in encoded.leaves if leaf.sharded),
+        replicated=replicated,
+        sharded_bytes=sum(leaf_nbytes(leaf) for leaf in encoded.leaves if leaf.sharded),
+        owned=owned,
     )
 
 
@@ -107,7 +151,10 @@ def save(
     group: Any = None,
     coordinator: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
-) -> Generation:
+    blocking: bool = True,
+    if_busy: str = "wait",
+    async_options: AsyncOptions | None = None,
+) -> Any:
     """Save every rank's ``state`` as one generation of ``run`` (a collective call).
 
     Returns the same :class:`~castore.Generation` on every rank, or raises on
@@ -116,7 +163,29 @@ def save(
     recorded in the root as given by the coordinator: ``castore.train`` puts
     the dataset hash, rank count and sampler position there. Without
     ``torch.distributed`` initialized, the process saves as a group of one.
+
+    ``blocking=False`` returns a :class:`~castore.PendingSave` once this rank's
+    state is staged, as :meth:`Store.save` does; the commit then runs on a
+    writer thread over castore's own gloo group. Every rank must pass the same
+    ``blocking`` and ``if_busy``; a skip is decided by all ranks together.
     """
+    if not blocking:
+        return _save_async(
+            store,
+            state,
+            run,
+            step,
+            metadata,
+            data_order,
+            group,
+            coordinator,
+            timeout,
+            if_busy,
+            async_options or AsyncOptions(),
+        )
+    if if_busy != "wait":
+        raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
+    store.background.settle("wait", run, step)
     comm = Group(group, coordinator, timeout)
     before = store.ref_or_problem(run)
     try:
@@ -140,6 +209,50 @@ def _save_in_group(
     started = time.perf_counter()
     validate_run_name(run)
     prepared, failure = attempt(lambda: _prepare(state, step, metadata, data_order))
+
+    def write(generation: int, mine: set[str]) -> dict[str, Any]:
+        assert prepared is not None
+        shard = write_shard(
+            store,
+            prepared.encoded,
+            run=run,
+            generation=generation,
+            rank=comm.rank,
+            own=mine,
+            midway_fault="dist.worker_mid_shard",
+        )
+        store.background.known = digests_of(shard.manifest)  # for a changed-chunk save next
+        return _commit_shard(store, shard)
+
+    digest = _commit_in_group(store, comm, run, step, prepared, failure, write, started)
+    return Generation.from_root(digest, store.read_root(digest, run=run))
+
+
+def _commit_shard(store: Store, shard: ShardWrite) -> dict[str, Any]:
+    """Commit this rank's shard manifest; the ack the coordinator gathers."""
+    commit_objects(store, [(shard.digest, shard.data)])
+    fault_point("dist.worker_before_ack")
+    chunks = sum(len(e.chunks) for e in shard.manifest.tensors + shard.manifest.local_tensors)
+    written = shard.stats.new_bytes + len(shard.data)
+    return {"shard": shard.digest, "chunks": chunks, "written": written, **vars(shard.stats)}
+
+
+def _commit_in_group(
+    store: Store,
+    comm: Group,
+    run: str,
+    step: int,
+    prepared: _Prepared | None,
+    failure: BaseException | None,
+    write: Callable[[int, set[str]], dict[str, Any]],
+    started: float,
+) -> Digest:
+    """The two-phase commit of the module text, from the ranks' prepared states.
+
+    ``write(generation, names)`` commits this rank's chunks of the global
+    tensors ``names`` (and its rank-local values) and its shard manifest, and
+    returns its ack. Returns the published root's digest on every rank.
+    """
     infos = comm.all_gather(
         {
             "error": describe(failure),
@@ -154,32 +267,22 @@ def _save_in_group(
 
     proposal = _propose(store, run, comm)
     generation = proposal["generation"]
-    owners = _assign_replicated(prepared.replicated, [i["sharded_bytes"] for i in infos])
-    mine = {leaf.name for leaf in prepared.encoded.leaves if leaf.sharded}
-    mine |= {name for name, rank in owners.items() if rank == comm.rank}
+    mine = prepared.owned
+    if mine is None:
+        owners = _assign_replicated(prepared.replicated, [i["sharded_bytes"] for i in infos])
+        mine = {leaf.name for leaf in prepared.encoded.leaves if leaf.sharded}
+        mine |= {name for name, rank in owners.items() if rank == comm.rank}
 
     # Held from this rank's first dedup check until the outcome is known, so
     # garbage collection cannot delete a chunk this save found present.
     lock = contextlib.ExitStack()
 
-    def write() -> dict[str, Any]:
+    def locked_write() -> dict[str, Any]:
         lock.enter_context(store.save_lock())
-        shard = write_shard(
-            store,
-            prepared.encoded,
-            run=run,
-            generation=generation,
-            rank=comm.rank,
-            own=mine,
-            midway_fault="dist.worker_mid_shard",
-        )
-        commit_objects(store, [(shard.digest, shard.data)])
-        fault_point("dist.worker_before_ack")
-        chunks = sum(len(e.chunks) for e in shard.manifest.tensors + shard.manifest.local_tensors)
-        return {"shard": shard.digest, "chunks": chunks, **vars(shard.stats)}
+        return write(generation, mine)
 
     with lock:
-        ack, failure = attempt(write)
+        ack, failure = attempt(locked_write)
         acks = comm.all_gather({"error": describe(failure), **(ack or {})}, "save: write shards")
         raise_failures(acks, comm, failure)
 
@@ -196,8 +299,97 @@ def _save_in_group(
         if comm.is_coordinator and failure is not None:
             raise failure
         raise rebuild(outcome["error"], comm.coordinator)
-    digest = Digest(outcome["root"])
-    return Generation.from_root(digest, store.read_root(digest, run=run))
+    return Digest(outcome["root"])
+
+
+# -- async save ----------------------------------------------------------------
+
+
+def _save_async(
+    store: Store,
+    state: Any,
+    run: str,
+    step: int,
+    metadata: dict[str, Any] | None,
+    data_order: dict[str, Any] | None,
+    group: Any,
+    coordinator: int,
+    timeout: float,
+    if_busy: str,
+    options: AsyncOptions,
+) -> PendingSave:
+    """``save(..., blocking=False)``: stage here, run the commit on the writer thread.
+
+    The ranks agree on skipping over castore's control group; the commit runs
+    over castore's writer group, so it never meets training's collectives.
+    """
+    started = time.perf_counter()
+    if if_busy not in IF_BUSY:
+        raise ValueError(f"if_busy must be one of {IF_BUSY}, got {if_busy!r}")
+    writer_group, control_group = own_groups(group)
+    background = store.background
+    if if_busy == "skip":
+        control = Group(control_group, coordinator, timeout)
+        busy = control.all_gather(background.in_flight() is not None, "save: busy")
+        if any(busy):
+            return background.skip(run, step)
+    background.settle("wait", run, step)
+    comm = Group(writer_group, coordinator, timeout)
+    pending = PendingSave(run, step, started=started)
+
+    def prepare() -> _Prepared:
+        validate_run_name(run)
+        return _prepare(state, step, metadata, data_order, owner=(comm.rank, comm.world_size))
+
+    prepared, failure = attempt(prepare)
+    leaves: list[TensorLeaf] = []
+    local: list[TensorLeaf] = []
+    local_state = b""
+    if prepared is not None:
+        local_state, local = encode_local_state(prepared.encoded.rank_local, defer_device=True)
+        owned = prepared.owned or set()
+        leaves = [leaf for leaf in prepared.encoded.leaves if leaf.name in owned] + local
+
+    def body(job: Job) -> Generation:
+        def write(generation: int, mine: set[str]) -> dict[str, Any]:
+            written = write_staged(
+                store.backend,
+                job,
+                leaves,
+                store.chunk_size,
+                rank=comm.rank,
+                world=comm.world_size,
+                midway_fault="dist.worker_mid_shard",
+            )
+            store.background.known = written.seen
+            shard = build_shard(
+                run=run,
+                generation=generation,
+                rank=comm.rank,
+                tensors=written.entries[: len(leaves) - len(local)],
+                local_state=local_state,
+                local_tensors=written.entries[len(leaves) - len(local) :],
+                stats=written.stats,
+            )
+            ack = _commit_shard(store, shard)
+            pending.bytes = SaveBytes(
+                written.stats.logical_bytes,
+                pending.staged_bytes,
+                shard.stats.new_bytes,
+                ack["written"],
+            )
+            return {**ack, "held": pending.timings.get("held", 0.0)}
+
+        digest = _commit_in_group(store, comm, run, step, prepared, failure, write, started)
+        return Generation.from_root(digest, store.read_root(digest, run=run))
+
+    if failure is not None:
+        # The other ranks learn of it from the writer's first message, not by timing out.
+        report_failure(background, pending, options, body)
+        raise failure
+    return run_async(
+        background, pending, leaves, chunk_size=store.chunk_size, options=options, body=body
+    )
 
 
 def _check_same_layout(infos: list[Any], comm: Group) -> None:
@@ -249,6 +441,7 @@ def _validate_and_publish(
         stats += WriteStats(
             ack["logical_bytes"], ack["new_bytes"], ack["new_chunks"], ack["reused_chunks"]
         )
+    held = [ack["held"] for ack in acks if "held" in ack]
 
     def build_root(checked: CheckedShards) -> GenerationRoot:
         return make_root(
@@ -260,7 +453,13 @@ def _validate_and_publish(
             shards=checked.digests,
             state=prepared.encoded.skeleton,
             metadata=prepared.metadata,
-            stats=root_stats(stats, time.perf_counter() - started, checked.tensors),
+            stats=root_stats(
+                stats,
+                time.perf_counter() - started,
+                checked.tensors,
+                written_bytes=sum(ack["written"] for ack in acks),
+                held_seconds=max(held) if held else None,
+            ),
             frameworks=framework_versions(),
             data_order=prepared.data_order,
         )

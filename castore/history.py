@@ -60,6 +60,8 @@ class SaveStats:
     reused_chunks: int
     seconds: float
     tensors: int
+    written_bytes: int = 0  # new chunk bytes and shard manifests (older roots: new_bytes)
+    held_seconds: float = 0.0  # the caller held by the save (older roots: seconds)
 
     @property
     def dedup_ratio(self) -> float:
@@ -109,6 +111,8 @@ class Generation:
                 reused_chunks=int(stats.get("reused_chunks", 0)),
                 seconds=float(stats.get("seconds", 0.0)),
                 tensors=int(stats.get("tensors", 0)),
+                written_bytes=int(stats.get("written_bytes", stats.get("new_bytes", 0))),
+                held_seconds=float(stats.get("held_seconds", stats.get("seconds", 0.0))),
             ),
             metadata=decode_tree(root.metadata) if root.metadata else {},
             frameworks=dict(root.frameworks),

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from castore import history, reading
+from castore.background import AsyncOptions, Background, PendingSave, save_async
 from castore.chunkio import ChunkRequest, ReadCounters
 from castore.chunkstore.base import ChunkBackend
 from castore.commit import (
@@ -118,6 +119,11 @@ def check_step(step: Any) -> int:
     return step
 
 
+def digests_of(shard: ShardManifest) -> set[bytes]:
+    """Every chunk a shard names (what a changed-chunk save after it need not stage)."""
+    return {digest for entry in shard.tensors + shard.local_tensors for digest in entry.chunks}
+
+
 class Store:
     """A castore store on disk. Use :func:`castore.open` to get one."""
 
@@ -138,6 +144,14 @@ class Store:
         self.refs = RefStore(Path(path)) if refs is None else refs
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
+        self._background: Background | None = None
+
+    @property
+    def background(self) -> Background:
+        """This handle's async saves: the one in flight, staging buffers, counters."""
+        if self._background is None:
+            self._background = Background(str(self.path))
+        return self._background
 
     # -- lifecycle --------------------------------------------------------
 
@@ -151,10 +165,21 @@ class Store:
         self._open_lock.atexit = False
 
     def close(self) -> None:
-        """Close this handle; other Stores open on the same path are unaffected."""
+        """Close this handle; other Stores open on the same path are unaffected.
+
+        A save in flight is waited for first; an async save's error that nobody
+        has seen is raised once the handle is closed.
+        """
+        background = self._background
+        if background is not None and (current := background.in_flight()) is not None:
+            current.wait()
         self.backend.close()
         if self._open_lock is not None:
             self._open_lock()  # releases the shared open lock, once
+        if background is not None:
+            background.stop_writer()
+            background.pool.clear()
+            background.raise_unobserved()
 
     def __enter__(self) -> Store:
         return self
@@ -176,17 +201,34 @@ class Store:
         metadata: dict[str, Any] | None = None,
         data_order: dict[str, Any] | None = None,
         progress: bool = False,
-    ) -> Generation:
+        blocking: bool = True,
+        if_busy: str = "wait",
+        async_options: AsyncOptions | None = None,
+    ) -> Any:
         """Save ``state`` as the next generation of ``run`` and publish it atomically.
 
         ``data_order`` (a map of plain values) is recorded in the root; see
         ``docs/FORMAT.md``. ``progress=True`` shows a bar of the tensor bytes
         on stderr when it is a terminal (see :mod:`castore.progress`).
+
+        ``blocking=False`` returns a :class:`~castore.PendingSave` as soon as the
+        state is snapshotted; the caller may then change it freely, and a
+        background thread writes and publishes it (:mod:`castore.background`).
+        ``if_busy`` (``"wait"`` or ``"skip"``) says what an async save does while
+        another is in flight; ``async_options`` (:class:`~castore.AsyncOptions`)
+        bounds staging memory and paces the write. A blocking save waits for
+        a save in flight. Either kind first raises an earlier async save's
+        error that nobody has seen.
         """
+        started = time.perf_counter()
         validate_run_name(run)
         check_step(step)
-        started = time.perf_counter()
-        encoded = encode_state(state)
+        if blocking and if_busy != "wait":
+            raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
+        skipped = self.background.settle(if_busy, run, step)
+        if skipped is not None:
+            return skipped
+        encoded = encode_state(state, defer_device=not blocking)
         for leaf in encoded.leaves:
             if leaf.sharded:
                 raise UnsupportedValueError(
@@ -196,6 +238,15 @@ class Store:
                 )
         metadata_bytes = encode_metadata(metadata)
         order = check_data_order(data_order)
+        if not blocking:
+            return save_async(
+                self,
+                encoded,
+                PendingSave(run, step, started=started),
+                metadata_bytes,
+                order,
+                async_options or AsyncOptions(),
+            )
         before = self.ref_or_problem(run)
         try:
             with self.save_lock():
@@ -275,6 +326,7 @@ class Store:
             self, encoded, run=run, generation=generation, rank=0, progress=progress
         )
         manifest = shard.manifest
+        self.background.known = digests_of(manifest)  # for a changed-chunk async save next
         root = make_root(
             run=run,
             generation=generation,
@@ -288,6 +340,7 @@ class Store:
                 shard.stats,
                 time.perf_counter() - started,
                 len(manifest.tensors) + len(manifest.local_tensors),
+                written_bytes=shard.stats.new_bytes + len(shard.data),
             ),
             frameworks=framework_versions(),
             data_order=order,

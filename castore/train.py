@@ -43,7 +43,8 @@ import numpy as np
 import torch
 
 from castore import dist as castore_dist
-from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
+from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, own_groups, raise_failures
+from castore.background import AsyncOptions
 from castore.data import ResumableDistributedSampler
 from castore.errors import (
     CorruptObjectError,
@@ -586,12 +587,18 @@ class TrainState:
         group: Any = None,
         coordinator: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
-    ) -> Generation:
+        blocking: bool = True,
+        if_busy: str = "wait",
+        async_options: AsyncOptions | None = None,
+    ) -> Any:
         """Save this update boundary as the next generation of ``run`` (collective).
 
         Refused between accumulated microbatches unless ``mid_accumulation``.
+        ``blocking=False`` returns a :class:`~castore.PendingSave` once the state
+        is staged (see :func:`castore.dist.save`); training may step on at once.
         """
-        comm = Group(group, coordinator, timeout)
+        # An async save's checks run over castore's own group (castore._comm.own_groups).
+        comm = Group(group if blocking else own_groups(group)[1], coordinator, timeout)
         self._follow_sampler()
 
         def check() -> None:
@@ -635,6 +642,9 @@ class TrainState:
             group=group,
             coordinator=coordinator,
             timeout=timeout,
+            blocking=blocking,
+            if_busy=if_busy,
+            async_options=async_options,
         )
 
     # -- load ----------------------------------------------------------------

@@ -57,6 +57,9 @@ class TensorLeaf:
     offsets: tuple[int, ...] = ()
     local_shape: tuple[int, ...] = ()
     sharded: bool = False
+    # An async save's tensor still on its GPU: its flat uint8 bytes there, copied
+    # to pinned host memory by castore.staging (``data`` is then empty).
+    device_bytes: Any = None
 
     def __post_init__(self) -> None:
         if not self.local_shape:
@@ -81,9 +84,12 @@ def join_path(parent: str, key: str | int) -> str:
 
 
 class _Encoder:
-    def __init__(self, allow_tensors: bool, allow_rank_local: bool) -> None:
+    def __init__(
+        self, allow_tensors: bool, allow_rank_local: bool, defer_device: bool = False
+    ) -> None:
         self.allow_tensors = allow_tensors
         self.allow_rank_local = allow_rank_local
+        self.defer_device = defer_device
         self.leaves: list[TensorLeaf] = []
         self.names: set[str] = set()
         self.rank_local: dict[str, Any] = {}
@@ -172,7 +178,9 @@ class _Encoder:
             raise UnsupportedValueError(f"two tensors map to the name {name!r}", key_path=path)
         self.names.add(name)
         leaf = (
-            _numpy_leaf(value, name) if isinstance(value, np.ndarray) else _torch_leaf(value, name)
+            _numpy_leaf(value, name)
+            if isinstance(value, np.ndarray)
+            else _torch_leaf(value, name, self.defer_device)
         )
         if shard is not None:
             leaf = TensorLeaf(
@@ -184,6 +192,7 @@ class _Encoder:
                 offsets=shard.offsets,
                 local_shape=leaf.shape,
                 sharded=True,
+                device_bytes=leaf.device_bytes,
             )
         self.leaves.append(leaf)
         return msgpack.ExtType(EXT_TENSOR, _pack([name, leaf.framework]))
@@ -201,9 +210,16 @@ def _numpy_leaf(array: np.ndarray, name: str) -> TensorLeaf:
     return TensorLeaf(name, dtype, tuple(array.shape), flat, "numpy")
 
 
-def _torch_leaf(tensor: Any, name: str) -> TensorLeaf:
+def _torch_leaf(tensor: Any, name: str, defer_device: bool = False) -> TensorLeaf:
     _check_torch_storable(tensor, name)
     dtype = name_of_torch_dtype(tensor.dtype, name)
+    if defer_device and tensor.device.type != "cpu" and tensor.numel():
+        import torch
+
+        on_device = tensor.detach().resolve_conj().resolve_neg().contiguous()
+        flat = on_device.reshape(-1).view(torch.uint8)
+        empty = np.empty(0, dtype=np.uint8)
+        return TensorLeaf(name, dtype, tuple(tensor.shape), empty, "torch", device_bytes=flat)
     host = tensor.detach().to("cpu").resolve_conj().resolve_neg().contiguous()
     flat = torch_bytes(host)
     return TensorLeaf(name, dtype, tuple(tensor.shape), flat, "torch")
@@ -258,21 +274,33 @@ class EncodedTree:
     rank_local: dict[str, Any]  # key path -> the raw value inside RankLocal(...)
 
 
-def encode_state(state: Any, *, base_path: str = "", allow_rank_local: bool = True) -> EncodedTree:
-    """Encode a state that may hold tensors, Shards and RankLocal markers."""
-    encoder = _Encoder(allow_tensors=True, allow_rank_local=allow_rank_local)
+def encode_state(
+    state: Any, *, base_path: str = "", allow_rank_local: bool = True, defer_device: bool = False
+) -> EncodedTree:
+    """Encode a state that may hold tensors, Shards and RankLocal markers.
+
+    ``defer_device``: leave GPU tensors' bytes on their device (``device_bytes``)
+    for an async save to stage; otherwise they are copied to the host here.
+    """
+    encoder = _Encoder(
+        allow_tensors=True, allow_rank_local=allow_rank_local, defer_device=defer_device
+    )
     skeleton = encoder.encode(state, base_path)
     return EncodedTree(_pack(skeleton), encoder.leaves, encoder.rank_local)
 
 
-def encode_local_state(rank_local: dict[str, Any]) -> tuple[bytes, list[TensorLeaf]]:
+def encode_local_state(
+    rank_local: dict[str, Any], *, defer_device: bool = False
+) -> tuple[bytes, list[TensorLeaf]]:
     """A rank's RankLocal values: a msgpack map of key path -> encoded tree, and their tensors."""
     if not rank_local:
         return b"", []
     skeletons: dict[str, bytes] = {}
     leaves: list[TensorLeaf] = []
     for path, value in rank_local.items():
-        encoded = encode_state(value, base_path=path, allow_rank_local=False)
+        encoded = encode_state(
+            value, base_path=path, allow_rank_local=False, defer_device=defer_device
+        )
         skeletons[path] = encoded.skeleton
         leaves += encoded.leaves
     return _pack(skeletons), leaves

@@ -13,6 +13,7 @@ from castore import errors
 def test_public_names_are_pinned() -> None:
     assert sorted(castore.__all__) == sorted(
         [
+            "AsyncOptions",
             "CastoreError",
             "ChecksumMismatchError",
             "ChunkMissingError",
@@ -23,8 +24,10 @@ def test_public_names_are_pinned() -> None:
             "IntegrityError",
             "InvalidNameError",
             "NotLoaded",
+            "PendingSave",
             "RankLocal",
             "RefConflictError",
+            "SaveBytes",
             "SaveStats",
             "Shard",
             "Store",

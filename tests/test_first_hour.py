@@ -6,7 +6,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Any
@@ -172,15 +171,29 @@ def test_ctrl_c_in_a_dist_save_of_one_rank_says_nothing_was_published(
 
 
 SLOW_SAVE = """
-import os, sys, time
+import os, signal, sys, time
 import numpy as np
 import castore
 
+# Ctrl-C as a terminal delivers it. A Python started with SIGINT ignored (a
+# background job of a non-interactive shell: `make test &`) never installs this
+# handler, and the signal would then do nothing at all.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 store = castore.open(sys.argv[1], chunk_size=1 << 16)
 store.save({"w": np.zeros(4)}, run="r", step=1)
 writev = os.writev
-def slow_writev(fd, buffers):  # a slow disk: a window in which Ctrl-C lands
-    time.sleep(0.01)
+writes = 0
+def slow_writev(fd, buffers):  # a slow disk: the pack write waits for Ctrl-C
+    global writes
+    writes += 1
+    if writes == 1:
+        print("writing", flush=True)  # the parent sends SIGINT once it reads this
+        # Short sleeps, bounded: Ctrl-C lands in the first one after it arrives;
+        # without it the save goes on after 10 s and prints "saved" (a failure,
+        # not a hang).
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.01)
     return writev(fd, buffers)
 os.writev = slow_writev
 print("saving", flush=True)
@@ -199,7 +212,10 @@ def test_a_real_sigint_during_a_save_leaves_the_previous_generation(tmp_path: Pa
     )
     assert child.stdout is not None
     assert child.stdout.readline() == "saving\n"
-    time.sleep(0.3)
+    # A handshake, not a guess at the save's speed: the child is inside the
+    # save's first pack write (on its main thread, where Python raises
+    # KeyboardInterrupt), and that write waits for the signal.
+    assert child.stdout.readline() == "writing\n"
     child.send_signal(signal.SIGINT)
     out, err = child.communicate(timeout=60)
     assert "saved" not in out

@@ -265,7 +265,7 @@ def test_control_lock_free_save_publishes_a_missing_chunk(
         shards=[shard.digest],
         state=encoded.skeleton,
         metadata=encode_metadata(None),
-        stats=root_stats(shard.stats, 0.0, 1),
+        stats=root_stats(shard.stats, 0.0, 1, written_bytes=shard.stats.new_bytes),
         frameworks=framework_versions(),
     )
     publish(

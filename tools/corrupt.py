@@ -274,7 +274,7 @@ def publish_sharded(
             shards=checked.digests,
             state=skeleton,
             metadata=encode_metadata({}),
-            stats=root_stats(stats, 0.0, checked.tensors),
+            stats=root_stats(stats, 0.0, checked.tensors, written_bytes=stats.new_bytes),
             frameworks=framework_versions(),
         )
 

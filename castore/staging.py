@@ -1,0 +1,293 @@
+"""The snapshot an async save takes: tensor bytes copied into reused, bounded buffers.
+
+``Store.save(..., blocking=False)`` (and its multi-rank forms) hands the write
+to a background thread (:mod:`castore.background`), so the caller may change
+every tensor as soon as the call returns. Before it returns, the caller copies
+the bytes the save needs into *staging buffers*; the writer hashes and writes
+them and gives each buffer back.
+
+- **Bounded.** A :class:`StagingPool` never holds more than its limit in
+  buffers, in use or free. When a state is larger, the snapshot proceeds in
+  pieces as the writer frees buffers, and the caller is held meanwhile.
+- **Reused.** A freed buffer goes on a free list by size; the next save of the
+  same state finds one of each size it needs, so steady-state saves allocate
+  nothing. Buffers of sizes a save did not use are dropped after it.
+- **Pieces.** A tensor's bytes are cut into pieces of whole chunks (the last
+  may be short), so a piece's chunks are exactly the chunks of the tensor.
+- **Changed-chunk staging** (``staging="changed"``): the caller hashes each
+  chunk in place and copies only chunks whose digest this store handle did not
+  see in its previous save; the others travel as digests alone, and the
+  writer checks they are still present before the save may publish.
+- **CUDA tensors** are copied into pinned host buffers with non-blocking
+  copies; each piece carries an event the writer waits on before reading it.
+  They are always staged whole (hashing them needs their bytes on the host).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from castore.chunkio import cut_chunks, digests_in_order
+from castore.errors import CastoreError
+from castore.faults import fault_point
+from castore.tree import TensorLeaf
+
+# The largest piece: big tensors are staged and handed on this many bytes at a
+# time (rounded down to whole chunks), so a writer can start on a tensor early.
+PIECE_BYTES = 64 << 20
+STAGING_MODES = ("full", "changed")
+
+
+class SaveAborted(CastoreError):
+    """The background writer failed while the caller was still staging."""
+
+
+@dataclass
+class StagingBuffer:
+    """One host buffer: a numpy view of it, and the pinned torch tensor it is, if pinned."""
+
+    array: np.ndarray
+    pinned: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.array.nbytes)
+
+
+@dataclass
+class Piece:
+    """A run of whole chunks of one staged tensor, in order.
+
+    ``buffer`` holds their bytes, or is None when every chunk's digest is known
+    and none was copied (changed-chunk staging). ``digests`` are known when the
+    caller hashed them; otherwise the writer hashes ``buffer``.
+    """
+
+    leaf: int
+    nbytes: int
+    buffer: StagingBuffer | None = None
+    digests: list[bytes] | None = None
+    ready: Any = None  # a torch.cuda.Event to wait on before reading ``buffer``
+
+
+class StagingPool:
+    """Host buffers for snapshots, reused across saves, never more than ``limit`` bytes."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._free: dict[tuple[int, bool], list[StagingBuffer]] = {}
+        self._taken: Counter[tuple[int, bool]] = Counter()
+        self.limit = 0
+        self.allocated = 0  # bytes of every buffer this pool holds, in use or free
+        self.peak = 0  # the most ``allocated`` has been since reset_peak
+        self.waited = 0.0  # seconds callers of take() spent waiting for a buffer
+
+    def configure(self, limit: int) -> None:
+        with self._cond:
+            self.limit = limit
+            self._drop_free_until(lambda: self.allocated <= limit)
+
+    def reset_peak(self) -> None:
+        with self._cond:
+            self.peak = self.allocated
+            self.waited = 0.0
+            self._taken.clear()
+
+    def take(self, nbytes: int, *, pinned: bool, aborted: Callable[[], bool]) -> StagingBuffer:
+        """A buffer of exactly ``nbytes``: a free one, a new one, or one freed meanwhile."""
+        if nbytes > self.limit:
+            raise ValueError(f"a piece of {nbytes} bytes exceeds staging_bytes={self.limit}")
+        key = (nbytes, pinned)
+        started = time.perf_counter()
+        with self._cond:
+            while True:
+                if aborted():
+                    raise SaveAborted("the background write failed while this save was staging")
+                free = self._free.get(key)
+                if free:
+                    buffer = free.pop()
+                    break
+                self._drop_free_until(lambda: self.allocated + nbytes <= self.limit)
+                if self.allocated + nbytes <= self.limit:
+                    buffer = _allocate(nbytes, pinned)
+                    self.allocated += nbytes
+                    self.peak = max(self.peak, self.allocated)
+                    break
+                self._cond.wait(timeout=0.1)
+            self._taken[key] += 1
+        self.waited += time.perf_counter() - started
+        return buffer
+
+    def give(self, buffer: StagingBuffer) -> None:
+        with self._cond:
+            self._free.setdefault((buffer.nbytes, buffer.pinned is not None), []).append(buffer)
+            self._cond.notify_all()
+
+    def trim(self) -> None:
+        """Drop free buffers beyond what the last save took of each size."""
+        with self._cond:
+            for key, free in self._free.items():
+                extra = len(free) - self._taken.get(key, 0)
+                for _ in range(max(0, extra)):
+                    self.allocated -= free.pop().nbytes
+
+    def clear(self) -> None:
+        with self._cond:
+            for free in self._free.values():
+                self.allocated -= sum(buffer.nbytes for buffer in free)
+            self._free.clear()
+
+    def _drop_free_until(self, enough: Callable[[], bool]) -> None:
+        for free in self._free.values():
+            while free and not enough():
+                self.allocated -= free.pop().nbytes
+
+
+def _allocate(nbytes: int, pinned: bool) -> StagingBuffer:
+    if not pinned:
+        return StagingBuffer(np.empty(nbytes, dtype=np.uint8))
+    import torch
+
+    tensor = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return StagingBuffer(tensor.numpy(), tensor)
+
+
+# -- taking the snapshot --------------------------------------------------------
+
+
+@dataclass
+class Snapshot:
+    """What the caller staged: the leaves (bytes now in pieces) and counters."""
+
+    leaves: list[TensorLeaf]
+    staged_bytes: int = 0
+    hashed_bytes: int = 0
+    pieces: int = 0
+    seconds: float = 0.0
+    seen: set[bytes] = field(default_factory=set)
+
+
+def piece_bytes(chunk_size: int, limit: int) -> int:
+    """Bytes per piece: whole chunks, at most PIECE_BYTES, at most half the bound.
+
+    Half the bound, so the caller fills one piece while the writer drains another.
+    """
+    whole = max(1, min(PIECE_BYTES, limit // 2) // chunk_size)
+    return whole * chunk_size
+
+
+def stage_leaves(
+    leaves: Sequence[TensorLeaf],
+    *,
+    chunk_size: int,
+    pool: StagingPool,
+    mode: str,
+    known: set[bytes],
+    hand: Callable[[Piece], None],
+    aborted: Callable[[], bool],
+) -> Snapshot:
+    """Copy ``leaves``' bytes into staging and hand each piece to the writer, in order.
+
+    ``known``: digests the previous save of this handle stored (changed mode
+    skips copying those). Returns the snapshot; ``hand`` has had every piece.
+    """
+    started = time.perf_counter()
+    snapshot = Snapshot(list(leaves))
+    step = piece_bytes(chunk_size, pool.limit)
+    for index, leaf in enumerate(leaves):
+        device = _device_source(leaf)
+        if mode == "changed" and device is None:
+            _stage_changed(index, leaf, chunk_size, pool, known, hand, aborted, snapshot)
+        else:
+            _stage_whole(index, leaf, device, step, pool, hand, aborted, snapshot)
+        fault_point("async.mid_snapshot")
+    snapshot.seconds = time.perf_counter() - started
+    return snapshot
+
+
+def _device_source(leaf: TensorLeaf) -> Any:
+    """The flat uint8 device tensor of a leaf deferred off a GPU, else None."""
+    return leaf.device_bytes
+
+
+def _stage_whole(
+    index: int,
+    leaf: TensorLeaf,
+    device: Any,
+    step: int,
+    pool: StagingPool,
+    hand: Callable[[Piece], None],
+    aborted: Callable[[], bool],
+    snapshot: Snapshot,
+) -> None:
+    nbytes = leaf_nbytes(leaf)
+    if nbytes == 0:
+        hand(Piece(index, 0, None, []))
+        return
+    for start in range(0, nbytes, step):
+        end = min(nbytes, start + step)
+        buffer = pool.take(end - start, pinned=device is not None, aborted=aborted)
+        ready = None
+        if device is None:
+            np.copyto(buffer.array, leaf.data[start:end])
+        else:
+            import torch
+
+            buffer.pinned.copy_(device[start:end], non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        snapshot.staged_bytes += end - start
+        snapshot.pieces += 1
+        hand(Piece(index, end - start, buffer, None, ready))
+
+
+def _stage_changed(
+    index: int,
+    leaf: TensorLeaf,
+    chunk_size: int,
+    pool: StagingPool,
+    known: set[bytes],
+    hand: Callable[[Piece], None],
+    aborted: Callable[[], bool],
+    snapshot: Snapshot,
+) -> None:
+    """Hash every chunk in place; copy only those whose digest is not ``known``."""
+    views = cut_chunks(leaf.data, chunk_size)
+    if not views:
+        hand(Piece(index, 0, None, []))
+        return
+    unchanged: list[bytes] = []
+    unchanged_bytes = 0
+    for view, digest in zip(views, digests_in_order(views), strict=True):
+        snapshot.hashed_bytes += view.nbytes
+        snapshot.seen.add(digest)
+        if digest in known:
+            unchanged.append(digest)
+            unchanged_bytes += view.nbytes
+            continue
+        if unchanged:
+            hand(Piece(index, unchanged_bytes, None, unchanged))
+            unchanged, unchanged_bytes = [], 0
+        buffer = pool.take(view.nbytes, pinned=False, aborted=aborted)
+        buffer.array[:] = np.frombuffer(view, dtype=np.uint8)
+        snapshot.staged_bytes += view.nbytes
+        snapshot.pieces += 1
+        hand(Piece(index, view.nbytes, buffer, [digest]))
+    if unchanged:
+        hand(Piece(index, unchanged_bytes, None, unchanged))
+
+
+def leaf_nbytes(leaf: TensorLeaf) -> int:
+    device = _device_source(leaf)
+    return int(device.numel()) if device is not None else int(leaf.data.nbytes)
+
+
+def state_bytes(leaves: Iterable[TensorLeaf]) -> int:
+    return sum(leaf_nbytes(leaf) for leaf in leaves)
