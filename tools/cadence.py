@@ -51,8 +51,8 @@ high-water mark; bytes written per save (castore: the generation's new bytes;
 DCP: the size of the folder it wrote); each async mode's median stall as a
 ratio to the median memcpy (goal: at most 1.2x).
 
-Output (``--out``, default ``cadence-out/``): ``cadence.json`` (every input
-and figure, and the raw step times and save records) and ``cadence.png``
+Output (``--out``, default ``cadence-out/``): ``receipt.json`` (every input
+and figure, and the raw step times and save records) and ``steps.png``
 (median step time per step, one line per mode, saves marked).
 """
 
@@ -243,7 +243,8 @@ class CastoreSaver(Saver):
         if self.options is None:
             generation = castore.dist.save(self.store, state, run=RUN, step=step)
             now = time.perf_counter()
-            written = generation.stats.new_bytes if dist.get_rank() == 0 else 0
+            stats = generation.stats  # the whole job's, on every rank
+            written = stats.written_bytes or stats.new_bytes if dist.get_rank() == 0 else 0
             self.records.append(SaveRecord(step, called, now, now, written))
             return
         pending = castore.dist.save(
@@ -264,7 +265,7 @@ class CastoreSaver(Saver):
             generation = pending.result()
             if generation is not None:
                 record.published = record.called + pending.timings["total"]
-            record.written = pending.bytes.written
+            record.written = pending.bytes.written  # this rank's: summed over ranks later
             record.staging_peak = pending.peak_staging_bytes
             record.held_reported = pending.timings.get("held")
         self.in_flight.clear()
@@ -828,9 +829,9 @@ def main(argv: list[str] | None = None) -> int:
     print("\nunder load (step times as ratios to the baseline's)\n" + main_table(summary))
     print("\n".join(f"  {note}" for note in NOTES))
     print("\nthe broken control: the same saves on an idle job\n" + idle_table(summary))
-    write_receipt(out / "cadence.json", inputs, summary, runs, verdicts)
-    plot(out / "cadence.png", runs, cfg)
-    print(f"\nwrote {out / 'cadence.json'} and {out / 'cadence.png'} ({inputs['wall_s']:.0f}s)")
+    write_receipt(out / "receipt.json", inputs, summary, runs, verdicts)
+    plot(out / "steps.png", runs, cfg)
+    print(f"\nwrote {out / 'receipt.json'} and {out / 'steps.png'} ({inputs['wall_s']:.0f}s)")
     print_goals(verdicts)
     return 0
 
