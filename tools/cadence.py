@@ -72,7 +72,7 @@ import tempfile
 import time
 import traceback
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +104,8 @@ CASTORE_ASYNC = ("castore-async", "castore-async-changed", "castore-async-thrott
 ASYNC_MODES = (*CASTORE_ASYNC, "dcp-async")
 NOTES = (
     "step: start of one step to the start of the next (a save call made after it included)",
-    "stall: wall time the training thread spent in the save call (sync: the whole save)",
+    "stall: wall time the training thread spent in the save call (sync: the whole save);"
+    " med (and call→publish med): each run's saves after its first, which allocates",
     "RPO: K + the most steps that began between a save's call and its publish (rounded up)",
     "RSS rise: VmHWM at the end of the timed steps less VmHWM after the warm-up steps",
 )
@@ -120,14 +121,14 @@ class Config:
     """Every input of one invocation (it goes into the receipt as is)."""
 
     ranks: int = 2
-    steps: int = 30
+    steps: int = 40
     every: int = 10
     d_model: int = 256
     layers: int = 4
     vocab: int = 4096
     seq: int = 64
     batch: int = 2
-    rounds: int = 5
+    rounds: int = 4
     modes: tuple[str, ...] = MODES
     throttle_mib_s: float = 32.0
     stagger_s: float = 0.5
@@ -141,7 +142,7 @@ class Config:
 
 
 QUICK = {"steps": 12, "every": 4, "d_model": 64, "layers": 2, "vocab": 1024, "seq": 32}
-QUICK |= {"rounds": 1, "warmup": 2, "idle_saves": 1, "copy_repeats": 3}
+QUICK |= {"rounds": 1, "warmup": 2, "idle_saves": 1, "copy_repeats": 3, "stagger_s": 0.02}
 
 
 # -- the model and its training ------------------------------------------------
@@ -210,7 +211,8 @@ class SaveRecord:
     published: float | None = None  # durable and visible (None: skipped)
     written: int = 0  # bytes the save wrote, whole job (0 where another rank reports it)
     staging_peak: int = 0  # castore's tracked staging bytes
-    held_reported: float | None = None  # castore's own timings["held"]
+    new_bytes: int = 0  # castore async: new chunk bytes this rank wrote (the changed bytes)
+    timings: dict[str, float] = field(default_factory=dict)  # castore's own, by phase
 
 
 class Saver:
@@ -267,7 +269,8 @@ class CastoreSaver(Saver):
                 record.published = record.called + pending.timings["total"]
             record.written = pending.bytes.written  # this rank's: summed over ranks later
             record.staging_peak = pending.peak_staging_bytes
-            record.held_reported = pending.timings.get("held")
+            record.new_bytes = pending.bytes.new
+            record.timings = dict(pending.timings)
         self.in_flight.clear()
 
     def close(self) -> None:
@@ -534,16 +537,27 @@ def written_per_save(runs: list[dict], key: str) -> list[int]:
     return list(totals.values())
 
 
-def save_figures(runs: list[dict], key: str) -> dict[str, Any]:
-    """Stall and publish times of the saves under ``key`` ("saves" or "idle")."""
+def stall(record: dict) -> float:
+    return float(record["returned"] - record["called"])
+
+
+def save_figures(runs: list[dict], key: str, after_first: bool) -> dict[str, Any]:
+    """Stall and publish times of the saves under ``key`` ("saves" or "idle").
+
+    With ``after_first``, the median stall leaves out each run's first save
+    (which allocates what later saves reuse); its median is reported apart.
+    """
     records = [r for run in runs for r in run[key]]
-    stalls = [r["returned"] - r["called"] for r in records]
-    publishes = [r["published"] - r["called"] for r in records if r["published"] is not None]
+    steady = [r for run in runs for r in run[key][int(after_first) :]] or records
+    publishes = [r["published"] - r["called"] for r in steady if r["published"] is not None]
     return {
         "saves": len(records),
-        "skipped": len(records) - len(publishes),
-        "stall_median_s": statistics.median(stalls),
-        "stall_max_s": max(stalls),
+        "skipped": sum(r["published"] is None for r in records),
+        "stall_median_s": statistics.median(stall(r) for r in steady),
+        "stall_max_s": max(stall(r) for r in records),
+        "first_stall_median_s": (
+            statistics.median(stall(run[key][0]) for run in runs) if after_first else None
+        ),
         "publish_median_s": statistics.median(publishes) if publishes else None,
         "written_median_bytes": statistics.median(written_per_save(runs, key)),
     }
@@ -569,12 +583,16 @@ def mode_figures(runs: list[dict], cfg: Config, copy_s: float) -> dict[str, Any]
         for record in run["saves"]
         if record["published"] is not None
     ]
-    load = save_figures(runs, "saves")
+    load = save_figures(runs, "saves", after_first=True)
     figures |= {
         "under_load": load,
-        "idle": save_figures(runs, "idle") if runs[0]["idle"] else None,
+        "idle": save_figures(runs, "idle", after_first=False) if runs[0]["idle"] else None,
         "rpo_steps": cfg.every + max(lags, default=0),
         "staging_peak_bytes": max(r["staging_peak"] for run in runs for r in run["saves"]),
+        "new_median_bytes_per_rank": statistics.median(
+            r["new_bytes"] for run in runs for r in run["saves"]
+        ),
+        "state_bytes_per_rank": runs[0]["state_bytes"],
         "stall_over_copy": load["stall_median_s"] / copy_s,
     }
     return figures
@@ -612,8 +630,8 @@ def ratio(value: float | None) -> str:
     return "-" if value is None else f"{value:.2f}x"
 
 
-def main_table(summary: dict[str, Any]) -> str:
-    """Every mode under load: step-time ratios to the baseline, stalls, RPO, memory, bytes."""
+def training_table(summary: dict[str, Any]) -> str:
+    """What each mode cost the training thread: step-time ratios to the baseline, stalls."""
     rows = []
     for mode, fig in summary["modes"].items():
         load = fig.get("under_load") or {}
@@ -624,17 +642,31 @@ def main_table(summary: dict[str, Any]) -> str:
                 *(ratio(step_ratio.get(k)) for k in ("p50", "p99", "max")),
                 ms(load.get("stall_median_s")),
                 ms(load.get("stall_max_s")),
+                ms(load.get("first_stall_median_s")),
+                ratio(fig["stall_over_copy"]) if mode in ASYNC_MODES else "-",
+            ]
+        )
+    headers = ["mode", "step p50", "step p99", "step max", "stall med", "stall max"]
+    return tabulate(rows, headers=[*headers, "1st save stall", "stall/memcpy"])
+
+
+def durability_table(summary: dict[str, Any]) -> str:
+    """What each mode's saves took to be durable, and what they cost in memory and bytes."""
+    rows = []
+    for mode, fig in summary["modes"].items():
+        load = fig.get("under_load") or {}
+        rows.append(
+            [
+                mode,
                 ms(load.get("publish_median_s")),
                 fig.get("rpo_steps", "-"),
                 mib(fig.get("staging_peak_bytes")) if mode in CASTORE_ASYNC else "-",
                 mib(fig["rss_rise_bytes"]),
                 mib(load.get("written_median_bytes")),
-                ratio(fig["stall_over_copy"]) if mode in ASYNC_MODES else "-",
             ]
         )
-    headers = ["mode", "step p50", "step p99", "step max", "stall med", "stall max"]
-    headers += ["call→publish", "RPO steps", "staging MiB", "RSS rise MiB", "MiB/save"]
-    return tabulate(rows, headers=[*headers, "stall/memcpy"], disable_numparse=True)
+    headers = ["mode", "call→publish med", "RPO steps", "staging MiB", "RSS rise MiB"]
+    return tabulate(rows, headers=[*headers, "written MiB/save"], disable_numparse=True)
 
 
 def idle_table(summary: dict[str, Any]) -> str:
@@ -664,12 +696,36 @@ def idle_table(summary: dict[str, Any]) -> str:
     return tabulate(rows, headers=[*headers, "load/idle", "step p99 (load only)"])
 
 
+def staging_goal(mode: str, fig: dict[str, Any]) -> dict[str, Any] | None:
+    """Issue 13's staging bounds: full copy <= 1.0x the state, changed < 1.5x the changed bytes."""
+    peak = fig["staging_peak_bytes"]
+    if mode == "castore-async":
+        bound, what = fig["state_bytes_per_rank"], "<= 1.0x the state's tensor bytes"
+        share = peak / bound
+        met = share <= 1.0
+    elif mode == "castore-async-changed":
+        bound, what = fig["new_median_bytes_per_rank"], "< 1.5x the changed bytes"
+        share = peak / bound if bound else math.inf
+        met = share < 1.5
+    else:
+        return None
+    return {
+        "goal": f"{mode}: peak staging per rank {what}",
+        "measured": f"{share:.2f}x ({mib(peak)} MiB against {mib(bound)} MiB)",
+        "met": met,
+    }
+
+
 def goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
+    """Issue 13's goals for castore's async modes, measured under load."""
     verdicts = []
     for mode in CASTORE_ASYNC:
         fig = summary["modes"].get(mode)
         if fig is None:
             continue
+        staging = staging_goal(mode, fig)
+        if staging:
+            verdicts.append(staging)
         verdicts.append(
             {
                 "goal": f"{mode}: median stall <= {STALL_GOAL}x a memcpy of the state's tensors",
@@ -734,33 +790,30 @@ def plot(path: Path, runs: dict[str, list[dict]], cfg: Config) -> None:
 # -- command line --------------------------------------------------------------
 
 
+OPTIONS = {name: int for name in ("ranks", "steps", "every", "d_model", "layers", "vocab")}
+OPTIONS |= {"seq": int, "batch": int, "rounds": int, "throttle_mib_s": float, "stagger_s": float}
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Config, Path]:
+    """The configuration: Config's defaults, or QUICK's with --quick, then the options given."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     defaults = Config()
-    for name in ("ranks", "steps", "every", "d_model", "layers", "vocab", "seq", "batch"):
-        parser.add_argument(f"--{name.replace('_', '-')}", type=int, default=None)
-    parser.add_argument("--rounds", type=int, default=None)
+    for name, kind in OPTIONS.items():
+        flag = f"--{name.replace('_', '-')}"
+        parser.add_argument(flag, type=kind, help=f"default {getattr(defaults, name)}")
     parser.add_argument("--modes", default=",".join(MODES), help="comma list (default: all)")
-    parser.add_argument("--throttle-mib-s", type=float, default=defaults.throttle_mib_s)
-    parser.add_argument("--stagger-s", type=float, default=defaults.stagger_s)
     parser.add_argument("--out", type=Path, default=Path("cadence-out"))
-    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (about 1 min)")
+    parser.add_argument("--quick", action="store_true", help="a tiny smoke run (under 1 min)")
     args = parser.parse_args(argv)
     modes = tuple(m.strip() for m in args.modes.split(",") if m.strip())
     unknown = [m for m in modes if m not in MODES]
     if unknown or not modes:
         parser.error(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
     chosen = QUICK.copy() if args.quick else {}
-    for name in ("ranks", "steps", "every", "d_model", "layers", "vocab", "seq", "batch"):
-        if getattr(args, name) is not None:
-            chosen[name] = getattr(args, name)
-    if args.rounds is not None:
-        chosen["rounds"] = args.rounds
-    cfg = Config(
-        **chosen, modes=modes, throttle_mib_s=args.throttle_mib_s, stagger_s=args.stagger_s
-    )
+    chosen |= {name: getattr(args, name) for name in OPTIONS if getattr(args, name) is not None}
+    cfg = Config(**chosen, modes=modes)
     if cfg.every >= cfg.steps or cfg.every < 1 or cfg.ranks < 1 or cfg.rounds < 1:
         parser.error("need 1 <= --every < --steps, --ranks >= 1 and --rounds >= 1")
     return cfg, args.out
@@ -826,7 +879,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     if base:
         print("baseline step time: " + ", ".join(f"{k} {ms(v)}" for k, v in base["step_s"].items()))
-    print("\nunder load (step times as ratios to the baseline's)\n" + main_table(summary))
+    print("\nunder load: the training thread (step times as ratios to the baseline's)")
+    print(training_table(summary))
+    print("\nunder load: durability, memory, bytes\n" + durability_table(summary))
     print("\n".join(f"  {note}" for note in NOTES))
     print("\nthe broken control: the same saves on an idle job\n" + idle_table(summary))
     write_receipt(out / "receipt.json", inputs, summary, runs, verdicts)
