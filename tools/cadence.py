@@ -107,6 +107,8 @@ NOTES = (
     "stall: wall time the training thread spent in the save call (sync: the whole save);"
     " med (and call→publish med): each run's saves after its first, which allocates",
     "RPO: K + the most steps that began between a save's call and its publish (rounded up)",
+    "stall/memcpy: against copying every tensor of the state; …of staged bytes: against"
+    " copying as many bytes as the rank staged (castore stages the replicated tensors it writes)",
     "RSS rise: VmHWM at the end of the timed steps less VmHWM after the warm-up steps",
 )
 STALL_GOAL = 1.2  # an async save's median stall <= 1.2x a plain copy of the state's tensors
@@ -212,6 +214,7 @@ class SaveRecord:
     written: int = 0  # bytes the save wrote, whole job (0 where another rank reports it)
     staging_peak: int = 0  # castore's tracked staging bytes
     new_bytes: int = 0  # castore async: new chunk bytes this rank wrote (the changed bytes)
+    staged_bytes: int = 0  # castore async: bytes this rank copied into staging
     timings: dict[str, float] = field(default_factory=dict)  # castore's own, by phase
 
 
@@ -270,6 +273,7 @@ class CastoreSaver(Saver):
             record.written = pending.bytes.written  # this rank's: summed over ranks later
             record.staging_peak = pending.peak_staging_bytes
             record.new_bytes = pending.bytes.new
+            record.staged_bytes = pending.bytes.staged
             record.timings = dict(pending.timings)
         self.in_flight.clear()
 
@@ -563,6 +567,14 @@ def save_figures(runs: list[dict], key: str, after_first: bool) -> dict[str, Any
     }
 
 
+def stall_over_copy_of_staged(runs: list[dict], load: dict, copy_s: float) -> float | None:
+    """The median stall against a memcpy of only the bytes a rank staged (castore async)."""
+    staged = statistics.median(r["staged_bytes"] for run in runs for r in run["saves"])
+    if not staged:
+        return None
+    return float(load["stall_median_s"] / (copy_s * staged / runs[0]["state_bytes"]))
+
+
 def mode_figures(runs: list[dict], cfg: Config, copy_s: float) -> dict[str, Any]:
     """Every figure of one mode over its ranks and rounds (ratios to baseline added later)."""
     steps = [t for run in runs for t in step_times(run)]
@@ -594,6 +606,8 @@ def mode_figures(runs: list[dict], cfg: Config, copy_s: float) -> dict[str, Any]
         ),
         "state_bytes_per_rank": runs[0]["state_bytes"],
         "stall_over_copy": load["stall_median_s"] / copy_s,
+        # castore stages only the replicated tensors its rank writes: the same bytes copied.
+        "stall_over_copy_of_staged": stall_over_copy_of_staged(runs, load, copy_s),
     }
     return figures
 
@@ -644,10 +658,12 @@ def training_table(summary: dict[str, Any]) -> str:
                 ms(load.get("stall_max_s")),
                 ms(load.get("first_stall_median_s")),
                 ratio(fig["stall_over_copy"]) if mode in ASYNC_MODES else "-",
+                ratio(fig.get("stall_over_copy_of_staged")),
             ]
         )
     headers = ["mode", "step p50", "step p99", "step max", "stall med", "stall max"]
-    return tabulate(rows, headers=[*headers, "1st save stall", "stall/memcpy"])
+    headers += ["1st save stall", "stall/memcpy", "…of staged bytes"]
+    return tabulate(rows, headers=headers)
 
 
 def durability_table(summary: dict[str, Any]) -> str:
@@ -729,7 +745,7 @@ def goals(summary: dict[str, Any]) -> list[dict[str, Any]]:
         verdicts.append(
             {
                 "goal": f"{mode}: median stall <= {STALL_GOAL}x a memcpy of the state's tensors",
-                "measured": f"{fig['stall_over_copy']:.2f}x "
+                "measured": f"{fig['stall_over_copy']:.3f}x "
                 f"({ms(fig['under_load']['stall_median_s'])} against "
                 f"{ms(summary['copy_median_s'])})",
                 "met": fig["stall_over_copy"] <= STALL_GOAL,
