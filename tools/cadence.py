@@ -30,26 +30,30 @@ that wait counts as stall.
 
 Each run then does, untimed for the training figures:
 
-- the broken control: ``--idle-saves`` of the same saves on an idle job (call
-  save, wait for its publish, repeat; between two saves the optimizer steps
-  once on the last gradients, so every tensor changes as in training and no
-  save is deduplicated away);
+- the broken control: ``Config.idle_saves`` (2) of the same saves on an idle
+  job (call save, wait for its publish, repeat; between two saves the
+  optimizer steps once on the last gradients, so every tensor changes as in
+  training and no save is deduplicated away);
 - the memcpy reference: every tensor of the state copied into preallocated
-  (already touched) buffers, ``--copy-repeats`` times; its median is what an
-  async save's stall is measured against.
+  (already touched) buffers, ``Config.copy_repeats`` (5) times.
 
 Figures, over ranks and rounds: the step time (from the start of one step to
 the start of the next, so it includes any save call made after the step) at
 p50, p99 and max, each as a ratio to the baseline's; the stall per save (wall
 time the training thread spent in the save call, including any wait for the
-previous save); the time from the call to the durable publish; the recovery
-point objective in steps, K + the most steps that began between a save's call
-and its publish (past the run's end, time converted at the median step time,
-rounded up), i.e. the steps a crash just before a publish would lose; castore's
-peak staging bytes and the rise of the process's VmHWM over its training-only
-high-water mark; bytes written per save (castore: the generation's new bytes;
-DCP: the size of the folder it wrote); each async mode's median stall as a
-ratio to the median memcpy (goal: at most 1.2x).
+previous save; the median leaves out each run's first save, which allocates
+what later saves reuse, and is shown apart); the time from the call to the
+durable publish; the recovery point objective in steps, K + the most steps
+that began between a save's call and its publish (past the run's end, time
+converted at the median step time, rounded up), i.e. the steps a crash just
+before a publish would lose; castore's peak staging bytes and the rise of
+the process's VmHWM over its training-only high-water mark; bytes written per
+save, whole job (castore: new chunk bytes and manifests; DCP: the size of the
+folder it wrote). Goals (issue 13), for castore's async modes: median stall
+<= 1.2x the memcpy of the state; staging <= 1.0x the state (full copy) and
+< 1.5x the changed bytes (changed-chunk staging). castore stages only the
+replicated tensors its rank writes, so the stall is also shown against a
+memcpy of as many bytes as the rank staged.
 
 Output (``--out``, default ``cadence-out/``): ``receipt.json`` (every input
 and figure, and the raw step times and save records) and ``steps.png``
