@@ -86,6 +86,7 @@ import torch.distributed.checkpoint as dcp
 import torch.multiprocessing as mp
 from tabulate import tabulate
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from _common import free_port, print_goals, tree_bytes  # noqa: E402
@@ -147,8 +148,9 @@ class Config:
         return max(1, self.d_model // 64)
 
 
-QUICK = {"steps": 12, "every": 4, "d_model": 64, "layers": 2, "vocab": 1024, "seq": 32}
-QUICK |= {"rounds": 1, "warmup": 2, "idle_saves": 1, "copy_repeats": 3, "stagger_s": 0.02}
+QUICK: dict[str, Any] = {"steps": 12, "every": 4, "d_model": 64, "layers": 2, "vocab": 1024}
+QUICK |= {"seq": 32, "rounds": 1, "warmup": 2, "idle_saves": 1, "copy_repeats": 3}
+QUICK |= {"stagger_s": 0.02}
 
 
 # -- the model and its training ------------------------------------------------
@@ -307,6 +309,7 @@ class DcpSaver(Saver):
             self.records.append(SaveRecord(step, called, now, now))
             return
         future = dcp.async_save(state, storage_writer=writer, process_group=self.group)
+        assert isinstance(future, Future)  # the default stager is synchronous: a plain future
         record = SaveRecord(step, called, time.perf_counter())
         future.add_done_callback(lambda _done: setattr(record, "published", time.perf_counter()))
         self.records.append(record)
@@ -367,7 +370,7 @@ def vm_hwm() -> int:
 
 
 def timed_steps(
-    ddp: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, rank: int, saver: Saver
+    ddp: DDP, optimizer: torch.optim.Optimizer, cfg: Config, rank: int, saver: Saver
 ) -> list[float]:
     """Train ``cfg.steps`` steps, saving every ``cfg.every`` but the last; the start times."""
     starts = []
@@ -381,7 +384,7 @@ def timed_steps(
 
 
 def idle_control(
-    ddp: nn.Module, optimizer: torch.optim.Optimizer, cfg: Config, saver: Saver
+    ddp: DDP, optimizer: torch.optim.Optimizer, cfg: Config, saver: Saver
 ) -> list[SaveRecord]:
     """The broken control: the same saves with no training between them."""
     saver.records = []
@@ -415,7 +418,7 @@ def run_rank(rank: int, world: int, port: int, cfg: Config, mode: str, folder: s
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
     torch.manual_seed(0)  # the same initial model in every mode (DDP broadcasts rank 0's anyway)
-    ddp = nn.parallel.DistributedDataParallel(TinyLM(cfg))
+    ddp = DDP(TinyLM(cfg))
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
     saver = make_saver(mode, cfg, Path(folder))
     for index in range(cfg.warmup):
@@ -810,8 +813,9 @@ def plot(path: Path, runs: dict[str, list[dict]], cfg: Config) -> None:
 # -- command line --------------------------------------------------------------
 
 
-OPTIONS = {name: int for name in ("ranks", "steps", "every", "d_model", "layers", "vocab")}
-OPTIONS |= {"seq": int, "batch": int, "rounds": int, "throttle_mib_s": float, "stagger_s": float}
+INT_OPTIONS = ("ranks", "steps", "every", "d_model", "layers", "vocab", "seq", "batch", "rounds")
+OPTIONS: dict[str, type] = {name: int for name in INT_OPTIONS}
+OPTIONS |= {"throttle_mib_s": float, "stagger_s": float}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, Path]:
@@ -871,7 +875,7 @@ def inputs_of(cfg: Config, runs: dict[str, list[dict]], seconds: float) -> dict[
         "versions": {"torch": torch.__version__, "castore": castore.__version__},
         "python": platform.python_version(),
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-        "finished": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "finished": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "wall_s": round(seconds, 1),
     }
 
