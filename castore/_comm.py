@@ -9,6 +9,7 @@ of a hang. Tensors live on the GPU for NCCL groups and on the CPU otherwise.
 from __future__ import annotations
 
 import datetime
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -120,7 +121,10 @@ class Group:
 
 # -- castore's own groups ---------------------------------------------------------
 
-_OWN_GROUPS: dict[tuple[int, ...], tuple[Any, Any, Any]] = {}
+# Weak references: torch.distributed holds the groups until destroy_process_group;
+# a strong one here kept gloo groups alive past it, and the process then aborted
+# at exit now and then ("terminate called without an active exception").
+_OWN_GROUPS: dict[tuple[int, ...], tuple[weakref.ref[Any], ...]] = {}
 
 
 def own_groups(group: Any) -> tuple[Any, Any]:
@@ -129,8 +133,8 @@ def own_groups(group: Any) -> tuple[Any, Any]:
     The first is where an async save's writer thread runs its two-phase
     commit, the second where callers agree whether to skip a save; neither
     ever carries training's collectives, nor each other's. Made once per set
-    of ranks: the first call is a collective call of those ranks. Without
-    ``torch.distributed`` initialized both are None (a group of one).
+    of ranks and world: the first call is a collective call of those ranks.
+    Without ``torch.distributed`` initialized both are None (a group of one).
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None, None
@@ -139,14 +143,14 @@ def own_groups(group: Any) -> tuple[Any, Any]:
         ranks = tuple(range(dist.get_world_size()))
     else:
         ranks = tuple(dist.get_process_group_ranks(group))
-    made = _OWN_GROUPS.get(ranks)
-    if made is None or made[0] is not default:  # a new world since: make them again
+    made = [ref() for ref in _OWN_GROUPS.get(ranks, ())]
+    if len(made) != 3 or made[0] is not default or None in made:  # none yet, or a new world
         local = group is not None  # only a subgroup's own ranks call
-        writer, control = (
+        made = [default] + [
             dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
             for _ in range(2)
-        )
-        made = _OWN_GROUPS[ranks] = (default, writer, control)
+        ]
+        _OWN_GROUPS[ranks] = tuple(weakref.ref(made_group) for made_group in made)
     return made[1], made[2]
 
 

@@ -205,8 +205,8 @@ class Job:
         self.fits = fits  # the whole state fits the bound: writing waits for the snapshot
         self.pieces: queue.Queue[Any] = queue.Queue()
         self.failed = threading.Event()
-        self.staged = threading.Event()
         self.snapshot: Snapshot | None = None  # set once the caller has staged everything
+        self.input_ended = False  # the writer has taken the caller's end marker
 
     def hand(self, piece: Piece) -> None:
         self.pieces.put(piece)
@@ -214,15 +214,14 @@ class Job:
     def end_input(self, snapshot: Snapshot | None) -> None:
         self.snapshot = snapshot
         self.pieces.put(_END)
-        self.staged.set()
 
     def drain(self) -> None:
         """Give back every buffer still queued, up to the caller's last piece."""
-        while True:
+        while not self.input_ended:
             item = self.pieces.get()
             if item is _END:
-                return
-            if item.buffer is not None:
+                self.input_ended = True
+            elif item.buffer is not None:
                 self.pool.give(item.buffer)
 
 
@@ -271,18 +270,16 @@ def write_staged(
     Chunks the caller did not copy (changed-chunk staging) must still be
     present: they are checked under the save lock the caller of this holds.
     """
-    if job.fits:
-        # Nothing to wait for buffers: hashing now would only take CPU from the
-        # caller's copy, lengthening the stall it is there to shorten.
-        job.staged.wait()
     if job.options.stagger_s and world > 1:
         time.sleep(job.options.stagger_s * rank / world)
     started = time.perf_counter()
     batch = _Batch(job, chunk_size, [[] for _ in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
     while not batch.ended:
-        result = backend.put_many(Namespace.CHUNKS, batch.items())
-        batch.give_back()  # durable now: the buffers may take the next pieces
+        try:
+            result = backend.put_many(Namespace.CHUNKS, batch.items())
+        finally:
+            batch.give_back()  # durable now (or failed): the buffers may take the next pieces
         stats.new_chunks += result.written
         stats.new_bytes += result.written_bytes
         stats.reused_chunks += batch.chunks - result.written
@@ -326,7 +323,7 @@ class _Batch:
         while self.bytes < self.limit:
             piece = self.job.pieces.get()
             if piece is _END:
-                self.ended = True
+                self.ended = self.job.input_ended = True
                 return
             self.held.append(piece)
             if piece.buffer is None:
@@ -458,8 +455,7 @@ class Background:
             job.failed.set()
             self.known.clear()  # what the failed save wrote may be incomplete
         finally:
-            if job.snapshot is None or error is not None:
-                job.drain()
+            job.drain()  # a failed writer leaves pieces queued; their buffers go back
             job.pending.peak_staging_bytes = self.pool.peak
             self.pool.trim()
         self.counters["published" if error is None else "failed"] += 1
