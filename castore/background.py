@@ -34,6 +34,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -388,6 +389,7 @@ class Background:
         self._current: PendingSave | None = None
         self._last: PendingSave | None = None
         self._lock = threading.Lock()
+        self._turn = threading.Lock()  # held by the thread whose save is being set up
         self._jobs: queue.Queue[tuple[Job, Callable[[Job], Generation]] | None] = queue.Queue()
         self._writer: tuple[int, threading.Thread] | None = None
         # The writer thread ends when the handle closes, or is dropped unclosed.
@@ -402,22 +404,39 @@ class Background:
     def raise_unobserved(self) -> None:
         """Raise the error of the last save if nobody has seen it yet (once)."""
         last = self._last
-        error = None if last is None else last._unobserved_error
-        if error is not None:
-            last._observed = True  # after reading it: observed, the property says None
-            raise error
+        if last is None or (error := last._unobserved_error) is None:
+            return
+        last._observed = True  # after reading it: observed, the property says None
+        raise error
 
-    def settle(self, if_busy: str, run: str, step: int) -> PendingSave | None:
-        """Before a save: wait for the one in flight, or return a skipped handle."""
+    @contextmanager
+    def turn(self, if_busy: str, agree: Callable[[bool], bool] = bool) -> Iterator[bool]:
+        """This thread's turn to save on this handle; yields False when the save is skipped.
+
+        One save at a time, from any thread: the turn is held from before the
+        check for a save in flight until the caller's save is started (async)
+        or done (blocking). ``"wait"`` waits for the save in flight; ``"skip"``
+        skips if this handle is busy, or if ``agree`` (the ranks' decision, given
+        this one's) says so. The turn then raises an error nobody has seen.
+        """
         if if_busy not in IF_BUSY:
             raise ValueError(f"if_busy must be one of {IF_BUSY}, got {if_busy!r}")
-        current = self.in_flight()
-        if current is not None:
-            if if_busy == "skip":
-                return self.skip(run, step)
-            current.wait()
-        self.raise_unobserved()
-        return None
+        if if_busy == "skip":
+            taken = self._turn.acquire(blocking=False)
+            if agree(not taken or self.in_flight() is not None):
+                if taken:
+                    self._turn.release()
+                yield False
+                return
+        else:
+            self._turn.acquire()
+        try:
+            if (current := self.in_flight()) is not None:
+                current.wait()
+            self.raise_unobserved()
+            yield True
+        finally:
+            self._turn.release()
 
     def skip(self, run: str, step: int) -> PendingSave:
         self.counters["skipped"] += 1

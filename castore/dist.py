@@ -34,7 +34,6 @@ from castore._comm import (
     rebuild,
 )
 from castore.background import (
-    IF_BUSY,
     AsyncOptions,
     Job,
     PendingSave,
@@ -185,11 +184,11 @@ def save(
         )
     if if_busy != "wait":
         raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
-    store.background.settle("wait", run, step)
     comm = Group(group, coordinator, timeout)
     before = store.ref_or_problem(run)
     try:
-        return _save_in_group(store, state, comm, run, step, metadata, data_order)
+        with store.background.turn("wait"):
+            return _save_in_group(store, state, comm, run, step, metadata, data_order)
     except KeyboardInterrupt as interrupt:
         # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
         note = store.interrupted_note(run, before, publisher=comm.is_coordinator)
@@ -222,19 +221,30 @@ def _save_in_group(
             midway_fault="dist.worker_mid_shard",
         )
         store.background.known = digests_of(shard.manifest)  # for a changed-chunk save next
-        return _commit_shard(store, shard)
+        return _commit_shard(store, shard, started)
 
     digest = _commit_in_group(store, comm, run, step, prepared, failure, write, started)
     return Generation.from_root(digest, store.read_root(digest, run=run))
 
 
-def _commit_shard(store: Store, shard: ShardWrite) -> dict[str, Any]:
-    """Commit this rank's shard manifest; the ack the coordinator gathers."""
+def _commit_shard(store: Store, shard: ShardWrite, started: float) -> dict[str, Any]:
+    """Commit this rank's shard manifest; the ack the coordinator gathers.
+
+    ``elapsed``: seconds since this rank's call, so the root's ``seconds`` cover
+    the rank that called first (the coordinator's clock alone may start later).
+    """
     commit_objects(store, [(shard.digest, shard.data)])
     fault_point("dist.worker_before_ack")
     chunks = sum(len(e.chunks) for e in shard.manifest.tensors + shard.manifest.local_tensors)
     written = shard.stats.new_bytes + len(shard.data)
-    return {"shard": shard.digest, "chunks": chunks, "written": written, **vars(shard.stats)}
+    elapsed = time.perf_counter() - started
+    return {
+        "shard": shard.digest,
+        "chunks": chunks,
+        "written": written,
+        "elapsed": elapsed,
+        **vars(shard.stats),
+    }
 
 
 def _commit_in_group(
@@ -324,18 +334,41 @@ def _save_async(
     over castore's writer group, so it never meets training's collectives.
     """
     started = time.perf_counter()
-    if if_busy not in IF_BUSY:
-        raise ValueError(f"if_busy must be one of {IF_BUSY}, got {if_busy!r}")
     writer_group, control_group = own_groups(group)
     background = store.background
-    if if_busy == "skip":
+
+    def agree(busy: bool) -> bool:
+        """Skip if any rank is busy: every rank must take the same decision."""
         control = Group(control_group, coordinator, timeout)
-        busy = control.all_gather(background.in_flight() is not None, "save: busy")
-        if any(busy):
+        return any(control.all_gather(busy, "save: busy"))
+
+    with background.turn(if_busy, agree) as ours:
+        if not ours:
             return background.skip(run, step)
-    background.settle("wait", run, step)
-    comm = Group(writer_group, coordinator, timeout)
-    pending = PendingSave(run, step, started=started)
+        comm = Group(writer_group, coordinator, timeout)
+        return _start_async(
+            store,
+            state,
+            comm,
+            PendingSave(run, step, started=started),
+            metadata,
+            data_order,
+            options,
+        )
+
+
+def _start_async(
+    store: Store,
+    state: Any,
+    comm: Group,
+    pending: PendingSave,
+    metadata: dict[str, Any] | None,
+    data_order: dict[str, Any] | None,
+    options: AsyncOptions,
+) -> PendingSave:
+    """Prepare and stage this rank's state; its writer thread runs the commit."""
+    run, step, started = pending.run, pending.step, pending._started
+    background = store.background
 
     def prepare() -> _Prepared:
         validate_run_name(run)
@@ -371,7 +404,8 @@ def _save_async(
                 local_tensors=written.entries[len(leaves) - len(local) :],
                 stats=written.stats,
             )
-            ack = _commit_shard(store, shard)
+            ack = _commit_shard(store, shard, started)
+            clock[0] = time.perf_counter()
             pending.bytes = SaveBytes(
                 written.stats.logical_bytes,
                 pending.staged_bytes,
@@ -381,8 +415,10 @@ def _save_async(
             return {**ack, "held": pending.timings.get("held", 0.0)}
 
         digest = _commit_in_group(store, comm, run, step, prepared, failure, write, started)
+        pending.timings["publish"] = time.perf_counter() - clock[0]
         return Generation.from_root(digest, store.read_root(digest, run=run))
 
+    clock = [0.0]  # when this rank's shard was committed: the publish is timed from there
     if failure is not None:
         # The other ranks learn of it from the writer's first message, not by timing out.
         report_failure(background, pending, options, body)
@@ -455,7 +491,7 @@ def _validate_and_publish(
             metadata=prepared.metadata,
             stats=root_stats(
                 stats,
-                time.perf_counter() - started,
+                max([time.perf_counter() - started] + [ack["elapsed"] for ack in acks]),
                 checked.tensors,
                 written_bytes=sum(ack["written"] for ack in acks),
                 held_seconds=max(held) if held else None,

@@ -225,9 +225,25 @@ class Store:
         check_step(step)
         if blocking and if_busy != "wait":
             raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
-        skipped = self.background.settle(if_busy, run, step)
-        if skipped is not None:
-            return skipped
+        with self.background.turn(if_busy) as ours:
+            if not ours:
+                return self.background.skip(run, step)
+            return self._save_in_turn(
+                state, run, step, metadata, data_order, progress, blocking, async_options, started
+            )
+
+    def _save_in_turn(
+        self,
+        state: Any,
+        run: str,
+        step: int,
+        metadata: dict[str, Any] | None,
+        data_order: dict[str, Any] | None,
+        progress: bool,
+        blocking: bool,
+        async_options: AsyncOptions | None,
+        started: float,
+    ) -> Any:
         encoded = encode_state(state, defer_device=not blocking)
         for leaf in encoded.leaves:
             if leaf.sharded:

@@ -76,12 +76,6 @@ def test_an_async_multi_rank_generation_records_the_bytes_written_and_the_time_h
         assert 0 < rank["timings"]["held"] < rank["timings"]["total"], rank["timings"]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a multi-rank root's held_seconds is the longest any rank was held, timed from "
-    "that rank's call, but its seconds are timed from the coordinator's call (castore/dist.py): "
-    "a rank that calls first is 'held' longer than the whole save took",
-)
 def test_a_multi_rank_root_never_says_a_rank_was_held_longer_than_the_save(
     scenarios: dict[str, Any],
 ) -> None:
@@ -91,11 +85,6 @@ def test_a_multi_rank_root_never_says_a_rank_was_held_longer_than_the_save(
     assert stats.held_seconds <= stats.seconds, stats
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="castore.dist async saves set no timings['publish'] (castore/dist.py _save_async); "
-    "Store.save's async saves do",
-)
 def test_an_async_multi_rank_save_times_every_phase(scenarios: dict[str, Any]) -> None:
     for rank in scenarios["mutate"]:
         assert set(PHASES) <= set(rank["timings"]), rank["timings"]
