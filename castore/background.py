@@ -66,6 +66,10 @@ from castore.staging import (
 from castore.tree import EncodedTree, TensorLeaf, encode_local_state
 
 IF_BUSY = ("wait", "skip")
+# Changed-chunk staging stages whole when more than this fraction of the chunks of
+# the handle's last save differed from the save before: hashing on the caller's
+# thread then costs more than the copy it saves (under AdamW every chunk changes).
+CHANGED_FALLBACK = 0.5
 # The single-process save's publish points, reached on the writer thread while
 # the caller trains on.
 ASYNC_FAULTS = PublishFaults(
@@ -140,6 +144,7 @@ class PendingSave:
         # (time.monotonic(), bytes) as each chunk was handed to storage: write rates.
         self.timeline: list[tuple[float, int]] = []
         self.staged_bytes = 0
+        self.staging = "full"  # how this save staged: "changed" unless it fell back
         self._started = time.perf_counter() if started is None else started
         self._finished = threading.Event()
         self._generation: Generation | None = None
@@ -385,6 +390,10 @@ class Background:
         self.name = name
         self.pool = StagingPool()
         self.known: set[bytes] = set()  # chunks this handle's last save stored
+        # Of the last save's chunks, the fraction not in the save before it (None: no
+        # save before it): above CHANGED_FALLBACK, changed-chunk staging would hash for
+        # nothing, so the next save stages whole.
+        self.change_rate: float | None = None
         self.counters = {"started": 0, "published": 0, "failed": 0, "skipped": 0}
         self._current: PendingSave | None = None
         self._last: PendingSave | None = None
@@ -396,6 +405,18 @@ class Background:
         self.stop_writer = weakref.finalize(self, self._jobs.put, None)
         self.exit_wait_s = AsyncOptions.exit_wait_s
         _LIVE.add(self)
+
+    def remember(self, digests: set[bytes]) -> None:
+        """The chunks this handle's last save stored, for the next changed-chunk save."""
+        before, self.known = self.known, digests
+        self.change_rate = len(digests - before) / len(digests) if before and digests else None
+
+    def staging_for(self, requested: str) -> str:
+        """How the next save stages: ``"changed"`` only when it can skip copying something."""
+        if requested == "changed" and self.known:
+            if self.change_rate is None or self.change_rate <= CHANGED_FALLBACK:
+                return "changed"
+        return "full"
 
     def in_flight(self) -> PendingSave | None:
         current = self._current
@@ -473,7 +494,7 @@ class Background:
         except BaseException as exc:  # noqa: BLE001 - handed to the handle, never lost
             error = exc
             job.failed.set()
-            self.known.clear()  # what the failed save wrote may be incomplete
+            self.remember(set())  # what the failed save wrote may be incomplete
         finally:
             job.drain()  # a failed writer leaves pieces queued; their buffers go back
             job.pending.peak_staging_bytes = self.pool.peak
@@ -520,6 +541,7 @@ def run_async(
     background.pool.configure(limit)
     background.pool.reset_peak()
     job = Job(pending, background.pool, options, fits=total <= limit)
+    pending.staging = background.staging_for(options.staging)
     # A state that fits is staged before the writer starts, so the writer takes
     # neither the GIL nor a core from the copy; one that does not fit is written
     # as it is staged, the writer freeing the buffers the copy waits for.
@@ -531,7 +553,7 @@ def run_async(
             leaves,
             chunk_size=chunk_size,
             pool=background.pool,
-            mode=options.staging,
+            mode=pending.staging,
             known=background.known,
             hand=staged.append if job.fits else job.hand,
             aborted=job.failed.is_set,
@@ -615,7 +637,7 @@ def save_async(
                 extra_objects=((shard.digest, shard.data),),
             )
         pending.timings["publish"] = time.perf_counter() - clock
-        background.known = written.seen
+        background.remember(written.seen)
         pending.bytes = SaveBytes(
             logical=written.stats.logical_bytes,
             staged=pending.staged_bytes,

@@ -220,7 +220,7 @@ def _save_in_group(
             own=mine,
             midway_fault="dist.worker_mid_shard",
         )
-        store.background.known = digests_of(shard.manifest)  # for a changed-chunk save next
+        store.background.remember(digests_of(shard.manifest))  # for a changed-chunk save next
         return _commit_shard(store, shard, started)
 
     digest = _commit_in_group(store, comm, run, step, prepared, failure, write, started)
@@ -394,7 +394,7 @@ def _start_async(
                 world=comm.world_size,
                 midway_fault="dist.worker_mid_shard",
             )
-            store.background.known = written.seen
+            store.background.remember(written.seen)
             shard = build_shard(
                 run=run,
                 generation=generation,

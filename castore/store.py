@@ -342,7 +342,7 @@ class Store:
             self, encoded, run=run, generation=generation, rank=0, progress=progress
         )
         manifest = shard.manifest
-        self.background.known = digests_of(manifest)  # for a changed-chunk async save next
+        self.background.remember(digests_of(manifest))  # for a changed-chunk save next
         root = make_root(
             run=run,
             generation=generation,

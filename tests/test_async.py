@@ -433,6 +433,31 @@ def test_changed_chunk_staging_copies_exactly_the_changed_chunks(store: Store) -
     assert_latest_holds(store, expected)
 
 
+def test_changed_chunk_staging_stages_whole_while_most_chunks_change_and_returns_after(
+    store: Store,
+) -> None:
+    """Hashing on the caller's thread pays only if most chunks are unchanged (CHANGED_FALLBACK)."""
+    state = array_state(20 * CHUNK)
+    changed = AsyncOptions(staging="changed")
+
+    def save(step: int) -> str:
+        pending = store.save(state, run=RUN, step=step, blocking=False, async_options=changed)
+        assert pending.result(timeout=30) is not None
+        assert_latest_holds(store, frozen(state))
+        return pending.staging
+
+    modes = [save(1)]  # nothing known yet: whole
+    state["x"] += 1.0  # every chunk changes...
+    modes.append(save(2))  # ...after a save with no save before it: changed, staging all
+    state["x"] += 1.0
+    modes.append(save(3))  # the last save changed every chunk: whole
+    state["x"][: CHUNK // 4] += 1.0  # one chunk of 20 changes
+    modes.append(save(4))  # still whole: save 3 changed every chunk of save 2
+    state["x"][: CHUNK // 4] += 1.0
+    modes.append(save(5))  # save 4 changed 1 of 20: changed again
+    assert modes == ["full", "changed", "full", "full", "changed"]
+
+
 def test_a_chunk_collected_since_the_last_save_fails_a_changed_save_then_all_is_staged(
     store: Store, store_path: Path
 ) -> None:
