@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, overload
 
 import msgpack
 
@@ -139,6 +139,60 @@ def _assign_replicated(replicated: list[tuple[str, int]], loads: list[int]) -> d
     return owners
 
 
+@overload
+def save(
+    store: Store,
+    state: Any,
+    *,
+    run: str,
+    step: int,
+    metadata: dict[str, Any] | None = None,
+    data_order: dict[str, Any] | None = None,
+    group: Any = None,
+    coordinator: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+    blocking: Literal[True] = True,
+    if_busy: str = "wait",
+    async_options: AsyncOptions | None = None,
+) -> Generation: ...
+
+
+@overload
+def save(
+    store: Store,
+    state: Any,
+    *,
+    run: str,
+    step: int,
+    metadata: dict[str, Any] | None = None,
+    data_order: dict[str, Any] | None = None,
+    group: Any = None,
+    coordinator: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+    blocking: Literal[False],
+    if_busy: str = "wait",
+    async_options: AsyncOptions | None = None,
+) -> PendingSave: ...
+
+
+@overload
+def save(
+    store: Store,
+    state: Any,
+    *,
+    run: str,
+    step: int,
+    metadata: dict[str, Any] | None = None,
+    data_order: dict[str, Any] | None = None,
+    group: Any = None,
+    coordinator: int = 0,
+    timeout: float = DEFAULT_TIMEOUT,
+    blocking: bool = ...,
+    if_busy: str = "wait",
+    async_options: AsyncOptions | None = None,
+) -> Generation | PendingSave: ...
+
+
 def save(
     store: Store,
     state: Any,
@@ -153,7 +207,7 @@ def save(
     blocking: bool = True,
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
-) -> Any:
+) -> Generation | PendingSave:
     """Save every rank's ``state`` as one generation of ``run`` (a collective call).
 
     Returns the same :class:`~castore.Generation` on every rank, or raises on

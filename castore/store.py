@@ -24,7 +24,7 @@ import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, overload
 
 from castore import history, reading
 from castore.background import AsyncOptions, Background, PendingSave, save_async
@@ -192,6 +192,36 @@ class Store:
 
     # -- save -------------------------------------------------------------
 
+    @overload
+    def save(
+        self,
+        state: Any,
+        *,
+        run: str,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        data_order: dict[str, Any] | None = None,
+        progress: bool = False,
+        blocking: Literal[True] = True,
+        if_busy: str = "wait",
+        async_options: AsyncOptions | None = None,
+    ) -> Generation: ...
+
+    @overload
+    def save(
+        self,
+        state: Any,
+        *,
+        run: str,
+        step: int,
+        metadata: dict[str, Any] | None = None,
+        data_order: dict[str, Any] | None = None,
+        progress: bool = False,
+        blocking: Literal[False],
+        if_busy: str = "wait",
+        async_options: AsyncOptions | None = None,
+    ) -> PendingSave: ...
+
     def save(
         self,
         state: Any,
@@ -204,7 +234,7 @@ class Store:
         blocking: bool = True,
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
-    ) -> Any:
+    ) -> Generation | PendingSave:
         """Save ``state`` as the next generation of ``run`` and publish it atomically.
 
         ``data_order`` (a map of plain values) is recorded in the root; see
