@@ -38,7 +38,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from castore.chunkio import WRITE_BATCH_BYTES, WriteStats, cut_chunks, digests_in_order
+from castore import chunkio
+from castore.chunkio import WriteStats, cut_chunks, digests_in_order
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
     PublishFaults,
@@ -311,7 +312,8 @@ class _Batch:
         self.chunk_size = chunk_size
         self.digests = digests  # per leaf, every chunk so far
         self.unstaged: list[bytes] = []  # chunks the caller did not copy
-        self.limit = max(1, min(WRITE_BATCH_BYTES, job.pool.limit // 2))
+        # Read at each save (not imported): crash tests shrink it to get several batches.
+        self.limit = max(1, min(chunkio.WRITE_BATCH_BYTES, job.pool.limit // 2))
         self.throttle = Throttle(job.options.max_write_bytes_per_s)
         self.inline = job.options.hash_threads == 1
         self.ended = False
@@ -686,7 +688,10 @@ def _writer_loop(
         if background is None:
             return
         background._run(*item)
-        del background  # hold no reference between jobs: a dropped handle may go
+        # Hold nothing between jobs: a dropped handle may go, and a finished job's
+        # closure holds castore's process groups (kept past destroy_process_group,
+        # a gloo group made the process abort at exit).
+        del background, item
 
 
 _LIVE: weakref.WeakSet[Background] = weakref.WeakSet()
