@@ -689,7 +689,11 @@ def _survivors(crash: Launch, armed: int | None, scenario_dir: Path) -> tuple[st
         )
         if rank in crash.killed_by_drill:
             end = "killed by drill"
-            problems.append(f"rank {rank} still ran {GRACE:g}s past its save timeout")
+            stuck = _stuck_at(scenario_dir / f"crash-{rank}.log")
+            problems.append(
+                f"rank {rank} still ran {GRACE:g}s past its save timeout; its threads' "
+                f"innermost castore frames: {stuck}"
+            )
         elif result is None:
             end = f"exit {crash.returncodes[rank]}"
             problems.append(f"rank {rank} died without a result (exit {crash.returncodes[rank]})")
@@ -713,6 +717,25 @@ def _survivors(crash: Launch, armed: int | None, scenario_dir: Path) -> tuple[st
     if latest is not None and crash.armed_died_at is not None:
         text += f" in {max(0.0, latest - crash.armed_died_at):.2f}s"
     return text, problems
+
+
+def _stuck_at(log: Path) -> str:
+    """Each thread's innermost castore frame in the faulthandler dump of a stuck rank."""
+    if not log.exists():
+        return "no log"
+    frames: list[str] = []
+    found: str | None = None
+    for line in log.read_text(errors="replace").splitlines():
+        text = line.strip()
+        if text.startswith(("Thread 0x", "Current thread")):
+            frames += [found] if found else []
+            found = None
+        elif found is None and text.startswith("File ") and "/castore/" in text:
+            # File "/.../castore/background.py", line 222 in drain (innermost first)
+            path, _, where = text[len('File "') :].partition('", line ')
+            found = f"{Path(path).name}:{where.replace(' in ', ' ')}"
+    frames += [found] if found else []
+    return "; ".join(frames) or "none"
 
 
 def _mid_shard_evidence(progress: Path) -> tuple[str, bool]:
