@@ -164,8 +164,6 @@ SCENARIOS = (
     Scenario("worker_mid_multipart", "blob.mid_multipart", "save", 1, "previous"),
 )
 S3_ONLY = {"worker_mid_multipart"}
-# Async saves in the writer thread: the training thread must have run on first.
-WRITER_POINTS = {"async.mid_write", "dist.coordinator_before_ref_advance"}
 BY_NAME = {s.name: s for s in SCENARIOS}
 
 
@@ -181,8 +179,7 @@ def _state_digest(job: dict[str, Any]) -> str:
 def _train(
     job: dict[str, Any], *, until: int, after_update: Any = None, then: int = 0
 ) -> dict[int, dict[str, Any]]:
-    """Train to update ``until`` and ``then`` microbatches on; per update: its
-    microbatches and the state after it."""
+    """Train to update ``until``, then ``then`` microbatches more; per update: batches, state."""
     import torch
 
     model, state, sampler = job["model"], job["state"], job["sampler"]
@@ -307,7 +304,9 @@ def _arm(config: dict[str, Any], rank: int, update: int) -> None:
     castore.faults.arm(point, "kill")
 
 
-def _hold_async_writes(config: dict[str, Any], rank: int, ran_on: dict[int, Any]) -> None:
+def _hold_async_writes(
+    config: dict[str, Any], rank: int, ran_on: dict[int, threading.Event]
+) -> None:
     """Hold each async save's chunk writes until training has run on past its save call.
 
     So the writer thread's fault points fire while training continues, never
@@ -333,7 +332,9 @@ def _hold_async_writes(config: dict[str, Any], rank: int, ran_on: dict[int, Any]
     castore.dist.write_staged = held_write  # type: ignore[assignment]
 
 
-def _train_and_save(job: dict[str, Any], store: Any, config: dict[str, Any], rank: int) -> Any:
+def _train_and_save(
+    job: dict[str, Any], store: Any, config: dict[str, Any], rank: int
+) -> dict[str, Any]:
     """The ``train`` phase: save after every update, blocking or async.
 
     Async, training runs on after each save call: a whole update before the
@@ -363,7 +364,8 @@ def _train_and_save(job: dict[str, Any], store: Any, config: dict[str, Any], ran
                 pending[update - 1].wait()
             _arm(config, rank, update)
         where[0] = "save"
-        ran_on[update] = threading.Event()
+        if not blocking:
+            ran_on[update] = threading.Event()
         options = {} if blocking else {"blocking": False}
         saved = job["state"].save(store, run=RUN, timeout=config["save_timeout"], **options)
         pending[update] = saved
@@ -413,7 +415,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         castore.chunkio.WRITE_BATCH_BYTES = config["write_batch"]
         # castore.background takes its own copy of the constant at import.
         castore.background.WRITE_BATCH_BYTES = config["write_batch"]  # type: ignore[attr-defined]
-        return _train_and_save(job, store, config, rank)  # type: ignore[no-any-return]
+        return _train_and_save(job, store, config, rank)
     # phase == "resume"
     started = float(os.environ[STARTED_ENV])
     if config["control"] == "skip-optimizer":
