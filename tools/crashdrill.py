@@ -59,8 +59,10 @@ through castore, not through DDP's all-reduce), the control a whole update;
 then each rank waits on ``PendingSave.result()``. The writer-thread faults
 fire only after the training thread has run on. The survivors must fail with
 a castore error (through ``result()`` or the save call), as in every save row;
-``async_published`` must return generation U on every rank. The evidence
-column says which thread died and how far training and the write had got.
+``async_published`` must return generation U on every rank (a rank that then
+exits non-zero, as castore's exit abort after async saves makes some do, is
+printed as a NOTE, not failed). The evidence column says which thread died
+and how far training and the write had got.
 
 ``--backend`` puts every store of the drill on the local store (LMDB, the
 default), a shared directory (``castore.open(path, shared=True)``) or S3
@@ -415,7 +417,9 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         castore.chunkio.WRITE_BATCH_BYTES = config["write_batch"]
         # castore.background takes its own copy of the constant at import.
         castore.background.WRITE_BATCH_BYTES = config["write_batch"]  # type: ignore[attr-defined]
-        return _train_and_save(job, store, config, rank)
+        trained = _train_and_save(job, store, config, rank)
+        store.close()  # as a job should: it raises an async save's error nobody saw
+        return trained
     # phase == "resume"
     started = float(os.environ[STARTED_ENV])
     if config["control"] == "skip-optimizer":
@@ -653,6 +657,7 @@ class Row:
     resumed_equal: bool = False
     recovery_seconds: float | None = None
     failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # seen, not failed: printed as NOTE
     seconds: float = 0.0
 
     @property
@@ -719,6 +724,12 @@ def _survivors(crash: Launch, armed: int | None, scenario_dir: Path) -> tuple[st
     if latest is not None and crash.armed_died_at is not None:
         text += f" in {max(0.0, latest - crash.armed_died_at):.2f}s"
     return text, problems
+
+
+def _last_line(log: Path) -> str:
+    """The last line of a rank's log that is not one of DDP's warnings."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((line for line in reversed(lines) if "reducer.cpp" not in line), "")
 
 
 def _stuck_at(log: Path) -> str:
@@ -815,6 +826,18 @@ def run_save_scenario(
         row.evidence, published = _published_evidence(crash, scenario_dir, config["updates"])
         if not published:
             row.failures.append(f"the async saves did not all publish: {row.evidence}")
+        if any(crash.returncodes):
+            # Not a crash-consistency failure (generation U is published and
+            # resumes), but a job that ends this way is seen to fail: shown, not hidden.
+            last_words = {
+                rank: _last_line(scenario_dir / f"crash-{rank}.log")
+                for rank, code in enumerate(crash.returncodes)
+                if code
+            }
+            row.notes.append(
+                f"every rank returned generation {config['updates']}, then exited "
+                f"{crash.returncodes} (-6: SIGABRT); last log lines: {last_words}"
+            )
         return store
     row.exit_code = crash.returncodes[scenario.rank]
     if row.exit_code != -signal.SIGKILL:
@@ -1089,6 +1112,8 @@ def print_table(drill: dict[str, Any]) -> None:
     for row in drill["rows"]:
         for failure in row.failures:
             print(f"FAIL {row.scenario}: {failure}")
+        for note in row.notes:
+            print(f"NOTE {row.scenario}: {note}")
     timings = drill["timings"]
     recovery = [r.recovery_seconds for r in drill["rows"] if r.recovery_seconds is not None]
     print(
