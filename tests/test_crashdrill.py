@@ -1,14 +1,17 @@
 """The crash drill (tools/crashdrill.py), run for real: --quick, and a broken control.
 
 ``--quick`` starts real gloo processes at 2 ranks, SIGKILLs one process at each
-fault point of the two-phase commit and of garbage collection, and resumes in
-fresh processes. Every row must pass: the generation a fresh reader selects is
-the expected one, the store verifies deep, and the first resumed update equals
-the uninterrupted reference bitwise. On S3 (``--backend s3``, moto), a rank
+fault point of the two-phase commit and of garbage collection, and of async
+saves (``blocking=False``) while training runs on, and resumes in fresh
+processes. Every row must pass: the generation a fresh reader selects is the
+expected one, the store verifies deep, and the first resumed update equals
+the uninterrupted reference bitwise; an async save that publishes while
+training runs on resumes bitwise too. On S3 (``--backend s3``, moto), a rank
 killed mid-multipart-upload, the coordinator killed on either side of the ref
 compare-and-swap and GC killed mid-sweep pass the same checks (the full
 matrix, and ``--backend shared``, from the CLI). The control resumes the
-weights only, so the drill must notice and exit 1.
+weights only, so the drill must notice and exit 1, on a blocking and an
+async row.
 """
 
 from __future__ import annotations
@@ -35,7 +38,12 @@ EXPECTED = {
     "coordinator_before_root": ("dist.coordinator_before_root", UPDATES - 1),
     "gc_mid_sweep": ("gc.mid_sweep", UPDATES),
     "gc_mid_chunks": ("gc.mid_chunks", UPDATES),
+    "async_mid_snapshot": ("async.mid_snapshot", UPDATES - 1),
+    "async_mid_write": ("async.mid_write", UPDATES - 1),
+    "async_acked_before_publish": ("dist.coordinator_before_ref_advance", UPDATES - 1),
 }
+# The async save of U publishes while training runs on: nothing is killed.
+ASYNC_PUBLISHED = "async_published"
 
 
 # On S3 (moto), the row only the blob backends have and the one that leaves a dead
@@ -63,10 +71,10 @@ def _drill(
 
 
 def test_quick_drill_passes_every_scenario(tmp_path: Path) -> None:
-    done, report = _drill(tmp_path)
+    done, report = _drill(tmp_path, timeout=480)  # 11 rows: ~2.5 min on a busy 2-core box
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["scenario"]: row for row in report["rows"]}
-    assert set(rows) == set(EXPECTED)
+    assert set(rows) == {*EXPECTED, ASYNC_PUBLISHED}
     for name, (point, generation) in EXPECTED.items():
         row = rows[name]
         assert row["passed"], (name, row["failures"])
@@ -79,7 +87,23 @@ def test_quick_drill_passes_every_scenario(tmp_path: Path) -> None:
         assert row["resumed_equal"], name
         assert row["recovery_seconds"] > 0, name
     assert rows["coordinator_after_ref_advance"]["garbage_left"] == {"objects": 0, "chunks": 0}
-    for line in ("PASS", "RESULT: 7/7 scenarios pass"):
+    # Async: the snapshot died on the training thread before the save call
+    # returned; the write and the publish died on the writer thread once training
+    # had run on, and the survivor learnt it from result().
+    assert "MainThread died staging" in rows["async_mid_snapshot"]["evidence"]
+    for name in ("async_mid_write", "async_acked_before_publish"):
+        assert "writer thread died" in rows[name]["evidence"], name
+        assert "1 microbatch trained on" in rows[name]["evidence"], name
+        assert "via result()" in rows[name]["survivors"], name
+    assert "B durable" in rows["async_mid_write"]["evidence"]  # some, not all (checked)
+    published = rows[ASYNC_PUBLISHED]
+    assert published["passed"], published["failures"]
+    # Its exit code is not asserted: after async saves a rank may still die by
+    # SIGABRT at interpreter exit (a castore bug; the drill prints it as a NOTE).
+    assert published["selected"] == published["resumed_generation"] == UPDATES
+    assert published["verify"] and published["all_listed_load"] and published["resumed_equal"]
+    assert "result() gave [3]" in published["evidence"]
+    for line in ("PASS", f"RESULT: {len(rows)}/{len(rows)} scenarios pass"):
         assert line in done.stdout
 
 
@@ -115,14 +139,16 @@ def test_blob_only_rows_are_refused_on_other_backends(tmp_path: Path) -> None:
 
 
 def test_broken_control_fails_the_drill(tmp_path: Path) -> None:
-    done, report = _drill(
-        tmp_path, "--scenarios", "coordinator_after_ref_advance", "--control", "skip-optimizer"
-    )
+    scenarios = f"coordinator_after_ref_advance,{ASYNC_PUBLISHED}"
+    done, report = _drill(tmp_path, "--scenarios", scenarios, "--control", "skip-optimizer")
     assert done.returncode == 1, done.stdout + done.stderr
-    (row,) = report["rows"]
-    # The crash and the reader are as in the real drill; only the resume is wrong.
-    assert row["selected"] == UPDATES and row["verify"]
-    assert not row["resumed_equal"]
-    assert not row["passed"]
-    assert any("differs from the reference" in f for f in row["failures"])
+    assert len(report["rows"]) == 2
+    for row in report["rows"]:
+        # The crash and the reader are as in the real drill; only the resume is wrong.
+        assert row["selected"] == UPDATES and row["verify"], row["scenario"]
+        assert not row["resumed_equal"], row["scenario"]
+        assert not row["passed"], row["scenario"]
+        assert [f for f in row["failures"] if "differs from the reference" in f] == row[
+            "failures"
+        ], row["scenario"]
     assert "FAIL" in done.stdout

@@ -12,10 +12,11 @@ run "drill" hold updates 1..U. Then, per scenario:
    itself at that point of the two-phase commit. Worker points arm rank 1,
    coordinator points rank 0. The other ranks must fail on their own with a
    castore error (none may return from the save, none may outlive
-   ``--save-timeout`` by 10 s; the drill SIGKILLs and fails any that do). GC
-   points instead let the job finish its U saves, then run the CLI's
-   ``castore gc STORE --keep 2`` (``castore.cli.main``) in a fresh process
-   with ``CASTORE_FAULTS=<point>=kill``.
+   ``--save-timeout`` by 10 s; the drill dumps their stacks to their logs,
+   SIGKILLs them and fails the row). GC points instead let the job finish its
+   U saves, then run the CLI's ``castore gc STORE --keep 2``
+   (``castore.cli.main``) in a fresh process with
+   ``CASTORE_FAULTS=<point>=kill``.
 2. read: a fresh process opens the store and resolves "latest" (the
    generation a resume selects), runs ``verify_store(deep=True)`` (every chunk
    re-hashed) and restores every generation still listed.
@@ -40,6 +41,28 @@ Scenarios and the generation a fresh reader must select:
   worker_mid_multipart  blob.mid_multipart on rank 1: its first pack's first
                         part uploaded, the upload never completed  -> U-1
                         (--backend s3 only)
+  async_mid_snapshot    async.mid_snapshot on rank 1's training thread,
+                        staging its first tensor                   -> U-1
+  async_mid_write       async.mid_write on rank 1's writer thread, after its
+                        first committed write batch of several     -> U-1
+  async_acked_before_publish  dist.coordinator_before_ref_advance on rank
+                        0's writer thread: every rank acked        -> U-1
+  async_published       no fault: the async save of U publishes    -> U
+
+The async rows save every update with ``TrainState.save(..., blocking=False)``
+and train on while each save is in flight: the job runs a whole update past
+each save call before that save's writer may write a chunk (the drill holds
+the write), so every generation, U-1 included, is written after the next
+optimizer step has changed the live tensors. After the save of U a crash row
+trains one microbatch more (under ``no_sync``: a dead peer must surface
+through castore, not through DDP's all-reduce), the control a whole update;
+then each rank waits on ``PendingSave.result()``. The writer-thread faults
+fire only after the training thread has run on. The survivors must fail with
+a castore error (through ``result()`` or the save call), as in every save row;
+``async_published`` must return generation U on every rank (a rank that then
+exits non-zero, as castore's exit abort after async saves makes some do, is
+printed as a NOTE, not failed). The evidence column says which thread died
+and how far training and the write had got.
 
 ``--backend`` puts every store of the drill on the local store (LMDB, the
 default), a shared directory (``castore.open(path, shared=True)``) or S3
@@ -63,7 +86,7 @@ collection again without the fault: it must finish the sweep (no garbage
 left, the store still verifies).
 
 The table has one row per scenario; the exit status is 1 if any row fails.
-``--quick`` (2 ranks, 3 updates, every scenario) takes about a minute on a
+``--quick`` (2 ranks, 3 updates, every scenario) takes about two minutes on a
 2-core machine. ``--control skip-optimizer`` is a broken control: the resume
 restores only the weights (``castore.train.load_weights``) and the data
 position, so its rows must FAIL the bitwise comparison.
@@ -72,6 +95,7 @@ position, so its rows must FAIL the bitwise comparison.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -80,7 +104,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,10 +128,11 @@ STARTED_ENV = "CRASHDRILL_STARTED"
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    point: str
+    point: str  # "" for the async control: nothing is armed
     kind: str  # "save" (armed in one rank of the job) or "gc" (armed in castore gc)
-    rank: int | None  # the rank whose process dies (None: the collector)
+    rank: int | None  # the rank whose process dies (None: the collector or nobody)
     expect: str  # "previous" (U-1) or "new" (U)
+    blocking: bool = True  # False: every save of the job is async (blocking=False)
 
 
 SCENARIOS = (
@@ -124,6 +151,17 @@ SCENARIOS = (
     Scenario("coordinator_before_root", "dist.coordinator_before_root", "save", 0, "previous"),
     Scenario("gc_mid_sweep", "gc.mid_sweep", "gc", None, "new"),
     Scenario("gc_mid_chunks", "gc.mid_chunks", "gc", None, "new"),
+    Scenario("async_mid_snapshot", "async.mid_snapshot", "save", 1, "previous", blocking=False),
+    Scenario("async_mid_write", "async.mid_write", "save", 1, "previous", blocking=False),
+    Scenario(
+        "async_acked_before_publish",
+        "dist.coordinator_before_ref_advance",
+        "save",
+        0,
+        "previous",
+        blocking=False,
+    ),
+    Scenario("async_published", "", "save", None, "new", blocking=False),
     # S3 only: rank 1 dies between the first part of a pack and the upload's completion.
     Scenario("worker_mid_multipart", "blob.mid_multipart", "save", 1, "previous"),
 )
@@ -141,18 +179,21 @@ def _state_digest(job: dict[str, Any]) -> str:
 
 
 def _train(
-    job: dict[str, Any], *, until: int, after_update: Any = None
+    job: dict[str, Any], *, until: int, after_update: Any = None, then: int = 0
 ) -> dict[int, dict[str, Any]]:
-    """Train to update ``until``; per update: its microbatches and the state after it."""
-    import contextlib
-
+    """Train to update ``until``, then ``then`` microbatches more; per update: batches, state."""
     import torch
 
     model, state, sampler = job["model"], job["state"], job["sampler"]
     optimizer, scheduler, scaler = job["optimizer"], job["scheduler"], job["scaler"]
     updates: dict[int, dict[str, Any]] = {}
     epoch = sampler.epoch
-    while state.update < until:
+    stop = until * resume_parity.ACCUMULATION + then  # in microbatches
+
+    def position() -> int:
+        return state.update * resume_parity.ACCUMULATION + state.microbatch
+
+    while position() < stop:
         sampler.set_epoch(epoch)  # keeps a just-loaded position of this epoch
         for ids, x, y in job["loader"]:
             last = state.microbatch + 1 == resume_parity.ACCUMULATION
@@ -177,8 +218,8 @@ def _train(
                 record["at"] = time.time()
                 if after_update is not None:
                     after_update(state.update)
-                if state.update >= until:
-                    return updates
+            if position() >= stop:
+                return updates
         epoch += 1
     return updates
 
@@ -189,6 +230,55 @@ def _note(path: Path, entry: dict[str, Any]) -> None:
         handle.write(json.dumps(entry) + "\n")
 
 
+def _progress(config: dict[str, Any], rank: int) -> Path:
+    return Path(config["workdir"], f"progress-{rank}.jsonl")
+
+
+@contextlib.contextmanager
+def _noting_batches(backend: Any, progress: Path) -> Iterator[None]:
+    """Note the bytes of each committed batch of chunks ``backend`` writes meanwhile."""
+    from castore.chunkstore.base import Namespace
+
+    put_many = backend.put_many
+
+    def watched_put(namespace: Any, items: Any) -> Any:
+        sizes: list[int] = []
+
+        def tee() -> Any:
+            for key, value in items:
+                sizes.append(memoryview(value).nbytes)
+                yield key, value
+
+        result = put_many(namespace, tee())
+        if namespace is Namespace.CHUNKS:
+            _note(progress, {"committed_bytes": sum(sizes)})
+        return result
+
+    backend.put_many = watched_put
+    try:
+        yield
+    finally:
+        del backend.put_many
+
+
+def _noting_thread(point: str, progress: Path) -> None:
+    """Note the thread that reaches ``point`` (the caller's or the writer's), then go on."""
+    import castore.faults
+
+    real = castore.faults.fault_point
+
+    def noted(name: str) -> None:
+        if name == point:
+            thread = threading.current_thread().name
+            _note(progress, {"fault": name, "thread": thread, "at": time.time()})
+        real(name)
+
+    # Each castore module holds its own reference to fault_point.
+    for module in list(sys.modules.values()):
+        if module.__name__.startswith("castore") and getattr(module, "fault_point", None) is real:
+            module.fault_point = noted  # type: ignore[attr-defined]
+
+
 def _arm(config: dict[str, Any], rank: int, update: int) -> None:
     """Arm the scenario's fault point in this process, and watch how far the save gets."""
     import castore.chunkio
@@ -196,12 +286,10 @@ def _arm(config: dict[str, Any], rank: int, update: int) -> None:
     import castore.faults
 
     point = config["point"]
-    progress = Path(config["workdir"], f"progress-{rank}.jsonl")
+    progress = _progress(config, rank)
     _note(progress, {"armed": point, "update": update})
     if point == "dist.worker_mid_shard":
         # Observation only: record the shard's size and each committed batch.
-        from castore.chunkstore.base import Namespace
-
         write_leaves = castore.commit.write_leaves
 
         def watched_write(backend: Any, leaves: Any, chunk_size: int, **kwargs: Any) -> Any:
@@ -209,39 +297,114 @@ def _arm(config: dict[str, Any], rank: int, update: int) -> None:
             _note(
                 progress, {"shard_bytes": total, "batch_bytes": castore.chunkio.WRITE_BATCH_BYTES}
             )
-            put_many = backend.put_many
-
-            def watched_put(namespace: Any, items: Any) -> Any:
-                sizes: list[int] = []
-
-                def tee() -> Any:
-                    for key, value in items:
-                        sizes.append(memoryview(value).nbytes)
-                        yield key, value
-
-                result = put_many(namespace, tee())
-                if namespace is Namespace.CHUNKS:
-                    _note(progress, {"committed_bytes": sum(sizes)})
-                return result
-
-            backend.put_many = watched_put
-            try:
+            with _noting_batches(backend, progress):
                 return write_leaves(backend, leaves, chunk_size, **kwargs)
-            finally:
-                del backend.put_many
 
         castore.commit.write_leaves = watched_write  # type: ignore[assignment]
+    if not config["blocking"]:
+        _noting_thread(point, progress)
     castore.faults.arm(point, "kill")
+
+
+def _hold_async_writes(
+    config: dict[str, Any], rank: int, ran_on: dict[int, threading.Event]
+) -> None:
+    """Hold each async save's chunk writes until training has run on past its save call.
+
+    So the writer thread's fault points fire while training continues, never
+    before the caller's next step changed the live tensors, and every row's
+    generation U-1 is written after update U's optimizer step (the snapshot
+    alone may hold its bytes). The last save's write notes its batches.
+    """
+    import castore.dist
+    from castore.staging import state_bytes
+
+    write_staged = castore.dist.write_staged
+    progress = _progress(config, rank)
+
+    def held_write(backend: Any, job: Any, leaves: Any, chunk_size: int, **kwargs: Any) -> Any:
+        step = job.pending.step
+        held = ran_on[step].wait(config["save_timeout"])
+        if step != config["updates"]:
+            return write_staged(backend, job, leaves, chunk_size, **kwargs)
+        _note(progress, {"write_held": held, "shard_bytes": state_bytes(leaves)})
+        with _noting_batches(backend, progress):
+            return write_staged(backend, job, leaves, chunk_size, **kwargs)
+
+    castore.dist.write_staged = held_write  # type: ignore[assignment]
+
+
+def _train_and_save(
+    job: dict[str, Any], store: Any, config: dict[str, Any], rank: int
+) -> dict[str, Any]:
+    """The ``train`` phase: save after every update, blocking or async.
+
+    Async, training runs on after each save call: a whole update before the
+    next save, and after the last save (U) one more microbatch (kept local by
+    ``no_sync``: a dead peer must surface through castore, not through DDP's
+    all-reduce), or, with no fault armed, a whole update; then ``result()``.
+    """
+    from castore.errors import CastoreError
+
+    updates, blocking = config["updates"], config["blocking"]
+    progress = _progress(config, rank)
+    ran_on: dict[int, threading.Event] = {}  # save step -> training ran on since its call
+    pending: dict[int, Any] = {}
+    where = ["training"]
+    if not blocking:
+        _hold_async_writes(config, rank, ran_on)
+
+    def save(update: int) -> None:
+        if update - 1 in ran_on:
+            ran_on[update - 1].set()
+        if update > updates:
+            return
+        if update == updates and config.get("armed_rank") == rank:
+            if update - 1 in pending and not blocking:
+                # The fault is armed process-wide: let the save of U-1, still in
+                # flight, finish first (the save call would wait for it anyway).
+                pending[update - 1].wait()
+            _arm(config, rank, update)
+        where[0] = "save"
+        if not blocking:
+            ran_on[update] = threading.Event()
+        options = {} if blocking else {"blocking": False}
+        saved = job["state"].save(store, run=RUN, timeout=config["save_timeout"], **options)
+        pending[update] = saved
+        where[0] = "training"
+        if update == updates and not blocking:
+            _note(progress, {"save_returned": time.time()})
+
+    then = 0
+    if not blocking:
+        crash = config.get("armed_rank") is not None
+        then = resume_parity.ACCUMULATION - 1 if crash else resume_parity.ACCUMULATION
+    try:
+        _train(job, until=updates, after_update=save, then=then)
+        if not blocking:
+            _note(progress, {"trained_on": then, "at": time.time()})
+            ran_on[updates].set()
+            where[0] = "result()"
+            pending[updates] = pending[updates].result()
+    except Exception as exc:
+        failed = {"failed_in": where[0], "error": type(exc).__name__}
+        _note(progress, {**failed, "castore_error": isinstance(exc, CastoreError)})
+        raise
+    return {"saved": updates, "generation": pending[updates].id}
 
 
 def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     """One rank of one launch: ``reference``, ``train`` (saving) or ``resume``."""
+    import faulthandler
+
     import torch
 
     import castore
+    import castore.background
     import castore.chunkio
     import castore.train
 
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the drill's "where stuck?"
     torch.use_deterministic_algorithms(True)
     torch.set_num_threads(1)
     job = resume_parity._job(config, rank, world)
@@ -252,14 +415,11 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     store = castore.open(config["store"], create=False, **open_options(node))
     if phase == "train":
         castore.chunkio.WRITE_BATCH_BYTES = config["write_batch"]
-
-        def save(update: int) -> None:
-            if update == config["updates"] and config.get("armed_rank") == rank:
-                _arm(config, rank, update)
-            job["state"].save(store, run=RUN, timeout=config["save_timeout"])
-
-        _train(job, until=config["updates"], after_update=save)
-        return {"saved": config["updates"]}
+        # castore.background takes its own copy of the constant at import.
+        castore.background.WRITE_BATCH_BYTES = config["write_batch"]  # type: ignore[attr-defined]
+        trained = _train_and_save(job, store, config, rank)
+        store.close()  # as a job should: it raises an async save's error nobody saw
+        return trained
     # phase == "resume"
     started = float(os.environ[STARTED_ENV])
     if config["control"] == "skip-optimizer":
@@ -445,6 +605,11 @@ def launch(
         if armed_died is not None and time.monotonic() - armed_died > config["grace"]:
             break
         time.sleep(0.01)
+    stuck = [p for p in procs if p.poll() is None]
+    for proc in stuck:  # their stacks go to their logs (faulthandler, see worker)
+        proc.send_signal(signal.SIGUSR1)
+    if stuck:
+        time.sleep(0.5)
     killed = resume_parity.kill_remaining(procs)
     results = []
     for rank in range(world):
@@ -492,6 +657,7 @@ class Row:
     resumed_equal: bool = False
     recovery_seconds: float | None = None
     failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)  # seen, not failed: printed as NOTE
     seconds: float = 0.0
 
     @property
@@ -505,12 +671,19 @@ def _new_store(location: str) -> None:
     castore.open(location, chunk_size=CHUNK_SIZE, **open_options("creator")).close()
 
 
-def _survivors(crash: Launch, armed: int) -> tuple[str, list[str]]:
+def _entries(progress: Path) -> list[dict[str, Any]]:
+    if not progress.exists():
+        return []
+    return [json.loads(line) for line in progress.read_text().splitlines()]
+
+
+def _survivors(crash: Launch, armed: int | None, scenario_dir: Path) -> tuple[str, list[str]]:
     """How the ranks that were not armed ended, and what is wrong with that.
 
     Each must fail on its own with a castore error within its save timeout: a
     survivor that returned published a generation without the dead rank, and
-    one the drill had to kill broke castore's bounded waits.
+    one the drill had to kill broke castore's bounded waits. Where an async
+    save's error surfaced (its ``result()``, or the save call itself) is shown.
     """
     ends: dict[str, list[int]] = {}
     problems = []
@@ -518,15 +691,31 @@ def _survivors(crash: Launch, armed: int) -> tuple[str, list[str]]:
     for rank, result in enumerate(crash.results):
         if rank == armed:
             continue
+        failed = next(
+            (e for e in _entries(scenario_dir / f"progress-{rank}.jsonl") if "failed_in" in e), {}
+        )
         if rank in crash.killed_by_drill:
             end = "killed by drill"
-            problems.append(f"rank {rank} still ran {GRACE:g}s past its save timeout")
+            stuck = _stuck_at(scenario_dir / f"crash-{rank}.log")
+            problems.append(
+                f"rank {rank} still ran {GRACE:g}s past its save timeout; its threads' "
+                f"innermost castore frames: {stuck}"
+            )
         elif result is None:
             end = f"exit {crash.returncodes[rank]}"
             problems.append(f"rank {rank} died without a result (exit {crash.returncodes[rank]})")
         elif "error" in result:
             end = result["error"]["type"]
+            if failed and failed["failed_in"] != "save":
+                end += f" via {failed['failed_in']}"
             latest = max(latest or 0.0, result["error"]["at"])
+            if not failed.get("castore_error"):
+                problems.append(
+                    f"rank {rank} failed {failed.get('failed_in', 'outside the job')} with "
+                    f"{end}, not a castore error: {result['error']['message'][:200]}"
+                )
+        elif armed is None:
+            end = f"returned generation {result['ok']['generation']}"
         else:
             end = "returned"
             problems.append(f"rank {rank} finished the save although rank {armed} died")
@@ -537,11 +726,36 @@ def _survivors(crash: Launch, armed: int) -> tuple[str, list[str]]:
     return text, problems
 
 
+def _last_line(log: Path) -> str:
+    """The last line of a rank's log that is not one of DDP's warnings."""
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    return next((line for line in reversed(lines) if "reducer.cpp" not in line), "")
+
+
+def _stuck_at(log: Path) -> str:
+    """Each thread's innermost castore frame in the faulthandler dump of a stuck rank."""
+    if not log.exists():
+        return "no log"
+    frames: list[str] = []
+    found: str | None = None
+    for line in log.read_text(errors="replace").splitlines():
+        text = line.strip()
+        if text.startswith(("Thread 0x", "Current thread")):
+            frames += [found] if found else []
+            found = None
+        elif found is None and text.startswith("File ") and "/castore/" in text:
+            # File "/.../castore/background.py", line 222 in drain (innermost first)
+            path, _, where = text[len('File "') :].partition('", line ')
+            found = f"{Path(path).name}:{where.replace(' in ', ' ')}"
+    frames += [found] if found else []
+    return "; ".join(frames) or "none"
+
+
 def _mid_shard_evidence(progress: Path) -> tuple[str, bool]:
     """Bytes of the killed rank's shard durable when it died (mid-shard: some, not all)."""
     if not progress.exists():
         return "no progress recorded", False
-    entries = [json.loads(line) for line in progress.read_text().splitlines()]
+    entries = _entries(progress)
     total = next((e["shard_bytes"] for e in entries if "shard_bytes" in e), None)
     committed = [e["committed_bytes"] for e in entries if "committed_bytes" in e]
     if total is None:
@@ -549,6 +763,47 @@ def _mid_shard_evidence(progress: Path) -> tuple[str, bool]:
     done = sum(committed)
     text = f"{len(committed)} batch(es), {done} of {total} B durable"
     return text, 0 < done < total
+
+
+def _async_evidence(scenario: Scenario, progress: Path) -> tuple[str, bool]:
+    """Which thread of the killed rank died, and whether training had run on by then."""
+    entries = _entries(progress)
+    fault = next((e for e in entries if "fault" in e), None)
+    returned = next((e["save_returned"] for e in entries if "save_returned" in e), None)
+    trained = next((e for e in entries if "trained_on" in e), None)
+    if fault is None:
+        return "the fault point was never reached", False
+    if scenario.point == "async.mid_snapshot":
+        text = f"{fault['thread']} died staging; the save call never returned"
+        return text, fault["thread"] == "MainThread" and returned is None
+    if returned is None or trained is None:
+        return f"{fault['thread']} died before training ran on past the save call", False
+    text = (
+        f"{fault['thread']} thread died {fault['at'] - returned:.2f}s after save() "
+        f"returned, {trained['trained_on']} microbatch trained on"
+    )
+    ok = fault["thread"] != "MainThread" and trained["at"] <= fault["at"]
+    if scenario.point == "async.mid_write":
+        batches, mid = _mid_shard_evidence(progress)
+        text, ok = f"{text}; {batches}", ok and mid
+    return text, ok
+
+
+def _published_evidence(crash: Launch, scenario_dir: Path, updates: int) -> tuple[str, bool]:
+    """The async control: every rank trained a whole update on, then result() gave U."""
+    trained, held = [], []
+    for rank in range(len(crash.results)):
+        entries = _entries(scenario_dir / f"progress-{rank}.jsonl")
+        trained += [e["trained_on"] for e in entries if "trained_on" in e]
+        held += [e["write_held"] for e in entries if "write_held" in e]
+    generations = {r["ok"]["generation"] for r in crash.results if r and "ok" in r}
+    ranks = len(crash.results)
+    text = (
+        f"every rank trained update {updates + 1} before writing {updates}: "
+        f"{sum(held)}/{ranks}; result() gave {sorted(generations)}"
+    )
+    ok = len(trained) == ranks and held == [True] * ranks and generations == {updates}
+    return text, ok
 
 
 def run_save_scenario(
@@ -561,22 +816,44 @@ def run_save_scenario(
         "store": store,
         "point": scenario.point,
         "workdir": str(scenario_dir),
+        "blocking": scenario.blocking,
     }
-    assert scenario.rank is not None
     crash = launch(settings, "train", "crash", armed_rank=scenario.rank)
-    row.exit_code = crash.returncodes[scenario.rank]
-    row.survivors, problems = _survivors(crash, scenario.rank)
+    row.survivors, problems = _survivors(crash, scenario.rank, scenario_dir)
     row.failures += problems
+    if scenario.rank is None:
+        row.exit_code = max(crash.returncodes, key=abs)
+        row.evidence, published = _published_evidence(crash, scenario_dir, config["updates"])
+        if not published:
+            row.failures.append(f"the async saves did not all publish: {row.evidence}")
+        if any(crash.returncodes):
+            # Not a crash-consistency failure (generation U is published and
+            # resumes), but a job that ends this way is seen to fail: shown, not hidden.
+            last_words = {
+                rank: _last_line(scenario_dir / f"crash-{rank}.log")
+                for rank, code in enumerate(crash.returncodes)
+                if code
+            }
+            row.notes.append(
+                f"every rank returned generation {config['updates']}, then exited "
+                f"{crash.returncodes} (-6: SIGABRT); last log lines: {last_words}"
+            )
+        return store
+    row.exit_code = crash.returncodes[scenario.rank]
     if row.exit_code != -signal.SIGKILL:
         row.failures.append(
             f"rank {scenario.rank} was to die by SIGKILL at {scenario.point}, exit {row.exit_code}"
             f"\n{crash.logs}"
         )
     progress = scenario_dir / f"progress-{scenario.rank}.jsonl"
-    armed = progress.exists() and json.loads(progress.read_text().splitlines()[0])
+    armed = next((e for e in _entries(progress) if "armed" in e), None)
     if not armed or armed.get("update") != config["updates"]:
         row.failures.append(f"the fault was not armed at the save of update {config['updates']}")
-    if scenario.point == "dist.worker_mid_shard":
+    if not scenario.blocking:
+        row.evidence, fits = _async_evidence(scenario, progress)
+        if not fits:
+            row.failures.append(f"not killed as the scenario says: {row.evidence}")
+    elif scenario.point == "dist.worker_mid_shard":
         row.evidence, mid = _mid_shard_evidence(progress)
         if not mid:
             row.failures.append(f"not killed mid-shard: {row.evidence}")
@@ -647,7 +924,13 @@ def run_scenario(
     row = Row(
         scenario=scenario.name,
         point=scenario.point,
-        killed="castore gc" if scenario.rank is None else f"rank {scenario.rank}",
+        killed=(
+            "castore gc"
+            if scenario.kind == "gc"
+            else "nobody"
+            if scenario.rank is None
+            else f"rank {scenario.rank}"
+        ),
         expected=updates - 1 if scenario.expect == "previous" else updates,
     )
     scenario_dir = Path(config["workdir"], scenario.name)
@@ -736,6 +1019,7 @@ def run_drill(args: argparse.Namespace) -> dict[str, Any]:
         "grace": args.save_timeout + GRACE,
         "timeout": args.timeout,
         "write_batch": WRITE_BATCH,
+        "blocking": True,  # the async rows' saves pass blocking=False
         "control": args.control,
         "backend": args.backend,
     }
@@ -796,7 +1080,7 @@ def print_table(drill: dict[str, Any]) -> None:
             [
                 index,
                 row.scenario,
-                row.point,
+                row.point or "-",
                 f"{row.killed} ({row.exit_code})",
                 row.survivors or "-",
                 row.evidence,
@@ -828,6 +1112,8 @@ def print_table(drill: dict[str, Any]) -> None:
     for row in drill["rows"]:
         for failure in row.failures:
             print(f"FAIL {row.scenario}: {failure}")
+        for note in row.notes:
+            print(f"NOTE {row.scenario}: {note}")
     timings = drill["timings"]
     recovery = [r.recovery_seconds for r in drill["rows"] if r.recovery_seconds is not None]
     print(
