@@ -71,11 +71,16 @@ def train_and_save(store: castore.Store, steps: int) -> dict[str, Any]:
         loss.backward()
         optimizer.step()
         state = training_state(model, optimizer, step)
-        gen = store.save(state, run=RUN, step=step, metadata={"loss": loss.item()})
+        # An async save: training could step on as soon as the state is staged.
+        pending = store.save(
+            state, run=RUN, step=step, metadata={"loss": loss.item()}, blocking=False
+        )
+        gen = pending.result()
         print(
             f"step {step}: loss {loss.item():.4f}  saved generation {gen.id}: "
             f"{gen.stats.logical_bytes / 2**20:.1f} MiB logical, "
-            f"{gen.stats.new_bytes / 2**20:.1f} MiB new, {gen.stats.seconds:.2f}s"
+            f"{gen.stats.new_bytes / 2**20:.1f} MiB new, held training "
+            f"{1000 * pending.timings['held']:.0f} ms of {gen.stats.seconds:.2f}s"
         )
     return state
 
