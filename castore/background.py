@@ -44,10 +44,7 @@ from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
     PublishFaults,
     build_shard,
-    framework_versions,
-    make_root,
-    publish,
-    root_stats,
+    publish_single,
 )
 from castore.errors import ChunkMissingError
 from castore.faults import fault_point
@@ -612,31 +609,17 @@ def save_async(
                 local_tensors=written.entries[len(encoded.leaves) :],
                 stats=written.stats,
             )
-            root = make_root(
-                run=pending.run,
-                generation=generation,
+            digest, root = publish_single(
+                store,
+                shard,
                 step=pending.step,
                 parent=parent,
-                world_size=1,
-                shards=[shard.digest],
-                state=encoded.skeleton,
+                skeleton=encoded.skeleton,
                 metadata=metadata,
-                stats=root_stats(
-                    written.stats,
-                    time.perf_counter() - pending._started,
-                    len(leaves),
-                    written_bytes=written.stats.new_bytes + len(shard.data),
-                    held_seconds=pending.timings.get("held", 0.0),
-                ),
-                frameworks=framework_versions(),
                 data_order=data_order,
-            )
-            digest = publish(
-                store,
-                parent=parent,
-                root=root,
+                seconds=time.perf_counter() - pending._started,
+                held_seconds=pending.timings.get("held", 0.0),
                 faults=ASYNC_FAULTS,
-                extra_objects=((shard.digest, shard.data),),
             )
         pending.timings["publish"] = time.perf_counter() - clock
         background.remember(written.seen)

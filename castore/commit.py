@@ -199,6 +199,51 @@ def publish(
     return root_digest
 
 
+def publish_single(
+    store: StoreParts,
+    shard: ShardWrite,
+    *,
+    step: int,
+    parent: RefValue | None,
+    skeleton: bytes,
+    metadata: bytes,
+    data_order: dict[str, Any],
+    seconds: float,
+    held_seconds: float | None,
+    faults: PublishFaults,
+) -> tuple[Digest, GenerationRoot]:
+    """Publish a single writer's generation: its one shard, still in memory, and its root.
+
+    The last step of the publish sequence only: the caller wrote the shard's
+    chunks itself, whole boxes, under the store lock it still holds, so the
+    coordinator's checks (:func:`check_shards`) have nothing to catch.
+    """
+    manifest = shard.manifest
+    root = make_root(
+        run=manifest.run,
+        generation=manifest.generation,
+        step=step,
+        parent=parent,
+        world_size=1,
+        shards=[shard.digest],
+        state=skeleton,
+        metadata=metadata,
+        stats=root_stats(
+            shard.stats,
+            seconds,
+            len(manifest.tensors) + len(manifest.local_tensors),
+            written_bytes=shard.stats.new_bytes + len(shard.data),
+            held_seconds=held_seconds,
+        ),
+        frameworks=framework_versions(),
+        data_order=data_order,
+    )
+    digest = publish(
+        store, parent=parent, root=root, faults=faults, extra_objects=((shard.digest, shard.data),)
+    )
+    return digest, root
+
+
 def root_stats(
     stats: WriteStats,
     seconds: float,

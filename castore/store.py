@@ -35,9 +35,7 @@ from castore.commit import (
     check_data_order,
     encode_metadata,
     framework_versions,
-    make_root,
-    publish,
-    root_stats,
+    publish_single,
     write_shard,
 )
 from castore.errors import (
@@ -371,34 +369,18 @@ class Store:
         shard = write_shard(
             self, encoded, run=run, generation=generation, rank=0, progress=progress
         )
-        manifest = shard.manifest
-        self.background.remember(digests_of(manifest))  # for a changed-chunk save next
-        root = make_root(
-            run=run,
-            generation=generation,
+        self.background.remember(digests_of(shard.manifest))  # for a changed-chunk save next
+        digest, root = publish_single(
+            self,
+            shard,
             step=step,
             parent=parent,
-            world_size=1,
-            shards=[shard.digest],
-            state=encoded.skeleton,
+            skeleton=encoded.skeleton,
             metadata=metadata_bytes,
-            stats=root_stats(
-                shard.stats,
-                time.perf_counter() - started,
-                len(manifest.tensors) + len(manifest.local_tensors),
-                written_bytes=shard.stats.new_bytes + len(shard.data),
-            ),
-            frameworks=framework_versions(),
             data_order=order,
-        )
-        # The last step of the publish sequence only (castore.commit): this save
-        # wrote its one shard itself, whole boxes, under the store lock it holds.
-        digest = publish(
-            self,
-            parent=parent,
-            root=root,
+            seconds=time.perf_counter() - started,
+            held_seconds=None,
             faults=SINGLE_FAULTS,
-            extra_objects=((shard.digest, shard.data),),
         )
         return Generation.from_root(digest, root)
 
