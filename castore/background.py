@@ -433,9 +433,9 @@ class Background:
     def turn(self, if_busy: str, agree: Callable[[bool], bool] = bool) -> Iterator[bool]:
         """This thread's turn to save on this handle; yields False when the save is skipped.
 
-        One save at a time, from any thread: the turn is held from before the
-        check for a save in flight until the caller's save is started (async)
-        or done (blocking). ``"wait"`` waits for the save in flight; ``"skip"``
+        One async save at a time, from any thread: the turn is held from
+        before the check for a save in flight until the caller's save has
+        started (see :meth:`before_blocking_save` for blocking ones). ``"wait"`` waits for the save in flight; ``"skip"``
         skips if this handle is busy, or if ``agree`` (the ranks' decision, given
         this one's) says so. The turn then raises an error nobody has seen.
         """
@@ -457,6 +457,16 @@ class Background:
             yield True
         finally:
             self._turn.release()
+
+    def before_blocking_save(self) -> None:
+        """A blocking save waits for the async save in flight and raises its unseen error.
+
+        It does not keep the turn: blocking saves on one handle may run at once
+        from several threads, as before async saves, their ref advances racing
+        by compare-and-swap.
+        """
+        with self.turn("wait"):
+            pass
 
     def skip(self, run: str, step: int) -> PendingSave:
         self.counters["skipped"] += 1

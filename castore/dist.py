@@ -241,8 +241,8 @@ def save(
     comm = Group(group, coordinator, timeout)
     before = store.ref_or_problem(run)
     try:
-        with store.background.turn("wait"):
-            return _save_in_group(store, state, comm, run, step, metadata, data_order)
+        store.background.before_blocking_save()
+        return _save_in_group(store, state, comm, run, step, metadata, data_order)
     except KeyboardInterrupt as interrupt:
         # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
         note = store.interrupted_note(run, before, publisher=comm.is_coordinator)

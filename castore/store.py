@@ -253,6 +253,11 @@ class Store:
         check_step(step)
         if blocking and if_busy != "wait":
             raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
+        if blocking:
+            self.background.before_blocking_save()
+            return self._save_in_turn(
+                state, run, step, metadata, data_order, progress, blocking, None, started
+            )
         with self.background.turn(if_busy) as ours:
             if not ours:
                 return self.background.skip(run, step)
