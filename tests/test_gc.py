@@ -1037,7 +1037,7 @@ def test_cli_tag_log_untag(cli_store: Path) -> None:
     log = run_cli("log", cli_store, "--run", "exp")
     assert log.returncode == 0, log.stderr
     assert {r[0]: r[-1] for r in table_rows(log.stdout)}["2"] == "best"
-    assert [len(r) for r in table_rows(log.stdout)] == [7, 8, 7]  # only id 2 has a tags cell
+    assert [len(r) for r in table_rows(log.stdout)] == [9, 10, 9]  # only id 2 has a tags cell
 
     kept = run_cli("gc", cli_store, "--keep", "1", "--run", "exp")
     assert kept.returncode == 0, kept.stderr
@@ -1049,7 +1049,7 @@ def test_cli_tag_log_untag(cli_store: Path) -> None:
     untagged = run_cli("untag", cli_store, "exp", "best")
     assert untagged.returncode == 0, untagged.stderr
     assert untagged.stdout.strip() == "removed tag best of run exp"
-    assert all(len(r) == 7 for r in table_rows(run_cli("log", cli_store, "--run", "exp").stdout))
+    assert all(len(r) == 9 for r in table_rows(run_cli("log", cli_store, "--run", "exp").stdout))
     assert run_cli("gc", cli_store, "--keep", "1").returncode == 0
     with castore.open(cli_store, create=False) as store:
         assert ids(store, "exp") == [3]
