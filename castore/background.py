@@ -435,9 +435,10 @@ class Background:
 
         One async save at a time, from any thread: the turn is held from
         before the check for a save in flight until the caller's save has
-        started (see :meth:`before_blocking_save` for blocking ones). ``"wait"`` waits for the save in flight; ``"skip"``
-        skips if this handle is busy, or if ``agree`` (the ranks' decision, given
-        this one's) says so. The turn then raises an error nobody has seen.
+        started (see :meth:`before_blocking_save` for blocking ones).
+        ``"wait"`` waits for the save in flight; ``"skip"`` skips if this
+        handle is busy, or if ``agree`` (the ranks' decision, given this
+        one's) says so. The turn then raises an error nobody has seen.
         """
         if if_busy not in IF_BUSY:
             raise ValueError(f"if_busy must be one of {IF_BUSY}, got {if_busy!r}")
