@@ -1,0 +1,162 @@
+"""castore diff: what changed between two generations, from their manifests alone."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import castore
+from castore.diffing import GenerationDiff, diff_generations
+from castore.errors import GenerationNotFoundError
+from castore.store import Store
+
+CHUNK = 1024
+
+
+def make_state() -> dict[str, object]:
+    return {
+        "model": {
+            "w": np.arange(1024, dtype=np.float32),  # 4 chunks of 1 KiB
+            "b": np.ones(16, dtype=np.float64),
+        },
+        "lr": 0.1,
+        "epoch": 3,
+    }
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Store:
+    with castore.open(tmp_path / "ckpt", chunk_size=CHUNK) as opened:
+        yield opened
+
+
+def test_identical_saves_are_all_unchanged(store: Store) -> None:
+    store.save(make_state(), run="r", step=1)
+    store.save(make_state(), run="r", step=1)
+    diff = diff_generations(store, "r", 2, "r", 1)
+    assert (diff.added, diff.removed, diff.changed) == ({}, {}, [])
+    assert diff.unchanged_count == 2
+    assert diff.unchanged_bytes == 1024 * 4 + 16 * 8
+    assert diff.values == [] and diff.data_order == []
+    assert diff.step_a == diff.step_b == 1
+
+
+def test_changed_tensor_counts_only_its_new_chunks(store: Store) -> None:
+    state = make_state()
+    store.save(state, run="r", step=1)
+    w = np.arange(1024, dtype=np.float32)
+    w[300] = -1.0  # in the second 1 KiB chunk only
+    state["model"]["w"] = w  # type: ignore[index]
+    store.save(state, run="r", step=2)
+    diff = diff_generations(store, "r", 2, "r", 1)
+    assert [c.name for c in diff.changed] == ["model/w"]
+    (change,) = diff.changed
+    assert change.new_chunk_bytes == CHUNK
+    assert change.nbytes == 4096
+    assert change.kind == "values"
+    assert diff.unchanged_count == 1 and diff.unchanged_bytes == 128
+
+
+def test_partial_last_chunk_counts_its_real_size(store: Store) -> None:
+    store.save({"t": np.zeros(300, dtype=np.float32)}, run="r", step=1)  # 1024 + 176 bytes
+    store.save({"t": np.ones(300, dtype=np.float32)}, run="r", step=2)
+    (change,) = diff_generations(store, "r", 2).changed
+    assert change.new_chunk_bytes == 1200
+
+
+def test_added_and_removed_tensors(store: Store) -> None:
+    state = make_state()
+    store.save(state, run="r", step=1)
+    del state["model"]["b"]  # type: ignore[attr-defined]
+    state["model"]["extra"] = np.zeros(8, dtype=np.int64)  # type: ignore[index]
+    store.save(state, run="r", step=2)
+    diff = diff_generations(store, "r", 2, "r", 1)
+    assert diff.added == {"model/extra": 64}
+    assert diff.removed == {"model/b": 128}
+    assert diff.changed == [] and diff.unchanged_count == 1
+
+
+def test_dtype_and_shape_changes(store: Store) -> None:
+    store.save({"a": np.zeros(8, np.float32), "s": np.zeros(8, np.float32)}, run="r", step=1)
+    store.save({"a": np.zeros(8, np.float64), "s": np.zeros((2, 4), np.float32)}, run="r", step=2)
+    changes = {c.name: c for c in diff_generations(store, "r", 2).changed}
+    assert changes["a"].kind == "dtype float32 -> float64"
+    assert changes["s"].kind == "shape 8 -> 2x4"
+    assert not changes["s"].resharded
+
+
+def test_plain_value_changes_are_listed_old_to_new(store: Store) -> None:
+    state = make_state()
+    store.save(state, run="r", step=1)
+    state.update(lr=0.05, epoch=4, note="x" * 200)
+    store.save(state, run="r", step=2)
+    values = {v.path: (v.old, v.new) for v in diff_generations(store, "r", 2).values}
+    assert values["lr"] == ("0.1", "0.05")
+    assert values["epoch"] == ("3", "4")
+    old, new = values["note"]
+    assert old is None and new is not None and new.endswith("...") and len(new) <= 40
+
+
+def test_step_and_data_order_differences(store: Store) -> None:
+    order = {"dataset_hash": "abc", "world_size": 2, "consumed_samples": 64}
+    store.save(make_state(), run="r", step=200, data_order=order)
+    store.save(
+        make_state(),
+        run="r",
+        step=300,
+        data_order={**order, "dataset_hash": "def", "consumed_samples": 96},
+    )
+    diff = diff_generations(store, "r", 2)
+    assert (diff.step_b, diff.step_a) == (200, 300)
+    changes = {v.path: (v.old, v.new) for v in diff.data_order}
+    assert changes == {"consumed_samples": ("64", "96"), "dataset_hash": ("'abc'", "'def'")}
+
+
+def test_across_runs_fine_tune_against_base(store: Store) -> None:
+    base = make_state()
+    store.save(base, run="base", step=10)
+    tuned = make_state()
+    tuned["head"] = np.zeros(4, np.float32)
+    tuned["lr"] = 0.001
+    store.save(tuned, run="ft", step=3)
+    diff = diff_generations(store, "ft", 1, "base", 1)
+    assert (diff.label_a, diff.label_b) == ("ft@1", "base@1")
+    assert list(diff.added) == ["head"]
+    assert diff.unchanged_count == 2 and diff.changed == []
+    assert [(v.path, v.old, v.new) for v in diff.values] == [("lr", "0.1", "0.001")]
+
+
+def test_run_b_alone_means_its_latest(store: Store) -> None:
+    store.save(make_state(), run="base", step=1)
+    store.save(make_state(), run="base", step=2)
+    store.save(make_state(), run="ft", step=1)
+    assert diff_generations(store, "ft", 1, "base").gen_b == 2
+
+
+def test_first_generation_diffs_against_nothing(store: Store) -> None:
+    store.save(make_state(), run="r", step=1)
+    diff = diff_generations(store, "r", 1)
+    assert diff.gen_b is None and diff.label_b == "nothing"
+    assert sorted(diff.added.values()) == [128, 4096]
+    assert diff.unchanged_count == 0 and diff.removed == {}
+    assert {v.path for v in diff.values} == {"lr", "epoch"}
+
+
+def test_default_b_is_the_parent(store: Store) -> None:
+    for step in (1, 2, 3):
+        state = make_state()
+        state["epoch"] = step
+        store.save(state, run="r", step=step)
+    diff: GenerationDiff = diff_generations(store, "r", 3)
+    assert (diff.gen_a, diff.gen_b) == (3, 2)
+    assert diff_generations(store, "r").gen_a == 3  # latest by default
+
+
+def test_missing_run_or_generation_raises(store: Store) -> None:
+    store.save(make_state(), run="r", step=1)
+    with pytest.raises(GenerationNotFoundError):
+        diff_generations(store, "r", 9)
+    with pytest.raises(GenerationNotFoundError):
+        diff_generations(store, "r", 1, "nope", 1)
