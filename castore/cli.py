@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 import castore
-from castore import gc
+from castore import diffing, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
@@ -480,6 +480,40 @@ def cmd_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    run_a, gen_a = _split_target(args.a)
+    run_b, gen_b = _split_target(args.b) if args.b else (None, None)
+    with _open(args.store) as store:
+        diff = diffing.diff_generations(store, run_a, gen_a, run_b, gen_b)
+    if not args.stat:
+        _print_diff(diff)
+    print(diff.stat_line())
+    return 0
+
+
+def _print_diff(diff: diffing.GenerationDiff) -> None:
+    rows = [
+        ["added", n, "", format_bytes(size), format_bytes(size)] for n, size in diff.added.items()
+    ]
+    rows += [["removed", n, "", format_bytes(size), ""] for n, size in diff.removed.items()]
+    rows += [
+        ["changed", c.name, c.kind, format_bytes(c.nbytes), format_bytes(c.new_chunk_bytes)]
+        for c in diff.changed
+    ]
+    sections = [
+        (rows, ["change", "tensor", "what", "size", "new bytes"]),
+        ([[v.path, v.old or "-", v.new or "-"] for v in diff.values], ["value", "old", "new"]),
+        (
+            [[v.path, v.old or "-", v.new or "-"] for v in diff.data_order],
+            ["data order", "old", "new"],
+        ),
+    ]
+    for table, headers in sections:
+        if table:
+            print(tabulate(table, headers=headers))
+            print()
+
+
 COMMANDS = {
     "log": cmd_log,
     "show": cmd_show,
@@ -491,6 +525,7 @@ COMMANDS = {
     "repair": cmd_repair,
     "compact": cmd_compact,
     "copy": cmd_copy,
+    "diff": cmd_diff,
 }
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from castore.hashing import Digest
 from castore.objects import GenerationRoot, TensorEntry
+from castore.progress import format_size
 from castore.store import Store
 from castore.tree import decode_tree
 
@@ -83,6 +84,23 @@ class GenerationDiff:
     @property
     def new_chunk_bytes(self) -> int:
         return sum(c.new_chunk_bytes for c in self.changed)
+
+    def stat_line(self) -> str:
+        """One line, like git's ``--stat`` summary: counts, new bytes, step."""
+        step = (
+            f"step {self.step_a}" if self.step_b is None else f"step {self.step_b} -> {self.step_a}"
+        )
+        extras = []
+        if self.values:
+            extras.append(f"{len(self.values)} value(s) changed")
+        if self.data_order:
+            extras.append(f"data order: {len(self.data_order)} key(s) changed")
+        return (
+            f"{self.label_a} vs {self.label_b}: {len(self.changed)} changed "
+            f"({format_size(self.new_chunk_bytes)} new), {len(self.added)} added, "
+            f"{len(self.removed)} removed, {self.unchanged_count} unchanged "
+            f"({format_size(self.unchanged_bytes)}); " + "; ".join([step, *extras])
+        )
 
 
 def diff_generations(

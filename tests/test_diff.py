@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +16,7 @@ from castore.errors import GenerationNotFoundError
 from castore.store import Store
 
 CHUNK = 1024
+REPO = Path(__file__).resolve().parent.parent
 
 
 def make_state() -> dict[str, object]:
@@ -160,3 +164,81 @@ def test_missing_run_or_generation_raises(store: Store) -> None:
         diff_generations(store, "r", 9)
     with pytest.raises(GenerationNotFoundError):
         diff_generations(store, "r", 1, "nope", 1)
+
+
+# -- the CLI, run as a subprocess -----------------------------------------
+
+
+def run_diff(*args: object) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    return subprocess.run(
+        [sys.executable, "-m", "castore.cli", "diff", *map(str, args)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+@pytest.fixture
+def two_generations(tmp_path: Path) -> Path:
+    path = tmp_path / "ckpt"
+    with castore.open(path, chunk_size=CHUNK) as store:
+        state = make_state()
+        store.save(state, run="r", step=200, data_order={"dataset_hash": "abc"})
+        w = np.arange(1024, dtype=np.float32)
+        w[0] = -1.0
+        state["model"]["w"] = w  # type: ignore[index]
+        state["lr"] = 0.2
+        store.save(state, run="r", step=300, data_order={"dataset_hash": "def"})
+    return path
+
+
+def test_cli_table_and_summary(two_generations: Path) -> None:
+    done = run_diff(two_generations, "r@2")
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert any(line.split()[:3] == ["changed", "model/w", "values"] for line in lines)
+    assert any(line.split() == ["lr", "0.1", "0.2"] for line in lines)
+    assert any(line.split() == ["dataset_hash", "'abc'", "'def'"] for line in lines)
+    assert lines[-1] == (
+        "r@2 vs r@1: 1 changed (1.0 KiB new), 0 added, 0 removed, 1 unchanged (128 B); "
+        "step 200 -> 300; 1 value(s) changed; data order: 1 key(s) changed"
+    )
+
+
+def test_cli_stat_is_one_line(two_generations: Path) -> None:
+    done = run_diff(two_generations, "r@2", "r@1", "--stat")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("\n") == 1
+    assert done.stdout.startswith("r@2 vs r@1: 1 changed (1.0 KiB new), 0 added")
+    first = run_diff(two_generations, "r@1", "--stat")
+    assert first.stdout.startswith("r@1 vs nothing: 0 changed (0 B new), 2 added, 0 removed")
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (("r@9",), "GenerationNotFoundError: run 'r' has no generation '9'"),
+        (("r@2", "nope@1"), "GenerationNotFoundError: run 'nope' has no generations"),
+        (("r@2", "bad name@1"), "InvalidNameError"),
+    ],
+)
+def test_cli_errors_are_one_line(
+    two_generations: Path, args: tuple[str, ...], message: str
+) -> None:
+    done = run_diff(two_generations, *args)
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1 and done.stderr.startswith("castore: error: ")
+    assert message in done.stderr
+
+
+def test_cli_missing_store_is_one_line(tmp_path: Path) -> None:
+    done = run_diff(tmp_path / "absent", "r@1")
+    assert done.returncode == 1
+    assert done.stderr.startswith("castore: error: StoreNotFoundError") and "Traceback" not in (
+        done.stderr
+    )
