@@ -17,6 +17,8 @@ from castore.store import Store
 
 CHUNK = 1024
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO / "tools"))
+import corrupt  # noqa: E402
 
 
 def make_state() -> dict[str, object]:
@@ -164,6 +166,19 @@ def test_missing_run_or_generation_raises(store: Store) -> None:
         diff_generations(store, "r", 9)
     with pytest.raises(GenerationNotFoundError):
         diff_generations(store, "r", 1, "nope", 1)
+
+
+def test_resharded_tensor_is_named_resharded(tmp_path: Path) -> None:
+    """The same bytes saved by one rank, then as two ranks' row blocks."""
+    with castore.open(tmp_path / "ckpt", chunk_size=corrupt.CHUNK_SIZE) as store:
+        store.save(corrupt.make_state(1), run="single", step=10)
+        corrupt.save_sharded(store, 1)
+        diff = diff_generations(store, corrupt.RUN, 1, "single", 1)
+    (change,) = diff.changed
+    assert change.name == "model/w" and change.resharded
+    assert change.kind == "resharded (layout changed; bytes not compared)"
+    assert change.new_chunk_bytes == 0  # row blocks fall on chunk boundaries: same chunks
+    assert diff.unchanged_count == 3
 
 
 # -- the CLI, run as a subprocess -----------------------------------------
