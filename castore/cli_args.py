@@ -380,8 +380,9 @@ def _add_diff(commands: Any) -> None:
         "compared by their manifests only (boxes and chunk digests; no chunk is read):\n"
         "added, removed, changed (dtype or shape changes, and the bytes of chunks in\n"
         "A that B lacks: the new bytes), unchanged. A tensor whose boxes changed but\n"
-        "whose dtype and shape did not is listed as resharded (its bytes are not\n"
-        "compared). Then the non-tensor values, the data-order record and the step\n"
+        "whose dtype and shape did not is resharded: only then are both sides read\n"
+        "and compared (64 MiB a side at most; past that, bytes not compared).\n"
+        "Then the non-tensor values, the data-order record and the step\n"
         "that differ, old -> new; a last line sums it up (--stat: only that line).\n\n"
         + TARGET_HELP,
         "castore diff ./ckpt exp1@3            # generation 3 against its parent\n"

@@ -2,14 +2,16 @@
 
 Tensors are compared by their boxes and chunk digests, never by reading chunk
 bytes: a tensor whose boxes and digests are identical is unchanged; one whose
-boxes differ but whose dtype and shape agree is *resharded* (its layout
-changed; its bytes are not compared). Non-tensor values are compared by key
+boxes differ but whose dtype and shape agree is *resharded*: only then are
+both sides read (every chunk verified) and their bytes compared, up to
+``compare_limit`` bytes per side in all; past it, the layout change is
+reported with the bytes not compared. Non-tensor values are compared by key
 path in the decoded state skeletons, with tensors replaced by placeholders.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from castore.hashing import Digest
@@ -19,6 +21,12 @@ from castore.store import Store
 from castore.tree import decode_tree
 
 VALUE_WIDTH = 40
+COMPARE_LIMIT = 64 << 20  # bytes per side a diff may read to compare resharded tensors
+_RESHARDED = {
+    True: "resharded, same bytes",
+    False: "resharded, values changed",
+    None: "resharded (layout changed; bytes not compared)",
+}
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,7 @@ class TensorChange:
     nbytes: int
     new_chunk_bytes: int
     resharded: bool = False
+    same_bytes: bool | None = None  # resharded only: None when not compared
 
     @property
     def kind(self) -> str:
@@ -42,7 +51,7 @@ class TensorChange:
         if self.old_shape != self.new_shape:
             parts.append(f"shape {_shape(self.old_shape)} -> {_shape(self.new_shape)}")
         if self.resharded:
-            parts.append("resharded (layout changed; bytes not compared)")
+            parts.append(_RESHARDED[self.same_bytes])
         return ", ".join(parts) or "values"
 
 
@@ -109,11 +118,15 @@ def diff_generations(
     gen_a: int | str = "latest",
     run_b: str | None = None,
     gen_b: int | str | None = None,
+    *,
+    compare_limit: int = COMPARE_LIMIT,
 ) -> GenerationDiff:
     """Compare generation ``run_a@gen_a`` with ``run_b@gen_b``.
 
     Without ``gen_b``, B is A's parent (``run_b`` defaults to ``run_a``); a
     first generation is compared with nothing, so everything in it is added.
+    Chunks are read only for resharded tensors, ``compare_limit`` bytes per
+    side at most (0: none).
     """
     _, root_a = store.resolve_root(run_a, gen_a)
     root_b = _other_root(store, root_a, run_a, run_b, gen_b)
@@ -130,7 +143,27 @@ def diff_generations(
         data_order=_mapping_changes(root_a.data_order, {} if root_b is None else root_b.data_order),
     )
     _compare_tensors(diff, tensors_a, tensors_b)
+    budget = compare_limit if root_b is not None else 0
+    for index, change in enumerate(diff.changed):
+        if root_b is not None and change.resharded and change.nbytes <= budget:
+            budget -= change.nbytes
+            same = _same_bytes(store, (root_a, tensors_a), (root_b, tensors_b), change.name)
+            diff.changed[index] = replace(change, same_bytes=same)
     return diff
+
+
+def _same_bytes(
+    store: Store,
+    side_a: tuple[GenerationRoot, dict[str, list[TensorEntry]]],
+    side_b: tuple[GenerationRoot, dict[str, list[TensorEntry]]],
+    name: str,
+) -> bool:
+    """Whether tensor ``name`` holds the same bytes on both sides (every chunk verified)."""
+    contents = []
+    for root, tensors in (side_a, side_b):
+        where = {"run": root.run, "generation": root.generation, "tensor": name}
+        contents.append(store.read_tensor(tensors[name], "numpy", where).tobytes())
+    return contents[0] == contents[1]
 
 
 def _other_root(

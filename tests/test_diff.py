@@ -173,12 +173,20 @@ def test_resharded_tensor_is_named_resharded(tmp_path: Path) -> None:
     with castore.open(tmp_path / "ckpt", chunk_size=corrupt.CHUNK_SIZE) as store:
         store.save(corrupt.make_state(1), run="single", step=10)
         corrupt.save_sharded(store, 1)
+        store.save(corrupt.make_state(2), run="single", step=20)
         diff = diff_generations(store, corrupt.RUN, 1, "single", 1)
+        other = diff_generations(store, corrupt.RUN, 1, "single", 2)
+        unread = diff_generations(store, corrupt.RUN, 1, "single", 1, compare_limit=4095)
     (change,) = diff.changed
     assert change.name == "model/w" and change.resharded
-    assert change.kind == "resharded (layout changed; bytes not compared)"
+    assert change.kind == "resharded, same bytes"
     assert change.new_chunk_bytes == 0  # row blocks fall on chunk boundaries: same chunks
     assert diff.unchanged_count == 3
+    changes = {c.name: c for c in other.changed}
+    assert changes["model/w"].kind == "resharded, values changed"
+    assert changes["model/w"].new_chunk_bytes > 0
+    (too_big,) = unread.changed  # 4 KiB: over the limit, so not read
+    assert too_big.kind == "resharded (layout changed; bytes not compared)"
 
 
 # -- the CLI, run as a subprocess -----------------------------------------
