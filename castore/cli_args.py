@@ -377,7 +377,7 @@ def _add_diff(commands: Any) -> None:
         "Compare generation A with generation B (by default A's parent; a first\n"
         "generation is compared with nothing, so everything in it is added). B may be\n"
         "a generation of another run: a fine-tune against its base. Tensors are\n"
-        "compared by their manifests only (boxes and chunk digests; no chunk is read):\n"
+        "compared by their manifests (boxes and chunk digests, not bytes):\n"
         "added, removed, changed (dtype or shape changes, and the bytes of chunks in\n"
         "A that B lacks: the new bytes), unchanged. A tensor whose boxes changed but\n"
         "whose dtype and shape did not is resharded: only then are both sides read\n"

@@ -14,6 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from castore.errors import GenerationNotFoundError, ObjectMissingError
 from castore.hashing import Digest
 from castore.objects import GenerationRoot, TensorEntry
 from castore.progress import format_size
@@ -173,7 +174,17 @@ def _other_root(
         return store.resolve_root(run_b or run_a, "latest" if gen_b is None else gen_b)[1]
     if root_a.parent is None:
         return None
-    return store.read_root(Digest(root_a.parent), run=run_a)
+    parent = Digest(root_a.parent)
+    try:
+        return store.read_root(parent, run=run_a)
+    except ObjectMissingError:
+        if parent.hex not in store.logged(run_a)[1]:
+            raise  # not collected: the store is damaged, and verify should say so
+        raise GenerationNotFoundError(
+            f"the parent of {run_a}@{root_a.generation} ({parent.short}) was garbage-collected; "
+            f"name the generation to compare with (castore log {run_a} lists those kept)",
+            run=run_a,
+        ) from None
 
 
 def _compare_tensors(

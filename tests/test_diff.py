@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import castore
+from castore import gc
 from castore.diffing import GenerationDiff, diff_generations
 from castore.errors import GenerationNotFoundError
 from castore.store import Store
@@ -158,6 +159,14 @@ def test_default_b_is_the_parent(store: Store) -> None:
     diff: GenerationDiff = diff_generations(store, "r", 3)
     assert (diff.gen_a, diff.gen_b) == (3, 2)
     assert diff_generations(store, "r").gen_a == 3  # latest by default
+
+
+def test_collected_parent_says_to_name_b(store: Store) -> None:
+    for step in (1, 2, 3):
+        store.save({"w": np.full(4, step)}, run="r", step=step)
+    gc.collect_garbage(store, gc.RetentionPolicy(keep_last=1))
+    with pytest.raises(GenerationNotFoundError, match="parent of r@3 .* was garbage-collected"):
+        diff_generations(store, "r", 3)
 
 
 def test_missing_run_or_generation_raises(store: Store) -> None:
