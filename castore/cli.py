@@ -29,6 +29,7 @@ from castore.store import Store
 from castore.tree import decode_tree
 
 EXIT_PROBLEMS = 1
+DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the rest
 
 
 def _format_time(stamp: float) -> str:
@@ -502,16 +503,21 @@ def _print_diff(diff: diffing.GenerationDiff) -> None:
     ]
     sections = [
         (rows, ["change", "tensor", "what", "size", "new bytes"]),
-        ([[v.path, v.old or "-", v.new or "-"] for v in diff.values], ["value", "old", "new"]),
-        (
-            [[v.path, v.old or "-", v.new or "-"] for v in diff.data_order],
-            ["data order", "old", "new"],
-        ),
+        (_change_rows(diff.values), ["value", "old", "new"]),
+        (_change_rows(diff.data_order), ["data order", "old", "new"]),
     ]
     for table, headers in sections:
         if table:
             print(tabulate(table, headers=headers))
             print()
+
+
+def _change_rows(changes: list[diffing.ValueChange]) -> list[list[str]]:
+    """Rows of path, old, new; past DIFF_VALUE_ROWS, one row says how many more."""
+    rows = [[v.path, v.old or "-", v.new or "-"] for v in changes[:DIFF_VALUE_ROWS]]
+    if len(changes) > DIFF_VALUE_ROWS:
+        rows.append([f"... {len(changes) - DIFF_VALUE_ROWS} more", "", ""])
+    return rows
 
 
 COMMANDS = {

@@ -292,7 +292,8 @@ def _flatten(node: Any, path: str, found: dict[str, Any]) -> None:
 
 def _mapping_changes(new: dict[str, Any], old: dict[str, Any]) -> list[ValueChange]:
     changes = []
-    for key in sorted(set(new) | set(old), key=str):
+    # In the state's own order (list items by index), then what only ``old`` has.
+    for key in [*new, *(k for k in old if k not in new)]:
         in_new, in_old = key in new, key in old
         if in_new and in_old and _same(new[key], old[key]):
             continue

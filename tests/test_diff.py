@@ -274,3 +274,15 @@ def test_cli_missing_store_is_one_line(tmp_path: Path) -> None:
     assert done.stderr.startswith("castore: error: StoreNotFoundError") and "Traceback" not in (
         done.stderr
     )
+
+
+def test_cli_long_value_lists_are_cut(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    with castore.open(path, chunk_size=CHUNK) as store:
+        store.save({"history": list(range(100))}, run="r", step=1)
+        store.save({"history": [x + 1 for x in range(100)]}, run="r", step=2)
+    done = run_diff(path, "r@2")
+    assert done.returncode == 0, done.stderr
+    assert "history/49" in done.stdout and "history/50" not in done.stdout
+    assert "... 50 more" in done.stdout
+    assert done.stdout.splitlines()[-1].endswith("; step 1 -> 2; 100 value(s) changed")
