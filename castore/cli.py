@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 import castore
-from castore import gc
+from castore import diffing, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
@@ -29,6 +29,7 @@ from castore.store import Store
 from castore.tree import decode_tree
 
 EXIT_PROBLEMS = 1
+DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the rest
 
 
 def _format_time(stamp: float) -> str:
@@ -480,6 +481,45 @@ def cmd_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_diff(args: argparse.Namespace) -> int:
+    run_a, gen_a = _split_target(args.a)
+    run_b, gen_b = _split_target(args.b) if args.b else (None, None)
+    with _open(args.store) as store:
+        diff = diffing.diff_generations(store, run_a, gen_a, run_b, gen_b)
+    if not args.stat:
+        _print_diff(diff)
+    print(diff.stat_line())
+    return 0
+
+
+def _print_diff(diff: diffing.GenerationDiff) -> None:
+    rows = [
+        ["added", n, "", format_bytes(size), format_bytes(size)] for n, size in diff.added.items()
+    ]
+    rows += [["removed", n, "", format_bytes(size), ""] for n, size in diff.removed.items()]
+    rows += [
+        ["changed", c.name, c.kind, format_bytes(c.nbytes), format_bytes(c.new_chunk_bytes)]
+        for c in diff.changed
+    ]
+    sections = [
+        (rows, ["change", "tensor", "what", "size", "new bytes"]),
+        (_change_rows(diff.values), ["value", "old", "new"]),
+        (_change_rows(diff.data_order), ["data order", "old", "new"]),
+    ]
+    for table, headers in sections:
+        if table:
+            print(tabulate(table, headers=headers))
+            print()
+
+
+def _change_rows(changes: list[diffing.ValueChange]) -> list[list[str]]:
+    """Rows of path, old, new; past DIFF_VALUE_ROWS, one row says how many more."""
+    rows = [[v.path, v.old or "-", v.new or "-"] for v in changes[:DIFF_VALUE_ROWS]]
+    if len(changes) > DIFF_VALUE_ROWS:
+        rows.append([f"... {len(changes) - DIFF_VALUE_ROWS} more", "", ""])
+    return rows
+
+
 COMMANDS = {
     "log": cmd_log,
     "show": cmd_show,
@@ -491,6 +531,7 @@ COMMANDS = {
     "repair": cmd_repair,
     "compact": cmd_compact,
     "copy": cmd_copy,
+    "diff": cmd_diff,
 }
 
 

@@ -140,6 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_collection(commands)
     _add_maintenance(commands)
     _add_copy(commands)
+    _add_diff(commands)
     return parser
 
 
@@ -366,3 +367,33 @@ def _add_copy(commands: Any) -> None:
         dest="all_generations",
         help="copy every stored generation of the run(s), oldest first",
     )
+
+
+def _add_diff(commands: Any) -> None:
+    diff = _command(
+        commands,
+        "diff",
+        "what changed between two generations",
+        "Compare generation A with generation B (by default A's parent; a first\n"
+        "generation is compared with nothing, so everything in it is added). B may be\n"
+        "a generation of another run: a fine-tune against its base. Tensors are\n"
+        "compared by their manifests (boxes and chunk digests, not bytes):\n"
+        "added, removed, changed (dtype or shape changes, and the bytes of chunks in\n"
+        "A that B lacks: the new bytes), unchanged. A tensor whose boxes changed but\n"
+        "whose dtype and shape did not is resharded: only then are both sides read\n"
+        "and compared (64 MiB a side at most; past that, bytes not compared).\n"
+        "Then the non-tensor values, the data-order record and the step\n"
+        "that differ, old -> new; a last line sums it up (--stat: only that line).\n\n"
+        + TARGET_HELP,
+        "castore diff ./ckpt exp1@3            # generation 3 against its parent\n"
+        "castore diff ./ckpt exp1@5 exp1@2 --stat\n"
+        "castore diff ./ckpt ft@3 base@10      # a fine-tune against its base",
+    )
+    diff.add_argument("a", metavar="RUN@A", help="the generation to describe (see above)")
+    diff.add_argument(
+        "b",
+        nargs="?",
+        metavar="RUN@B",
+        help="the generation to compare it with (default: A's parent; RUN alone: its latest)",
+    )
+    diff.add_argument("--stat", action="store_true", help="print only the one-line summary")
