@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 import castore
-from castore import gc
+from castore import export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
@@ -480,6 +480,31 @@ def cmd_copy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    run, generation = _split_target(args.target)
+    with _open(args.store) as store:
+        report = export.to_safetensors(
+            store,
+            run,
+            generation,
+            args.out_dir,
+            prefix=args.prefix,
+            strip_prefix=args.strip_prefix,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            rename=args.rename,
+            index_from=args.index_from,
+        )
+    for file in report.files:
+        print(f"wrote {report.out_dir / file}")
+    print(
+        f"exported {report.tensors} tensor(s), {format_bytes(report.bytes)} in "
+        f"{len(report.files)} file(s) to {report.out_dir}; peak buffer "
+        f"{format_bytes(report.peak_buffer)}"
+    )
+    return 0
+
+
 COMMANDS = {
     "log": cmd_log,
     "show": cmd_show,
@@ -491,6 +516,7 @@ COMMANDS = {
     "repair": cmd_repair,
     "compact": cmd_compact,
     "copy": cmd_copy,
+    "export": cmd_export,
 }
 
 

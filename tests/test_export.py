@@ -9,6 +9,9 @@ real shard manifests with uneven 2-D boxes, no process group needed.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +41,7 @@ from castore.layout import Box
 from castore.objects import GenerationRoot
 from castore.tree import encode_state
 
+REPO = Path(__file__).resolve().parent.parent
 DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32, np.int64, np.bool_]
 SHAPE = (19, 13)
 # Uneven 2-D blocks, one per rank: (row offset, col offset), (rows, cols).
@@ -355,4 +359,90 @@ def test_missing_run_is_an_error(store: Store, tmp_path: Path) -> None:
     store.save({"x": np.ones(3)}, run="r", step=1)
     with pytest.raises(castore.errors.CastoreError):
         to_safetensors(store, "nope", "latest", tmp_path / "out")
+    assert leftovers(tmp_path) == []
+
+
+# -- the command ----------------------------------------------------------------
+
+
+def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return subprocess.run(
+        [sys.executable, "-m", "castore.cli", *map(str, args)],
+        stdin=subprocess.DEVNULL,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+
+
+def one_line_error(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:
+    assert result.returncode == code, result
+    assert result.stdout == ""
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
+    for needle in needles:
+        assert needle in result.stderr, result.stderr
+
+
+def test_cli_exports_with_options(store: Store, store_path: Path, tmp_path: Path) -> None:
+    state = make_state()
+    store.save(state, run="r", step=7)
+    store.close()
+    out = tmp_path / "out"
+    result = run_cli(
+        "export", store_path, "r@1", out, "--prefix", "model/", "--strip-prefix",
+        "--dtype", "fp16", "--max-shard-size", "1KB", "--rename", "w=layer.",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"wrote {out / INDEX_FILE}" in result.stdout
+    assert "exported 7 tensor(s)" in result.stdout
+    expected = {
+        k.removeprefix("model/").replace("w", "layer.", 1)
+        if k.startswith("model/w")
+        else k.removeprefix("model/"): v.astype(np.float16) if v.dtype.kind in "fV" else v
+        for k, v in flat_tensors(state).items()
+        if k.startswith("model/")
+    }
+    assert_bitwise(read_exported(out), expected)
+    assert len(json.loads((out / INDEX_FILE).read_text())["weight_map"]) == 7
+
+
+def test_cli_errors_are_one_line(store: Store, store_path: Path, tmp_path: Path) -> None:
+    store.save(make_state(), run="r", step=7)
+    store.close()
+    one_line_error(run_cli("export", store_path, "nope", tmp_path / "o"), 1, "nope")
+    one_line_error(run_cli("export", store_path, "r@9", tmp_path / "o"), 1, "castore: error:")
+    one_line_error(
+        run_cli("export", store_path, "r", tmp_path / "o", "--dtype", "int8"), 2, "--dtype"
+    )
+    one_line_error(
+        run_cli("export", store_path, "r", tmp_path / "o", "--max-shard-size", "lots"),
+        2,
+        "--max-shard-size",
+    )
+    one_line_error(
+        run_cli("export", store_path, "r", tmp_path / "o", "--rename", "noequals"), 1, "FROM=TO"
+    )
+    full = tmp_path / "full"
+    full.mkdir()
+    (full / "x").write_text("x")
+    one_line_error(run_cli("export", store_path, "r", full), 1, "not empty", str(full))
+    one_line_error(
+        run_cli("export", tmp_path / "no-store", "r", tmp_path / "o"), 1, "castore: error:"
+    )
+    assert leftovers(tmp_path) == []
+    assert sorted(p.name for p in full.iterdir()) == ["x"]
+
+
+def test_cli_damaged_chunk_is_one_line_and_leaves_nothing(
+    store: Store, store_path: Path, tmp_path: Path
+) -> None:
+    save_four_ranks(store, make_state())
+    chunk = store.tensor_entries(store.resolve_root("r")[1])["model/w0"][2].chunks[0]
+    assert store.backend.delete_many(Namespace.CHUNKS, [chunk]) == 1
+    store.close()
+    result = run_cli("export", store_path, "r", tmp_path / "out")
+    one_line_error(result, 1, "ChunkMissingError", "model/w0")
     assert leftovers(tmp_path) == []
