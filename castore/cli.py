@@ -482,24 +482,33 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     run, generation = _split_target(args.target)
-    with _open(args.store) as store:
-        report = export.to_safetensors(
-            store,
-            run,
-            generation,
-            args.out_dir,
-            prefix=args.prefix,
-            strip_prefix=args.strip_prefix,
-            dtype=args.dtype,
-            max_shard_size=args.max_shard_size,
-            rename=args.rename,
-            index_from=args.index_from,
-        )
+    chosen: dict[str, Any] = {
+        "prefix": args.prefix,
+        "strip_prefix": args.strip_prefix,
+        "dtype": args.dtype,
+        "rename": args.rename,
+    }
+    if args.format == "torch":
+        if args.max_shard_size is not None or args.index_from is not None:
+            raise ValueError("--max-shard-size and --index-from are for --format safetensors")
+        with _open(args.store) as store:
+            report = export.to_torch(store, run, generation, args.out, **chosen)
+    else:
+        with _open(args.store) as store:
+            report = export.to_safetensors(
+                store,
+                run,
+                generation,
+                args.out,
+                max_shard_size=args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE,
+                index_from=args.index_from,
+                **chosen,
+            )
     for file in report.files:
         print(f"wrote {report.out_dir / file}")
     print(
         f"exported {report.tensors} tensor(s), {format_bytes(report.bytes)} in "
-        f"{len(report.files)} file(s) to {report.out_dir}; peak buffer "
+        f"{len(report.files)} file(s) to {report.out_dir}; held at most "
         f"{format_bytes(report.peak_buffer)}"
     )
     return 0

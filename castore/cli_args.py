@@ -403,28 +403,38 @@ def _add_export(commands: Any) -> None:
         commands,
         "export",
         "write a generation's tensors as safetensors files",
-        "Export the tensors of one generation to OUT_DIR in Hugging Face's layout: one\n"
+        "Export the tensors of one generation to directory OUT in Hugging Face's layout: one\n"
         "model.safetensors when everything fits --max-shard-size, else\n"
         "model-00001-of-0000N.safetensors files and model.safetensors.index.json.\n"
         "Tensors are named by key path joined with '/' (model/layers.0.weight); plain\n"
         "values (steps, learning rates) are not exported. The export streams: no whole\n"
         "tensor is held in memory, only stripes of rows, each from the chunks it overlaps,\n"
-        "every chunk verified. OUT_DIR must not exist or be empty; the files are written\n"
+        "every chunk verified. OUT must not exist or be empty; the files are written\n"
         "next to it and moved into place only when all are complete, so a failure (a\n"
-        "damaged chunk, say: exit 1) leaves nothing.\n\n" + TARGET_HELP,
+        "damaged chunk, say: exit 1) leaves nothing. --format torch writes one\n"
+        "torch.save file OUT instead (a pickle; see --format).\n\n" + TARGET_HELP,
         "castore export ./ckpt exp1 ./hf-model\n"
         "castore export ./ckpt exp1@7 ./hf --prefix model/ --strip-prefix --dtype bf16\n"
         "castore export ./ckpt exp1 ./hf --max-shard-size 2GB --rename model/=transformer.\n"
         "castore export ./ckpt exp1 ./hf --prefix model/ --strip-prefix "
-        "--index-from base/model.safetensors.index.json",
+        "--index-from base/model.safetensors.index.json\n"
+        "castore export ./ckpt exp1 ./model.pt --format torch --prefix model/ --strip-prefix",
     )
     export.add_argument("target", metavar="RUN[@GEN]", help="the generation (see above)")
-    export.add_argument("out_dir", metavar="OUT_DIR", help="the directory to create")
+    export.add_argument(
+        "out",
+        metavar="OUT",
+        help="safetensors: the directory to create (must not exist or be empty); "
+        "torch: the file to create (must not exist)",
+    )
     export.add_argument(
         "--format",
-        choices=("safetensors",),
+        choices=("safetensors", "torch"),
         default="safetensors",
-        help="safetensors: Hugging Face's format, no code runs when it is read",
+        help="safetensors (recommended): Hugging Face's format, streamed, and reading it "
+        "runs no code. torch: one torch.save file of a dict name -> tensor, for tools that "
+        "need it; it is a PICKLE (loading an untrusted one can run arbitrary code) and "
+        "every selected tensor is held in memory while it is written",
     )
     export.add_argument(
         "--prefix",
@@ -443,10 +453,9 @@ def _add_export(commands: Any) -> None:
     export.add_argument(
         "--max-shard-size",
         type=_size,
-        default=5 * 10**9,
         metavar="SIZE",
-        help="most tensor bytes per file: 5GB, 500MB, 2GiB or bytes (a larger tensor gets "
-        "a file of its own)",
+        help="safetensors: most tensor bytes per file: 5GB, 500MB, 2GiB or bytes; a "
+        "larger tensor gets a file of its own (default: 5GB)",
     )
     export.add_argument(
         "--rename",
@@ -457,6 +466,6 @@ def _add_export(commands: Any) -> None:
     export.add_argument(
         "--index-from",
         metavar="INDEX",
-        help="follow an existing model.safetensors.index.json: its files and names "
+        help="safetensors: follow an existing model.safetensors.index.json: its files and names "
         "(a tensor it does not list is an error); overrides --max-shard-size",
     )

@@ -67,8 +67,9 @@ SAFETENSORS_DTYPES = {
 
 @dataclass
 class ExportReport:
-    """What an export wrote: the files (in ``out_dir``), tensor and byte counts,
-    and the largest stripe buffer it held."""
+    """What an export wrote: the files (in ``out_dir``), tensor and byte counts, and
+    the most tensor bytes it held at once (a stripe and its converted copy; for a
+    torch export, every tensor)."""
 
     out_dir: Path
     files: list[str] = field(default_factory=list)
@@ -323,7 +324,12 @@ def publish_dir(tmp: Path, out_dir: Path) -> None:
     if out_dir.is_dir():
         out_dir.rmdir()
     os.rename(tmp, out_dir)
-    fd = os.open(out_dir.parent, os.O_RDONLY)
+    fsync_dir(out_dir.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
@@ -394,4 +400,64 @@ def to_safetensors(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return report
+
+
+def to_torch(
+    store: Store,
+    run: str,
+    generation: str | int = "latest",
+    out_file: Path | str = "pytorch_model.bin",
+    *,
+    prefix: str | None = None,
+    strip_prefix: bool = False,
+    dtype: str = "keep",
+    rename: Sequence[str] | None = None,
+) -> ExportReport:
+    """Export the selected tensors (as :func:`to_safetensors` selects and names them)
+    to one ``torch.save`` file: a dict of name -> tensor.
+
+    torch.save files are pickles (loading one can run code), and torch.save needs
+    every tensor in memory at once, so this does not stream; prefer safetensors.
+    The file is written next to ``out_file`` and linked into place when complete;
+    an existing ``out_file`` is refused.
+    """
+    import torch
+
+    out_file = Path(out_file)
+    wanted = target_dtype(dtype)
+    renames = parse_renames(rename)
+    if out_file.exists() or out_file.is_symlink():
+        raise FileExistsError(f"output file {out_file} exists")
+    _digest, root = store.resolve_root(run, generation)
+    where: dict[str, Any] = {"run": root.run, "generation": root.generation}
+    tensors = select_tensors(
+        store.tensor_entries(root),
+        prefix=prefix,
+        strip_prefix=strip_prefix,
+        renames=renames,
+        dtype=wanted,
+        where=where,
+    )
+    report = ExportReport(out_file.parent, [out_file.name], len(tensors))
+    state: dict[str, Any] = {}
+    for tensor in tensors:
+        value = store.read_tensor(tensor.boxes, "torch", where)
+        if tensor.dtype != tensor.boxes[0].dtype:
+            value = value.to(dtypes.torch_dtype(tensor.dtype))
+        state[tensor.name] = value
+        report.bytes += tensor.nbytes
+        report.peak_buffer += value.numel() * value.element_size()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_file.name}.export-", dir=out_file.parent)
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.link(tmp, out_file)  # fails, rather than overwrites, if out_file appeared meanwhile
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(out_file.parent)
     return report

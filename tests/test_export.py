@@ -18,6 +18,7 @@ from typing import Any
 import ml_dtypes
 import numpy as np
 import pytest
+import torch
 from safetensors import safe_open
 from safetensors.numpy import load_file
 
@@ -36,7 +37,7 @@ from castore.commit import (
     write_shard,
 )
 from castore.errors import IntegrityError, TensorNotFoundError
-from castore.export import INDEX_FILE, SINGLE_FILE, stripes, to_safetensors
+from castore.export import INDEX_FILE, SINGLE_FILE, stripes, to_safetensors, to_torch
 from castore.layout import Box
 from castore.objects import GenerationRoot
 from castore.tree import encode_state
@@ -446,3 +447,68 @@ def test_cli_damaged_chunk_is_one_line_and_leaves_nothing(
     result = run_cli("export", store_path, "r", tmp_path / "out")
     one_line_error(result, 1, "ChunkMissingError", "model/w0")
     assert leftovers(tmp_path) == []
+
+
+# -- torch.save -----------------------------------------------------------------
+
+
+def torch_as_numpy(value: Any) -> np.ndarray:
+    """A torch tensor's bytes as the numpy array castore would give (bf16 via ml_dtypes)."""
+    from castore import dtypes
+
+    name = str(value.dtype).removeprefix("torch.")
+    raw = value.contiguous().reshape(-1).view(torch.uint8).numpy()
+    return raw.view(dtypes.numpy_dtype(name)).reshape(tuple(value.shape))
+
+
+def test_torch_format(saved: tuple[Store, Any], tmp_path: Path) -> None:
+    store, expected = saved
+    out = tmp_path / "model.pt"
+    report = to_torch(store, "r", "latest", out, prefix="model/", rename=["model/=m."])
+    assert report.files == ["model.pt"] and report.tensors == 7
+    loaded = torch.load(out, weights_only=True)
+    assert all(isinstance(v, torch.Tensor) for v in loaded.values())
+    want = {k.replace("model/", "m."): v for k, v in expected.items() if k.startswith("model/")}
+    assert_bitwise({k: torch_as_numpy(v) for k, v in loaded.items()}, want)
+    with pytest.raises(FileExistsError, match="exists"):
+        to_torch(store, "r", "latest", out)
+    converted = tmp_path / "bf16.pt"
+    to_torch(store, "r", "latest", converted, dtype="bf16")
+    loaded = torch.load(converted, weights_only=True)
+    assert loaded["model/w2"].dtype == torch.bfloat16 and loaded["model/w3"].dtype == torch.int64
+    assert torch_as_numpy(loaded["model/w2"]).tobytes() == (
+        expected["model/w2"].astype(ml_dtypes.bfloat16).tobytes()
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bf16.pt", "model.pt", "store"]
+
+
+def test_torch_format_damaged_chunk_leaves_nothing(
+    saved: tuple[Store, Any], tmp_path: Path
+) -> None:
+    store, _ = saved
+    chunk = store.tensor_entries(store.resolve_root("r")[1])["model/w1"][0].chunks[0]
+    assert store.backend.delete_many(Namespace.CHUNKS, [chunk]) == 1
+    with pytest.raises(IntegrityError, match="model/w1"):
+        to_torch(store, "r", "latest", tmp_path / "model.pt")
+    assert [p.name for p in tmp_path.iterdir()] == ["store"]
+
+
+def test_cli_torch_format(store: Store, store_path: Path, tmp_path: Path) -> None:
+    state = make_state()
+    store.save(state, run="r", step=7)
+    store.close()
+    out = tmp_path / "model.pt"
+    result = run_cli("export", store_path, "r", out, "--format", "torch", "--prefix", "optimizer/")
+    assert result.returncode == 0, result.stderr
+    loaded = torch.load(out, weights_only=True)
+    assert list(loaded) == ["optimizer/m"]
+    assert loaded["optimizer/m"].numpy().tobytes() == state["optimizer"]["m"].tobytes()
+    one_line_error(run_cli("export", store_path, "r", out, "--format", "torch"), 1, "exists")
+    one_line_error(
+        run_cli("export", store_path, "r", tmp_path / "x.pt", "--format", "torch",
+                "--max-shard-size", "1GB"),
+        1,
+        "--format safetensors",
+    )  # fmt: skip
+    help_text = " ".join(run_cli("export", "--help").stdout.split())
+    assert "PICKLE" in help_text and "safetensors (recommended)" in help_text
