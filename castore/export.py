@@ -38,7 +38,7 @@ from castore.objects import TensorEntry
 from castore.reading import box_requests, check_coverage
 from castore.store import Store
 
-DEFAULT_BUFFER_SIZE = 64 * 2**20
+DEFAULT_BUFFER_SIZE = 16 * 2**20
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
