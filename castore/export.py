@@ -20,9 +20,9 @@ import itertools
 import json
 import math
 import os
+import secrets
 import shutil
 import struct
-import tempfile
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -153,8 +153,8 @@ def select_tensors(
                 f"tensor {name!r} has dtype {saved}, which safetensors cannot hold", **where
             )
         out = export_name(name, prefix, strip_prefix, renames)
-        if not out:
-            raise ValueError(f"tensor {name!r} would be exported with an empty name")
+        if not out or out == "__metadata__":
+            raise ValueError(f"tensor {name!r} cannot be exported as {out!r} (a reserved name)")
         if out in chosen:
             raise ValueError(
                 f"tensors {chosen[out].boxes[0].name!r} and {name!r} would both be "
@@ -382,7 +382,8 @@ def to_safetensors(
         files = plan_files(tensors, max_shard_size)
     report = ExportReport(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.export-", dir=out_dir.parent))
+    tmp = out_dir.parent / f".{out_dir.name}.export-{secrets.token_hex(6)}"
+    tmp.mkdir()  # not mkdtemp: the directory is the output, with the umask's mode, not 0700
     try:
         for file, group in files.items():
             write_file(store, tmp / file, group, buffer_size, where, report)
@@ -449,8 +450,8 @@ def to_torch(
         report.bytes += tensor.nbytes
         report.peak_buffer += value.numel() * value.element_size()
     out_file.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{out_file.name}.export-", dir=out_file.parent)
-    tmp = Path(tmp_name)
+    tmp = out_file.parent / f".{out_file.name}.export-{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode
     try:
         with os.fdopen(fd, "wb") as handle:
             torch.save(state, handle)

@@ -268,9 +268,11 @@ def test_prefix_strip_and_rename(saved: tuple[Store, Any], tmp_path: Path) -> No
         )
     with pytest.raises(ValueError, match="FROM=TO"):
         to_safetensors(store, "r", "latest", tmp_path / "f", rename=["model/"])
+    with pytest.raises(ValueError, match="reserved name"):
+        to_safetensors(store, "r", "latest", tmp_path / "h", rename=["model/bias=__metadata__"])
     with pytest.raises(ValueError, match="needs --prefix"):
         to_safetensors(store, "r", "latest", tmp_path / "g", strip_prefix=True)
-    assert not any(p.name in "defg" for p in tmp_path.iterdir())
+    assert not any(p.name in "defgh" for p in tmp_path.iterdir())
 
 
 def test_index_from_follows_layout(saved: tuple[Store, Any], tmp_path: Path) -> None:
@@ -354,6 +356,19 @@ def test_refuses_existing_non_empty_out_dir(saved: tuple[Store, Any], tmp_path: 
     to_safetensors(store, "r", "latest", out)
     assert_bitwise(read_exported(out), expected)
     assert leftovers(tmp_path) == ["out"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (out / SINGLE_FILE).stat().st_mode & 0o777 == 0o666 & ~umask
+
+
+def test_new_out_dir_gets_the_umask_mode(saved: tuple[Store, Any], tmp_path: Path) -> None:
+    store, _ = saved
+    to_safetensors(store, "r", "latest", tmp_path / "out")
+    to_torch(store, "r", "latest", tmp_path / "model.pt")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "out").stat().st_mode & 0o777 == 0o777 & ~umask
+    assert (tmp_path / "model.pt").stat().st_mode & 0o777 == 0o666 & ~umask
 
 
 def test_missing_run_is_an_error(store: Store, tmp_path: Path) -> None:
