@@ -26,6 +26,7 @@ import castore
 from castore import Shard, Store
 from castore.chunkio import WriteStats
 from castore.chunkstore.base import Namespace
+from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.commit import (
     CheckedShards,
     commit_objects,
@@ -36,7 +37,7 @@ from castore.commit import (
     root_stats,
     write_shard,
 )
-from castore.errors import IntegrityError, TensorNotFoundError
+from castore.errors import ChecksumMismatchError, IntegrityError, TensorNotFoundError
 from castore.export import INDEX_FILE, SINGLE_FILE, stripes, to_safetensors, to_torch
 from castore.layout import Box
 from castore.objects import GenerationRoot
@@ -341,6 +342,19 @@ def test_damaged_chunk_fails_and_leaves_nothing(saved: tuple[Store, Any], tmp_pa
     assert store.backend.delete_many(Namespace.CHUNKS, [chunk]) == 1
     with pytest.raises(IntegrityError, match="model/w3"):
         to_safetensors(store, "r", "latest", tmp_path / "out", max_shard_size=500)
+    assert leftovers(tmp_path) == []
+
+
+def test_flipped_chunk_fails_with_checksum_error(saved: tuple[Store, Any], tmp_path: Path) -> None:
+    store, _ = saved
+    boxes = store.tensor_entries(store.resolve_root("r")[1])["model/w0"]
+    chunk = boxes[0].chunks[0]
+    data = bytearray(store.backend.get(Namespace.CHUNKS, chunk) or b"")
+    data[3] ^= 0xFF
+    assert isinstance(store.backend, LmdbBackend)
+    store.backend.raw_put(Namespace.CHUNKS, chunk, bytes(data))  # a bit flip on disk
+    with pytest.raises(ChecksumMismatchError, match="model/w0"):
+        to_safetensors(store, "r", "latest", tmp_path / "out", buffer_size=64)
     assert leftovers(tmp_path) == []
 
 
