@@ -18,7 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 import castore
-from castore import diffing, gc
+from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
@@ -520,6 +520,40 @@ def _change_rows(changes: list[diffing.ValueChange]) -> list[list[str]]:
     return rows
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    run, generation = _split_target(args.target)
+    chosen: dict[str, Any] = {
+        "prefix": args.prefix,
+        "strip_prefix": args.strip_prefix,
+        "dtype": args.dtype,
+        "rename": args.rename,
+    }
+    if args.format == "torch":
+        if args.max_shard_size is not None or args.index_from is not None:
+            raise ValueError("--max-shard-size and --index-from are for --format safetensors")
+        with _open(args.store) as store:
+            report = export.to_torch(store, run, generation, args.out, **chosen)
+    else:
+        with _open(args.store) as store:
+            report = export.to_safetensors(
+                store,
+                run,
+                generation,
+                args.out,
+                max_shard_size=args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE,
+                index_from=args.index_from,
+                **chosen,
+            )
+    for file in report.files:
+        print(f"wrote {report.out_dir / file}")
+    print(
+        f"exported {report.tensors} tensor(s), {format_bytes(report.bytes)} in "
+        f"{len(report.files)} file(s) to {report.out_dir}; held at most "
+        f"{format_bytes(report.peak_buffer)}"
+    )
+    return 0
+
+
 COMMANDS = {
     "log": cmd_log,
     "show": cmd_show,
@@ -532,6 +566,7 @@ COMMANDS = {
     "compact": cmd_compact,
     "copy": cmd_copy,
     "diff": cmd_diff,
+    "export": cmd_export,
 }
 
 

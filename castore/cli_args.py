@@ -115,6 +115,35 @@ def _seconds(text: str) -> float:
     return value
 
 
+_SIZE_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+
+
+def _size(text: str) -> int:
+    """A byte count: 5GB, 500MB, 2GiB or a plain number of bytes (at least 1)."""
+    number = text.strip().upper().rstrip("BIKMGT")
+    unit = text.strip().upper()[len(number) :]
+    try:
+        value = int(float(number) * _SIZE_UNITS[unit])
+    except (KeyError, ValueError):
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(
+            f"must be a size such as 5GB, 500MB, 2GiB or a number of bytes, got {text!r}"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="castore",
@@ -141,6 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_maintenance(commands)
     _add_copy(commands)
     _add_diff(commands)
+    _add_export(commands)
     return parser
 
 
@@ -397,3 +427,76 @@ def _add_diff(commands: Any) -> None:
         help="the generation to compare it with (default: A's parent; RUN alone: its latest)",
     )
     diff.add_argument("--stat", action="store_true", help="print only the one-line summary")
+
+
+def _add_export(commands: Any) -> None:
+    export = _command(
+        commands,
+        "export",
+        "write a generation's tensors as safetensors files",
+        "Export the tensors of one generation to directory OUT in Hugging Face's layout: one\n"
+        "model.safetensors when everything fits --max-shard-size, else\n"
+        "model-00001-of-0000N.safetensors files and model.safetensors.index.json.\n"
+        "Tensors are named by key path joined with '/' (model/layers.0.weight); plain\n"
+        "values (steps, learning rates) are not exported. The export streams: no whole\n"
+        "tensor is held in memory, only stripes of rows, each from the chunks it overlaps,\n"
+        "every chunk verified. OUT must not exist or be empty; the files are written\n"
+        "next to it and moved into place only when all are complete, so a failure (a\n"
+        "damaged chunk, say: exit 1) leaves nothing. --format torch writes one\n"
+        "torch.save file OUT instead (a pickle; see --format).\n\n" + TARGET_HELP,
+        "castore export ./ckpt exp1 ./hf-model\n"
+        "castore export ./ckpt exp1@7 ./hf --prefix model/ --strip-prefix --dtype bf16\n"
+        "castore export ./ckpt exp1 ./hf --max-shard-size 2GB --rename model/=transformer.\n"
+        "castore export ./ckpt exp1 ./hf --prefix model/ --strip-prefix "
+        "--index-from base/model.safetensors.index.json\n"
+        "castore export ./ckpt exp1 ./model.pt --format torch --prefix model/ --strip-prefix",
+    )
+    export.add_argument("target", metavar="RUN[@GEN]", help="the generation (see above)")
+    export.add_argument(
+        "out",
+        metavar="OUT",
+        help="safetensors: the directory to create (must not exist or be empty); "
+        "torch: the file to create (must not exist)",
+    )
+    export.add_argument(
+        "--format",
+        choices=("safetensors", "torch"),
+        default="safetensors",
+        help="safetensors (recommended): Hugging Face's format, streamed, and reading it "
+        "runs no code. torch: one torch.save file of a dict name -> tensor, for tools that "
+        "need it; it is a PICKLE (loading an untrusted one can run arbitrary code) and "
+        "every selected tensor is held in memory while it is written",
+    )
+    export.add_argument(
+        "--prefix",
+        metavar="PREFIX",
+        help="export only the tensors whose name starts with PREFIX, e.g. model/",
+    )
+    export.add_argument(
+        "--strip-prefix", action="store_true", help="remove --prefix from the exported names"
+    )
+    export.add_argument(
+        "--dtype",
+        choices=("keep", "bf16", "fp16", "fp32"),
+        default="keep",
+        help="convert floating-point tensors to this type; other tensors keep theirs",
+    )
+    export.add_argument(
+        "--max-shard-size",
+        type=_size,
+        metavar="SIZE",
+        help="safetensors: most tensor bytes per file: 5GB, 500MB, 2GiB or bytes; a "
+        "larger tensor gets a file of its own (default: 5GB)",
+    )
+    export.add_argument(
+        "--rename",
+        action="append",
+        metavar="FROM=TO",
+        help="rename a name prefix, after --strip-prefix (repeatable; the first match wins)",
+    )
+    export.add_argument(
+        "--index-from",
+        metavar="INDEX",
+        help="safetensors: follow an existing model.safetensors.index.json: its files and names "
+        "(a tensor it does not list is an error); overrides --max-shard-size",
+    )

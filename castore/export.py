@@ -1,0 +1,464 @@
+"""Exporting a generation's tensors to Hugging Face safetensors files, streamed.
+
+A safetensors file is an 8-byte little-endian header length, a JSON header
+(dtype, shape and byte range of each tensor; padded with spaces to an 8-byte
+boundary, as the safetensors library writes it), then the tensors' bytes in
+row-major order. Because the header only needs dtypes and shapes, which the
+shard manifests give, each file is written front to back without ever holding
+a whole tensor: a tensor's bytes are assembled stripe by stripe (a block of
+rows no larger than ``buffer_size``) from its saved boxes, reading only the
+chunks each stripe overlaps. Every chunk is verified as castore's read path
+always does (a damaged one raises the usual :class:`~castore.errors.IntegrityError`).
+
+The output is written in a temporary directory next to ``out_dir`` and
+renamed into place only once every file is complete; a failure removes it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import os
+import secrets
+import shutil
+import struct
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from castore import dtypes
+from castore.chunkio import ChunkRequest, read_requests
+from castore.errors import TensorNotFoundError, UnsupportedValueError
+from castore.layout import Box
+from castore.objects import TensorEntry
+from castore.reading import box_requests, check_coverage
+from castore.store import Store
+
+DEFAULT_BUFFER_SIZE = 16 * 2**20
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+DTYPE_CHOICES = {"keep": None, "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+FLOAT_DTYPES = frozenset({"bfloat16", "float16", "float32", "float64"})
+
+# castore dtype name -> safetensors dtype code
+SAFETENSORS_DTYPES = {
+    "bool": "BOOL",
+    "uint8": "U8",
+    "int8": "I8",
+    "int16": "I16",
+    "uint16": "U16",
+    "int32": "I32",
+    "uint32": "U32",
+    "int64": "I64",
+    "uint64": "U64",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+}
+
+
+@dataclass
+class ExportReport:
+    """What an export wrote: the files (in ``out_dir``), tensor and byte counts, and
+    the most tensor bytes it held at once (a stripe and its converted copy; for a
+    torch export, every tensor)."""
+
+    out_dir: Path
+    files: list[str] = field(default_factory=list)
+    tensors: int = 0
+    bytes: int = 0
+    peak_buffer: int = 0
+
+
+@dataclass(frozen=True)
+class ExportTensor:
+    """One tensor to export: its exported name, its saved boxes and the dtype it is written as."""
+
+    name: str
+    boxes: list[TensorEntry]
+    dtype: str
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.boxes[0].shape
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * dtypes.numpy_dtype(self.dtype).itemsize
+
+
+# -- choosing and naming tensors ----------------------------------------------
+
+
+def target_dtype(dtype: str) -> str | None:
+    """The castore dtype name ``--dtype`` asks for (None: keep each tensor's own)."""
+    if dtype not in DTYPE_CHOICES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPE_CHOICES)}, got {dtype!r}")
+    return DTYPE_CHOICES[dtype]
+
+
+def parse_renames(renames: Sequence[str] | None) -> list[tuple[str, str]]:
+    """``FROM=TO`` prefix renames, in order."""
+    pairs = []
+    for rename in renames or ():
+        old, sep, new = rename.partition("=")
+        if not sep or not old:
+            raise ValueError(f"rename must be FROM=TO with a non-empty FROM, got {rename!r}")
+        pairs.append((old, new))
+    return pairs
+
+
+def export_name(
+    name: str, prefix: str | None, strip_prefix: bool, renames: list[tuple[str, str]]
+) -> str:
+    """The name a selected tensor is exported under: prefix stripped, then the first
+    matching rename applied."""
+    if strip_prefix and prefix:
+        name = name[len(prefix) :]
+    for old, new in renames:
+        if name.startswith(old):
+            return new + name[len(old) :]
+    return name
+
+
+def select_tensors(
+    entries: dict[str, list[TensorEntry]],
+    *,
+    prefix: str | None,
+    strip_prefix: bool,
+    renames: list[tuple[str, str]],
+    dtype: str | None,
+    where: dict[str, Any],
+) -> list[ExportTensor]:
+    """The tensors to export, in name order, each checked to cover its shape exactly."""
+    if strip_prefix and not prefix:
+        raise ValueError("--strip-prefix needs --prefix: which prefix to strip")
+    chosen: dict[str, ExportTensor] = {}
+    for name in sorted(entries):
+        if prefix and not name.startswith(prefix):
+            continue
+        boxes = entries[name]
+        check_coverage(boxes, where)
+        saved = boxes[0].dtype
+        if saved not in SAFETENSORS_DTYPES:
+            raise UnsupportedValueError(
+                f"tensor {name!r} has dtype {saved}, which safetensors cannot hold", **where
+            )
+        out = export_name(name, prefix, strip_prefix, renames)
+        if not out or out == "__metadata__":
+            raise ValueError(f"tensor {name!r} cannot be exported as {out!r} (a reserved name)")
+        if out in chosen:
+            raise ValueError(
+                f"tensors {chosen[out].boxes[0].name!r} and {name!r} would both be "
+                f"exported as {out!r}"
+            )
+        wanted = dtype if dtype is not None and saved in FLOAT_DTYPES else saved
+        chosen[out] = ExportTensor(out, boxes, wanted)
+    if not chosen:
+        what = f"whose name starts with {prefix!r} " if prefix else ""
+        raise TensorNotFoundError(f"no tensor {what}in {where['run']}@{where['generation']}")
+    return list(chosen.values())
+
+
+# -- laying out files ---------------------------------------------------------
+
+
+def plan_files(tensors: list[ExportTensor], max_shard_size: int) -> dict[str, list[ExportTensor]]:
+    """Tensors grouped into files of at most ``max_shard_size`` bytes each (a tensor
+    larger than that gets a file of its own), named the Hugging Face way."""
+    if max_shard_size < 1:
+        raise ValueError(f"max shard size must be positive, got {max_shard_size}")
+    groups: list[list[ExportTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if groups[-1] and size + tensor.nbytes > max_shard_size:
+            groups.append([])
+            size = 0
+        groups[-1].append(tensor)
+        size += tensor.nbytes
+    if len(groups) == 1:
+        return {SINGLE_FILE: groups[0]}
+    n = len(groups)
+    return {f"model-{i + 1:05d}-of-{n:05d}.safetensors": g for i, g in enumerate(groups)}
+
+
+def plan_files_from_index(
+    tensors: list[ExportTensor], index_path: Path | str
+) -> dict[str, list[ExportTensor]]:
+    """Tensors grouped into the files an existing ``model.safetensors.index.json`` names."""
+    try:
+        weight_map = json.loads(Path(index_path).read_text())["weight_map"]
+    except (KeyError, TypeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{index_path}: not a safetensors index (no weight_map): {exc}") from exc
+    if not isinstance(weight_map, dict):
+        raise ValueError(f"{index_path}: weight_map is not an object")
+    missing = [t.name for t in tensors if t.name not in weight_map]
+    if missing:
+        listed = ", ".join(repr(n) for n in missing[:5])
+        more = f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+        raise ValueError(f"{index_path} does not list tensor(s) {listed}{more}")
+    files: dict[str, list[ExportTensor]] = {}
+    for tensor in tensors:
+        file = str(weight_map[tensor.name])
+        if not file or "/" in file or file in (".", "..", INDEX_FILE):
+            raise ValueError(f"{index_path}: bad file name {file!r} for {tensor.name!r}")
+        files.setdefault(file, []).append(tensor)
+    return files
+
+
+def header_bytes(tensors: list[ExportTensor]) -> bytes:
+    """The safetensors header: its length, then JSON padded with spaces to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    at = 0
+    for tensor in tensors:
+        header[tensor.name] = {
+            "dtype": SAFETENSORS_DTYPES[tensor.dtype],
+            "shape": list(tensor.shape),
+            "data_offsets": [at, at + tensor.nbytes],
+        }
+        at += tensor.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+# -- streaming bytes ----------------------------------------------------------
+
+
+def stripes(shape: tuple[int, ...], itemsize: int, buffer_size: int) -> Iterator[Box]:
+    """Row-major consecutive blocks of a tensor, each at most ``buffer_size`` bytes
+    (or one element, if larger): rows of the outermost dimension whose trailing block
+    fits, one index at a time along the dimensions before it."""
+    if math.prod(shape) * itemsize <= buffer_size or not shape:
+        yield Box.whole(shape)
+        return
+    split = next(
+        d for d in range(len(shape)) if math.prod(shape[d + 1 :]) * itemsize <= buffer_size
+    )
+    block = math.prod(shape[split + 1 :]) * itemsize
+    step = max(1, buffer_size // block)
+    tail = tuple(shape[split + 1 :])
+    for outer in itertools.product(*(range(n) for n in shape[:split])):
+        for start in range(0, shape[split], step):
+            rows = min(step, shape[split] - start)
+            yield Box((*outer, start) + (0,) * len(tail), (1,) * len(outer) + (rows,) + tail)
+
+
+def read_stripe(
+    store: Store, tensor: ExportTensor, stripe: Box, where: dict[str, Any]
+) -> np.ndarray:
+    """The saved bytes of one stripe of a tensor, in its saved dtype, every chunk verified."""
+    saved = tensor.boxes[0].dtype
+    out = np.empty(stripe.shape, dtype=dtypes.numpy_dtype(saved))
+    flat = out.reshape(-1).view(np.uint8)
+    requests: list[ChunkRequest] = []
+    for entry in tensor.boxes:
+        region = stripe.intersect(Box(entry.offsets, entry.local_shape))
+        if region is not None and region.numel:
+            requests += box_requests(entry, region, stripe, flat)
+    where = {**where, "tensor": tensor.boxes[0].name}
+    read_requests(store.backend, requests, store.read_counters, where)
+    return out
+
+
+def write_tensor(
+    store: Store,
+    handle: Any,
+    tensor: ExportTensor,
+    buffer_size: int,
+    where: dict[str, Any],
+    report: ExportReport,
+) -> None:
+    """Write one tensor's bytes in row-major order, stripe by stripe."""
+    saved = tensor.boxes[0].dtype
+    itemsize = max(dtypes.numpy_dtype(saved).itemsize, dtypes.numpy_dtype(tensor.dtype).itemsize)
+    for stripe in stripes(tensor.shape, itemsize, buffer_size):
+        data = read_stripe(store, tensor, stripe, where)
+        held = data.nbytes
+        if tensor.dtype != saved:
+            data = data.astype(dtypes.numpy_dtype(tensor.dtype))
+            held += data.nbytes
+        report.peak_buffer = max(report.peak_buffer, held)
+        handle.write(np.ascontiguousarray(data).reshape(-1).view(np.uint8).data)
+
+
+def write_file(
+    store: Store,
+    path: Path,
+    tensors: list[ExportTensor],
+    buffer_size: int,
+    where: dict[str, Any],
+    report: ExportReport,
+) -> None:
+    with open(path, "wb") as handle:
+        handle.write(header_bytes(tensors))
+        for tensor in tensors:
+            write_tensor(store, handle, tensor, buffer_size, where, report)
+        handle.flush()
+        os.fsync(handle.fileno())
+
+
+# -- the output directory -----------------------------------------------------
+
+
+def check_out_dir(out_dir: Path) -> None:
+    """Refuse to write over anything: ``out_dir`` must not exist or be empty."""
+    if out_dir.is_dir():
+        if any(out_dir.iterdir()):
+            raise FileExistsError(f"output directory {out_dir} exists and is not empty")
+    elif out_dir.exists():
+        raise FileExistsError(f"output path {out_dir} exists and is not a directory")
+
+
+def publish_dir(tmp: Path, out_dir: Path) -> None:
+    """Move the finished temporary directory into place (over an empty ``out_dir``)."""
+    check_out_dir(out_dir)  # again: something may have appeared while we wrote
+    if out_dir.is_dir():
+        out_dir.rmdir()
+    os.rename(tmp, out_dir)
+    fsync_dir(out_dir.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename or link in ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def to_safetensors(
+    store: Store,
+    run: str,
+    generation: str | int = "latest",
+    out_dir: Path | str = ".",
+    *,
+    prefix: str | None = None,
+    strip_prefix: bool = False,
+    dtype: str = "keep",
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    rename: Sequence[str] | None = None,
+    index_from: Path | str | None = None,
+    buffer_size: int = DEFAULT_BUFFER_SIZE,
+) -> ExportReport:
+    """Export the tensors of ``run@generation`` to safetensors files in ``out_dir``.
+
+    One ``model.safetensors`` when everything fits ``max_shard_size`` bytes,
+    else ``model-0000i-of-0000N.safetensors`` files and ``model.safetensors.index.json``
+    (or the layout and names of ``index_from``). ``prefix`` selects tensors by
+    key path (``model/``), ``strip_prefix`` removes it from the names, ``rename``
+    holds ``FROM=TO`` prefix renames; ``dtype`` (bf16, fp16, fp32) converts the
+    floating-point tensors, others keep theirs. Non-tensor values are not exported.
+    """
+    out_dir = Path(out_dir)
+    wanted = target_dtype(dtype)
+    renames = parse_renames(rename)
+    if buffer_size < 1:
+        raise ValueError(f"buffer size must be positive, got {buffer_size}")
+    check_out_dir(out_dir)
+    _digest, root = store.resolve_root(run, generation)
+    where: dict[str, Any] = {"run": root.run, "generation": root.generation}
+    entries = store.tensor_entries(root)  # read once, not per stripe
+    tensors = select_tensors(
+        entries,
+        prefix=prefix,
+        strip_prefix=strip_prefix,
+        renames=renames,
+        dtype=wanted,
+        where=where,
+    )
+    if index_from is not None:
+        files = plan_files_from_index(tensors, index_from)
+    else:
+        files = plan_files(tensors, max_shard_size)
+    report = ExportReport(out_dir)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_dir.parent / f".{out_dir.name}.export-{secrets.token_hex(6)}"
+    tmp.mkdir()  # not mkdtemp: the directory is the output, with the umask's mode, not 0700
+    try:
+        for file, group in files.items():
+            write_file(store, tmp / file, group, buffer_size, where, report)
+            report.files.append(file)
+        report.tensors = len(tensors)
+        report.bytes = sum(t.nbytes for t in tensors)
+        if len(files) > 1 or index_from is not None:
+            index = {
+                "metadata": {"total_size": report.bytes},
+                "weight_map": {t.name: f for f, group in files.items() for t in group},
+            }
+            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            report.files.append(INDEX_FILE)
+        publish_dir(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return report
+
+
+def to_torch(
+    store: Store,
+    run: str,
+    generation: str | int = "latest",
+    out_file: Path | str = "pytorch_model.bin",
+    *,
+    prefix: str | None = None,
+    strip_prefix: bool = False,
+    dtype: str = "keep",
+    rename: Sequence[str] | None = None,
+) -> ExportReport:
+    """Export the selected tensors (as :func:`to_safetensors` selects and names them)
+    to one ``torch.save`` file: a dict of name -> tensor.
+
+    torch.save files are pickles (loading one can run code), and torch.save needs
+    every tensor in memory at once, so this does not stream; prefer safetensors.
+    The file is written next to ``out_file`` and linked into place when complete;
+    an existing ``out_file`` is refused.
+    """
+    import torch
+
+    out_file = Path(out_file)
+    wanted = target_dtype(dtype)
+    renames = parse_renames(rename)
+    if out_file.exists() or out_file.is_symlink():
+        raise FileExistsError(f"output file {out_file} exists")
+    _digest, root = store.resolve_root(run, generation)
+    where: dict[str, Any] = {"run": root.run, "generation": root.generation}
+    tensors = select_tensors(
+        store.tensor_entries(root),
+        prefix=prefix,
+        strip_prefix=strip_prefix,
+        renames=renames,
+        dtype=wanted,
+        where=where,
+    )
+    report = ExportReport(out_file.parent, [out_file.name], len(tensors))
+    state: dict[str, Any] = {}
+    for tensor in tensors:
+        value = store.read_tensor(tensor.boxes, "torch", where)
+        if tensor.dtype != tensor.boxes[0].dtype:
+            value = value.to(dtypes.torch_dtype(tensor.dtype))
+        state[tensor.name] = value
+        report.bytes += tensor.nbytes
+        report.peak_buffer += value.numel() * value.element_size()
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.parent / f".{out_file.name}.export-{secrets.token_hex(6)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            torch.save(state, handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.link(tmp, out_file)  # fails, rather than overwrites, if out_file appeared meanwhile
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(out_file.parent)
+    return report
