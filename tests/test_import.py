@@ -1,0 +1,199 @@
+"""castore import: checkpoints written by other tools become generations, bitwise equal."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import castore
+from castore.importer import (
+    ImportSourceError,
+    from_safetensors,
+    import_checkpoint,
+)
+
+CHUNK_SIZE = 1024
+
+
+def torch_state(seed: int = 0) -> dict[str, torch.Tensor]:
+    """Tensors of every dtype the tests cover, several chunks each."""
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "embed.weight": torch.randn(64, 16, generator=gen).to(torch.bfloat16),
+        "layer.0.weight": torch.randn(32, 16, generator=gen).to(torch.float16),
+        "layer.0.bias": torch.randn(300, generator=gen),
+        "positions": torch.randint(0, 1 << 40, (20, 10), generator=gen, dtype=torch.int64),
+        "mask": torch.rand(50, generator=gen) > 0.5,
+    }
+
+
+def assert_bitwise(loaded: Any, expected: torch.Tensor) -> None:
+    assert isinstance(loaded, torch.Tensor), type(loaded)
+    assert loaded.dtype == expected.dtype
+    assert loaded.shape == expected.shape
+    assert torch.equal(loaded.view(torch.uint8), expected.contiguous().view(torch.uint8))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Any:
+    with castore.open(tmp_path / "store", chunk_size=CHUNK_SIZE) as opened:
+        yield opened
+
+
+def test_safetensors_file_imports_bitwise(store: Any, tmp_path: Path) -> None:
+    state = torch_state()
+    source = tmp_path / "model.safetensors"
+    save_file(state, source)
+    report = import_checkpoint(store, "hf", source)
+    assert (report.kind, report.generation, report.tensors) == ("safetensors", 1, len(state))
+    assert report.logical_bytes == sum(t.numel() * t.element_size() for t in state.values())
+    loaded = store.load("hf", framework="torch")
+    assert set(loaded) == set(state)
+    for name, tensor in state.items():
+        assert_bitwise(loaded[name], tensor)
+
+
+def write_sharded(directory: Path, state: dict[str, torch.Tensor], shards: int) -> None:
+    """A sharded checkpoint as Hugging Face writes it: shards plus the index."""
+    directory.mkdir()
+    names = sorted(state)
+    weight_map = {}
+    for index in range(shards):
+        file = f"model-{index + 1:05d}-of-{shards:05d}.safetensors"
+        part = {name: state[name] for name in names[index::shards]}
+        save_file(part, directory / file)
+        weight_map.update(dict.fromkeys(part, file))
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map})
+    )
+
+
+@pytest.mark.parametrize("indexed", [True, False], ids=["index", "bare-directory"])
+def test_sharded_safetensors_directory_imports_bitwise(
+    store: Any, tmp_path: Path, indexed: bool
+) -> None:
+    state = torch_state(1)
+    source = tmp_path / "sharded"
+    write_sharded(source, state, shards=3)
+    if not indexed:
+        (source / "model.safetensors.index.json").unlink()
+    report = from_safetensors(store, "hf", source)
+    assert report.tensors == len(state)
+    loaded = store.load("hf", framework="torch")
+    for name, tensor in state.items():
+        assert_bitwise(loaded[name], tensor)
+
+
+def test_index_naming_a_missing_shard_is_refused(store: Any, tmp_path: Path) -> None:
+    source = tmp_path / "sharded"
+    write_sharded(source, torch_state(), shards=2)
+    next(source.glob("model-00002-*")).unlink()
+    with pytest.raises(ImportSourceError, match="missing"):
+        from_safetensors(store, "hf", source)
+    assert store.runs() == []
+
+
+def changed_series(count: int) -> list[dict[str, torch.Tensor]]:
+    """``count`` checkpoints of 10 equal tensors; each changes one tensor (10%) of the last."""
+    gen = torch.Generator().manual_seed(7)
+    state = {f"block.{i}.weight": torch.randn(64, 64, generator=gen) for i in range(10)}
+    series = [dict(state)]
+    for index in range(1, count):
+        state = dict(state)
+        state[f"block.{index}.weight"] = torch.randn(64, 64, generator=gen)
+        series.append(state)
+    return series
+
+
+def test_a_series_writes_only_what_changed(store: Any, tmp_path: Path) -> None:
+    reports = []
+    for index, state in enumerate(changed_series(3)):
+        source = tmp_path / f"ckpt-{index}.safetensors"
+        save_file(state, source)
+        reports.append(import_checkpoint(store, "series", source))
+    assert [r.generation for r in reports] == [1, 2, 3]
+    total = reports[0].logical_bytes
+    assert reports[0].new_bytes == total
+    for report in reports[1:]:
+        assert report.new_bytes == total // 10, report
+        assert report.saved_bytes == total - total // 10
+    assert_bitwise(
+        store.load("series", 2, framework="torch")["block.1.weight"],
+        changed_series(3)[1]["block.1.weight"],
+    )
+
+
+# -- torch.save ----------------------------------------------------------------------
+
+
+def test_torch_save_nested_state_imports_equal(store: Any, tmp_path: Path) -> None:
+    tensors = torch_state(2)
+    state = {
+        "model": {name: tensor for name, tensor in tensors.items() if name != "mask"},
+        "optimizer": {"step": 120, "lr": 3e-4, "betas": [0.9, 0.95], "name": "adamw"},
+        "masks": [tensors["mask"], tensors["mask"].logical_not()],
+        "epoch": 3,
+    }
+    source = tmp_path / "ckpt.pt"
+    torch.save(state, source)
+    report = import_checkpoint(store, "pt", source, step=120)
+    assert (report.kind, report.generation) == ("torch.save", 1)
+    assert store.resolve("pt").step == 120
+    loaded = store.load("pt", framework="torch")
+    for name, tensor in state["model"].items():
+        assert_bitwise(loaded["model"][name], tensor)
+    for got, expected in zip(loaded["masks"], state["masks"], strict=True):
+        assert_bitwise(got, expected)
+    assert loaded["optimizer"] == state["optimizer"]
+    assert loaded["epoch"] == 3
+
+
+class PlantsMarker:
+    """Unpickling this runs ``open(marker, "w")``: what a hostile checkpoint would do."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (open, (self.marker, "w"))
+
+
+@pytest.fixture
+def malicious(tmp_path: Path) -> tuple[Path, Path]:
+    marker = tmp_path / "pwned"
+    source = tmp_path / "malicious.pt"
+    torch.save({"weight": torch.ones(4), "payload": PlantsMarker(str(marker))}, source)
+    assert not marker.exists()
+    return source, marker
+
+
+def test_malicious_torch_save_is_refused_and_never_runs(
+    store: Any, malicious: tuple[Path, Path]
+) -> None:
+    source, marker = malicious
+    with pytest.raises(ImportSourceError) as raised:
+        import_checkpoint(store, "pt", source)
+    message = str(raised.value)
+    assert "\n" not in message
+    assert "is not loadable with weights_only=True" in message
+    assert "it holds the global io.open" in message
+    assert "castore never unpickles arbitrary objects" in message
+    assert not marker.exists()
+    assert store.runs() == []
+
+
+def test_the_malicious_file_does_run_code_when_fully_unpickled(
+    malicious: tuple[Path, Path],
+) -> None:
+    """Broken control: the file really is hostile, so the test above proves something."""
+    source, marker = malicious
+    code = f"import torch; torch.load({str(source)!r}, weights_only=False)"
+    subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, timeout=120)
+    assert marker.exists()
