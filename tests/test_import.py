@@ -202,3 +202,72 @@ def test_the_malicious_file_does_run_code_when_fully_unpickled(
     code = f"import torch; torch.load({str(source)!r}, weights_only=False)"
     subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, timeout=120)
     assert marker.exists()
+
+
+# -- the command ---------------------------------------------------------------------
+
+
+def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "castore.cli", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+
+def test_cli_imports_a_series_and_reports_dedup(tmp_path: Path) -> None:
+    sources = []
+    for index, state in enumerate(changed_series(3)):
+        sources.append(tmp_path / f"ckpt-{index}.safetensors")
+        save_file(state, sources[-1])
+    store_path = tmp_path / "store"
+    done = run_cli("import", store_path, "exp", *sources, "--step", 100)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.splitlines()
+    assert len(lines) == 3, done.stdout
+    for index, line in enumerate(lines):
+        assert line.startswith(f"{sources[index]}: safetensors as exp@{index + 1}, 10 tensor(s)")
+    assert "wrote 160.0 KiB, saved 0 B by dedup" in lines[0]
+    assert "wrote 16.0 KiB, saved 144.0 KiB by dedup" in lines[1]
+    with castore.open(store_path, create=False) as store:
+        assert [g.step for g in store.generations("exp")] == [100, 101, 102]
+
+
+@pytest.mark.parametrize(
+    ("make_source", "expected"),
+    [
+        (lambda tmp: tmp / "absent.safetensors", "absent.safetensors does not exist"),
+        (lambda tmp: tmp / "notes.txt", "notes.txt is of an unknown kind"),
+        (lambda tmp: tmp / "empty-dir", "empty-dir is a directory castore cannot import"),
+    ],
+    ids=["missing", "unknown-file", "unknown-directory"],
+)
+def test_cli_bad_source_is_one_line_and_creates_nothing(
+    tmp_path: Path, make_source: Any, expected: str
+) -> None:
+    (tmp_path / "notes.txt").write_text("not a checkpoint")
+    (tmp_path / "empty-dir").mkdir()
+    good = tmp_path / "good.safetensors"
+    save_file(torch_state(), good)
+    done = run_cli("import", tmp_path / "store", "exp", good, make_source(tmp_path))
+    assert done.returncode == 1
+    assert done.stdout == ""
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert done.stderr.startswith("castore: error: ImportSourceError: ")
+    assert expected in done.stderr
+    assert not (tmp_path / "store").exists()
+
+
+def test_cli_refuses_a_malicious_pickle_in_one_line(
+    tmp_path: Path, malicious: tuple[Path, Path]
+) -> None:
+    source, marker = malicious
+    done = run_cli("import", tmp_path / "store", "exp", source)
+    assert not marker.exists()
+    assert done.returncode == 1
+    assert done.stderr.count("\n") == 1, done.stderr
+    assert "castore never unpickles arbitrary objects" in done.stderr
+    with castore.open(tmp_path / "store", create=False) as store:
+        assert store.runs() == []
