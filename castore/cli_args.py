@@ -378,8 +378,10 @@ def _add_import(commands: Any) -> None:
         "checkpoints deduplicates, each writing only the chunks the store lacks.\n"
         "A SOURCE is a .safetensors file, a directory with\n"
         "model.safetensors.index.json and its shards, a directory of *.safetensors\n"
-        "files, or a torch.save file, read with torch.load(weights_only=True) only:\n"
-        "a file that holds arbitrary pickled objects is refused, never unpickled.\n"
+        "files, a torch.distributed.checkpoint (DCP) directory, whose saved chunks\n"
+        "stay boxes of as many writers, or a torch.save file. torch.save files and\n"
+        "DCP's pickled values are read with torch.load(weights_only=True) only:\n"
+        "arbitrary pickled objects are refused, never unpickled.\n"
         "Prints one line per SOURCE with the bytes deduplication saved.\n"
         "A STORE that does not exist is created (as castore.open(STORE) does).\n"
         "Every SOURCE is checked first: a missing one, or one of an unknown kind,\n"
@@ -392,6 +394,7 @@ def _add_import(commands: Any) -> None:
                 "castore import ./ckpt llama ./Llama-3-8B/          # a sharded HF directory",
                 "castore import ./ckpt exp1 model.safetensors --step 1000",
                 "castore import ./ckpt exp1 old/step-*.pt           # a series, oldest first",
+                "castore import ./ckpt exp1 ./dcp/step-2000/        # a DCP directory",
             )
         ),
         formatter_class=_HelpFormatter,

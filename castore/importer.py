@@ -12,6 +12,8 @@ Sources:
   view of its bytes, so memory holds pages, not the model.
 * ``torch.save`` files: read with ``torch.load(weights_only=True)`` only;
   castore never unpickles arbitrary objects.
+* ``torch.distributed.checkpoint`` directories (a ``.metadata`` file and
+  ``.distcp`` files): each saved chunk stays a box (:mod:`castore.importdcp`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from castore.store import Store
 
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
+DCP_METADATA = ".metadata"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 # safetensors' dtype tags -> castore's canonical names.
@@ -187,19 +190,43 @@ def from_torch_save(
     return _save(store, run, source, "torch.save", load_weights_only(source), step)
 
 
+# -- DCP -------------------------------------------------------------------------
+
+
+def from_dcp(
+    store: Store, run: str, directory: str | Path, *, step: int | None = None
+) -> ImportReport:
+    """Import a DCP checkpoint directory as the next generation, keeping its saved boxes."""
+    from castore import importdcp
+
+    source = Path(directory)
+    generation, boxes, stats = importdcp.from_dcp(store, run, source, step=step)
+    return ImportReport(
+        source=str(source),
+        kind="dcp",
+        run=run,
+        generation=generation,
+        tensors=boxes,
+        logical_bytes=stats.logical_bytes,
+        new_bytes=stats.new_bytes,
+    )
+
+
 # -- any kind ----------------------------------------------------------------------
 
 
 def source_kind(source: Path) -> str:
-    """``safetensors`` or ``torch.save``, from the path and, for files, the first bytes."""
+    """``safetensors``, ``torch.save`` or ``dcp``, from the path and a file's first bytes."""
     if not source.exists():
         raise ImportSourceError(f"{source} does not exist")
+    if source.is_dir() and (source / DCP_METADATA).is_file():
+        return "dcp"
     if source.is_dir():
         if (source / INDEX_NAME).is_file() or any(source.glob(f"*{SAFETENSORS_SUFFIX}")):
             return "safetensors"
         raise ImportSourceError(
-            f"{source} is a directory castore cannot import: no {INDEX_NAME} and no "
-            "*.safetensors files"
+            f"{source} is a directory castore cannot import: no {INDEX_NAME}, no "
+            f"*.safetensors files and no DCP {DCP_METADATA}"
         )
     if source.suffix == SAFETENSORS_SUFFIX:
         return "safetensors"
@@ -221,6 +248,8 @@ def import_checkpoint(
     kind = source_kind(path)
     if kind == "safetensors":
         return from_safetensors(store, run, path, step=step)
+    if kind == "dcp":
+        return from_dcp(store, run, path, step=step)
     return from_torch_save(store, run, path, step=step)
 
 

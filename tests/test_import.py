@@ -8,8 +8,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import import_workers
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
+from dist_harness import describe, run_ranks
 from safetensors.torch import save_file
 
 import castore
@@ -271,3 +274,57 @@ def test_cli_refuses_a_malicious_pickle_in_one_line(
     assert "castore never unpickles arbitrary objects" in done.stderr
     with castore.open(tmp_path / "store", create=False) as store:
         assert store.runs() == []
+
+
+# -- DCP directories -----------------------------------------------------------------
+
+
+def test_dcp_saved_by_two_ranks_keeps_its_boxes_and_loads_equal(store: Any, tmp_path: Path) -> None:
+    directory = tmp_path / "dcp"
+    outcomes = run_ranks(2, import_workers.save_sharded, str(directory), timeout=120)
+    assert all(o.exitcode == 0 for o in outcomes), describe(outcomes)
+    report = import_checkpoint(store, "dcp", directory, step=42)
+    assert (report.kind, report.generation) == ("dcp", 1)
+    assert report.tensors == 5  # two boxes each of w and emb, one of scale
+    _, root = store.resolve_root("dcp", 1)
+    assert root.world_size == 2
+    boxes = store.tensor_entries(root, store.read_shards(root))
+    placed = {
+        name: sorted((e.offsets, e.local_shape) for e in entries) for name, entries in boxes.items()
+    }
+    assert placed == {
+        "model/w": [((0, 0), (5, 8)), ((5, 0), (5, 8))],
+        "model/emb": [((0, 0), (3, 4)), ((3, 0), (3, 4))],
+        "model/scale": [((0,), (7,))],
+    }
+    expected = import_workers.full_state()
+    loaded = store.load("dcp", framework="torch")
+    for name, tensor in expected["model"].items():
+        assert_bitwise(loaded["model"][name], tensor)
+    assert (loaded["step"], loaded["note"]) == (42, "two ranks")
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_saved_without_a_group_imports_equal(store: Any, tmp_path: Path) -> None:
+    state = {"model": torch_state(3), "epoch": 2, "lrs": [0.1, 0.01]}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    report = import_checkpoint(store, "dcp", tmp_path / "dcp")
+    assert (report.kind, report.tensors) == ("dcp", len(state["model"]))
+    loaded = store.load("dcp", framework="torch")
+    for name, tensor in state["model"].items():
+        assert_bitwise(loaded["model"][name], tensor)
+    assert (loaded["epoch"], loaded["lrs"]) == (2, [0.1, 0.01])
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_item_holding_arbitrary_objects_is_refused_and_never_runs(
+    store: Any, tmp_path: Path
+) -> None:
+    marker = tmp_path / "pwned"
+    state = {"w": torch.ones(4), "payload": PlantsMarker(str(marker))}
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    assert not marker.exists()
+    with pytest.raises(ImportSourceError, match="castore never unpickles arbitrary objects"):
+        import_checkpoint(store, "dcp", tmp_path / "dcp")
+    assert not marker.exists()
+    assert store.runs() == []
