@@ -22,6 +22,7 @@ import json
 import pickle
 import re
 import struct
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -161,11 +162,16 @@ def from_safetensors(
 
 
 def load_weights_only(path: Path) -> Any:
-    """``torch.load`` of ``path`` that never unpickles arbitrary objects."""
+    """``torch.load`` of ``path`` that never unpickles arbitrary objects.
+
+    The zip format (torch.save's default) is memory-mapped; the legacy format
+    cannot be, so it is read into memory.
+    """
     import torch
 
     try:
-        return torch.load(path, weights_only=True, map_location="cpu", mmap=True)
+        mmap = zipfile.is_zipfile(path)
+        return torch.load(path, weights_only=True, map_location="cpu", mmap=mmap)
     except pickle.UnpicklingError as exc:
         found = re.search(r"GLOBAL (\S+)", str(exc))
         held = f"the global {found.group(1)}" if found else "objects other than tensors"

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import import_workers
+import numpy as np
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -20,7 +21,9 @@ from castore.importer import (
     ImportSourceError,
     from_safetensors,
     import_checkpoint,
+    map_safetensors,
 )
+from castore.tree import encode_state
 
 CHUNK_SIZE = 1024
 
@@ -156,6 +159,30 @@ def test_torch_save_nested_state_imports_equal(store: Any, tmp_path: Path) -> No
         assert_bitwise(got, expected)
     assert loaded["optimizer"] == state["optimizer"]
     assert loaded["epoch"] == 3
+
+
+def test_legacy_torch_save_format_imports_equal(store: Any, tmp_path: Path) -> None:
+    state = torch_state(4)
+    source = tmp_path / "legacy.pt"
+    torch.save(state, source, _use_new_zipfile_serialization=False)
+    import_checkpoint(store, "pt", source)
+    loaded = store.load("pt", framework="torch")
+    for name, tensor in state.items():
+        assert_bitwise(loaded[name], tensor)
+
+
+def test_safetensors_tensors_are_views_of_the_mapped_file(tmp_path: Path) -> None:
+    """What keeps an import's memory at pages, not the model: no tensor is copied."""
+    source = tmp_path / "model.safetensors"
+    save_file(torch_state(), source)
+    mapped = map_safetensors(source)
+    encoded = encode_state(mapped)
+    for leaf in encoded.leaves:
+        base = mapped[leaf.name]
+        while not isinstance(base, np.memmap) and base.base is not None:
+            base = base.base
+        assert isinstance(base, np.memmap), f"{leaf.name} was copied out of the mapping"
+        assert np.shares_memory(leaf.data, base), f"{leaf.name} was copied when encoded"
 
 
 class PlantsMarker:
