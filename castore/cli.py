@@ -1,4 +1,4 @@
-"""The ``castore`` command: inspect, check, tag, collect, compact and copy stores.
+"""The ``castore`` command: inspect, check, tag, collect, compact, copy, import stores.
 
 Every failure prints one line to stderr and exits non-zero; set
 ``CASTORE_DEBUG=1`` to get the traceback as well.
@@ -13,6 +13,7 @@ import time
 import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from tabulate import tabulate
@@ -23,6 +24,7 @@ from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
 from castore.history import Generation
+from castore.importer import import_checkpoint, source_kind
 from castore.progress import format_size as format_bytes
 from castore.repair import repair_store
 from castore.store import Store
@@ -554,6 +556,22 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_import(args: argparse.Namespace) -> int:
+    for source in args.sources:  # every kind known before the store is opened or created
+        source_kind(Path(source))
+    with castore.open(args.store) as store:
+        for offset, source in enumerate(args.sources):
+            step = None if args.step is None else args.step + offset
+            report = import_checkpoint(store, args.run, source, step=step)
+            print(
+                f"{source}: {report.kind} as {report.run}@{report.generation}, "
+                f"{report.tensors} tensor(s) of {format_bytes(report.logical_bytes)}, "
+                f"wrote {format_bytes(report.new_bytes)}, "
+                f"saved {format_bytes(report.saved_bytes)} by dedup"
+            )
+    return 0
+
+
 COMMANDS = {
     "log": cmd_log,
     "show": cmd_show,
@@ -567,6 +585,7 @@ COMMANDS = {
     "copy": cmd_copy,
     "diff": cmd_diff,
     "export": cmd_export,
+    "import": cmd_import,
 }
 
 

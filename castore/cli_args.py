@@ -171,6 +171,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_copy(commands)
     _add_diff(commands)
     _add_export(commands)
+    _add_import(commands)
     return parser
 
 
@@ -499,4 +500,47 @@ def _add_export(commands: Any) -> None:
         metavar="INDEX",
         help="safetensors: follow an existing model.safetensors.index.json: its files and names "
         "(a tensor it does not list is an error); overrides --max-shard-size",
+    )
+
+
+def _add_import(commands: Any) -> None:
+    imported: argparse.ArgumentParser = commands.add_parser(
+        "import",
+        help="import safetensors or torch.save checkpoints as generations of a run",
+        description="Import each SOURCE, in the order given, as the next generation of RUN\n"
+        "in STORE, published through castore's normal commit: a series of old\n"
+        "checkpoints deduplicates, each writing only the chunks the store lacks.\n"
+        "A SOURCE is a .safetensors file, a directory with\n"
+        "model.safetensors.index.json and its shards, a directory of *.safetensors\n"
+        "files, a torch.distributed.checkpoint (DCP) directory, whose saved chunks\n"
+        "stay boxes of as many writers, or a torch.save file. torch.save files and\n"
+        "DCP's pickled values are read with torch.load(weights_only=True) only:\n"
+        "arbitrary pickled objects are refused, never unpickled.\n"
+        "Prints one line per SOURCE with the bytes deduplication saved.\n"
+        "A STORE that does not exist is created (as castore.open(STORE) does).\n"
+        "Every SOURCE is checked first: a missing one, or one of an unknown kind,\n"
+        "imports nothing (exit 1). A SOURCE refused while it is read stops the\n"
+        "import there (exit 1); the SOURCEs before it stay imported.",
+        epilog="examples:\n"
+        + "\n".join(
+            f"  {line}"
+            for line in (
+                "castore import ./ckpt llama ./Llama-3-8B/          # a sharded HF directory",
+                "castore import ./ckpt exp1 model.safetensors --step 1000",
+                "castore import ./ckpt exp1 old/step-*.pt           # a series, oldest first",
+                "castore import ./ckpt exp1 ./dcp/step-2000/        # a DCP directory",
+            )
+        ),
+        formatter_class=_HelpFormatter,
+    )
+    imported.add_argument("store", metavar="STORE", help=f"the store to import into: {STORE_HELP}")
+    imported.add_argument("run", metavar="RUN", help="the run the generations are added to")
+    imported.add_argument(
+        "sources", metavar="SOURCE", nargs="+", help="checkpoints to import, oldest first"
+    )
+    imported.add_argument(
+        "--step",
+        type=int,
+        help="the training step of the first SOURCE; each next one gets the next step "
+        "(default: each generation's id)",
     )

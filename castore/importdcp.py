@@ -1,0 +1,285 @@
+"""Import a ``torch.distributed.checkpoint`` (DCP) directory, keeping its saved boxes.
+
+The directory is read through DCP's own ``FileSystemReader``: its metadata
+lists every tensor's saved chunks (offsets and sizes in the global tensor),
+and its ``read_data`` loads each chunk with ``torch.load(weights_only=True)``.
+Each saved chunk becomes one castore box (a :class:`~castore.objects.TensorEntry`
+with the chunk's offsets and local shape) in the shard of the writer whose
+``.distcp`` file held it, so the generation has the checkpoint's sharding and
+world size. Chunks are read and written one at a time: memory holds one chunk.
+A non-tensor item (which DCP pickles) is read with ``weights_only=True`` and
+becomes a plain value. The state is nested again by the paths DCP recorded
+when it flattened it (``planner_data``), as ``dcp_to_torch_save`` does.
+Everything is published through castore's multi-writer commit
+(:func:`castore.commit.publish_shards`): nothing is visible until it is complete.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from castore.chunkio import WriteStats, write_leaves
+from castore.commit import (
+    CheckedShards,
+    ShardWrite,
+    build_shard,
+    commit_objects,
+    encode_metadata,
+    framework_versions,
+    make_root,
+    publish_shards,
+    root_stats,
+)
+from castore.dtypes import name_of_torch_dtype
+from castore.importer import DCP_METADATA, ImportSourceError
+from castore.objects import GenerationRoot, TensorEntry
+from castore.refs import RefValue
+from castore.store import Store, check_step
+from castore.tree import TensorLeaf, encode_state, join_path, torch_bytes
+
+
+class _ChunkPlanner:
+    """The three calls ``FileSystemReader.read_data`` makes of a load planner.
+
+    ``resolve_tensor`` gives the tensor a chunk is copied into; ``load_bytes``
+    reads a non-tensor item with ``weights_only=True`` (DCP's default planner
+    would unpickle it fully).
+    """
+
+    def __init__(self, target: Any = None) -> None:
+        self.target = target
+        self.value: Any = None
+
+    def resolve_tensor(self, read_item: Any) -> Any:
+        return self.target
+
+    def commit_tensor(self, read_item: Any, tensor: Any) -> None:
+        pass
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        import torch
+
+        try:
+            self.value = torch.load(value, weights_only=True, map_location="cpu")
+        except pickle.UnpicklingError:
+            raise ImportSourceError(
+                f"DCP item {read_item.dest_index.fqn!r} is not loadable with "
+                "weights_only=True; castore never unpickles arbitrary objects"
+            ) from None
+
+
+class _DcpSource:
+    """An open DCP directory: its reader, metadata and which file each item is in."""
+
+    def __init__(self, directory: Path) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+
+        if not (directory / DCP_METADATA).is_file():
+            raise ImportSourceError(f"{directory} is not a DCP checkpoint: no {DCP_METADATA}")
+        self.directory = directory
+        self.reader = FileSystemReader(str(directory))
+        self.metadata = self.reader.read_metadata()
+        self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
+        storage = self.reader.storage_data
+        files = sorted({info.relative_path for info in storage.values()})
+        self.rank_of = {index: files.index(info.relative_path) for index, info in storage.items()}
+        self.world_size = max(len(files), 1)
+        recorded = (
+            self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}
+        )
+        self.paths = {
+            fqn: tuple(recorded.get(fqn, (fqn,))) for fqn in self.metadata.state_dict_metadata
+        }
+
+    def tensor(self, fqn: str) -> Any:
+        """The ``TensorStorageMetadata`` of the tensor saved as ``fqn``."""
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        meta = self.metadata.state_dict_metadata[fqn]
+        if not isinstance(meta, TensorStorageMetadata):
+            raise ImportSourceError(f"DCP item {fqn!r} is not a tensor")
+        return meta
+
+    def name_of(self, fqn: str) -> str:
+        """castore's tensor name (key path) for the DCP key ``fqn``."""
+        name = ""
+        for key in self.paths[fqn]:
+            name = join_path(name, key)
+        return name
+
+    def read(self, index: Any, lengths: Any, target: Any) -> Any:
+        """Read the item at ``index`` (into ``target`` for a tensor chunk); its value."""
+        import torch
+        from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+
+        kind = LoadItemType.BYTE_IO if target is None else LoadItemType.TENSOR
+        lengths = torch.Size(lengths or ())
+        zeros = torch.Size([0] * len(lengths))
+        item = ReadItem(kind, index, zeros, index, zeros, lengths)
+        planner = _ChunkPlanner(target)
+        self.reader.read_data(LoadPlan([item]), planner).wait()  # type: ignore[arg-type]
+        return target if target is not None else planner.value
+
+
+def from_dcp(
+    store: Store, run: str, directory: str | Path, *, step: int | None = None
+) -> tuple[int, int, WriteStats]:
+    """Import a DCP directory as the next generation of ``run``, keeping its boxes.
+
+    Returns the generation id, the number of tensor boxes and the write stats.
+    """
+    started = time.perf_counter()
+    source = _DcpSource(Path(directory))
+    plain, tensor_names = _plain_items(source)
+    flat = {fqn: _placeholder(source, fqn) for fqn in tensor_names} | plain
+    encoded = encode_state(_nest(flat, source.paths))
+    names = {fqn: source.name_of(fqn) for fqn in tensor_names}
+    extra = [leaf for leaf in encoded.leaves if leaf.name not in set(names.values())]
+    with store.save_lock():
+        parent = store.refs.read(run)
+        generation = parent.generation + 1 if parent else 1
+        step = check_step(step if step is not None else generation)
+        per_rank, stats = _write_boxes(store, source, names, extra)
+        writes = [
+            build_shard(
+                run=run,
+                generation=generation,
+                rank=rank,
+                tensors=entries,
+                local_state=b"",
+                local_tensors=[],
+                stats=rank_stats,
+            )
+            for rank, (entries, rank_stats) in enumerate(per_rank)
+        ]
+        commit_objects(store, [(w.digest, w.data) for w in writes])
+        build_root = _root_builder(
+            run, generation, step, parent, writes, encoded.skeleton, source, stats, started
+        )
+        publish_shards(
+            store,
+            run=run,
+            generation=generation,
+            parent=parent,
+            shards=[w.digest for w in writes],
+            build_root=build_root,
+            skeleton=encoded.skeleton,
+        )
+    return generation, sum(len(w.manifest.tensors) for w in writes), stats
+
+
+def _nest(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]) -> dict[Any, Any]:
+    """The state DCP flattened, nested again by each key's recorded path."""
+    state: dict[Any, Any] = {}
+    for fqn, value in flat.items():
+        *parents, last = paths[fqn]
+        node = state
+        for key in parents:
+            node = node.setdefault(key, {})
+            if not isinstance(node, dict):
+                raise ImportSourceError(f"DCP key {fqn!r} nests inside a value that is not a map")
+        node[last] = value
+    return state
+
+
+def _plain_items(source: _DcpSource) -> tuple[dict[str, Any], list[str]]:
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
+
+    plain: dict[str, Any] = {}
+    tensors: list[str] = []
+    for fqn, item in source.metadata.state_dict_metadata.items():
+        if isinstance(item, BytesStorageMetadata):
+            index = next(i for i in source.rank_of if i.fqn == fqn)
+            plain[fqn] = source.read(index, None, None)
+        else:
+            tensors.append(fqn)
+    return plain, tensors
+
+
+def _placeholder(source: _DcpSource, fqn: str) -> Any:
+    """An empty tensor: it puts a torch tensor named ``fqn`` in the skeleton."""
+    import torch
+
+    return torch.empty(0, dtype=source.tensor(fqn).properties.dtype)
+
+
+def _write_boxes(
+    store: Store, source: _DcpSource, names: dict[str, str], extra: list[TensorLeaf]
+) -> tuple[list[tuple[list[TensorEntry], WriteStats]], WriteStats]:
+    """Write every saved chunk as a box in its writer's shard, one chunk in memory at a time."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    per_rank: list[tuple[list[TensorEntry], WriteStats]] = [
+        ([], WriteStats()) for _ in range(source.world_size)
+    ]
+    total = WriteStats()
+
+    def add(rank: int, leaves: list[TensorLeaf]) -> None:
+        nonlocal total
+        entries, stats = write_leaves(store.backend, leaves, store.chunk_size)
+        per_rank[rank][0].extend(entries)
+        per_rank[rank] = (per_rank[rank][0], per_rank[rank][1] + stats)
+        total += stats
+
+    for fqn, name in names.items():
+        meta = source.tensor(fqn)
+        dtype = name_of_torch_dtype(meta.properties.dtype, fqn)
+        for chunk in meta.chunks:
+            index = MetadataIndex(fqn, chunk.offsets)
+            target = torch.empty(chunk.sizes, dtype=meta.properties.dtype)
+            source.read(index, chunk.sizes, target)
+            leaf = TensorLeaf(
+                name=name,
+                dtype=dtype,
+                shape=tuple(meta.size),
+                data=torch_bytes(target),
+                framework="torch",
+                offsets=tuple(chunk.offsets),
+                local_shape=tuple(chunk.sizes),
+                sharded=True,
+            )
+            add(source.rank_of.get(index, 0), [leaf])
+    if extra:
+        add(0, extra)
+    return per_rank, total
+
+
+def _root_builder(
+    run: str,
+    generation: int,
+    step: int,
+    parent: RefValue | None,
+    writes: list[ShardWrite],
+    skeleton: bytes,
+    source: _DcpSource,
+    stats: WriteStats,
+    started: float,
+) -> Callable[[CheckedShards], GenerationRoot]:
+    manifests = sum(len(w.data) for w in writes)
+
+    def build_root(checked: CheckedShards) -> GenerationRoot:
+        return make_root(
+            run=run,
+            generation=generation,
+            step=step,
+            parent=parent,
+            world_size=len(writes),
+            shards=checked.digests,
+            state=skeleton,
+            metadata=encode_metadata({"imported_from": str(source.directory), "kind": "dcp"}),
+            stats=root_stats(
+                stats,
+                time.perf_counter() - started,
+                checked.tensors,
+                written_bytes=stats.new_bytes + manifests,
+            ),
+            frameworks=framework_versions(),
+        )
+
+    return build_root
