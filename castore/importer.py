@@ -115,6 +115,8 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
             header = json.loads(handle.read(length))
         except (ValueError, UnicodeDecodeError) as exc:
             raise ImportSourceError(f"{path} is not a safetensors file: {exc}") from None
+    if not isinstance(header, dict):
+        raise ImportSourceError(f"{path} is not a safetensors file: its header is not a map")
     start = 8 + length
     size = path.stat().st_size
     mapped = np.memmap(path, dtype=np.uint8, mode="r") if size > start else None
@@ -122,7 +124,12 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        tensors[name] = _tensor_view(path, mapped, start, name, info)
+        try:
+            tensors[name] = _tensor_view(path, mapped, start, name, info)
+        except (AttributeError, KeyError, TypeError, ValueError) as exc:
+            raise ImportSourceError(
+                f"{path}: tensor {name!r} has a malformed header entry ({exc!r})"
+            ) from None
     return tensors
 
 
@@ -135,6 +142,8 @@ def _tensor_view(
     dtype = numpy_dtype(_SAFETENSORS_DTYPES[tag])
     shape = tuple(int(n) for n in info["shape"])
     begin, end = (int(n) for n in info["data_offsets"])
+    if min(shape, default=0) < 0 or not 0 <= begin <= end:
+        raise ImportSourceError(f"{path}: tensor {name!r} has shape {shape}, bytes {begin}-{end}")
     if end - begin != int(np.prod(shape, dtype=np.int64)) * dtype.itemsize:
         raise ImportSourceError(f"{path}: tensor {name!r} has {end - begin} bytes for {shape}")
     if begin == end:

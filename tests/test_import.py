@@ -106,6 +106,33 @@ def test_index_naming_a_missing_shard_is_refused(store: Any, tmp_path: Path) -> 
     assert store.runs() == []
 
 
+def hostile_safetensors(path: Path, header: Any, body: bytes = b"") -> Path:
+    data = json.dumps(header).encode()
+    path.write_bytes(len(data).to_bytes(8, "little") + data + body)
+    return path
+
+
+@pytest.mark.parametrize(
+    "header",
+    [
+        [1, 2, 3],  # not a map
+        {"w": "not a map"},
+        {"w": {"dtype": "F32", "shape": [2]}},  # no data_offsets
+        {"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, -8]}},
+        {"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}},
+        {"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}},  # past the end
+        {"w": {"dtype": "F32", "shape": ["x"], "data_offsets": [0, 8]}},
+    ],
+)
+def test_a_hostile_safetensors_header_is_a_typed_error(
+    store: Any, tmp_path: Path, header: Any
+) -> None:
+    path = hostile_safetensors(tmp_path / "bad.safetensors", header)
+    with pytest.raises(ImportSourceError):
+        from_safetensors(store, "hf", path)
+    assert store.runs() == []
+
+
 def changed_series(count: int) -> list[dict[str, torch.Tensor]]:
     """``count`` checkpoints of 10 equal tensors; each changes one tensor (10%) of the last."""
     gen = torch.Generator().manual_seed(7)
