@@ -253,12 +253,16 @@ def stripes(shape: tuple[int, ...], itemsize: int, buffer_size: int) -> Iterator
 
 
 def read_stripe(
-    store: Store, tensor: ExportTensor, stripe: Box, where: dict[str, Any]
+    store: Store, tensor: ExportTensor, stripe: Box, where: dict[str, Any], scratch: np.ndarray
 ) -> np.ndarray:
-    """The saved bytes of one stripe of a tensor, in its saved dtype, every chunk verified."""
-    saved = tensor.boxes[0].dtype
-    out = np.empty(stripe.shape, dtype=dtypes.numpy_dtype(saved))
-    flat = out.reshape(-1).view(np.uint8)
+    """The saved bytes of one stripe of a tensor, in its saved dtype, every chunk verified.
+
+    The stripe is read into ``scratch`` (a uint8 buffer at least its size), reused
+    from stripe to stripe: a fresh buffer each time faulted in its pages again.
+    """
+    saved = dtypes.numpy_dtype(tensor.boxes[0].dtype)
+    flat = scratch[: stripe.numel * saved.itemsize]
+    out = flat.view(saved).reshape(stripe.shape)
     requests: list[ChunkRequest] = []
     for entry in tensor.boxes:
         region = stripe.intersect(Box(entry.offsets, entry.local_shape))
@@ -280,8 +284,12 @@ def write_tensor(
     """Write one tensor's bytes in row-major order, stripe by stripe."""
     saved = tensor.boxes[0].dtype
     itemsize = max(dtypes.numpy_dtype(saved).itemsize, dtypes.numpy_dtype(tensor.dtype).itemsize)
+    scratch = np.empty(0, dtype=np.uint8)
     for stripe in stripes(tensor.shape, itemsize, buffer_size):
-        data = read_stripe(store, tensor, stripe, where)
+        needed = stripe.numel * dtypes.numpy_dtype(saved).itemsize
+        if scratch.nbytes < needed:
+            scratch = np.empty(needed, dtype=np.uint8)
+        data = read_stripe(store, tensor, stripe, where, scratch)
         held = data.nbytes
         if tensor.dtype != saved:
             data = data.astype(dtypes.numpy_dtype(tensor.dtype))
