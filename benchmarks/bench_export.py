@@ -16,6 +16,11 @@ starts (``/proc/self/clear_refs``, ``VmHWM``):
   castore export   ``castore.export.to_safetensors(store, run, "latest", out)``
   DCP consolidate  ``consolidate_safetensors_files(sharded, out, mapping)``,
                    what DCP runs to turn a distributed save into full tensors
+  DCP + fsync      the same, then an fsync of each output file: DCP does not
+                   sync its output, castore's export is durable when it returns
+
+``os.sync()`` runs (untimed) before each, so one method's writeback does not
+slow the next.
 
 Both write one ``model.safetensors`` of the full tensors; both outputs are
 read back with the safetensors library and compared tensor by tensor (blake3
@@ -48,6 +53,7 @@ import castore  # noqa: E402
 import castore.dist  # noqa: E402
 
 RUN = "bench"
+METHODS = ("castore", "dcp", "dcp+fsync")
 COLUMNS = 4096
 
 
@@ -131,6 +137,11 @@ def child(method: str, work: str, out: str) -> dict[str, Any]:
             os.makedirs(out)  # DCP writes into an existing directory
             mapping = dict.fromkeys(names, 1)
             consolidate_safetensors_files(f"{work}/dcp", out, fqn_to_index_mapping=mapping)
+            if method == "dcp+fsync":  # durable on return, as castore's export is
+                for path in Path(out).iterdir():
+                    fd = os.open(path, os.O_RDONLY)
+                    os.fsync(fd)
+                    os.close(fd)
 
     with open("/proc/self/clear_refs", "w") as handle:
         handle.write("5\n")
@@ -184,15 +195,17 @@ def main(argv: list[str] | None = None) -> int:
             rows * COLUMNS * dtype.itemsize
             for _, rows, dtype in tensor_specs(args.size_mib, args.ranks)
         )
-        results: dict[str, list[dict[str, Any]]] = {"castore": [], "dcp": []}
+        results: dict[str, list[dict[str, Any]]] = {m: [] for m in METHODS}
         for round_ in range(args.rounds):
-            for method in ("castore", "dcp") if round_ % 2 == 0 else ("dcp", "castore"):
+            for method in METHODS[round_ % 3 :] + METHODS[: round_ % 3]:
                 out = f"{work}/out-{method}-{round_}"
+                os.sync()  # the last method's writeback does not slow this one
                 results[method].append(run_method(method, work, out))
                 if round_ == 0:
                     results[method][-1]["digests"] = output_digests(out)
                 subprocess.run(["rm", "-rf", out], check=True)
-        same = results["castore"][0].pop("digests") == results["dcp"][0].pop("digests")
+        digests = [results[method][0].pop("digests") for method in METHODS]
+        same = all(d == digests[0] for d in digests)
     summary = {
         method: {
             "seconds": statistics.median(r["seconds"] for r in runs),
@@ -208,11 +221,17 @@ def main(argv: list[str] | None = None) -> int:
             f"{state_bytes / fig['seconds'] / 2**20:.0f}",
             f"{fig['peak_rss_bytes'] / 2**20:.0f}",
         ]
-        for label, fig in (("castore export", castore_fig), ("DCP consolidate", dcp_fig))
+        for label, fig in (
+            ("castore export", castore_fig),
+            ("DCP consolidate", dcp_fig),
+            ("DCP consolidate + fsync", summary["dcp+fsync"]),
+        )
     ]
     print(f"state {state_bytes / 2**20:.0f} MiB saved by {args.ranks} ranks; outputs equal: {same}")
     print(tabulate(rows, headers=["method", "seconds", "MiB/s", "peak RSS rise MiB"]))
     speed = dcp_fig["seconds"] / castore_fig["seconds"]
+    durable = summary["dcp+fsync"]["seconds"] / castore_fig["seconds"]
+    print(f"castore export's throughput against DCP consolidate + fsync: {durable:.2f}x")
     memory = castore_fig["peak_rss_bytes"] / max(1, dcp_fig["peak_rss_bytes"])
     print_goals(
         [

@@ -180,7 +180,7 @@ def test_round_trip_single_file(
     assert report.files == [SINGLE_FILE] and sorted(p.name for p in out.iterdir()) == [SINGLE_FILE]
     assert report.tensors == len(expected)
     assert report.bytes == sum(v.nbytes for v in expected.values())
-    assert report.peak_buffer <= max(buffer_size, 8)
+    assert report.peak_buffer <= 2 * max(buffer_size, 8)
     exported = read_exported(out)
     assert_bitwise(exported, expected)
     assert_bitwise(exported, loaded_tensors(store))  # what castore.load gives, by name
