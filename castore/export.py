@@ -307,7 +307,7 @@ class _FileWriter:
         """Queue ``data`` (a C-contiguous array) once the write before it is done;
         a failed write raises here or in :meth:`close`."""
         self.drain()
-        self.pending = self.thread.submit(self._write, memoryview(data.reshape(-1).view(np.uint8)))
+        self.pending = self.thread.submit(self._write, data.reshape(-1).view(np.uint8).data)
 
     def _write(self, view: memoryview) -> None:
         while view:
