@@ -46,6 +46,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── InvalidNameError                 (ValueError) a run name that is unsafe
     ├── InvalidIndexError                (IndexError) a bad read_slice index
     ├── UnsupportedValueError            (TypeError) a value castore cannot encode
+    │   └── ImportSourceError            (ValueError) a source to import is missing or unsafe
     ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
     └── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
 
@@ -276,6 +277,11 @@ class InvalidIndexError(CastoreError, IndexError):
 
 class UnsupportedValueError(CastoreError, TypeError):
     """A value in the state has a type castore cannot encode without pickle."""
+
+
+class ImportSourceError(UnsupportedValueError, ValueError):
+    """A source to import is missing, of an unknown kind, or not readable safely
+    (a hostile safetensors header, a pickle ``weights_only`` refuses)."""
 
 
 class SaveBoundaryError(CastoreError, RuntimeError):

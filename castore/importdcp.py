@@ -36,7 +36,8 @@ from castore.commit import (
     root_stats,
 )
 from castore.dtypes import name_of_torch_dtype
-from castore.importer import DCP_METADATA, ImportSourceError
+from castore.errors import ImportSourceError
+from castore.importer import DCP_METADATA
 from castore.objects import GenerationRoot, TensorEntry
 from castore.refs import RefValue
 from castore.store import Store, check_step

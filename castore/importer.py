@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from castore.dtypes import numpy_dtype
-from castore.errors import UnsupportedValueError
+from castore.errors import ImportSourceError
 from castore.store import Store
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -57,10 +57,6 @@ _SAFETENSORS_DTYPES = {
     "F8_E5M2": "float8_e5m2",
 }
 _HEADER_LIMIT = 100 << 20  # safetensors' own bound on the JSON header
-
-
-class ImportSourceError(UnsupportedValueError, ValueError):
-    """A source to import is missing, of an unknown kind, or not readable safely."""
 
 
 @dataclass(frozen=True)

@@ -15,12 +15,15 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import export_workers
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from dist_harness import describe, run_ranks
 from safetensors import safe_open
 from safetensors.numpy import load_file
+from safetensors.torch import load_file as load_torch
 
 import castore
 from castore import Shard, Store
@@ -603,3 +606,47 @@ def test_export_of_a_large_state_keeps_memory_bounded(tmp_path: Path) -> None:
     assert measured["same"] and measured["bytes"] == BIG_STATE and len(measured["files"]) == 5
     assert measured["buffer"] <= 16 * MIB
     assert measured["peak"] - measured["base"] <= BIG_STATE // 4
+
+
+# -- a state saved by real ranks ----------------------------------------------------
+
+
+def test_export_of_four_gloo_ranks_loads_bitwise_by_name(tmp_path: Path) -> None:
+    """4 real ranks save uneven 2-D blocks of bf16/fp16/fp32/int64/bool weights with
+    castore.dist.save; the export loads bitwise with the safetensors library, and by
+    name into a module with ``load_state_dict(strict=True)`` (as transformers does)."""
+    store_path = tmp_path / "store"
+    outcomes = run_ranks(4, export_workers.save_uneven_blocks, str(store_path), timeout=180)
+    assert all(o.exitcode == 0 for o in outcomes), describe(outcomes)
+    with castore.open(store_path, create=False) as store:
+        _, root = store.resolve_root("r")
+        assert root.world_size == 4
+        boxes = store.tensor_entries(root)
+        assert len(boxes["model/layers.2.weight"]) == 4  # really 4 boxes
+        out = tmp_path / "out"
+        to_safetensors(store, "r", "latest", out, prefix="model/", strip_prefix=True)
+    loaded = load_torch(out / SINGLE_FILE)
+    expected = export_workers.full_state()
+    assert sorted(loaded) == sorted(expected)
+    for name, want in expected.items():
+        got = loaded[name]
+        assert (got.dtype, got.shape) == (want.dtype, want.shape), name
+        assert torch.equal(raw_bytes(got), raw_bytes(want)), name
+
+    module = torch.nn.Module()  # a module whose state_dict names are the exported ones
+    module.layers = torch.nn.ModuleList(torch.nn.Module() for _ in export_workers.DTYPES)
+    module.head = torch.nn.Module()
+    for name, want in expected.items():
+        *path, leaf = name.split(".")
+        owner = module
+        for part in path:
+            owner = getattr(owner, part) if not part.isdigit() else owner[int(part)]
+        owner.register_buffer(leaf, torch.zeros_like(want))
+    module.load_state_dict(loaded, strict=True)
+    for name, value in module.state_dict().items():
+        assert torch.equal(raw_bytes(value), raw_bytes(expected[name])), name
+
+
+def raw_bytes(tensor: Any) -> Any:
+    """A tensor's bytes as a flat uint8 tensor (bf16 and bool included)."""
+    return tensor.reshape(-1).view(torch.uint8)

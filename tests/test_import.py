@@ -17,8 +17,8 @@ from dist_harness import describe, run_ranks
 from safetensors.torch import save_file
 
 import castore
+from castore.errors import ImportSourceError
 from castore.importer import (
-    ImportSourceError,
     from_safetensors,
     import_checkpoint,
     map_safetensors,
