@@ -24,7 +24,7 @@ from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
 from castore.errors import CastoreError
 from castore.history import Generation
-from castore.importer import import_checkpoint, source_kind
+from castore.importer import check_source, import_checkpoint
 from castore.progress import format_size as format_bytes
 from castore.repair import repair_store
 from castore.store import Store
@@ -557,8 +557,8 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_import(args: argparse.Namespace) -> int:
-    for source in args.sources:  # every kind known before the store is opened or created
-        source_kind(Path(source))
+    for source in args.sources:  # every source checked before the store is opened or created
+        check_source(Path(source))
     with castore.open(args.store) as store:
         for offset, source in enumerate(args.sources):
             step = None if args.step is None else args.step + offset

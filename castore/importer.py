@@ -86,8 +86,7 @@ def safetensors_files(source: Path) -> list[Path]:
         return [source]
     index = source / INDEX_NAME
     if index.is_file():
-        weight_map = json.loads(index.read_text()).get("weight_map", {})
-        names = sorted(set(weight_map.values()))
+        names = index_files(index)
         missing = [name for name in names if not (source / name).is_file()]
         if missing:
             raise ImportSourceError(f"{index} names shard(s) that are missing: {missing}")
@@ -96,6 +95,22 @@ def safetensors_files(source: Path) -> list[Path]:
     if not files:
         raise ImportSourceError(f"{source} holds no {INDEX_NAME} and no *.safetensors files")
     return files
+
+
+def index_files(index: Path) -> list[str]:
+    """The shard file names a ``model.safetensors.index.json`` maps tensors to."""
+    try:
+        parsed = json.loads(index.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ImportSourceError(f"{index} is not a safetensors index: {exc}") from None
+    weight_map = parsed.get("weight_map") if isinstance(parsed, dict) else None
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ImportSourceError(f"{index} is not a safetensors index: no weight_map of tensors")
+    names = set(weight_map.values())
+    for name in names:
+        if not isinstance(name, str) or not name or Path(name).name != name or name == "..":
+            raise ImportSourceError(f"{index} names {name!r}, not a file next to it")
+    return sorted(names)
 
 
 def map_safetensors(path: Path) -> dict[str, np.ndarray]:
@@ -249,6 +264,16 @@ def source_kind(source: Path) -> str:
     raise ImportSourceError(
         f"{source} is of an unknown kind: not a .safetensors file and not a torch.save file"
     )
+
+
+def check_source(source: Path) -> str:
+    """``source``'s kind, once what can be checked without reading its tensors is:
+    for safetensors, its index and every file's header."""
+    kind = source_kind(source)
+    if kind == "safetensors":
+        for file in safetensors_files(source):
+            map_safetensors(file)
+    return kind
 
 
 def import_checkpoint(

@@ -292,14 +292,42 @@ def test_cli_imports_a_series_and_reports_dedup(tmp_path: Path) -> None:
         assert [g.step for g in store.generations("exp")] == [100, 101, 102]
 
 
+def bad_index(tmp: Path, text: str) -> Path:
+    """A directory whose model.safetensors.index.json holds ``text``."""
+    directory = tmp / "indexed"
+    directory.mkdir()
+    (directory / "model.safetensors.index.json").write_text(text)
+    return directory
+
+
 @pytest.mark.parametrize(
     ("make_source", "expected"),
     [
         (lambda tmp: tmp / "absent.safetensors", "absent.safetensors does not exist"),
         (lambda tmp: tmp / "notes.txt", "notes.txt is of an unknown kind"),
         (lambda tmp: tmp / "empty-dir", "empty-dir is a directory castore cannot import"),
+        (lambda tmp: bad_index(tmp, "{"), "is not a safetensors index: Expecting"),
+        (lambda tmp: bad_index(tmp, "[1]"), "is not a safetensors index: no weight_map"),
+        (lambda tmp: bad_index(tmp, '{"weight_map": {"a": 3}}'), "names 3, not a file next"),
+        (
+            lambda tmp: bad_index(tmp, '{"weight_map": {"a": "../good.safetensors"}}'),
+            "names '../good.safetensors', not a file next to it",
+        ),
+        (
+            lambda tmp: hostile_safetensors(tmp / "bad.safetensors", {"w": "no"}),
+            "bad.safetensors: tensor 'w' has a malformed header entry",
+        ),
     ],
-    ids=["missing", "unknown-file", "unknown-directory"],
+    ids=[
+        "missing",
+        "unknown-file",
+        "unknown-directory",
+        "index-not-json",
+        "index-not-a-map",
+        "index-names-a-number",
+        "index-names-a-file-elsewhere",
+        "hostile-header",
+    ],
 )
 def test_cli_bad_source_is_one_line_and_creates_nothing(
     tmp_path: Path, make_source: Any, expected: str
