@@ -534,7 +534,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.max_shard_size is not None or args.index_from is not None:
             raise ValueError("--max-shard-size and --index-from are for --format safetensors")
         with _open(args.store) as store:
-            report = export.to_torch(store, run, generation, args.out, **chosen)
+            report = export.to_torch(store, run, generation, args.out, progress=True, **chosen)
     else:
         with _open(args.store) as store:
             report = export.to_safetensors(
@@ -544,13 +544,14 @@ def cmd_export(args: argparse.Namespace) -> int:
                 args.out,
                 max_shard_size=args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE,
                 index_from=args.index_from,
+                progress=True,
                 **chosen,
             )
     for file in report.files:
         print(f"wrote {report.out_dir / file}")
     print(
         f"exported {report.tensors} tensor(s), {format_bytes(report.bytes)} in "
-        f"{len(report.files)} file(s) to {report.out_dir}; held at most "
+        f"{len(report.files)} file(s) to {args.out}; held at most "
         f"{format_bytes(report.peak_buffer)}"
     )
     return 0
@@ -562,7 +563,7 @@ def cmd_import(args: argparse.Namespace) -> int:
     with castore.open(args.store) as store:
         for offset, source in enumerate(args.sources):
             step = None if args.step is None else args.step + offset
-            report = import_checkpoint(store, args.run, source, step=step)
+            report = import_checkpoint(store, args.run, source, step=step, progress=True)
             print(
                 f"{source}: {report.kind} as {report.run}@{report.generation}, "
                 f"{report.tensors} tensor(s) of {format_bytes(report.logical_bytes)}, "

@@ -518,8 +518,9 @@ def _add_import(commands: Any) -> None:
         "arbitrary pickled objects are refused, never unpickled.\n"
         "Prints one line per SOURCE with the bytes deduplication saved.\n"
         "A STORE that does not exist is created (as castore.open(STORE) does).\n"
-        "Every SOURCE is checked first: a missing one, or one of an unknown kind,\n"
-        "imports nothing (exit 1). A SOURCE refused while it is read stops the\n"
+        "Every SOURCE is checked first: a missing one, one of an unknown kind, or\n"
+        "safetensors whose index or headers are malformed, imports nothing and\n"
+        "creates no STORE (exit 1). A SOURCE refused while it is read stops the\n"
         "import there (exit 1); the SOURCEs before it stay imported.",
         epilog="examples:\n"
         + "\n".join(

@@ -36,6 +36,7 @@ from castore.chunkio import ChunkRequest, read_requests
 from castore.errors import TensorNotFoundError, UnsupportedValueError
 from castore.layout import Box
 from castore.objects import TensorEntry
+from castore.progress import NO_BAR, Bar, progress_bar
 from castore.reading import box_requests, check_coverage
 from castore.store import Store
 
@@ -342,6 +343,7 @@ def write_tensor(
     buffer_size: int,
     where: dict[str, Any],
     report: ExportReport,
+    bar: Bar = NO_BAR,
 ) -> None:
     """Write one tensor's bytes in row-major order, stripe by stripe."""
     saved = tensor.boxes[0].dtype
@@ -355,6 +357,7 @@ def write_tensor(
             held += 2 * data.nbytes
         report.peak_buffer = max(report.peak_buffer, held)
         writer.write(data)
+        bar.update(data.nbytes)
 
 
 def write_file(
@@ -364,6 +367,7 @@ def write_file(
     buffer_size: int,
     where: dict[str, Any],
     report: ExportReport,
+    bar: Bar = NO_BAR,
 ) -> None:
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
@@ -371,7 +375,7 @@ def write_file(
         try:
             writer.write(np.frombuffer(header_bytes(tensors), dtype=np.uint8))
             for tensor in tensors:
-                write_tensor(store, writer, tensor, buffer_size, where, report)
+                write_tensor(store, writer, tensor, buffer_size, where, report, bar)
         finally:
             writer.close()
         os.fsync(fd)
@@ -422,6 +426,7 @@ def to_safetensors(
     rename: Sequence[str] | None = None,
     index_from: Path | str | None = None,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
+    progress: bool = False,
 ) -> ExportReport:
     """Export the tensors of ``run@generation`` to safetensors files in ``out_dir``.
 
@@ -431,6 +436,7 @@ def to_safetensors(
     key path (``model/``), ``strip_prefix`` removes it from the names, ``rename``
     holds ``FROM=TO`` prefix renames; ``dtype`` (bf16, fp16, fp32) converts the
     floating-point tensors, others keep theirs. Non-tensor values are not exported.
+    ``progress=True`` draws a bar of the bytes written on a terminal's stderr.
     """
     out_dir = Path(out_dir)
     wanted = target_dtype(dtype)
@@ -457,12 +463,14 @@ def to_safetensors(
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.export-{secrets.token_hex(6)}"
     tmp.mkdir()  # not mkdtemp: the directory is the output, with the umask's mode, not 0700
+    total = sum(t.nbytes for t in tensors)
     try:
-        for file, group in files.items():
-            write_file(store, tmp / file, group, buffer_size, where, report)
-            report.files.append(file)
+        with progress_bar(progress, "export", total) as bar:
+            for file, group in files.items():
+                write_file(store, tmp / file, group, buffer_size, where, report, bar)
+                report.files.append(file)
         report.tensors = len(tensors)
-        report.bytes = sum(t.nbytes for t in tensors)
+        report.bytes = total
         if len(files) > 1 or index_from is not None:
             index = {
                 "metadata": {"total_size": report.bytes},
@@ -487,6 +495,7 @@ def to_torch(
     strip_prefix: bool = False,
     dtype: str = "keep",
     rename: Sequence[str] | None = None,
+    progress: bool = False,
 ) -> ExportReport:
     """Export the selected tensors (as :func:`to_safetensors` selects and names them)
     to one ``torch.save`` file: a dict of name -> tensor.
@@ -515,13 +524,15 @@ def to_torch(
     )
     report = ExportReport(out_file.parent, [out_file.name], len(tensors))
     state: dict[str, Any] = {}
-    for tensor in tensors:
-        value = store.read_tensor(tensor.boxes, "torch", where)
-        if tensor.dtype != tensor.boxes[0].dtype:
-            value = value.to(dtypes.torch_dtype(tensor.dtype))
-        state[tensor.name] = value
-        report.bytes += tensor.nbytes
-        report.peak_buffer += value.numel() * value.element_size()
+    with progress_bar(progress, "read", sum(t.nbytes for t in tensors)) as bar:
+        for tensor in tensors:
+            value = store.read_tensor(tensor.boxes, "torch", where)
+            if tensor.dtype != tensor.boxes[0].dtype:
+                value = value.to(dtypes.torch_dtype(tensor.dtype))
+            state[tensor.name] = value
+            report.bytes += tensor.nbytes
+            report.peak_buffer += value.numel() * value.element_size()
+            bar.update(tensor.nbytes)
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.parent / f".{out_file.name}.export-{secrets.token_hex(6)}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)  # the umask's mode

@@ -17,6 +17,7 @@ Everything is published through castore's multi-writer commit
 from __future__ import annotations
 
 import io
+import math
 import pickle
 import time
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from castore.dtypes import name_of_torch_dtype
 from castore.errors import ImportSourceError
 from castore.importer import DCP_METADATA
 from castore.objects import GenerationRoot, TensorEntry
+from castore.progress import Bar, progress_bar
 from castore.refs import RefValue
 from castore.store import Store, check_step
 from castore.tree import TensorLeaf, encode_state, join_path, torch_bytes
@@ -128,11 +130,17 @@ class _DcpSource:
 
 
 def from_dcp(
-    store: Store, run: str, directory: str | Path, *, step: int | None = None
+    store: Store,
+    run: str,
+    directory: str | Path,
+    *,
+    step: int | None = None,
+    progress: bool = False,
 ) -> tuple[int, int, WriteStats]:
     """Import a DCP directory as the next generation of ``run``, keeping its boxes.
 
     Returns the generation id, the number of tensor boxes and the write stats.
+    ``progress=True`` draws a bar of the saved chunks' bytes on a terminal's stderr.
     """
     started = time.perf_counter()
     source = _DcpSource(Path(directory))
@@ -145,7 +153,7 @@ def from_dcp(
         parent = store.refs.read(run)
         generation = parent.generation + 1 if parent else 1
         step = check_step(step if step is not None else generation)
-        per_rank, stats = _write_boxes(store, source, names, extra)
+        per_rank, stats = _write_boxes(store, source, names, extra, progress)
         writes = [
             build_shard(
                 run=run,
@@ -210,12 +218,13 @@ def _placeholder(source: _DcpSource, fqn: str) -> Any:
 
 
 def _write_boxes(
-    store: Store, source: _DcpSource, names: dict[str, str], extra: list[TensorLeaf]
+    store: Store,
+    source: _DcpSource,
+    names: dict[str, str],
+    extra: list[TensorLeaf],
+    progress: bool,
 ) -> tuple[list[tuple[list[TensorEntry], WriteStats]], WriteStats]:
     """Write every saved chunk as a box in its writer's shard, one chunk in memory at a time."""
-    import torch
-    from torch.distributed.checkpoint.metadata import MetadataIndex
-
     per_rank: list[tuple[list[TensorEntry], WriteStats]] = [
         ([], WriteStats()) for _ in range(source.world_size)
     ]
@@ -228,27 +237,48 @@ def _write_boxes(
         per_rank[rank] = (per_rank[rank][0], per_rank[rank][1] + stats)
         total += stats
 
-    for fqn, name in names.items():
-        meta = source.tensor(fqn)
-        dtype = name_of_torch_dtype(meta.properties.dtype, fqn)
-        for chunk in meta.chunks:
-            index = MetadataIndex(fqn, chunk.offsets)
-            target = torch.empty(chunk.sizes, dtype=meta.properties.dtype)
-            source.read(index, chunk.sizes, target)
-            leaf = TensorLeaf(
-                name=name,
-                dtype=dtype,
-                shape=tuple(meta.size),
-                data=torch_bytes(target),
-                framework="torch",
-                offsets=tuple(chunk.offsets),
-                local_shape=tuple(chunk.sizes),
-                sharded=True,
-            )
-            add(source.rank_of.get(index, 0), [leaf])
+    total_bytes = sum(
+        math.prod(chunk.sizes) * source.tensor(fqn).properties.dtype.itemsize
+        for fqn in names
+        for chunk in source.tensor(fqn).chunks
+    )
+    with progress_bar(progress, "import", total_bytes) as bar:
+        for fqn, name in names.items():
+            _write_tensor(source, fqn, name, add, bar)
     if extra:
         add(0, extra)
     return per_rank, total
+
+
+def _write_tensor(
+    source: _DcpSource,
+    fqn: str,
+    name: str,
+    add: Callable[[int, list[TensorLeaf]], None],
+    bar: Bar,
+) -> None:
+    """Read each saved chunk of DCP tensor ``fqn`` and hand it to ``add`` as a box of its writer."""
+    import torch
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+
+    meta = source.tensor(fqn)
+    dtype = name_of_torch_dtype(meta.properties.dtype, fqn)
+    for chunk in meta.chunks:
+        index = MetadataIndex(fqn, chunk.offsets)
+        target = torch.empty(chunk.sizes, dtype=meta.properties.dtype)
+        source.read(index, chunk.sizes, target)
+        leaf = TensorLeaf(
+            name=name,
+            dtype=dtype,
+            shape=tuple(meta.size),
+            data=torch_bytes(target),
+            framework="torch",
+            offsets=tuple(chunk.offsets),
+            local_shape=tuple(chunk.sizes),
+            sharded=True,
+        )
+        add(source.rank_of.get(index, 0), [leaf])
+        bar.update(target.numel() * target.element_size())
 
 
 def _root_builder(

@@ -165,7 +165,7 @@ def _tensor_view(
 
 
 def from_safetensors(
-    store: Store, run: str, source: str | Path, *, step: int | None = None
+    store: Store, run: str, source: str | Path, *, step: int | None = None, progress: bool = False
 ) -> ImportReport:
     """Import a safetensors file or directory as the next generation of ``run``."""
     path = Path(source)
@@ -175,7 +175,7 @@ def from_safetensors(
             if name in state:
                 raise ImportSourceError(f"{path}: tensor {name!r} is in more than one file")
             state[name] = tensor
-    return _save(store, run, path, "safetensors", state, step)
+    return _save(store, run, path, "safetensors", state, step, progress)
 
 
 # -- torch.save --------------------------------------------------------------------
@@ -207,26 +207,31 @@ def load_weights_only(path: Path) -> Any:
 
 
 def from_torch_save(
-    store: Store, run: str, path: str | Path, *, step: int | None = None
+    store: Store, run: str, path: str | Path, *, step: int | None = None, progress: bool = False
 ) -> ImportReport:
     """Import a ``torch.save`` file (read with ``weights_only=True``) as the next generation."""
     source = Path(path)
     if not source.is_file():
         raise ImportSourceError(f"{source} is not a file")
-    return _save(store, run, source, "torch.save", load_weights_only(source), step)
+    return _save(store, run, source, "torch.save", load_weights_only(source), step, progress)
 
 
 # -- DCP -------------------------------------------------------------------------
 
 
 def from_dcp(
-    store: Store, run: str, directory: str | Path, *, step: int | None = None
+    store: Store,
+    run: str,
+    directory: str | Path,
+    *,
+    step: int | None = None,
+    progress: bool = False,
 ) -> ImportReport:
     """Import a DCP checkpoint directory as the next generation, keeping its saved boxes."""
     from castore import importdcp
 
     source = Path(directory)
-    generation, boxes, stats = importdcp.from_dcp(store, run, source, step=step)
+    generation, boxes, stats = importdcp.from_dcp(store, run, source, step=step, progress=progress)
     return ImportReport(
         source=str(source),
         kind="dcp",
@@ -277,26 +282,39 @@ def check_source(source: Path) -> str:
 
 
 def import_checkpoint(
-    store: Store, run: str, source: str | Path, *, step: int | None = None
+    store: Store, run: str, source: str | Path, *, step: int | None = None, progress: bool = False
 ) -> ImportReport:
-    """Import ``source``, whichever supported kind it is, as the next generation of ``run``."""
+    """Import ``source``, whichever supported kind it is, as the next generation of ``run``.
+
+    ``progress=True`` draws a bar of the tensor bytes on a terminal's stderr.
+    """
     path = Path(source)
     kind = source_kind(path)
     if kind == "safetensors":
-        return from_safetensors(store, run, path, step=step)
+        return from_safetensors(store, run, path, step=step, progress=progress)
     if kind == "dcp":
-        return from_dcp(store, run, path, step=step)
-    return from_torch_save(store, run, path, step=step)
+        return from_dcp(store, run, path, step=step, progress=progress)
+    return from_torch_save(store, run, path, step=step, progress=progress)
 
 
 def _save(
-    store: Store, run: str, source: Path, kind: str, state: Any, step: int | None
+    store: Store,
+    run: str,
+    source: Path,
+    kind: str,
+    state: Any,
+    step: int | None,
+    progress: bool,
 ) -> ImportReport:
     if step is None:
         parent = store.refs.read(run)  # default: the generation id it will get
         step = parent.generation + 1 if parent else 1
     generation = store.save(
-        state, run=run, step=step, metadata={"imported_from": str(source), "kind": kind}
+        state,
+        run=run,
+        step=step,
+        metadata={"imported_from": str(source), "kind": kind},
+        progress=progress,
     )
     return ImportReport(
         source=str(source),

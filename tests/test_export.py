@@ -24,6 +24,7 @@ from dist_harness import describe, run_ranks
 from safetensors import safe_open
 from safetensors.numpy import load_file
 from safetensors.torch import load_file as load_torch
+from tqdm import tqdm
 
 import castore
 from castore import Shard, Store
@@ -398,8 +399,8 @@ def test_missing_run_is_an_error(store: Store, tmp_path: Path) -> None:
 # -- the command ----------------------------------------------------------------
 
 
-def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+def run_cli(*args: object, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")} | extra_env
     env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run(
         [sys.executable, "-m", "castore.cli", *map(str, args)],
@@ -417,6 +418,26 @@ def one_line_error(result: subprocess.CompletedProcess[str], code: int, *needles
     assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr, result.stderr
     for needle in needles:
         assert needle in result.stderr, result.stderr
+
+
+def test_cli_progress_bars_for_export_and_import_back(
+    store: Store, store_path: Path, tmp_path: Path
+) -> None:
+    """On a terminal (forced here) export and import draw a bar of the tensor bytes;
+    stdout is the same either way."""
+    store.save(make_state(), run="r", step=7)
+    total = sum(v.nbytes for v in flat_tensors(make_state()).values())
+    shown = run_cli("export", store_path, "r", tmp_path / "a", CASTORE_PROGRESS="1")
+    quiet = run_cli("export", store_path, "r", tmp_path / "b", CASTORE_PROGRESS="0")
+    assert shown.returncode == quiet.returncode == 0, shown.stderr + quiet.stderr
+    assert shown.stdout.replace("/a", "/b") == quiet.stdout and quiet.stderr == ""
+    size = tqdm.format_sizeof(total, divisor=1024)  # as the bar writes it: 4.40k
+    assert "export: 100%|" in shown.stderr and f"{size}/{size}" in shown.stderr, shown.stderr
+    back = run_cli("import", store_path, "back", tmp_path / "a", CASTORE_PROGRESS="1")
+    assert back.returncode == 0 and "save back@1: 100%" in back.stderr, back.stderr
+    torch_file = run_cli("export", store_path, "r", tmp_path / "c.pt", "--format", "torch",
+                         CASTORE_PROGRESS="1")  # fmt: skip
+    assert torch_file.returncode == 0 and "read: 100%" in torch_file.stderr, torch_file.stderr
 
 
 def test_cli_exports_with_options(store: Store, store_path: Path, tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from dist_harness import describe, run_ranks
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 import castore
 from castore.errors import ImportSourceError
@@ -387,11 +388,18 @@ def test_dcp_saved_by_two_ranks_keeps_its_boxes_and_loads_equal(store: Any, tmp_
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-def test_dcp_saved_without_a_group_imports_equal(store: Any, tmp_path: Path) -> None:
+def test_dcp_saved_without_a_group_imports_equal(
+    store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     state = {"model": torch_state(3), "epoch": 2, "lrs": [0.1, 0.01]}
     dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
-    report = import_checkpoint(store, "dcp", tmp_path / "dcp")
+    monkeypatch.setenv("CASTORE_PROGRESS", "1")
+    report = import_checkpoint(store, "dcp", tmp_path / "dcp", progress=True)
     assert (report.kind, report.tensors) == ("dcp", len(state["model"]))
+    total = sum(t.numel() * t.element_size() for t in state["model"].values())
+    size = tqdm.format_sizeof(total, divisor=1024)  # the bar of the saved chunks' bytes
+    bar = capsys.readouterr().err
+    assert "import: 100%|" in bar and f"{size}/{size}" in bar, bar
     loaded = store.load("dcp", framework="torch")
     for name, tensor in state["model"].items():
         assert_bitwise(loaded["model"][name], tensor)
