@@ -485,6 +485,20 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 def cmd_diff(args: argparse.Namespace) -> int:
     run_a, gen_a = _split_target(args.a)
+    if args.each is not None:
+        if args.b:
+            raise ValueError(
+                "--each compares each generation with the one before it: name no RUN@B"
+            )
+        with _open(args.store) as store:
+            for generation, each in diffing.diff_history(
+                store, run_a, gen_a, last=args.each or None
+            ):
+                if each is None:
+                    print(f"{run_a}@{generation}: its parent was garbage-collected; not compared")
+                else:
+                    print(each.stat_line())
+        return 0
     run_b, gen_b = _split_target(args.b) if args.b else (None, None)
     with _open(args.store) as store:
         diff = diffing.diff_generations(store, run_a, gen_a, run_b, gen_b)

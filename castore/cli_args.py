@@ -129,6 +129,17 @@ _SIZE_UNITS = {
 }
 
 
+def _count(text: str) -> int:
+    """A whole number, at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more, got {text!r}")
+    return value
+
+
 def _size(text: str) -> int:
     """A byte count: 5GB, 500MB, 2GiB or a plain number of bytes (at least 1)."""
     number = text.strip().upper().rstrip("BIKMGT")
@@ -418,6 +429,7 @@ def _add_diff(commands: Any) -> None:
         + TARGET_HELP,
         "castore diff ./ckpt exp1@3            # generation 3 against its parent\n"
         "castore diff ./ckpt exp1@5 exp1@2 --stat\n"
+        "castore diff ./ckpt exp1 --each 10      # a line per generation: the newest 10\n"
         "castore diff ./ckpt ft@3 base@10      # a fine-tune against its base",
     )
     diff.add_argument("a", metavar="RUN@A", help="the generation to describe (see above)")
@@ -428,6 +440,15 @@ def _add_diff(commands: Any) -> None:
         help="the generation to compare it with (default: A's parent; RUN alone: its latest)",
     )
     diff.add_argument("--stat", action="store_true", help="print only the one-line summary")
+    diff.add_argument(
+        "--each",
+        nargs="?",
+        const=0,
+        type=_count,
+        metavar="N",
+        help="a --stat line for each stored generation of A's run up to A, oldest first, "
+        "each against the one stored before it (N: only the newest N)",
+    )
 
 
 def _add_export(commands: Any) -> None:

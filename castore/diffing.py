@@ -11,6 +11,7 @@ path in the decoded state skeletons, with tensors replaced by placeholders.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -151,6 +152,34 @@ def diff_generations(
             same = _same_bytes(store, (root_a, tensors_a), (root_b, tensors_b), change.name)
             diff.changed[index] = replace(change, same_bytes=same)
     return diff
+
+
+def diff_history(
+    store: Store, run: str, up_to: int | str = "latest", *, last: int | None = None
+) -> Iterator[tuple[int, GenerationDiff | None]]:
+    """(id, diff) for each stored generation of ``run`` up to ``up_to``, oldest first,
+    each against the one stored before it (``last=N``: only the newest N).
+
+    Comparing with the previous *stored* generation, not the parent, keeps a
+    history that garbage collection thinned readable. The oldest one listed is
+    compared with its parent, with nothing if it is the run's first, and not at
+    all (``None``) if its parent was collected.
+    """
+    _, top = store.resolve_root(run, up_to)
+    kept = [g.id for g in store.generations(run) if g.id <= top.generation]
+    if last is not None:
+        kept = kept[-last:] if last > 0 else []
+    for index, generation in enumerate(kept):
+        if index:
+            yield generation, diff_generations(store, run, generation, run, kept[index - 1])
+            continue
+        try:
+            yield generation, diff_generations(store, run, generation)
+        except GenerationNotFoundError:
+            _, root = store.resolve_root(run, generation)
+            if root.parent is None:
+                raise
+            yield generation, None
 
 
 def _same_bytes(

@@ -12,7 +12,7 @@ import pytest
 
 import castore
 from castore import gc
-from castore.diffing import GenerationDiff, diff_generations
+from castore.diffing import GenerationDiff, diff_generations, diff_history
 from castore.errors import GenerationNotFoundError
 from castore.store import Store
 
@@ -169,6 +169,24 @@ def test_collected_parent_says_to_name_b(store: Store) -> None:
         diff_generations(store, "r", 3)
 
 
+def test_history_compares_each_kept_generation_with_the_one_before(store: Store) -> None:
+    for step in range(1, 6):
+        store.save({"w": np.full(256, step // 2, dtype=np.float32)}, run="r", step=step)
+    history = list(diff_history(store, "r"))
+    assert [(g, d and (d.gen_a, d.gen_b)) for g, d in history] == [
+        (1, (1, None)), (2, (2, 1)), (3, (3, 2)), (4, (4, 3)), (5, (5, 4)),
+    ]  # fmt: skip
+    changed = [g for g, d in history if d is not None and d.changed]
+    assert changed == [2, 4]  # w changes at steps 2 and 4 only
+    assert [g for g, _ in diff_history(store, "r", 4, last=2)] == [3, 4]
+    gc.tag(store, "r", 2, "keep")
+    gc.collect_garbage(store, gc.RetentionPolicy(keep_last=2))
+    assert [g.id for g in store.generations("r")] == [2, 4, 5]
+    thinned = list(diff_history(store, "r"))
+    assert thinned[0] == (2, None)  # its parent, 1, was collected: not compared
+    assert [(d.gen_a, d.gen_b) for _, d in thinned[1:] if d is not None] == [(4, 2), (5, 4)]
+
+
 def test_missing_run_or_generation_raises(store: Store) -> None:
     store.save(make_state(), run="r", step=1)
     with pytest.raises(GenerationNotFoundError):
@@ -248,6 +266,19 @@ def test_cli_stat_is_one_line(two_generations: Path) -> None:
     assert done.stdout.startswith("r@2 vs r@1: 1 changed (1.0 KiB new), 0 added")
     first = run_diff(two_generations, "r@1", "--stat")
     assert first.stdout.startswith("r@1 vs nothing: 0 changed (0 B new), 2 added, 0 removed")
+
+
+def test_cli_each_prints_a_line_per_generation(two_generations: Path) -> None:
+    done = run_diff(two_generations, "r", "--each")
+    assert done.returncode == 0, done.stderr
+    assert [line.split(":")[0] for line in done.stdout.splitlines()] == [
+        "r@1 vs nothing",
+        "r@2 vs r@1",
+    ]
+    newest = run_diff(two_generations, "r", "--each", "1")
+    assert newest.stdout.splitlines() == done.stdout.splitlines()[1:]
+    refused = run_diff(two_generations, "r", "r@1", "--each")
+    assert refused.returncode == 1 and "name no RUN@B" in refused.stderr
 
 
 @pytest.mark.parametrize(
