@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-s3 test lint bench bench-s3 bench-async cadence clean
+.PHONY: demo demo-s3 test lint bench bench-s3 bench-async bench-export cadence clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -45,6 +45,10 @@ bench-s3: $(VENV)/.installed-bench
 # Async saves: stall and staging memory against a plain copy; bursts with and without stagger.
 bench-async: $(VENV)/.installed
 	$(PY) benchmarks/bench_async.py $(BENCH_ASYNC_ARGS)
+
+# Export to safetensors against DCP's consolidation, one 1 GiB state saved by 4 ranks.
+bench-export: $(VENV)/.installed
+	$(PY) benchmarks/bench_export.py $(BENCH_EXPORT_ARGS)
 
 # The receipt of issue 13: a real DDP job with a save every K steps, every mode
 # interleaved (castore sync and async, DCP save and async_save); writes
