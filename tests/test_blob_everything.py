@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 from blob_places import Place, s3_place, shared_place
+from safetensors.numpy import load_file
 
 import castore
 import castore.gc
@@ -246,6 +247,30 @@ def test_cli_inspects_tags_checks_and_collects(place: Place) -> None:
     with place.open() as store:
         assert [g.id for g in store.generations("r")] == [1, 3]
         assert verify_store(store, deep=True).ok
+
+
+def test_cli_export_import_and_diff(place: Place, tmp_path: Path) -> None:
+    """A generation on blobs exports to safetensors, imports back into the same store
+    (only manifests are new) and diffs, all through the CLI."""
+    two_generations(place)
+    out = tmp_path / "hf"
+    export, import_, each = place.cli(
+        ["export", place.address, "r@2", str(out), "--prefix", "model/", "--strip-prefix"],
+        ["import", place.address, "back", str(out)],
+        ["diff", place.address, "r", "--each"],
+    )
+    for result in (export, import_, each):
+        assert result.code == 0 and result.err == "", result
+    assert "exported 2 tensor(s)" in export.out
+    assert "as back@1" in import_.out and "wrote 0 B" in import_.out
+    assert [line.split(":")[0] for line in each.out.splitlines()] == [
+        "r@1 vs nothing",
+        "r@2 vs r@1",
+    ]
+    exported = load_file(out / "model.safetensors")
+    assert_same(exported, state(1)["model"])
+    with place.open() as store:
+        assert_same(store.load("back"), state(1)["model"])
 
 
 # -- castore copy between any two stores ------------------------------------------------
