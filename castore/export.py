@@ -198,7 +198,11 @@ def plan_files_from_index(
 ) -> dict[str, list[ExportTensor]]:
     """Tensors grouped into the files an existing ``model.safetensors.index.json`` names."""
     try:
-        weight_map = json.loads(Path(index_path).read_text())["weight_map"]
+        text = Path(index_path).read_text()
+    except OSError as exc:
+        raise ValueError(f"cannot read the index to follow, {index_path}: {exc.strerror}") from None
+    try:
+        weight_map = json.loads(text)["weight_map"]
     except (KeyError, TypeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{index_path}: not a safetensors index (no weight_map): {exc}") from exc
     if not isinstance(weight_map, dict):

@@ -312,6 +312,10 @@ def test_index_from_follows_layout(saved: tuple[Store, Any], tmp_path: Path) -> 
             index_from=index,
         )
     assert not (tmp_path / "o2").exists()
+    for unreadable, why in ((tmp_path / "absent.json", "No such file"), (tmp_path, "directory")):
+        with pytest.raises(ValueError, match=f"cannot read the index to follow, .*{why}"):
+            to_safetensors(store, "r", "latest", tmp_path / "o3", index_from=unreadable)
+    assert not (tmp_path / "o3").exists()
 
 
 @pytest.mark.parametrize(
