@@ -8,10 +8,12 @@ real shard manifests with uneven 2-D boxes, no process group needed.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -351,6 +353,29 @@ def test_damaged_chunk_fails_and_leaves_nothing(saved: tuple[Store, Any], tmp_pa
     with pytest.raises(IntegrityError, match="model/w3"):
         to_safetensors(store, "r", "latest", tmp_path / "out", max_shard_size=500)
     assert leftovers(tmp_path) == []
+
+
+def test_a_failed_write_on_the_writer_thread_fails_and_leaves_nothing(
+    saved: tuple[Store, Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A full disk while the writer thread writes a stripe: the error reaches the
+    caller, the thread stops, and the temporary directory is removed."""
+    store, _ = saved
+    real_write, calls = os.write, []
+
+    def filling_up(fd: int, data: Any) -> int:
+        calls.append(len(data))
+        if len(calls) == 5:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", filling_up)
+    with pytest.raises(OSError, match="No space left on device"):
+        to_safetensors(store, "r", "latest", tmp_path / "out", buffer_size=64)
+    monkeypatch.undo()
+    assert len(calls) == 5  # nothing was written after the failure
+    assert leftovers(tmp_path) == []
+    assert not [t for t in threading.enumerate() if t.name.startswith("castore-export")]
 
 
 def test_flipped_chunk_fails_with_checksum_error(saved: tuple[Store, Any], tmp_path: Path) -> None:
