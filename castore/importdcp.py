@@ -183,17 +183,48 @@ def from_dcp(
 
 
 def _nest(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]) -> dict[Any, Any]:
-    """The state DCP flattened, nested again by each key's recorded path."""
+    """The state DCP flattened, nested again by each key's recorded path.
+
+    As DCP's own ``set_element`` does it: a path part that is an int is a list
+    index (DCP flattens lists and tuples by position, maps by their keys as
+    strings), so lists come back as lists, with ``None`` in any gap.
+    """
     state: dict[Any, Any] = {}
     for fqn, value in flat.items():
-        *parents, last = paths[fqn]
-        node = state
-        for key in parents:
-            node = node.setdefault(key, {})
-            if not isinstance(node, dict):
-                raise ImportSourceError(f"DCP key {fqn!r} nests inside a value that is not a map")
-        node[last] = value
+        path = paths[fqn]
+        node: dict[Any, Any] | list[Any] = state
+        for key, following in zip(path, path[1:], strict=False):
+            node = _child(node, key, [] if type(following) is int else {}, fqn)
+        _put(node, path[-1], value, fqn)
     return state
+
+
+def _child(node: dict[Any, Any] | list[Any], key: Any, fresh: Any, fqn: str) -> Any:
+    """The container at ``node[key]``, ``fresh`` put there if there is none yet."""
+    if isinstance(node, dict):
+        child = node.setdefault(key, fresh)
+    else:
+        _put(node, key, None, fqn, keep=True)
+        if node[key] is None:
+            node[key] = fresh
+        child = node[key]
+    if not isinstance(child, dict | list):
+        raise ImportSourceError(f"DCP key {fqn!r} nests inside a value that is not a container")
+    return child
+
+
+def _put(
+    node: dict[Any, Any] | list[Any], key: Any, value: Any, fqn: str, keep: bool = False
+) -> None:
+    """``node[key] = value``; a list grows to hold index ``key`` (``keep``: only grows)."""
+    if isinstance(node, dict):
+        node[key] = value
+        return
+    if type(key) is not int or key < 0:
+        raise ImportSourceError(f"DCP key {fqn!r} indexes a list with {key!r}")
+    node.extend([None] * (key + 1 - len(node)))
+    if not keep:
+        node[key] = value
 
 
 def _plain_items(source: _DcpSource) -> tuple[dict[str, Any], list[str]]:

@@ -407,6 +407,30 @@ def test_dcp_saved_without_a_group_imports_equal(
 
 
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_lists_come_back_as_lists(store: Any, tmp_path: Path) -> None:
+    """DCP flattens lists by position; import nests them again as lists, as DCP's
+    own load does (a map's keys are strings, a list's indices ints)."""
+    tensors = torch_state(4)
+    first, second = list(tensors.values())[:2]
+    state = {
+        "buffers": [first, second],
+        "optimizer": {
+            "param_groups": [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.01, "params": [2]}],
+            "state": {0: {"exp_avg": first}},
+        },
+    }
+    dcp.save(state, checkpoint_id=tmp_path / "dcp", no_dist=True)
+    import_checkpoint(store, "lists", tmp_path / "dcp")
+    loaded = store.load("lists", framework="torch")
+    assert isinstance(loaded["buffers"], list) and len(loaded["buffers"]) == 2
+    assert_bitwise(loaded["buffers"][0], first)
+    assert_bitwise(loaded["buffers"][1], second)
+    groups = loaded["optimizer"]["param_groups"]
+    assert groups == [{"lr": 0.1, "params": [0, 1]}, {"lr": 0.01, "params": [2]}]
+    assert_bitwise(loaded["optimizer"]["state"]["0"]["exp_avg"], first)  # DCP keys: strings
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_dcp_item_holding_arbitrary_objects_is_refused_and_never_runs(
     store: Any, tmp_path: Path
 ) -> None:
