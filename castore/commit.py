@@ -464,3 +464,54 @@ def publish_shards(
             f"the root built for {run}@{generation} does not name the checked shards and parent"
         )
     return publish(store, parent=parent, root=root, faults=faults), root
+
+
+def publish_writes(
+    store: StoreParts,
+    *,
+    run: str,
+    generation: int,
+    step: int,
+    parent: RefValue | None,
+    writes: list[ShardWrite],
+    skeleton: bytes,
+    metadata: dict[str, Any] | None = None,
+    seconds: float = 0.0,
+) -> tuple[Digest, GenerationRoot]:
+    """Publish the shards one process wrote for several writers (``writes``, in rank
+    order, their manifests committed) as one generation of ``len(writes)`` ranks.
+
+    What importing a DCP checkpoint (and tools and tests that need a multi-writer
+    generation without a process group) use: the root is built from the checked
+    shards and published by :func:`publish_shards`, as a coordinator does.
+    """
+    stats = WriteStats()
+    for write in writes:
+        stats += write.stats
+    manifests = sum(len(write.data) for write in writes)
+
+    def build_root(checked: CheckedShards) -> GenerationRoot:
+        return make_root(
+            run=run,
+            generation=generation,
+            step=step,
+            parent=parent,
+            world_size=len(writes),
+            shards=checked.digests,
+            state=skeleton,
+            metadata=encode_metadata(metadata),
+            stats=root_stats(
+                stats, seconds, checked.tensors, written_bytes=stats.new_bytes + manifests
+            ),
+            frameworks=framework_versions(),
+        )
+
+    return publish_shards(
+        store,
+        run=run,
+        generation=generation,
+        parent=parent,
+        shards=[write.digest for write in writes],
+        build_root=build_root,
+        skeleton=skeleton,
+    )

@@ -25,23 +25,12 @@ from pathlib import Path
 from typing import Any
 
 from castore.chunkio import WriteStats, write_leaves
-from castore.commit import (
-    CheckedShards,
-    ShardWrite,
-    build_shard,
-    commit_objects,
-    encode_metadata,
-    framework_versions,
-    make_root,
-    publish_shards,
-    root_stats,
-)
+from castore.commit import build_shard, commit_objects, publish_writes
 from castore.dtypes import name_of_torch_dtype
 from castore.errors import ImportSourceError
 from castore.importer import DCP_METADATA
-from castore.objects import GenerationRoot, TensorEntry
+from castore.objects import TensorEntry
 from castore.progress import Bar, progress_bar
-from castore.refs import RefValue
 from castore.store import Store, check_step
 from castore.tree import TensorLeaf, encode_state, join_path, torch_bytes
 
@@ -167,17 +156,16 @@ def from_dcp(
             for rank, (entries, rank_stats) in enumerate(per_rank)
         ]
         commit_objects(store, [(w.digest, w.data) for w in writes])
-        build_root = _root_builder(
-            run, generation, step, parent, writes, encoded.skeleton, source, stats, started
-        )
-        publish_shards(
+        publish_writes(
             store,
             run=run,
             generation=generation,
+            step=step,
             parent=parent,
-            shards=[w.digest for w in writes],
-            build_root=build_root,
+            writes=writes,
             skeleton=encoded.skeleton,
+            metadata={"imported_from": str(source.directory), "kind": "dcp"},
+            seconds=time.perf_counter() - started,
         )
     return generation, sum(len(w.manifest.tensors) for w in writes), stats
 
@@ -310,38 +298,3 @@ def _write_tensor(
         )
         add(source.rank_of.get(index, 0), [leaf])
         bar.update(target.numel() * target.element_size())
-
-
-def _root_builder(
-    run: str,
-    generation: int,
-    step: int,
-    parent: RefValue | None,
-    writes: list[ShardWrite],
-    skeleton: bytes,
-    source: _DcpSource,
-    stats: WriteStats,
-    started: float,
-) -> Callable[[CheckedShards], GenerationRoot]:
-    manifests = sum(len(w.data) for w in writes)
-
-    def build_root(checked: CheckedShards) -> GenerationRoot:
-        return make_root(
-            run=run,
-            generation=generation,
-            step=step,
-            parent=parent,
-            world_size=len(writes),
-            shards=checked.digests,
-            state=skeleton,
-            metadata=encode_metadata({"imported_from": str(source.directory), "kind": "dcp"}),
-            stats=root_stats(
-                stats,
-                time.perf_counter() - started,
-                checked.tensors,
-                written_bytes=stats.new_bytes + manifests,
-            ),
-            frameworks=framework_versions(),
-        )
-
-    return build_root

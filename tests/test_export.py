@@ -30,23 +30,16 @@ from tqdm import tqdm
 
 import castore
 from castore import Shard, Store
-from castore.chunkio import WriteStats
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.commit import (
-    CheckedShards,
     commit_objects,
-    encode_metadata,
-    framework_versions,
-    make_root,
-    publish_shards,
-    root_stats,
+    publish_writes,
     write_shard,
 )
 from castore.errors import ChecksumMismatchError, IntegrityError, TensorNotFoundError
 from castore.export import INDEX_FILE, SINGLE_FILE, stripes, to_safetensors, to_torch
 from castore.layout import Box
-from castore.objects import GenerationRoot
 from castore.tree import encode_state
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,32 +97,8 @@ def save_four_ranks(store: Store, state: dict[str, Any], run: str = "r") -> None
         shard = write_shard(store, encoded, run=run, generation=1, rank=rank, own=own)
         commit_objects(store, [(shard.digest, shard.data)])
         writes.append(shard)
-    stats = WriteStats()
-    for write in writes:
-        stats += write.stats
-
-    def build_root(checked: CheckedShards) -> GenerationRoot:
-        return make_root(
-            run=run,
-            generation=1,
-            step=7,
-            parent=None,
-            world_size=4,
-            shards=checked.digests,
-            state=skeleton,
-            metadata=encode_metadata({}),
-            stats=root_stats(stats, 0.0, checked.tensors, written_bytes=stats.new_bytes),
-            frameworks=framework_versions(),
-        )
-
-    publish_shards(
-        store,
-        run=run,
-        generation=1,
-        parent=None,
-        shards=[w.digest for w in writes],
-        build_root=build_root,
-        skeleton=skeleton,
+    publish_writes(
+        store, run=run, generation=1, step=7, parent=None, writes=writes, skeleton=skeleton
     )
 
 

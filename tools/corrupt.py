@@ -52,19 +52,13 @@ from tabulate import tabulate
 
 import castore
 from castore import RankLocal, Shard, Store, faults
-from castore.chunkio import WriteStats
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.commit import (
     COORDINATOR_FAULTS,
-    CheckedShards,
     ShardWrite,
     commit_objects,
-    encode_metadata,
-    framework_versions,
-    make_root,
-    publish_shards,
-    root_stats,
+    publish_writes,
     write_shard,
 )
 from castore.errors import (
@@ -259,32 +253,13 @@ def publish_sharded(
     store: Store, generation: int, writes: list[ShardWrite], skeleton: bytes
 ) -> tuple[Digest, GenerationRoot]:
     """The coordinator's checks, root and publish, through the sequence castore.dist uses."""
-    parent = store.refs.read(RUN)
-    stats = WriteStats()
-    for write in writes:
-        stats += write.stats
-
-    def build_root(checked: CheckedShards) -> GenerationRoot:
-        return make_root(
-            run=RUN,
-            generation=generation,
-            step=10 * generation,
-            parent=parent,
-            world_size=RANKS,
-            shards=checked.digests,
-            state=skeleton,
-            metadata=encode_metadata({}),
-            stats=root_stats(stats, 0.0, checked.tensors, written_bytes=stats.new_bytes),
-            frameworks=framework_versions(),
-        )
-
-    return publish_shards(
+    return publish_writes(
         store,
         run=RUN,
         generation=generation,
-        parent=parent,
-        shards=[w.digest for w in writes],
-        build_root=build_root,
+        step=10 * generation,
+        parent=store.refs.read(RUN),
+        writes=writes,
         skeleton=skeleton,
     )
 
