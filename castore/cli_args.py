@@ -158,7 +158,8 @@ def _size(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="castore",
-        description="Inspect, check, tag, collect and compact a castore store.\n\n"
+        description="Inspect, check, tag, collect and compact a castore store; copy, diff,\n"
+        "export and import its generations.\n\n"
         + textwrap.fill(f"STORE is {STORE_HELP}.", 79)
         + "\n"
         "Errors print one line and exit non-zero (CASTORE_DEBUG=1 adds the traceback).\n"
@@ -527,7 +528,7 @@ def _add_export(commands: Any) -> None:
 def _add_import(commands: Any) -> None:
     imported: argparse.ArgumentParser = commands.add_parser(
         "import",
-        help="import safetensors or torch.save checkpoints as generations of a run",
+        help="import safetensors, torch.save or DCP checkpoints as generations",
         description="Import each SOURCE, in the order given, as the next generation of RUN\n"
         "in STORE, published through castore's normal commit: a series of old\n"
         "checkpoints deduplicates, each writing only the chunks the store lacks.\n"
