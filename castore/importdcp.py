@@ -1,8 +1,11 @@
 """Import a ``torch.distributed.checkpoint`` (DCP) directory, keeping its saved boxes.
 
-The directory is read through DCP's own ``FileSystemReader``: its metadata
-lists every tensor's saved chunks (offsets and sizes in the global tensor),
-and its ``read_data`` loads each chunk with ``torch.load(weights_only=True)``.
+The directory is read through DCP's own ``FileSystemReader``, except its
+``.metadata`` pickle, which castore unpickles itself with only DCP's metadata
+types allowed (the reader's ``pickle.load`` would run what a hostile file
+names). The metadata lists every tensor's saved chunks (offsets and sizes in
+the global tensor), and the reader's ``read_data`` loads each chunk with
+``torch.load(weights_only=True)``.
 Each saved chunk becomes one castore box (a :class:`~castore.objects.TensorEntry`
 with the chunk's offsets and local shape) in the shard of the writer whose
 ``.distcp`` file held it, so the generation has the checkpoint's sharding and
@@ -65,6 +68,65 @@ class _ChunkPlanner:
             ) from None
 
 
+# What a DCP ``.metadata`` pickle may name: its own dataclasses and the torch
+# values they hold. DCP's FileSystemReader reads the file with pickle.load, which
+# would run whatever a hostile file names; castore reads it with this list.
+_METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        import torch
+
+        if (module, name) in _METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise pickle.UnpicklingError(f"global {module}.{name} is not DCP metadata")
+
+
+def read_metadata(directory: Path, load_id: str) -> Any:
+    """A DCP directory's ``.metadata``, unpickled with only DCP's metadata types allowed."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+
+    path = directory / DCP_METADATA
+    try:
+        with path.open("rb") as handle:
+            metadata = _MetadataUnpickler(handle).load()
+    except pickle.UnpicklingError as exc:
+        raise ImportSourceError(
+            f"{path} is not DCP metadata castore reads ({exc}); castore never unpickles "
+            "arbitrary objects"
+        ) from None
+    except (EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError) as exc:
+        raise ImportSourceError(f"{path} is not DCP metadata: {exc!r}") from None
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ImportSourceError(f"{path} is not DCP metadata: it holds {type(metadata).__name__}")
+    storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
+    storage_meta.load_id = load_id  # as FileSystemReader.read_metadata does
+    metadata.storage_meta = storage_meta
+    return metadata
+
+
 class _DcpSource:
     """An open DCP directory: its reader, metadata and which file each item is in."""
 
@@ -75,7 +137,7 @@ class _DcpSource:
             raise ImportSourceError(f"{directory} is not a DCP checkpoint: no {DCP_METADATA}")
         self.directory = directory
         self.reader = FileSystemReader(str(directory))
-        self.metadata = self.reader.read_metadata()
+        self.metadata = read_metadata(directory, self.reader.load_id)
         self.reader.set_up_storage_reader(self.metadata, is_coordinator=True)
         storage = self.reader.storage_data
         files = sorted({info.relative_path for info in storage.values()})
@@ -85,7 +147,7 @@ class _DcpSource:
             self.metadata.planner_data if isinstance(self.metadata.planner_data, dict) else {}
         )
         self.paths = {
-            fqn: tuple(recorded.get(fqn, (fqn,))) for fqn in self.metadata.state_dict_metadata
+            fqn: _path(recorded.get(fqn, (fqn,))) for fqn in self.metadata.state_dict_metadata
         }
 
     def tensor(self, fqn: str) -> Any:
@@ -170,6 +232,12 @@ def from_dcp(
     return generation, sum(len(w.manifest.tensors) for w in writes), stats
 
 
+def _path(recorded: Any) -> tuple[Any, ...]:
+    """The key path DCP recorded for an item (a tuple or list of keys; else empty,
+    which :func:`_nest` refuses)."""
+    return tuple(recorded) if isinstance(recorded, tuple | list) else ()
+
+
 def _nest(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]) -> dict[Any, Any]:
     """The state DCP flattened, nested again by each key's recorded path.
 
@@ -180,6 +248,12 @@ def _nest(flat: dict[str, Any], paths: dict[str, tuple[Any, ...]]) -> dict[Any, 
     state: dict[Any, Any] = {}
     for fqn, value in flat.items():
         path = paths[fqn]
+        # A list index is below the number of items (each position holds one or
+        # more), so a hostile path cannot make a list of a trillion Nones.
+        if not path or not all(
+            type(key) is str or (type(key) is int and 0 <= key < len(flat)) for key in path
+        ):
+            raise ImportSourceError(f"DCP key {fqn!r} has the path {path!r}, not one DCP writes")
         node: dict[Any, Any] | list[Any] = state
         for key, following in zip(path, path[1:], strict=False):
             node = _child(node, key, [] if type(following) is int else {}, fqn)
@@ -208,7 +282,7 @@ def _put(
     if isinstance(node, dict):
         node[key] = value
         return
-    if type(key) is not int or key < 0:
+    if type(key) is not int:
         raise ImportSourceError(f"DCP key {fqn!r} indexes a list with {key!r}")
     node.extend([None] * (key + 1 - len(node)))
     if not keep:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -441,4 +442,67 @@ def test_dcp_item_holding_arbitrary_objects_is_refused_and_never_runs(
     with pytest.raises(ImportSourceError, match="castore never unpickles arbitrary objects"):
         import_checkpoint(store, "dcp", tmp_path / "dcp")
     assert not marker.exists()
+    assert store.runs() == []
+
+
+def hostile_metadata(directory: Path, marker: Path) -> None:
+    """A real DCP checkpoint whose ``.metadata`` also carries a pickle that plants
+    ``marker`` when unpickled (DCP's FileSystemReader reads it with pickle.load)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    dcp.save({"w": torch.ones(4)}, checkpoint_id=directory, no_dist=True)
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    metadata.planner_data = {"w": ("w",), "payload": PlantsMarker(str(marker))}
+    with open(directory / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_metadata_naming_arbitrary_objects_is_refused_and_never_runs(
+    store: Any, tmp_path: Path
+) -> None:
+    marker = tmp_path / "pwned"
+    hostile_metadata(tmp_path / "dcp", marker)
+    for attempt in (
+        lambda: import_checkpoint(store, "dcp", tmp_path / "dcp"),
+        lambda: run_cli("import", tmp_path / "cli-store", "dcp", tmp_path / "dcp"),
+    ):
+        try:
+            done = attempt()
+        except ImportSourceError as exc:
+            assert "global io.open is not DCP metadata" in str(exc)
+            assert "castore never unpickles arbitrary objects" in str(exc)
+        else:
+            assert done.returncode == 1 and done.stderr.count("\n") == 1, done.stderr
+            assert done.stderr.startswith("castore: error: ImportSourceError: ")
+        assert not marker.exists(), "importing the checkpoint ran the pickle's code"
+    assert store.runs() == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_metadata_pickle_does_run_code_through_dcps_own_reader(tmp_path: Path) -> None:
+    """Broken control: DCP's own reader runs the hostile metadata's code."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    marker = tmp_path / "pwned"
+    hostile_metadata(tmp_path / "dcp", marker)
+    FileSystemReader(str(tmp_path / "dcp")).read_metadata()
+    assert marker.exists()
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_dcp_metadata_with_a_huge_list_index_is_refused(store: Any, tmp_path: Path) -> None:
+    """A recorded path indexing a list far past its items would build a list of
+    that many Nones; it is refused instead."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    directory = tmp_path / "dcp"
+    dcp.save({"layers": [torch.ones(4)]}, checkpoint_id=directory, no_dist=True)
+    metadata = FileSystemReader(str(directory)).read_metadata()
+    (fqn,) = metadata.planner_data
+    metadata.planner_data = {fqn: ("layers", 10**12)}
+    with open(directory / ".metadata", "wb") as handle:
+        pickle.dump(metadata, handle)
+    with pytest.raises(ImportSourceError, match="not one DCP writes"):
+        import_checkpoint(store, "dcp", directory)
     assert store.runs() == []
