@@ -37,6 +37,15 @@ def print_goals(verdicts: list[dict[str, Any]]) -> None:
         print(f"  [{mark:7}] {verdict['goal']}: {verdict['measured']}")
 
 
+def rss_kib(field: str) -> int:
+    """A ``/proc/self/status`` memory field (``VmRSS``, ``VmHWM``) in KiB."""
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
 def tree_bytes(path: Path) -> tuple[int, int]:
     """(apparent, allocated) bytes of the regular files under ``path``, like ``du``.
 

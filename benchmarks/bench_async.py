@@ -55,7 +55,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import PipedRanks, print_goals  # noqa: E402
+from _common import PipedRanks, print_goals, rss_kib  # noqa: E402
 from bench_save_load import build_state  # noqa: E402
 
 import castore  # noqa: E402
@@ -70,14 +70,6 @@ WINDOW_S = 0.1
 
 
 # -- part 1: one method in a process of its own ---------------------------------
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def reset_peak_rss() -> None:

@@ -47,7 +47,7 @@ from tabulate import tabulate
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from _common import PipedRanks, print_goals  # noqa: E402
+from _common import PipedRanks, print_goals, rss_kib  # noqa: E402
 
 import castore  # noqa: E402
 import castore.dist  # noqa: E402
@@ -104,14 +104,6 @@ def save_rank(rank: int, port: int, world: int, size_mib: int, work: str, conn: 
 
 
 # -- the timed part, each in a fresh process ------------------------------------
-
-
-def rss_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def child(method: str, work: str, out: str) -> dict[str, Any]:
