@@ -391,7 +391,10 @@ def write_file(
 
 
 def check_out_dir(out_dir: Path) -> None:
-    """Refuse to write over anything: ``out_dir`` must not exist or be empty."""
+    """Refuse to write over anything: ``out_dir`` must not exist or be an empty
+    directory (not a symlink: the export is renamed into place over it)."""
+    if out_dir.is_symlink():
+        raise FileExistsError(f"output path {out_dir} is a symlink: name a directory itself")
     if out_dir.is_dir():
         if any(out_dir.iterdir()):
             raise FileExistsError(f"output directory {out_dir} exists and is not empty")

@@ -377,6 +377,20 @@ def test_refuses_existing_non_empty_out_dir(saved: tuple[Store, Any], tmp_path: 
     assert (out / SINGLE_FILE).stat().st_mode & 0o777 == 0o666 & ~umask
 
 
+def test_refuses_a_symlinked_out_dir(saved: tuple[Store, Any], tmp_path: Path) -> None:
+    """A symlink, to an empty directory or to nothing, is refused before anything is
+    written: renaming the export into place would fail or replace the link."""
+    store, _ = saved
+    (tmp_path / "empty").mkdir()
+    for target in ("empty", "nowhere"):
+        link = tmp_path / f"link-{target}"
+        link.symlink_to(tmp_path / target)
+        with pytest.raises(FileExistsError, match="is a symlink"):
+            to_safetensors(store, "r", "latest", link)
+        assert link.is_symlink() and not any((tmp_path / "empty").iterdir())
+    assert not [p for p in tmp_path.iterdir() if ".export-" in p.name]
+
+
 def test_new_out_dir_gets_the_umask_mode(saved: tuple[Store, Any], tmp_path: Path) -> None:
     store, _ = saved
     to_safetensors(store, "r", "latest", tmp_path / "out")
