@@ -15,6 +15,8 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── UnsupportedBackendError      (ValueError) a URL scheme or backend castore cannot open
     │   ├── StoreAccessDeniedError       (PermissionError) the object store refused the credentials
     │   ├── StoreUnavailableError        (ConnectionError) the endpoint is down or kept failing
+    │   │   └── CommitUnknownError       a publish whose outcome could not be learned
+    │   ├── ReadOnlyStoreError           (PermissionError) a write to a store opened read-only
     │   └── AllocationError              (MemoryError) a tensor too large to allocate
     ├── FormatVersionError               written by a newer castore format
     ├── IntegrityError                   stored bytes are not what was named
@@ -34,7 +36,9 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── LayoutMismatchError          ranks or targets disagree with the saved layout
     │   └── RankLocalMismatchError       per-rank state asked of a different world size
     ├── RefConflictError                 the ref moved under a compare-and-swap
-    │   └── BlobConflictError            a blob's version moved under a compare-and-swap
+    │   ├── BlobConflictError            a blob's version moved under a compare-and-swap
+    │   └── FencedError                  a newer writer (epoch) took the run over
+    ├── StepOrderError                   (ValueError) a save's step below the run's latest
     ├── BlobError                        a blob primitive was refused
     │   ├── BlobNotFoundError            (FileNotFoundError) no blob of that name
     │   ├── BlobExistsError              (FileExistsError) a create-if-absent found one
@@ -119,6 +123,15 @@ class StoreAccessDeniedError(StoreError, PermissionError):
 
 class StoreUnavailableError(StoreError, ConnectionError):
     """The endpoint cannot be reached, or kept answering 5xx/throttling past the retries."""
+
+
+class CommitUnknownError(StoreUnavailableError):
+    """A publish whose commit request failed ambiguously, and re-reading the ref could
+    not tell whether it took effect: check ``castore log`` before saving again."""
+
+
+class ReadOnlyStoreError(StoreError, PermissionError):
+    """A write (save, tag, GC, repair) to a store opened read-only; names the store."""
 
 
 class StoreLockedError(StoreError):
@@ -233,6 +246,16 @@ class RefConflictError(CastoreError):
 
 class BlobConflictError(RefConflictError):
     """A blob compare-and-swap found another version than expected (or a blob, or none)."""
+
+
+class FencedError(RefConflictError):
+    """The run was taken over by a newer writer (a higher writer epoch): this
+    writer's save publishes nothing. The message names the other writer."""
+
+
+class StepOrderError(CastoreError, ValueError):
+    """A save's step is lower than the step of the run's latest generation, which
+    this process neither loaded nor saved (``allow_step_back=True`` allows it)."""
 
 
 class BlobError(CastoreError):
