@@ -65,6 +65,7 @@ def open(  # noqa: A001 - the public name the API promises
     *,
     create: bool = True,
     chunk_size: int | None = None,
+    readonly: bool | None = None,
     **options: Any,
 ) -> Store:
     """Open the castore store at ``path``, creating it (when ``create``) if absent.
@@ -86,6 +87,15 @@ def open(  # noqa: A001 - the public name the API promises
     credentials). ``map_size`` applies to local LMDB stores only.
     ``chunk_size`` (bytes) sets the default for a new store, or overrides it
     for this handle's saves; dedup works between saves of equal chunk size.
+
+    ``readonly=True`` opens the store read-only: loads, slices, listings,
+    verify and export work, and every write (save, tag, gc, repair, a copy or
+    an import into it) raises ReadOnlyStoreError; nothing in the store is
+    created or changed, not even a lock file. The default (None) opens a
+    directory that is not writable (a read-only mount, another user's
+    directory) read-only on its own, saying so once with a ReadOnlyWarning;
+    ``readonly=False`` never does. An S3 store is read-only only when asked:
+    reads need no write, so credentials that only read work either way.
     """
     from castore.location import parse_location
     from castore.storedir import open_store
@@ -95,6 +105,13 @@ def open(  # noqa: A001 - the public name the API promises
         from castore.storedir import open_s3_store
 
         return open_s3_store(
-            location.bucket, location.prefix, create=create, chunk_size=chunk_size, **options
+            location.bucket,
+            location.prefix,
+            create=create,
+            chunk_size=chunk_size,
+            readonly=readonly,
+            **options,
         )
-    return open_store(location.path, create=create, chunk_size=chunk_size, **options)
+    return open_store(
+        location.path, create=create, chunk_size=chunk_size, readonly=readonly, **options
+    )

@@ -11,7 +11,8 @@ import os
 import sys
 import time
 import traceback
-from collections.abc import Mapping, Sequence
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
-from castore.errors import CastoreError
+from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.history import Generation
 from castore.importer import check_source, import_checkpoint
 from castore.progress import format_size as format_bytes
@@ -606,25 +607,53 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    read_only: list[str] = []
     try:
-        code = COMMANDS[args.command](args)
+        with warnings.catch_warnings():
+            warnings.showwarning = _held_read_only_warnings(warnings.showwarning, read_only)
+            code = COMMANDS[args.command](args)
         sys.stdout.flush()  # here, so that a closed pipe is caught below
+        _print_warnings(read_only)
         return code
+    except ReadOnlyStoreError as exc:
+        return _fail(f"{type(exc).__name__}: {exc}")  # says read-only itself: one line
     except BrokenPipeError:
         # `castore show ... | head`: the reader has what it wanted; no error line.
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_PROBLEMS
     except CastoreError as exc:
-        return _fail(f"{type(exc).__name__}: {exc}")
+        return _fail(f"{type(exc).__name__}: {exc}", read_only)
     except (OSError, ValueError) as exc:
-        return _fail(f"{type(exc).__name__}: {exc}")
+        return _fail(f"{type(exc).__name__}: {exc}", read_only)
     except KeyboardInterrupt:
-        return _fail("interrupted", code=130)
+        return _fail("interrupted", read_only, code=130)
     except Exception as exc:  # noqa: BLE001 - the CLI promises one line, never a traceback
-        return _fail(f"internal error: {type(exc).__name__}: {exc}", code=70)
+        return _fail(f"internal error: {type(exc).__name__}: {exc}", read_only, code=70)
 
 
-def _fail(message: str, code: int = EXIT_PROBLEMS) -> int:
+def _held_read_only_warnings(shown: Callable[..., None], held: list[str]) -> Callable[..., None]:
+    """Keep each ReadOnlyWarning's text in ``held``; show any other warning as before.
+
+    Held, not printed: a refused write then prints only its error, which says
+    read-only already; any other outcome prints each held one as one line.
+    """
+
+    def show(message: Warning | str, category: type[Warning], *rest: Any, **kw: Any) -> None:
+        if issubclass(category, ReadOnlyWarning):
+            held.append(str(message).removeprefix("castore: "))
+        else:
+            shown(message, category, *rest, **kw)
+
+    return show
+
+
+def _print_warnings(held: list[str]) -> None:
+    for text in held:
+        print(f"castore: warning: {text}", file=sys.stderr)
+
+
+def _fail(message: str, held: Sequence[str] = (), code: int = EXIT_PROBLEMS) -> int:
+    _print_warnings(list(held))
     if os.environ.get("CASTORE_DEBUG"):
         traceback.print_exc()
     print(f"castore: error: {message}", file=sys.stderr)

@@ -151,6 +151,7 @@ def copy(
         if _address(dst) == _address(source):
             raise ValueError(f"source and destination are the same store ({source.path})")
         target = _opened(dst, stack, create=True)
+        target.refuse_if_readonly("copy into it")
         report = CopyReport()
         for name in [validate_run_name(run)] if run is not None else source.refs.ref_runs():
             chosen = _choose(source, name, generation, all_generations)

@@ -222,6 +222,8 @@ def save(
     writer thread over castore's own gloo group. Every rank must pass the same
     ``blocking`` and ``if_busy``; a skip is decided by all ranks together.
     """
+    # Before any collective: every rank opened the same store, so every rank refuses.
+    store.refuse_if_readonly("save")
     if not blocking:
         return _save_async(
             store,

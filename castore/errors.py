@@ -54,6 +54,9 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
     └── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
 
+Warnings: :class:`ReadOnlyWarning` (a store opened read-only because its
+directory is not writable).
+
 Errors carry their context as attributes (``run``, ``generation``, ``tensor``,
 ``expected``/``actual`` digests) and put it in their message, so one line says
 what was wrong and where.
@@ -131,7 +134,25 @@ class CommitUnknownError(StoreUnavailableError):
 
 
 class ReadOnlyStoreError(StoreError, PermissionError):
-    """A write (save, tag, GC, repair) to a store opened read-only; names the store."""
+    """A write (save, tag, GC, repair) to a store opened read-only; names the store.
+
+    ``store`` names it, ``refused`` what was refused (``"save"``).
+    """
+
+    store: str
+    refused: str
+
+    @classmethod
+    def refusing(cls, store: str, why: str, what: str, hint: str = "") -> ReadOnlyStoreError:
+        """The error for ``what`` refused on ``store``, read-only because ``why``."""
+        tail = f"; {hint}" if hint else ""
+        error = cls(f"store {store} is open read-only ({why}): {what} refused{tail}")
+        error.store, error.refused = store, what
+        return error
+
+
+class ReadOnlyWarning(UserWarning):
+    """A store was opened read-only on its own: its directory is not writable."""
 
 
 class StoreLockedError(StoreError):

@@ -58,6 +58,7 @@ from castore.hashing import Digest
 from castore.history import Generation
 from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest
 from castore.progress import Bar, Phases, format_size, progress_bar
+from castore.readonly import refuse_unwritable
 from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, validate_run_name
 from castore.store import Store
 
@@ -277,6 +278,8 @@ def collect_garbage(
     (a terminal).
     """
     policy = policy or RetentionPolicy()
+    if not dry_run:  # a dry run only reads, so it works on a read-only store
+        store.refuse_if_readonly("garbage collection")
     phases = Phases(progress, "gc", 3 if dry_run else 5)
     started = time.perf_counter()
     timings: dict[str, float] = {}
@@ -444,6 +447,7 @@ class _no_lock:
 
 def tag(store: Store, run: str, generation: int | str, name: str) -> Generation:
     """Pin a generation under ``name``: retention keeps it until it is untagged."""
+    store.refuse_if_readonly("tag")
     # Shared store lock: a collection is not dropping this generation right now.
     with store.refs.store_lock(
         exclusive=False,
@@ -460,6 +464,7 @@ def tag(store: Store, run: str, generation: int | str, name: str) -> Generation:
 
 
 def untag(store: Store, run: str, name: str) -> None:
+    store.refuse_if_readonly("untag")
     if not store.refs.delete_tag(run, name):
         raise GenerationNotFoundError(f"run {run!r} has no tag {name!r}", run=run)
 
@@ -581,6 +586,7 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     if not root.exists():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
     _read_marker(root / MARKER)  # a real store, of a format we know
+    refuse_unwritable(root, "compact")
     hold = RefStore(root).hold_open(
         exclusive=True,
         busy=f"store {root} is open (in this or another process): close every user "

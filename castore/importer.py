@@ -288,6 +288,7 @@ def import_checkpoint(
 
     ``progress=True`` draws a bar of the tensor bytes on a terminal's stderr.
     """
+    store.refuse_if_readonly("import")
     path = Path(source)
     kind = source_kind(path)
     if kind == "safetensors":

@@ -35,6 +35,7 @@ from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
 from castore.errors import CastoreError, StoreNotFoundError
 from castore.hashing import digest_bytes
 from castore.progress import NO_BAR, Bar, Phases, format_size, progress_bar
+from castore.readonly import refuse_unwritable
 from castore.refs import RefStore, fsync_dir
 
 _OBJECTS_DB = Namespace.OBJECTS.value.encode()
@@ -71,6 +72,7 @@ def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> Re
     if not (root / MARKER).is_file():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
     _read_marker(root / MARKER)
+    refuse_unwritable(root, "rebuilding the chunk index")
     hold = RefStore(root).hold_open(
         exclusive=True,
         busy=f"store {root} is open (in this or another process): close every user "

@@ -89,6 +89,8 @@ def repair_store(
 
     ``progress=True``: bars on stderr (a terminal) for the re-hash and the verify after it.
     """
+    # Even a dry run holds the store lock exclusively: verify reads without it.
+    store.refuse_if_readonly("repair", "castore verify --deep reports damage without writing")
     report = RepairReport()
     # Exclusive, like garbage collection: no save dedups against a chunk being removed.
     with store.refs.store_lock(

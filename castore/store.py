@@ -56,6 +56,7 @@ from castore.reading import (
     check_framework,
     numpy_as_torch,
 )
+from castore.readonly import ReadOnly
 from castore.refs import ComposedRefStore, RefStore, RefValue, validate_run_name
 from castore.repo.base import LockHold
 from castore.tree import encode_state
@@ -132,17 +133,30 @@ class Store:
         chunk_size: int,
         *,
         refs: ComposedRefStore | None = None,
+        readonly: ReadOnly | None = None,
     ) -> None:
         """A store over ``backend`` (chunks, objects) and ``refs`` (refs, reflog, tags,
         locks; default: those of the directory ``path``). ``path`` also names the
-        store in messages: a local directory, or the URL of a store on blobs."""
+        store in messages: a local directory, or the URL of a store on blobs.
+        ``readonly`` (why it is read-only) refuses every write (castore.readonly)."""
         self.path: Path | str = path
+        self.readonly_reason = readonly
         self.backend = backend
         self.chunk_size = chunk_size
         self.refs = RefStore(Path(path)) if refs is None else refs
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
         self._background: Background | None = None
+
+    @property
+    def readonly(self) -> bool:
+        """Whether this handle refuses writes (opened read-only; see :func:`castore.open`)."""
+        return self.readonly_reason is not None
+
+    def refuse_if_readonly(self, what: str, hint: str = "") -> None:
+        """Raise ReadOnlyStoreError naming ``what`` ("save") if this handle is read-only."""
+        if self.readonly_reason is not None:
+            raise self.readonly_reason.refuse(what, hint)
 
     @property
     def background(self) -> Background:
@@ -249,6 +263,7 @@ class Store:
         error that nobody has seen.
         """
         started = time.perf_counter()
+        self.refuse_if_readonly("save")
         validate_run_name(run)
         check_step(step)
         if blocking and if_busy != "wait":

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from castore.blob.base import BlobStore
+from castore.blob.readonly import ReadOnlyBlobStore
 from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.blobcache import IndexCache, default_cache_dir
 from castore.chunkstore.blobpacks import DEFAULT_PACK_BYTES, BlobPackBackend
@@ -31,6 +32,7 @@ from castore.errors import (
     StoreNotFoundError,
     UnsupportedBackendError,
 )
+from castore.readonly import ReadOnly
 from castore.repo.blobs import blob_refs
 from castore.repo.leases import DEFAULT_STORE_LEASE
 from castore.store import Store
@@ -51,15 +53,25 @@ def open_blob_store(
     cache_dir: str | Path | None = None,
     store_lease: float = DEFAULT_STORE_LEASE,
     pack_bytes: int = DEFAULT_PACK_BYTES,
+    readonly: ReadOnly | None = None,
 ) -> Store:
-    """Open (or create) the format-3 store laid out on ``blobs``; ``where`` names it in messages."""
+    """Open (or create) the format-3 store laid out on ``blobs``; ``where`` names it in messages.
+
+    ``readonly`` (why the store is read-only): it is read through a view that
+    refuses every write (castore.blob.readonly), and never created. Reads take
+    no lease; the per-node index cache lives outside the store and is still kept.
+    """
+    if readonly is not None:
+        blobs = ReadOnlyBlobStore(blobs, readonly)
+        create = False
     config = marker_or_new_store(blobs, where, create=create, chunk_size=chunk_size)
     size = chunk_size or int(config["chunk_size"])
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache = IndexCache(directory, str(config["store_id"]))
     backend = BlobPackBackend(blobs, cache=cache, pack_bytes=pack_bytes)
     refs = blob_refs(blobs, store_lease=store_lease)
-    store = Store(where, backend, size, refs=refs)
+    refs.readonly = readonly
+    store = Store(where, backend, size, refs=refs, readonly=readonly)
     backend.check_lease = refs.check_store_lock
     return store
 

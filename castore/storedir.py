@@ -8,6 +8,8 @@ same store at once.
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import operator
 import os
@@ -15,18 +17,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+from castore import readonly as readonly_mode
 from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.lmdb_backend import LmdbBackend
 from castore.errors import (
     FormatVersionError,
     NotAStoreError,
     StoreError,
+    StoreLockedError,
     StoreNotFoundError,
     UnsupportedBackendError,
     UnsupportedOperationError,
 )
 from castore.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
-from castore.refs import RefStore, fsync_dir
+from castore.readonly import ReadOnly
+from castore.refs import OPEN_LOCK, RefStore, fsync_dir
+from castore.repo.base import LockHold
 from castore.safefs import open_store_file, read_store_file, write_all, writing
 from castore.store import Store
 
@@ -45,13 +51,15 @@ def open_store(
     chunk_size: int | None = None,
     map_size: int | None = None,
     shared: bool = False,
+    readonly: bool | None = None,
     **blob_options: Any,
 ) -> Store:
     """Open (or create) the store at ``path``; see :func:`castore.open`.
 
     A directory whose marker names the ``blobs`` backend, or any directory with
     ``shared=True``, is a format-3 store on a shared directory (no LMDB, no
-    ``mmap``, no ``flock``): see :mod:`castore.storeblobs`.
+    ``mmap``, no ``flock``): see :mod:`castore.storeblobs`. ``readonly``: see
+    :mod:`castore.readonly` (None: read-only when the directory is not writable).
     """
     root = Path(path)
     if chunk_size is not None:
@@ -64,17 +72,32 @@ def open_store(
             raise ValueError(
                 f"map_size sizes a local store's LMDB file; {root} is a shared store (no LMDB)"
             )
-        return _open_shared(root, create=create, chunk_size=chunk_size, **blob_options)
+        return _open_shared(
+            root, create=create, chunk_size=chunk_size, readonly=readonly, **blob_options
+        )
     if blob_options:
         names = ", ".join(sorted(blob_options))
         raise ValueError(
             f"{names}: options of stores on blobs (shared=True, s3://); {root} is a local "
             "store (LMDB)"
         )
-    config = _marker_or_new_store(root, create=create, chunk_size=chunk_size)
+    exists = root.is_dir()
+    reason = readonly_mode.choose(
+        str(root), readonly, writable=not exists or readonly_mode.is_writable(root)
+    )
+    config = _marker_or_new_store(root, create=create and reason is None, chunk_size=chunk_size)
     size = chunk_size or int(config["chunk_size"])
+    if reason is not None:
+        return _open_readonly(root, size, reason)
     refs = RefStore(root)
-    hold = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
+    try:
+        hold = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
+    except StoreError as exc:
+        # access() said writable, yet the lock file cannot be created (NFS root squashing,
+        # a FUSE mount, a read-only locks/): nothing was created, so read-only still holds.
+        if readonly is not None or not exists or not readonly_mode.cannot_write(exc):
+            raise
+        return _open_readonly(root, size, readonly_mode.choose(str(root), None, writable=False))
     try:
         backend = LmdbBackend(root / "chunks", map_size=map_size)
     except BaseException:
@@ -83,6 +106,46 @@ def open_store(
     store = Store(root, backend, size, refs=refs)
     store._hold_open_lock(hold)
     return store
+
+
+def _open_readonly(root: Path, chunk_size: int, reason: ReadOnly | None) -> Store:
+    """A local store opened read-only: nothing in ``root`` is created or changed."""
+    assert reason is not None
+    refs = RefStore(root)
+    refs.readonly = reason
+    hold = _reader_hold(root)
+    try:
+        backend = LmdbBackend(root / "chunks", readonly=reason)
+    except BaseException:
+        hold.release()
+        raise
+    store = Store(root, backend, chunk_size, refs=refs, readonly=reason)
+    store._hold_open_lock(hold)
+    return store
+
+
+def _reader_hold(root: Path) -> LockHold:
+    """The shared open lock, when its file exists, through a read-only descriptor.
+
+    ``flock`` needs no write access, so a read-only handle still keeps another
+    user's ``castore compact`` (which takes the open lock exclusively) from
+    replacing the files under it, without creating or changing anything. When
+    the file is absent, or cannot be opened, there is nothing to hold.
+    """
+    try:
+        fd = open_store_file(root / "locks" / OPEN_LOCK, os.O_RDONLY)
+    except OSError:
+        return LockHold(lambda: None)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError as exc:
+        os.close(fd)
+        if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+            raise StoreLockedError(
+                f"store {root} is being compacted; try again when it finishes", path=str(root)
+            ) from None
+        return LockHold(lambda: None)  # a filesystem without flock: nothing to hold
+    return LockHold(lambda: os.close(fd))
 
 
 def _names_blobs(marker: Path) -> bool:
@@ -94,7 +157,14 @@ def _names_blobs(marker: Path) -> bool:
     return isinstance(config, dict) and config.get("backend") == "blobs"
 
 
-def _open_shared(root: Path, *, create: bool, chunk_size: int | None, **blob_options: Any) -> Store:
+def _open_shared(
+    root: Path,
+    *,
+    create: bool,
+    chunk_size: int | None,
+    readonly: bool | None = None,
+    **blob_options: Any,
+) -> Store:
     from castore.blob.posix import PosixBlobStore
     from castore.storeblobs import open_blob_store
 
@@ -107,8 +177,12 @@ def _open_shared(root: Path, *, create: bool, chunk_size: int | None, **blob_opt
             "with castore.open(NEW_DIR, shared=True))",
             path=str(root),
         )
-    if not root.exists():
-        if not create:
+    exists = root.is_dir()
+    reason = readonly_mode.choose(
+        str(root), readonly, writable=not exists or readonly_mode.is_writable(root)
+    )
+    if not exists:
+        if not create or reason is not None:
             raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
         try:
             root.mkdir(parents=True, exist_ok=True)
@@ -116,7 +190,9 @@ def _open_shared(root: Path, *, create: bool, chunk_size: int | None, **blob_opt
             message = f"cannot create store directory {root}: {exc}"
             raise StoreError(message, path=str(root)) from exc
     blobs = PosixBlobStore(root)
-    return open_blob_store(blobs, str(root), create=create, chunk_size=chunk_size, **blob_options)
+    return open_blob_store(
+        blobs, str(root), create=create, chunk_size=chunk_size, readonly=reason, **blob_options
+    )
 
 
 def open_s3_store(
@@ -129,12 +205,17 @@ def open_s3_store(
     region: str | None = None,
     s3_options: dict[str, Any] | None = None,
     shared: bool = True,
+    readonly: bool | None = None,
     **blob_options: Any,
 ) -> Store:
     """Open (or create) the store at ``s3://bucket/prefix``; see :func:`castore.open`.
 
     A store on S3 is always shared: ``shared`` is accepted, so that one call
-    with ``shared=True`` opens a directory or a URL alike.
+    with ``shared=True`` opens a directory or a URL alike. A store on S3 is
+    read-only only when asked (``readonly=True``): whether the credentials may
+    write cannot be learnt without writing. Reads need no write, so credentials
+    that only read work without it; a write they are refused raises
+    StoreAccessDeniedError from the first request.
     """
     from castore.blob.s3 import S3BlobStore
     from castore.storeblobs import open_blob_store
@@ -147,7 +228,10 @@ def open_s3_store(
     blobs = S3BlobStore(
         bucket, prefix, endpoint_url=endpoint_url, region=region, **(s3_options or {})
     )
-    return open_blob_store(blobs, where, create=create, chunk_size=chunk_size, **blob_options)
+    reason = ReadOnly(where, readonly_mode.ASKED) if readonly else None
+    return open_blob_store(
+        blobs, where, create=create, chunk_size=chunk_size, readonly=reason, **blob_options
+    )
 
 
 def local_lmdb_store(path: str | os.PathLike[str], doing: str, why: str) -> Path:

@@ -75,8 +75,15 @@ from castore.chunkstore.packfile import (
 from castore.errors import IndexCorruptError, StoreError, StoreFullError
 from castore.faults import fault_point
 from castore.hashing import Buffer
+from castore.readonly import ReadOnly
 from castore.refs import fsync_dir
-from castore.safefs import DISK_FULL, make_store_dir, open_store_file, regular_file_size
+from castore.safefs import (
+    DISK_FULL,
+    is_store_dir,
+    make_store_dir,
+    open_store_file,
+    regular_file_size,
+)
 
 _MAX_GROW_ATTEMPTS = 32
 
@@ -131,12 +138,23 @@ class LmdbBackend(ChunkBackend):
     """Objects and the chunk index in LMDB; chunk bytes in pack files beside it."""
 
     @lmdb_guarded("open the LMDB environment")
-    def __init__(self, path: str | os.PathLike[str], *, map_size: int | None = None) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        *,
+        map_size: int | None = None,
+        readonly: ReadOnly | None = None,
+    ) -> None:
+        """``readonly``: open the environment read-only (creating nothing) and refuse
+        every write with ReadOnlyStoreError before it touches a file."""
         self.path = Path(path)
         self.pack_dir = self.path / PACK_DIR
-        existing = _check_environment_files(self.path)
+        self.readonly = readonly
+        existing = _check_environment_files(self.path, create=readonly is None)
         # One environment per data file per process, whatever the handles (see lmdb_env).
-        shared = lmdb_env.acquire(self.path, map_size=map_size, existing=existing)
+        shared = lmdb_env.acquire(
+            self.path, map_size=map_size, existing=existing, readonly=readonly is not None
+        )
         self._env, self._objects, self._index = shared.env, shared.objects, shared.index
         self._lock, self._pid = shared.lock, shared.pid
         self._closed = False
@@ -174,8 +192,13 @@ class LmdbBackend(ChunkBackend):
         new_size = self._env.info()["map_size"] * 2
         self._env.set_mapsize(new_size)
 
+    def _refuse_if_readonly(self, what: str) -> None:
+        if self.readonly is not None:
+            raise self.readonly.refuse(what)
+
     def _write_txn(self, work: Any) -> Any:
         """Run ``work(txn)`` in a write transaction and commit, growing the map if full."""
+        self._refuse_if_readonly("an LMDB write")
         with self._lock:
             for _ in range(_MAX_GROW_ATTEMPTS):
                 txn = self._begin(write=True)
@@ -274,6 +297,7 @@ class LmdbBackend(ChunkBackend):
 
     @lmdb_guarded("write values")
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
+        self._refuse_if_readonly(f"writing {Namespace(namespace).value}")  # before any pack
         if Namespace(namespace) is Namespace.CHUNKS:
             return self._put_chunks(items)
         batch = list(items)
@@ -432,6 +456,7 @@ class LmdbBackend(ChunkBackend):
         run past its end (damaged) is left alone. The caller guarantees no
         other process is writing packs (see module doc).
         """
+        self._refuse_if_readonly("reclaiming pack space")
         with self._lock:
             self._check_usable()
             live: dict[int, list[tuple[bytes, Location]]] = defaultdict(list)
@@ -590,6 +615,7 @@ class LmdbBackend(ChunkBackend):
         A chunk of the same length is overwritten in place in its pack (as a
         bit flip on disk would); any other length is indexed from a new pack.
         """
+        self._refuse_if_readonly("overwriting a value")
         key = bytes(key)
         if Namespace(namespace) is Namespace.OBJECTS:
             self._write_txn(lambda txn: txn.put(key, value, db=self._objects))
@@ -609,15 +635,19 @@ class LmdbBackend(ChunkBackend):
         self._write_txn(lambda txn: txn.put(key, new.encode(), db=self._index))
 
 
-def _check_environment_files(path: Path) -> int:
+def _check_environment_files(path: Path, *, create: bool = True) -> int:
     """Refuse a symlinked ``chunks/`` or LMDB file; return data.mdb's size (0 if none).
 
     LMDB follows symlinks when it opens (and writes its lock table into
-    ``lock.mdb``), so the files are checked before it sees them.
+    ``lock.mdb``), so the files are checked before it sees them. ``create``
+    (False: a read-only open) makes the directories first.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)  # above the store: the caller's choice
-    make_store_dir(path)
-    make_store_dir(path / PACK_DIR)
+    if create:
+        path.parent.mkdir(parents=True, exist_ok=True)  # above the store: the caller's choice
+        make_store_dir(path)
+        make_store_dir(path / PACK_DIR)
+    elif not is_store_dir(path):
+        raise StoreError(f"{path} is missing: not a whole castore store", path=str(path))
     regular_file_size(path / "lock.mdb")
     return regular_file_size(path / "data.mdb") or 0
 

@@ -14,6 +14,19 @@ created again at the same path, or a compacted file renamed over the old one,
 is a new file and gets a new environment. A file that does not exist yet
 cannot be open.
 
+Read-only: a store opened read-only gets an environment opened with
+``readonly=True``, which creates nothing and never pads the data file. Its
+reader slot lives in ``lock.mdb`` as usual when that file can be written, so a
+writer (another user's, or this user's through a read-write handle) never
+reuses pages it is reading. Where ``lock.mdb`` cannot be opened for writing (a
+read-only mount, a directory of another user) it is opened with ``lock=False``:
+LMDB then keeps no reader table, which is safe only while no writer exists. On
+a read-only mount none can; in another user's directory its owner could still
+write, and pages a writer frees may then be reused under the reader. Nothing
+better is possible there (LMDB coordinates only through that file), and every
+chunk and object read is blake3-verified (invariant 3), so such a race
+surfaces as an integrity error, never as wrong bytes.
+
 Fork: an environment is never used across ``fork()`` (handles compare pids
 and refuse). A forked child starts with an empty registry, but it cannot open
 an environment its parent had open when it forked: py-lmdb's guard is
@@ -40,6 +53,7 @@ from castore.errors import StoreError, StoreLockedError
 DEFAULT_MAP_SIZE = 1 << 30
 INDEX_DB = b"chunk_index"
 MAX_READERS = 1024
+LOCK_FILE = "lock.mdb"
 Key = tuple[int, int]
 
 
@@ -57,6 +71,7 @@ class SharedEnv:
     # must find no transaction of this process open.
     lock: threading.RLock = field(default_factory=threading.RLock)
     handles: int = 0
+    readonly: bool = False
 
 
 _registry: dict[Key, SharedEnv] = {}
@@ -74,13 +89,17 @@ def data_file_key(directory: Path) -> Key | None:
     return found.st_dev, found.st_ino
 
 
-def acquire(directory: Path, *, map_size: int | None, existing: int) -> SharedEnv:
+def acquire(
+    directory: Path, *, map_size: int | None, existing: int, readonly: bool = False
+) -> SharedEnv:
     """A share of the environment in ``directory``, opened if this process has none open.
 
     ``existing`` is the data file's size (0 if none): a fresh open maps twice
     that, so a store keeps room to grow without a resize on every open.
     A ``map_size`` larger than the open environment's grows it; a smaller one
     keeps it (the map only grows). Give the share back with :func:`release`.
+    ``readonly`` opens it read-only (see the module text); a read-write handle
+    may share an environment a read-only one opened only once that one is closed.
     """
     with _registry_lock:
         key = data_file_key(directory)
@@ -95,17 +114,26 @@ def acquire(directory: Path, *, map_size: int | None, existing: int) -> SharedEn
                     "'forkserver' method",
                     path=str(directory),
                 )
-            env, objects, index = _open_environment(directory, map_size, existing)
+            if readonly:
+                env, objects, index = _open_readonly(directory)
+            else:
+                env, objects, index = _open_environment(directory, map_size, existing)
             key = data_file_key(directory)  # LMDB has created it by now
             if key is None:
                 env.close()
                 raise StoreError(
                     f"LMDB opened {directory} without its data file", path=str(directory)
                 )
-            shared = SharedEnv(env, objects, index, key)
+            shared = SharedEnv(env, objects, index, key, readonly=readonly)
             _registry[key] = shared
+        elif shared.readonly and not readonly:
+            raise StoreError(
+                f"the LMDB environment in {directory} is open read-only in this process: "
+                "close the read-only Store on it before opening it read-write",
+                path=str(directory),
+            )
         shared.handles += 1
-    if not fresh and map_size is not None:
+    if not fresh and map_size is not None and not shared.readonly:
         try:
             _grow_to(shared, map_size)
         except BaseException:
@@ -141,6 +169,53 @@ def _open_environment(path: Path, map_size: int | None, existing: int) -> tuple[
         raise
     pad_data_file(data_file)  # after open: LMDB creates the file
     return env, objects, index
+
+
+def _open_readonly(path: Path) -> tuple[Any, Any, Any]:
+    """Open the environment in ``path`` read-only, creating and changing nothing."""
+    data_file = path / DATA_FILE
+    check_data_file(data_file)
+    if not data_file.exists():  # LMDB would try to create it
+        raise StoreError(
+            f"{path} has no LMDB file {DATA_FILE}: the store was never opened for writing",
+            path=str(path),
+        )
+    try:
+        env = lmdb.open(
+            str(path),
+            map_size=max(DEFAULT_MAP_SIZE, data_file.stat().st_size),
+            subdir=True,
+            max_dbs=4,
+            max_readers=MAX_READERS,
+            readonly=True,
+            lock=lock_file_writable(path),
+        )
+    except lmdb.Error as exc:
+        raise translate(exc, path, "open the LMDB environment read-only") from exc
+    try:
+        # Both databases exist in every store (its first open creates them).
+        objects = env.open_db(Namespace.OBJECTS.value.encode(), create=False)
+        index = env.open_db(INDEX_DB, create=False)
+    except BaseException:
+        env.close()
+        raise
+    return env, objects, index
+
+
+def lock_file_writable(path: Path) -> bool:
+    """Whether a read-only environment in ``path`` can keep its reader slot in ``lock.mdb``.
+
+    False only where the file cannot be opened for writing, or created when
+    absent (see the module text for why that alone may go without it).
+    """
+    try:
+        fd = os.open(path / LOCK_FILE, os.O_RDWR | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return os.access(path, os.W_OK)  # LMDB creates it: every store's first open did
+    except OSError:
+        return False
+    os.close(fd)
+    return True
 
 
 def _open_db(env: Any, name: bytes) -> Any:

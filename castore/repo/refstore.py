@@ -20,6 +20,7 @@ from pathlib import Path
 
 from castore.errors import CastoreError
 from castore.hashing import Digest
+from castore.readonly import ReadOnly
 from castore.repo.base import (
     AroundSwap,
     LockHold,
@@ -63,13 +64,25 @@ class ComposedRefStore:
         self.parts = parts
         self.lock_timeout = lock_timeout
         self.save_wait = DEFAULT_SAVE_WAIT
+        # Set by a read-only open: every lock and write below is refused before it acts.
+        self.readonly: ReadOnly | None = None
+
+    def refuse_if_readonly(self, what: str) -> None:
+        """Raise ReadOnlyStoreError naming ``what`` if the store is open read-only."""
+        if self.readonly is not None:
+            raise self.readonly.refuse(what)
 
     # -- locks --------------------------------------------------------------
 
     def store_lock(
         self, *, exclusive: bool, timeout: float, busy: str
     ) -> AbstractContextManager[None]:
-        """The store-wide lock: shared by saves and tags, exclusive for GC."""
+        """The store-wide lock: shared by saves and tags, exclusive for GC.
+
+        Only writers take it (reads take no lock), so a read-only store refuses it:
+        on a store on blobs it is a lease, itself a write.
+        """
+        self.refuse_if_readonly("taking the store lock")
         return self.parts.locks.store_lock(exclusive=exclusive, timeout=timeout, busy=busy)
 
     def check_store_lock(self) -> None:
@@ -78,11 +91,13 @@ class ComposedRefStore:
 
     def hold_open(self, *, exclusive: bool = False, busy: str = "") -> LockHold:
         """The open lock, without waiting: every open store shared, compaction exclusive."""
+        self.refuse_if_readonly("taking the open lock")  # a read-only open takes its own
         return self.parts.locks.hold_open(exclusive=exclusive, busy=busy)
 
     def locked(self, run: str) -> AbstractContextManager[None]:
         """Hold the run's exclusive ref lock, waiting at most ``lock_timeout``."""
         validate_run_name(run)
+        self.refuse_if_readonly(f"locking the ref of run {run!r}")
         return self.parts.locks.run_lock(
             run, timeout=self.lock_timeout, busy=run_lock_busy(run, self.lock_timeout)
         )
@@ -109,6 +124,7 @@ class ComposedRefStore:
 
     def advance(self, run: str, *, expected: Digest | None, new: RefValue) -> None:
         """Compare-and-swap the ref of ``run`` from ``expected`` to ``new``, and log it."""
+        self.refuse_if_readonly(f"advancing the ref of run {run!r}")
         self.parts.refs.advance(
             run,
             expected=expected,
@@ -153,10 +169,12 @@ class ComposedRefStore:
 
     def write_tag(self, run: str, name: str, value: RefValue) -> None:
         """Point tag ``name`` of ``run`` at a generation (replacing what it named)."""
+        self.refuse_if_readonly("tag")
         self.parts.tags.write(run, name, value)
 
     def delete_tag(self, run: str, name: str) -> bool:
         """Remove a tag; False when there was none."""
+        self.refuse_if_readonly("untag")
         return self.parts.tags.delete(run, name)
 
     def tag(self, run: str, name: str) -> RefValue | None:
@@ -180,6 +198,7 @@ class ComposedRefStore:
     def append_reflog(
         self, run: str, value: RefValue, *, parent: Digest | None, action: str
     ) -> None:
+        self.refuse_if_readonly(f"appending to the reflog of run {run!r}")
         self.parts.reflog.append(run, make_reflog_record(run, value, parent=parent, action=action))
 
     def reflog(self, run: str) -> list[Record]:
