@@ -137,7 +137,8 @@ def latest(store: RunHistory, run: str) -> RefValue:
     """What the ref of ``run`` names; a run without one is empty, or lost its ref."""
     ref = store.refs.read(run)
     if ref is None:
-        check_not_lost(store, run)
+        ref = check_not_lost(store, run)
+    if ref is None:
         raise no_generations(store, run)
     return ref
 
@@ -158,16 +159,26 @@ def no_generations(store: RunHistory, run: str) -> GenerationNotFoundError:
     )
 
 
-def check_not_lost(store: RunHistory, run: str) -> None:
-    """A run without a ref but with history lost its ref: damage, not an empty run."""
+def check_not_lost(store: RunHistory, run: str) -> RefValue | None:
+    """A run whose ref read as absent: None if it has no history; LostRunError if it lost its ref.
+
+    Returns the ref when the run's first generation was published after the
+    caller read it: a publish writes the ref before its reflog record, so
+    history found here with no ref on a second read is a lost ref, while a
+    ref found on that read is the generation just published, not damage.
+    """
     listed, _ = logged(store, run)
     if listed or run in store.refs.runs():
+        ref = store.refs.read(run)
+        if ref is not None:
+            return ref
         raise LostRunError(
             f"run {run!r} has history ({len(listed)} published generation(s) in its "
             f"reflog) but its ref file refs/{run} is missing: load a generation by id or "
             "with fallback='previous', or run `castore repair` to restore the ref",
             run=run,
         )
+    return None
 
 
 def logged(store: RunHistory, run: str) -> tuple[dict[str, int], set[str]]:

@@ -316,11 +316,44 @@ def load_rank_local(
     bar: Bar = NO_BAR,
 ) -> Any:
     """Rebuild one RankLocal value of the rank that wrote ``shard``."""
-    skeletons = decode_local_state(shard.local_state)
-    if path not in skeletons:
+
+    def read(entry: TensorEntry) -> Any:
+        return read_tensor(backend, counters, [entry], framework_for(entry, framework), where, bar)
+
+    return _decode_rank_local(shard, path, where, read)
+
+
+def check_rank_local(shard: ShardManifest, where: dict[str, Any]) -> None:
+    """Decode every RankLocal value of ``shard`` as a load does, reading no tensor bytes.
+
+    What a load of these values would refuse (bytes that do not decode, a
+    tree nested past the limit, a tensor the shard does not hold, a tensor
+    whose box is not the whole of it) raises the same error here:
+    ``castore verify`` calls this so that it passes no generation a load refuses.
+    """
+    at_rank = {**where, "rank": shard.rank}
+    for path in rank_local_skeletons(shard, where):
+        _decode_rank_local(shard, path, where, lambda entry: check_coverage([entry], at_rank))
+
+
+def rank_local_skeletons(shard: ShardManifest, where: dict[str, Any]) -> dict[str, bytes]:
+    """Each RankLocal value's encoded tree in ``shard``, by key path; errors name the rank."""
+    try:
+        return decode_local_state(shard.local_state)
+    except CorruptObjectError as exc:
         raise CorruptObjectError(
-            f"rank {shard.rank} has no per-rank value at {path!r}", rank=shard.rank, **where
-        )
+            f"per-rank state of rank {shard.rank}: {exc}", **where, rank=shard.rank
+        ) from exc
+
+
+def _decode_rank_local(
+    shard: ShardManifest, path: str, where: dict[str, Any], read: Callable[[TensorEntry], Any]
+) -> Any:
+    """The RankLocal value at ``path`` of ``shard``, ``read(entry)`` giving each tensor."""
+    skeletons = rank_local_skeletons(shard, where)
+    where = {**where, "rank": shard.rank}
+    if path not in skeletons:
+        raise CorruptObjectError(f"rank {shard.rank} has no per-rank value at {path!r}", **where)
     boxes = {entry.name: entry for entry in shard.local_tensors}
 
     def lookup(name: str, _saved_framework: str) -> Any:
@@ -329,9 +362,17 @@ def load_rank_local(
             raise CorruptObjectError(
                 f"per-rank tensor {name!r} of rank {shard.rank} is not in its shard", **where
             )
-        return read_tensor(backend, counters, [entry], framework_for(entry, framework), where, bar)
+        return read(entry)
 
-    return decode_tree(skeletons[path], lookup)
+    try:
+        return decode_tree(skeletons[path], lookup)
+    except CorruptObjectError as exc:
+        if exc.context:
+            raise  # from lookup or read: it says where already
+        # The decoder's own errors know no place: name the rank and the value.
+        raise CorruptObjectError(
+            f"per-rank value {path!r} of rank {shard.rank}: {exc}", **where
+        ) from exc
 
 
 def load_state(
@@ -361,7 +402,7 @@ def load_state(
     with progress_bar(progress, f"load {run}@{root.generation}", total) as bar:
         read_requests(backend, requests, counters, where, bar)
         for shard in shards:
-            for path in decode_local_state(shard.local_state):
+            for path in rank_local_skeletons(shard, where):
                 value = load_rank_local(backend, counters, shard, path, framework, where, bar)
                 per_rank.setdefault(path, {})[shard.rank] = value
 

@@ -25,7 +25,7 @@ from castore.errors import CastoreError, GenerationNotFoundError
 from castore.hashing import Digest, digest_bytes
 from castore.objects import GenerationRoot, TensorEntry
 from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
-from castore.reading import check_coverage
+from castore.reading import check_coverage, check_rank_local
 from castore.refs import validate_run_name
 from castore.tree import decode_tree, tensor_names
 
@@ -83,6 +83,7 @@ class _ChunkStatus:
         self.random = random.Random()
         self.hashed = 0
         self.status: dict[bytes, str] = {}  # "ok", "missing" or "damaged"
+        self.lengths: dict[bytes, int] = {}  # of each chunk re-hashed intact
         self.sizes: dict[bytes, int] = {}  # what each chunk counts on the bar
         self.bar: Bar = NO_BAR
 
@@ -120,16 +121,19 @@ class _ChunkStatus:
             self._rehash(hashed[start : start + _DEEP_BATCH])
 
     def _rehash(self, keys: list[bytes]) -> None:
-        def one(key: bytes, value: memoryview | None) -> str:
+        def one(key: bytes, value: memoryview | None) -> tuple[str, int]:
             if value is None:
-                return "missing"
-            return "ok" if digest_bytes(value, threads=1) == key else "damaged"
+                return "missing", 0
+            intact = digest_bytes(value, threads=1) == key
+            return ("ok" if intact else "damaged"), len(value)
 
         def visit(values: Iterator[memoryview | None]) -> None:
             pool = shared_pool()
             futures = [pool.submit(one, k, v) for k, v in zip(keys, values, strict=True)]
             wait(futures)  # every worker is done before the transaction ends
-            self._settle({key: f.result() for key, f in zip(keys, futures, strict=True)})
+            verdicts = {key: f.result() for key, f in zip(keys, futures, strict=True)}
+            self.lengths.update((k, n) for k, (v, n) in verdicts.items() if v == "ok")
+            self._settle({key: verdict for key, (verdict, _) in verdicts.items()})
 
         self.store.backend.read_many(Namespace.CHUNKS, keys, visit)
 
@@ -286,6 +290,8 @@ def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -
         entries = store.tensor_entries(root, shards)
         if root.metadata:
             decode_tree(root.metadata)  # listings decode it: it must decode here too
+        for shard in shards:  # a load decodes every rank's values: so must verify
+            check_rank_local(shard, where)
         referenced = {name for name, _ in tensor_names(root.state)}
         for name in sorted(referenced - entries.keys()):
             problems.append(
@@ -300,7 +306,19 @@ def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -
     per_rank = [entry for shard in shards for entry in shard.local_tensors]
     for entry in [e for boxes in entries.values() for e in boxes] + per_rank:
         for index, chunk in enumerate(entry.chunks):
-            users.setdefault(chunk, (entry, index))
+            first = users.setdefault(chunk, (entry, index))
+            # A load checks each use's length (chunkio.verify_chunk); verify re-hashes a
+            # chunk once and checks its length against the first use: all uses must agree.
+            if expected_length(entry, index) != expected_length(*first):
+                problems.append(
+                    Problem(
+                        root.run,
+                        root.generation,
+                        f"chunk {index} of tensor {entry.name!r} ({chunk.hex()[:16]}) is named "
+                        f"with {expected_length(entry, index)} bytes, and with "
+                        f"{expected_length(*first)} as chunk {first[1]} of {first[0].name!r}",
+                    )
+                )
     return users
 
 
@@ -313,6 +331,10 @@ def _check_chunks(root: GenerationRoot, users: Users, chunks: _ChunkStatus) -> l
         return [Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}")]
     for chunk, (entry, index) in users.items():
         verdict = chunks.status.get(chunk, "ok")
+        length = chunks.lengths.get(chunk)
+        if verdict == "ok" and length is not None and length != expected_length(entry, index):
+            # Its bytes match its name but not the entry: a load refuses it as damaged.
+            verdict = f"{length} bytes where its entry expects {expected_length(entry, index)}"
         if verdict != "ok":
             problems.append(
                 Problem(

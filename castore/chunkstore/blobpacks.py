@@ -350,12 +350,17 @@ class BlobPackBackend(ChunkBackend):
         keys = [bytes(k) for k in keys]
         if any(k not in self._where for k in keys):
             self.refresh()
-        locations = [self._where.get(k) for k in keys]
-        values = _WindowedReader(self, locations)
+        values = _WindowedReader(self, self.locate(keys), keys=keys)
         try:
             sink(values)
         finally:
             values.close()
+
+    def locate(self, keys: Sequence[bytes]) -> list[Location | None]:
+        """Where each chunk lies, as the index last read says (None: not known)."""
+        with self._lock:
+            where = self._where
+        return [where.get(k) for k in keys]
 
     def _objects(self, keys: Sequence[bytes]) -> Iterator[memoryview | None]:
         def fetch(key: bytes) -> bytes | None:
@@ -708,11 +713,27 @@ class _WindowedReader:
     A window is about READ_WINDOW_BYTES of chunks: grouped by pack, merged into
     ranged requests, fetched on the backend's threads while the caller
     consumes the window before it. At most two windows are in memory.
+
+    With ``keys`` (the chunks the locations were looked up for), a known chunk
+    whose pack is gone or cut short makes the reader refresh the backend's
+    index once and look every chunk not yet delivered up again: another
+    handle's collection may have moved it into a new pack (reclaim deletes
+    the old one), so the index this handle read before can name a pack that
+    no longer exists while the chunk is intact. Only what is still missing
+    after that one refresh reads as missing (None); there is no second one.
     """
 
-    def __init__(self, backend: BlobPackBackend, locations: Sequence[Location | None]) -> None:
+    def __init__(
+        self,
+        backend: BlobPackBackend,
+        locations: Sequence[Location | None],
+        *,
+        keys: Sequence[bytes] | None = None,
+    ) -> None:
         self.backend = backend
-        self.locations = locations
+        self.locations = list(locations)
+        self.keys = keys
+        self._refreshed = False
         self._windows = self._cut()
         self._ahead: list[tuple[range, dict[int, Future[Any]]]] = []
         self._values = self._in_order()
@@ -779,14 +800,40 @@ class _WindowedReader:
             if following is not None:
                 self._ahead.append(self._submit(following))
             for index in window:
+                got = self._result(index, futures)
+                if got is None and self._may_refresh(index):
+                    futures = self._relocate(range(index, window.stop))
+                    got = self._result(index, futures)
                 where = self.locations[index]
-                future = futures.get(index)
-                got = None if future is None else future.result()
                 if where is None or got is None:
                     yield None
                     continue
                 start, data = got
                 yield data[where.offset - start : where.offset - start + where.length]
+
+    @staticmethod
+    def _result(index: int, futures: dict[int, Future[Any]]) -> tuple[int, memoryview] | None:
+        future = futures.get(index)
+        return None if future is None else future.result()
+
+    def _may_refresh(self, index: int) -> bool:
+        """A chunk the index placed could not be read, and this reader has not refreshed yet."""
+        return self.keys is not None and not self._refreshed and self.locations[index] is not None
+
+    def _relocate(self, rest: range) -> dict[int, Future[Any]]:
+        """Refresh the index, look the chunks up again and refetch ``rest`` and what is ahead.
+
+        Runs on the consumer's thread, never on the backend's pool: a refresh
+        fetches index blobs on that pool, which fetches of ours may fill.
+        """
+        assert self.keys is not None
+        self._refreshed = True
+        self.backend.refresh()
+        self.locations = self.backend.locate(self.keys)
+        ahead = [window for window, _ in self._ahead]
+        self.close()
+        self._ahead = [self._submit(window) for window in ahead]
+        return self._submit(rest)[1]
 
     def close(self) -> None:
         for _, futures in self._ahead:
