@@ -10,6 +10,7 @@ a short body is read again.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -17,8 +18,16 @@ import numpy as np
 import pytest
 from blob_places import Place, s3_place
 from s3_fault_proxy import ALWAYS, FaultProxy
+from s3_server import s3_client
 
-from castore.errors import StoreUnavailableError
+from castore.errors import (
+    CommitUnknownError,
+    RefConflictError,
+    StoreUnavailableError,
+)
+from castore.hashing import Digest, digest_bytes
+from castore.repo.records import RefValue
+from castore.repo.reffile import encode_ref
 
 CHUNK = 1024
 ATTEMPTS = 2  # botocore's attempts per request: a failing request gives up quickly
@@ -47,6 +56,12 @@ def saved(place: Place, generations: int = 1) -> None:
     with place.open(chunk_size=CHUNK) as store:
         for seed in range(generations):
             store.save(state(seed), run="r", step=seed)
+
+
+def history(place: Place) -> list[tuple[int, str]]:
+    """(generation, root) of every reflog record of run r, oldest first, read afresh."""
+    with place.open(create=False) as store:
+        return [(r["generation"], r["root"]) for r in store.refs.reflog("r")]
 
 
 def one_line(error: BaseException) -> None:
@@ -81,3 +96,70 @@ def test_a_body_always_cut_short_is_unavailable_typed_and_one_cli_line(
     assert shown.code == 1 and shown.out == "", shown
     assert len(shown.err.splitlines()) == 1, shown.err
     assert shown.err.startswith("castore: error: StoreUnavailableError"), shown.err
+
+
+# -- the commit's reply lost --------------------------------------------------------------
+
+
+def test_a_ref_swap_whose_replies_are_all_lost_is_a_published_save(
+    place: Place, proxy: FaultProxy
+) -> None:
+    """Every attempt's answer to the PUT of refs/r is dropped: the first was applied,
+    the retries met it (412), and castore never heard either. Re-reading the ref
+    shows this save's root: the save returns, and logs its advance once."""
+    saved(place)
+    lost = proxy.add("PUT", "/ckpt/refs/r", "drop_reply", times=ALWAYS)
+    with place.open() as store:
+        generation = store.save(state(1), run="r", step=1)
+    assert lost.hits == ATTEMPTS
+    proxy.clear()
+    with place.open(create=False) as store:
+        assert store.resolve("r").root == generation.root and generation.id == 2
+        assert np.array_equal(store.load("r")["w"], state(1)["w"])
+    assert [g for g, _ in history(place)] == [1, 2]
+
+
+def test_a_commit_whose_outcome_cannot_be_learned_is_commit_unknown(
+    place: Place, proxy: FaultProxy
+) -> None:
+    saved(place)
+    lost = proxy.add("PUT", "/ckpt/refs/r", "drop_reply", times=ALWAYS)
+    # Once the swap's answers are lost, reading the ref fails too.
+    proxy.add("GET", "/ckpt/refs/r", "drop_reply", times=ALWAYS, when=lambda: lost.hits > 0)
+    with place.open() as store:
+        with pytest.raises(CommitUnknownError) as raised:
+            store.save(state(1), run="r", step=1)
+    one_line(raised.value)
+    message = str(raised.value)
+    assert "may or may not be published" in message
+    assert "castore log STORE --run r" in message and "before saving again" in message
+    proxy.clear()
+    with place.open(create=False) as store:
+        assert store.resolve("r").id == 2  # it had landed: the log tells the truth
+    assert [g for g, _ in history(place)] == [1]  # the next save of r records it
+
+
+def test_a_lost_reply_with_the_ref_moved_by_another_is_a_conflict(
+    place: Place, proxy: FaultProxy, s3_endpoint: str, s3_bucket: str
+) -> None:
+    """Another node's advance lands right before this save's swap reaches the server
+    (written raw, as a node whose run lease had been taken over would): the swap is
+    refused (412) and its answers lost. The ref names another root: a clear
+    conflict, and nothing of this save logged."""
+    saved(place)
+    theirs = RefValue("r", 2, Digest(digest_bytes(b"another node's root")), time.time())
+
+    direct = s3_client(s3_endpoint)  # not through the proxy
+
+    def another_node_advances() -> None:
+        direct.put_object(Bucket=s3_bucket, Key="ckpt/refs/r", Body=encode_ref(theirs))
+
+    proxy.add("PUT", "/ckpt/refs/r", "drop_reply", times=ALWAYS, before=another_node_advances)
+    with place.open() as store:
+        with pytest.raises(RefConflictError, match="ref moved") as raised:
+            store.save(state(1), run="r", step=1)
+    one_line(raised.value)
+    proxy.clear()
+    with place.open(create=False) as store:
+        assert store.refs.read("r") == theirs
+    assert [g for g, _ in history(place)] == [1]
