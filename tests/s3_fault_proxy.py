@@ -9,6 +9,7 @@ the path) and spoils the answer *after the server applied the request*:
   connection closed: the client cannot tell whether its write happened.
 * ``"truncate"``: the status, the headers (the full ``Content-Length``) and half
   the body are sent, then the connection is closed: a short read.
+* ``"count"``: nothing spoiled; ``hits`` says how many such requests passed.
 
 A rule fires ``times`` times (``ALWAYS``: without end), only while its ``when``
 (if any) says so; ``hits`` counts how often it fired. Its ``before`` (if any)
@@ -35,7 +36,7 @@ _HOP_BY_HOP |= {"transfer-encoding", "expect"}
 class Rule:
     method: str
     key: str  # a substring of the request path: "/ckpt/refs/r"
-    action: str  # "drop_reply" or "truncate"
+    action: str  # "drop_reply", "truncate" or "count"
     times: int = 1
     when: Callable[[], bool] | None = None
     before: Callable[[], None] | None = None  # run once, before the first hit is forwarded
@@ -142,7 +143,7 @@ class FaultProxy:
         when: Callable[[], bool] | None = None,
         before: Callable[[], None] | None = None,
     ) -> Rule:
-        if action not in ("drop_reply", "truncate"):
+        if action not in ("drop_reply", "truncate", "count"):
             raise ValueError(f"unknown fault {action!r}")
         rule = Rule(method, key, action, times, when, before)
         with self._server.lock:

@@ -25,6 +25,7 @@ from castore.errors import (
     RefConflictError,
     StoreUnavailableError,
 )
+from castore.gc import tag
 from castore.hashing import Digest, digest_bytes
 from castore.repo.records import RefValue
 from castore.repo.reffile import encode_ref
@@ -163,3 +164,53 @@ def test_a_lost_reply_with_the_ref_moved_by_another_is_a_conflict(
     with place.open(create=False) as store:
         assert store.refs.read("r") == theirs
     assert [g for g, _ in history(place)] == [1]
+
+
+# -- the run lease around the commit -----------------------------------------------------
+
+
+def test_a_run_lease_whose_release_answers_are_lost_leaves_the_save_published(
+    place: Place, proxy: FaultProxy
+) -> None:
+    """The lease blob is freed after the ref swap: losing that answer must not make a
+    published save raise, and the next save finds the lease free (no stale wait)."""
+    saved(place)
+    swapped = proxy.add("PUT", "/ckpt/refs/r", "count", times=ALWAYS)
+    lost = proxy.add(
+        "PUT", "/ckpt/locks/runs/r", "drop_reply", times=ALWAYS, when=lambda: swapped.hits > 0
+    )
+    with place.open() as store:
+        generation = store.save(state(1), run="r", step=1)
+    assert lost.hits == ATTEMPTS
+    proxy.clear()
+    started = time.monotonic()
+    with place.open() as store:
+        assert store.resolve("r").root == generation.root
+        store.save(state(2), run="r", step=2)
+    assert time.monotonic() - started < 10  # the lease was free: no 20 s takeover
+    assert [g for g, _ in history(place)] == [1, 2, 3]
+
+
+def test_a_run_lease_taken_with_its_answers_lost_is_held(place: Place, proxy: FaultProxy) -> None:
+    """Every answer to the swap that takes the run lease is lost (the first landed):
+    the lease holds this writer's record, so the save goes on instead of raising
+    and leaving the lease taken until another writer waits it out."""
+    saved(place)
+    lost = proxy.add("PUT", "/ckpt/locks/runs/r", "drop_reply", times=ATTEMPTS)
+    with place.open() as store:
+        generation = store.save(state(1), run="r", step=1)
+    assert lost.hits == ATTEMPTS
+    with place.open(create=False) as store:
+        assert store.resolve("r").root == generation.root
+    assert place.read("locks/runs/r") == b'{"free":true}'
+
+
+def test_a_tag_whose_answers_are_lost_is_written(place: Place, proxy: FaultProxy) -> None:
+    saved(place)
+    lost = proxy.add("PUT", "/ckpt/tags/r/best", "drop_reply", times=ALWAYS)
+    with place.open() as store:
+        tag(store, "r", 1, "best")
+    assert lost.hits == ATTEMPTS
+    proxy.clear()
+    with place.open(create=False) as store:
+        assert store.refs.tag("r", "best") is not None

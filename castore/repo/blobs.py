@@ -128,6 +128,13 @@ def _read_ref_blob(blobs: BlobStore, name: str, run: str) -> tuple[RefValue, Ver
     return decode_ref(data, run=run), version
 
 
+def _landed(blobs: BlobStore, name: str, data: bytes) -> Version | None:
+    """After a swap whose answer was lost: the blob's version if it holds ``data`` (the
+    write landed), else None. A failed read raises."""
+    found = blobs.read_versioned(name)
+    return found[1] if found is not None and found[0] == data else None
+
+
 # -- locks ------------------------------------------------------------------------
 
 
@@ -193,6 +200,13 @@ class RunLeases:
                 except BlobConflictError:
                     watched = None  # someone else took it or let it go: look again
                     continue
+                except StoreUnavailableError:
+                    # Its answer was lost: if it landed the lease is ours (its token is
+                    # unique); walking away would leave it held until stale_after.
+                    taken = _landed(self.blobs, name, record)
+                    if taken is None:
+                        raise
+                    return _HeldLease(name, taken)
             if not takeover:
                 watched = (version, now) if version is not None else None
             if now >= deadline:
@@ -210,6 +224,20 @@ class RunLeases:
                 LeaseLostWarning,
                 stacklevel=4,
             )
+        except StoreUnavailableError as lost:
+            # Released after the work it guarded (a published advance): its failure
+            # must not make that work raise. Unreleased, it is taken over after stale_after.
+            try:
+                freed = _landed(self.blobs, held.name, LEASE_FREE) is not None
+            except CastoreError:
+                freed = False
+            if not freed:
+                warnings.warn(
+                    f"the lease {held.name!r} could not be released ({lost.message}); other "
+                    f"writers of its run take it over after {self.stale_after:.0f}s",
+                    LeaseLostWarning,
+                    stacklevel=4,
+                )
 
 
 class BlobStoreLocks(MemoryLocks):
@@ -423,6 +451,10 @@ class BlobTagTable(TagTable):
                 return
             except BlobConflictError:
                 continue
+            except StoreUnavailableError:
+                if _landed(self.blobs, blob, data) is None:  # its answer lost, not its write
+                    raise
+                return
 
     def delete(self, run: str, name: str) -> bool:
         return self.blobs.delete(tag_blob(run, name))
