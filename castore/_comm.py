@@ -66,18 +66,7 @@ class Group:
         try:
             work.wait(timeout=datetime.timedelta(seconds=self.timeout))
         except RuntimeError as exc:
-            text = str(exc)
-            if "timed out" in text.lower() or "timeout" in text.lower():
-                raise CollectiveTimeoutError(
-                    f"not every rank answered within {self.timeout:g}s during {phase}; "
-                    "a rank may have died",
-                    rank=self.rank,
-                ) from exc
-            first_line = text.splitlines()[0] if text else repr(exc)
-            raise CollectiveError(
-                f"the process group failed during {phase}: {first_line}",
-                rank=self.rank,
-            ) from exc
+            raise collective_failure(exc, phase, self.rank, self.timeout) from exc
 
     def all_gather(self, message: Any, phase: str) -> list[Any]:
         """Every rank's ``message``, in rank order."""
@@ -119,6 +108,18 @@ class Group:
         return msgpack.unpackb(bytes(buffer.cpu().numpy()), raw=False, strict_map_key=False)
 
 
+def collective_failure(exc: RuntimeError, phase: str, rank: int, timeout: float) -> CollectiveError:
+    """The typed, one-line error of a collective (or a group's set-up) that failed."""
+    text = str(exc)
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return CollectiveTimeoutError(
+            f"not every rank answered within {timeout:g}s during {phase}; a rank may have died",
+            rank=rank,
+        )
+    first_line = text.splitlines()[0] if text else repr(exc)
+    return CollectiveError(f"the process group failed during {phase}: {first_line}", rank=rank)
+
+
 # -- castore's own groups ---------------------------------------------------------
 
 # Weak references: torch.distributed holds the groups until destroy_process_group;
@@ -127,15 +128,20 @@ class Group:
 _OWN_GROUPS: dict[tuple[int, ...], tuple[weakref.ref[Any], ...]] = {}
 
 
-def own_groups(group: Any) -> tuple[Any, Any]:
+def own_groups(group: Any, timeout: float) -> tuple[Any, Any]:
     """castore's own gloo groups over the ranks of ``group`` (None: the world).
 
     The first is where an async save's writer thread runs its two-phase
     commit, the second where callers agree whether to skip a save; neither
     ever carries training's collectives, nor each other's. Made once per set
-    of ranks and world: the first call is a collective call of those ranks.
+    of ranks and world: the first call is a collective call of those ranks,
+    bounded by ``timeout`` seconds (CollectiveTimeoutError, CollectiveError)
+    like every other castore collective: ``new_group`` otherwise waits for a
+    dead peer's rendezvous as long as the default group's timeout (30 min).
     Without ``torch.distributed`` initialized both are None (a group of one).
     """
+    if timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
     if not (dist.is_available() and dist.is_initialized()):
         return None, None
     default = dist.distributed_c10d._get_default_group()
@@ -145,13 +151,23 @@ def own_groups(group: Any) -> tuple[Any, Any]:
         ranks = tuple(dist.get_process_group_ranks(group))
     made = [ref() for ref in _OWN_GROUPS.get(ranks, ())]
     if len(made) != 3 or made[0] is not default or None in made:  # none yet, or a new world
-        local = group is not None  # only a subgroup's own ranks call
-        made = [default] + [
-            dist.new_group(list(ranks), backend="gloo", use_local_synchronization=local)
-            for _ in range(2)
-        ]
+        made = [default, *_new_gloo_groups(list(ranks), local=group is not None, timeout=timeout)]
         _OWN_GROUPS[ranks] = tuple(weakref.ref(made_group) for made_group in made)
     return made[1], made[2]
+
+
+def _new_gloo_groups(ranks: list[int], *, local: bool, timeout: float) -> list[Any]:
+    """Two new gloo groups of ``ranks``; ``local``: only those ranks call (a subgroup)."""
+    bound = datetime.timedelta(seconds=timeout)
+    try:
+        return [
+            dist.new_group(ranks, backend="gloo", timeout=bound, use_local_synchronization=local)
+            for _ in range(2)
+        ]
+    except RuntimeError as exc:  # gloo's rendezvous: DistStoreError, "Socket Timeout", ...
+        raise collective_failure(
+            exc, "the set-up of castore's process groups", dist.get_rank(), timeout
+        ) from exc
 
 
 # -- failures as messages: every rank must learn of any rank's error ----------

@@ -390,7 +390,7 @@ def _save_async(
     over castore's writer group, so it never meets training's collectives.
     """
     started = time.perf_counter()
-    writer_group, control_group = own_groups(group)
+    writer_group, control_group = own_groups(group, timeout)
     background = store.background
 
     def agree(busy: bool) -> bool:

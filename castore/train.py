@@ -598,7 +598,7 @@ class TrainState:
         is staged (see :func:`castore.dist.save`); training may step on at once.
         """
         # An async save's checks run over castore's own group (castore._comm.own_groups).
-        comm = Group(group if blocking else own_groups(group)[1], coordinator, timeout)
+        comm = Group(group if blocking else own_groups(group, timeout)[1], coordinator, timeout)
         self._follow_sampler()
 
         def check() -> None:

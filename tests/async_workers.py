@@ -175,9 +175,9 @@ def staggered(rank: int, world_size: int, path: str, stagger_s: float) -> dict[s
 
     import castore
     import castore.dist
-    from castore._comm import own_groups
+    from castore._comm import DEFAULT_TIMEOUT, own_groups
 
-    own_groups(None)  # made before the clocks start: its creation is collective
+    own_groups(None, DEFAULT_TIMEOUT)  # made before the clocks start: its creation is collective
     with _open(path) as store:
         dist.barrier()
         started = time.monotonic()
@@ -199,9 +199,9 @@ def skewed(rank: int, world_size: int, path: str, skew_s: float) -> dict[str, An
 
     import castore
     import castore.dist
-    from castore._comm import own_groups
+    from castore._comm import DEFAULT_TIMEOUT, own_groups
 
-    own_groups(None)
+    own_groups(None, DEFAULT_TIMEOUT)
     with _open(path) as store:
         dist.barrier()
         if rank == 0:

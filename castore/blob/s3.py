@@ -25,7 +25,10 @@ mode, within ``max_attempts`` and bounded connect/read timeouts. A retried
 conditional write whose first attempt did land answers 412 to the retry; the
 store then counts the write as its own when the object holds the bytes it
 wrote (PutObject), or when its upload is gone as completed (an abort answers
-NoSuchUpload; CompleteMultipartUpload).
+NoSuchUpload; CompleteMultipartUpload). A GetObject whose body comes short
+or whose connection breaks mid-body is sent again (botocore retries a request
+only until its answer's headers arrive), as many times as the client's retry
+policy allows; a connection that keeps breaking is StoreUnavailableError.
 
 boto3 is imported only when a store is built: ``import castore`` needs no boto3.
 """
@@ -34,8 +37,8 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Iterable, Iterator
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 from castore.blob.base import (
     MAX_MUTABLE_BLOB,
@@ -72,6 +75,8 @@ MIB = 1 << 20
 AWS_MIN_PART = 5 * MIB  # every part but the last (AWS multipart limits)
 AWS_MAX_PARTS = 10_000
 AWS_MAX_PUT = 5 << 30  # the largest object one PutObject writes
+
+_Fetched = TypeVar("_Fetched")
 
 
 class S3BlobStore(BlobStore):
@@ -262,6 +267,9 @@ class S3BlobStore(BlobStore):
         validate_blob_name(name)
         if not _plain_range(start, end) or start == end:
             return self._get_checked(name, start, end)  # no GetObject: a head says the size
+        return self._again_if_short(name, lambda: self._get_once(name, start, end))
+
+    def _get_once(self, name: str, start: int, end: int | None) -> bytes:
         ranged = {} if (start, end) == (0, None) else {"Range": _range_header(start, end)}
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name), **ranged)
@@ -295,6 +303,9 @@ class S3BlobStore(BlobStore):
 
     def read_versioned(self, name: str) -> tuple[bytes, Version] | None:
         validate_blob_name(name)
+        return self._again_if_short(name, lambda: self._read_versioned_once(name))
+
+    def _read_versioned_once(self, name: str) -> tuple[bytes, Version] | None:
         try:
             response = self.client.get_object(Bucket=self.bucket, Key=self._key(name))
         except self._errors.ClientError as error:
@@ -416,8 +427,24 @@ class S3BlobStore(BlobStore):
     def _read_body(self, name: str, response: Any) -> bytes:
         try:
             return bytes(response["Body"].read())
-        except self._errors.BotoCoreError as error:
-            raise self._translate(error, "GetObject", name) from None
+        except self._errors.BotoCoreError as error:  # IncompleteRead, a broken connection
+            raise _ShortBody(error) from None
+
+    def _again_if_short(self, name: str, fetch: Callable[[], _Fetched]) -> _Fetched:
+        """``fetch()`` (a GetObject and the read of its body), sent again when the body
+        came short or the connection broke mid-body: botocore retries a request only
+        until its answer's headers arrive. As many attempts as the client's retry
+        policy allows, with castore's backoff; then StoreUnavailableError.
+        """
+        attempts = _total_attempts(self.client)
+        for attempt in range(attempts):
+            try:
+                return fetch()
+            except _ShortBody as short:
+                if attempt == attempts - 1:
+                    raise self._translate(short.error, "GetObject", name) from None
+                _backoff(attempt)
+        raise AssertionError("unreachable")
 
     def _call(self, operation: str, name: str | None, method: Any, **arguments: Any) -> Any:
         try:
@@ -436,6 +463,14 @@ class S3BlobStore(BlobStore):
             operation=operation,
             name=name,
         )
+
+
+class _ShortBody(Exception):
+    """A GetObject's body could not be read whole (``error``: botocore's)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
 
 
 class _Precondition(Exception):
@@ -498,6 +533,16 @@ def _is_blob_name(name: str) -> bool:
     except InvalidNameError:
         return False
     return True
+
+
+def _total_attempts(client: Any) -> int:
+    """The attempts per request the client's retry policy allows (botocore's default: 5)."""
+    retries = getattr(client.meta.config, "retries", None) or {}
+    if "total_max_attempts" in retries:
+        return max(1, int(retries["total_max_attempts"]))
+    if "max_attempts" in retries:  # botocore's older spelling counts retries only
+        return max(1, int(retries["max_attempts"]) + 1)
+    return 5
 
 
 def _backoff(attempt: int) -> None:

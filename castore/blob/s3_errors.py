@@ -2,8 +2,9 @@
 
 Every botocore error becomes one error in one line that says what to do: a
 missing bucket StoreNotFoundError, refused credentials StoreAccessDeniedError
-(PermissionError), an endpoint that is down, silent or kept answering
-5xx/throttling past the retries StoreUnavailableError (ConnectionError), a
+(PermissionError), an endpoint that is down, silent, kept answering
+5xx/throttling or kept breaking connections (closed, reset, a body cut short)
+past the retries StoreUnavailableError (ConnectionError), a
 missing key BlobNotFoundError; anything else a StoreError with S3's code.
 botocore is never imported here: the caller passes ``botocore.exceptions``.
 """
@@ -109,6 +110,17 @@ def _transport_error(
             bucket=bucket,
         )
     first = str(error).splitlines()[0] if str(error) else type(error).__name__
+    # A connection closed or reset, a body cut short: past the retries, the endpoint
+    # (or the network to it) is failing, which is what StoreUnavailableError says.
+    if isinstance(
+        error, (errors.ConnectionError, errors.HTTPClientError, errors.IncompleteReadError)
+    ):
+        return StoreUnavailableError(
+            f"the connection to the S3 endpoint {endpoint} kept breaking during {operation} "
+            f"on {where} ({first}), past the retries: the endpoint or the network is "
+            "failing, retry later",
+            bucket=bucket,
+        )
     return StoreError(f"S3 {operation} on {where} failed: {first}", bucket=bucket)
 
 

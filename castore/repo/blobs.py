@@ -55,9 +55,12 @@ from castore.errors import (
     BlobConflictError,
     BlobExistsError,
     BlobTooLargeError,
+    CastoreError,
+    CommitUnknownError,
     CorruptRefError,
     RefConflictError,
     StoreLockedError,
+    StoreUnavailableError,
 )
 from castore.hashing import Digest, digest_bytes
 from castore.repo.base import AroundSwap, Reflog, RefTable, TagTable
@@ -125,6 +128,13 @@ def _read_ref_blob(blobs: BlobStore, name: str, run: str) -> tuple[RefValue, Ver
     return decode_ref(data, run=run), version
 
 
+def _landed(blobs: BlobStore, name: str, data: bytes) -> Version | None:
+    """After a swap whose answer was lost: the blob's version if it holds ``data`` (the
+    write landed), else None. A failed read raises."""
+    found = blobs.read_versioned(name)
+    return found[1] if found is not None and found[0] == data else None
+
+
 # -- locks ------------------------------------------------------------------------
 
 
@@ -190,6 +200,13 @@ class RunLeases:
                 except BlobConflictError:
                     watched = None  # someone else took it or let it go: look again
                     continue
+                except StoreUnavailableError:
+                    # Its answer was lost: if it landed the lease is ours (its token is
+                    # unique); walking away would leave it held until stale_after.
+                    taken = _landed(self.blobs, name, record)
+                    if taken is None:
+                        raise
+                    return _HeldLease(name, taken)
             if not takeover:
                 watched = (version, now) if version is not None else None
             if now >= deadline:
@@ -207,6 +224,20 @@ class RunLeases:
                 LeaseLostWarning,
                 stacklevel=4,
             )
+        except StoreUnavailableError as lost:
+            # Released after the work it guarded (a published advance): its failure
+            # must not make that work raise. Unreleased, it is taken over after stale_after.
+            try:
+                freed = _landed(self.blobs, held.name, LEASE_FREE) is not None
+            except CastoreError:
+                freed = False
+            if not freed:
+                warnings.warn(
+                    f"the lease {held.name!r} could not be released ({lost.message}); other "
+                    f"writers of its run take it over after {self.stale_after:.0f}s",
+                    LeaseLostWarning,
+                    stacklevel=4,
+                )
 
 
 class BlobStoreLocks(MemoryLocks):
@@ -324,18 +355,63 @@ class BlobRefTable(RefTable):
             self._swap(name, encode_ref(new), version)
         except BlobConflictError:
             # Another node moved the ref between our read and our swap: say so as
-            # the checks would have, had they seen its value.
+            # the checks would have, had they seen its value. Unless the value is
+            # ours: a retried swap whose first attempt had landed.
             moved = self.read(run)
+            if _names(moved, new):
+                return
             check_advance(run, moved, expected=expected, new=new)
             raise RefConflictError(
                 f"ref of run {run!r} changed while advancing to generation "
                 f"{new.generation}; reload and retry",
                 run=run,
             ) from None
+        except StoreUnavailableError as lost:
+            self._settle(run, new, expected, lost)
+
+    def _settle(
+        self, run: str, new: RefValue, expected: Digest | None, lost: StoreUnavailableError
+    ) -> None:
+        """After a swap whose answer never came (a broken connection, a timeout, 5xx past
+        the retries), learn from the ref itself whether it landed: return if the ref
+        names ``new`` (published: the caller must hear success, and logs it once), raise
+        if it does not (RefConflictError when another root is there), CommitUnknownError
+        when the ref cannot be read either."""
+        try:
+            current = self.read(run)
+        except CastoreError as unreadable:
+            raise CommitUnknownError(
+                f"generation {new.generation} of run {run!r} may or may not be published: "
+                f"the answer to its ref's compare-and-swap was lost ({lost.message}) and "
+                f"reading the ref again failed ({unreadable.message}); check `castore log "
+                f"STORE --run {run}` (STORE: {self.blobs!r}) before saving again",
+                run=run,
+                generation=new.generation,
+            ) from lost
+        if _names(current, new):
+            return
+        if (current.root if current else None) != expected:
+            check_advance(run, current, expected=expected, new=new)  # names the other root
+            raise RefConflictError(
+                f"ref of run {run!r} moved to another root while advancing to generation "
+                f"{new.generation}; reload and retry",
+                run=run,
+            ) from lost
+        raise StoreUnavailableError(
+            f"generation {new.generation} of run {run!r} was not published: its ref's "
+            f"compare-and-swap failed ({lost.message}) and the ref still names the "
+            "previous generation; save again when the store answers",
+            run=run,
+        ) from lost
 
     def _swap(self, name: str, data: bytes, version: Version | None) -> None:
         """The commit point: replace ``name`` only if it is still at ``version``."""
         self.blobs.swap(name, data, version)
+
+
+def _names(current: RefValue | None, new: RefValue) -> bool:
+    """Whether the ref's value is the one an advance was writing (the same root and id)."""
+    return current is not None and (current.root, current.generation) == (new.root, new.generation)
 
 
 # -- tags -------------------------------------------------------------------------
@@ -375,6 +451,10 @@ class BlobTagTable(TagTable):
                 return
             except BlobConflictError:
                 continue
+            except StoreUnavailableError:
+                if _landed(self.blobs, blob, data) is None:  # its answer lost, not its write
+                    raise
+                return
 
     def delete(self, run: str, name: str) -> bool:
         return self.blobs.delete(tag_blob(run, name))

@@ -317,8 +317,21 @@ class StoreLeases:
                     lease.lost = "another process broke it (it looked dead)"
                     continue
                 except CastoreError:
-                    continue  # try again next round; the check fails closed meanwhile
+                    # Its answer may be what was lost: a renewal that landed moved the
+                    # version, and renewing from the old one would call the lease broken.
+                    landed = self._landed(lease.name, _encode(record))
+                    if landed is None:
+                        continue  # try again next round; the check fails closed meanwhile
+                    lease.version = landed
                 lease.record, lease.confirmed = record, sent
+
+    def _landed(self, name: str, data: bytes) -> Version | None:
+        """The blob's version if it holds ``data`` (a write whose answer was lost), else None."""
+        try:
+            found = self.blobs.read_versioned(name)
+        except CastoreError:
+            return None
+        return found[1] if found is not None and found[0] == data else None
 
     def check_held(self) -> None:
         """Raise LockLostError unless every lease held here was confirmed recently enough."""
