@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-s3 test lint bench bench-s3 bench-async bench-export cadence clean
+.PHONY: demo demo-s3 test lint bench bench-s3 bench-async bench-export cadence gpu-check clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -60,6 +60,12 @@ $(VENV)/.installed-cadence: $(VENV)/.installed
 CADENCE_ARGS ?=
 cadence: $(VENV)/.installed-cadence
 	$(PY) tools/cadence.py $(CADENCE_ARGS)
+
+# castore with CUDA tensors (async staging, loads into CUDA targets, CUDA RNG, 2 ranks), under
+# three minutes; one skip line without CUDA. Needs a CUDA build of torch in the venv (the
+# default install is the CPU build). GPU_CHECK_ARGS=--rehearse-on-cpu runs its logic on CPU.
+gpu-check: $(VENV)/.installed
+	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf $(VENV) demo-store

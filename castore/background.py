@@ -13,9 +13,13 @@ publishes nothing and the previous generation stays latest.
 - **Errors never vanish.** A background failure is raised by the handle's
   ``result()``; if nobody asked it, by the next save call and by
   ``Store.close()`` (once: whichever comes first).
-- **At exit** a save in flight is waited for, at most ``exit_wait_s``; one
-  still unfinished then dies with the process and leaves only unreferenced
-  chunks (the publish is the ref's atomic advance), which GC collects.
+- **At exit** (the main thread ending, ``sys.exit``, an exception, Ctrl-C,
+  or SIGTERM while castore's handler is in place) a save in flight is waited
+  for, at most ``exit_wait_s``, before the hashing pools stop
+  (:mod:`castore.shutdown`). One that did not publish by then, or failed
+  with nobody told, is named on stderr as NOT published and the process
+  exits non-zero; what it wrote is only unreferenced chunks (the publish is
+  the ref's atomic advance), which GC collects.
 - **Pressure.** ``max_write_bytes_per_s`` paces the writer (a token bucket
   over the bytes it hashes and hands to storage), ``hash_threads=1`` keeps it
   on one core, and ``stagger_s`` starts rank ``r`` of ``n`` writing
@@ -26,10 +30,8 @@ publishes nothing and the previous generation stays latest.
 
 from __future__ import annotations
 
-import atexit
 import os
 import queue
-import sys
 import threading
 import time
 import weakref
@@ -38,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from castore import chunkio
+from castore import chunkio, shutdown
 from castore.chunkio import WriteStats, cut_chunks, digests_in_order
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
@@ -403,7 +405,7 @@ class Background:
         # The writer thread ends when the handle closes, or is dropped unclosed.
         self.stop_writer = weakref.finalize(self, self._jobs.put, None)
         self.exit_wait_s = AsyncOptions.exit_wait_s
-        _LIVE.add(self)
+        shutdown.track(self)
 
     def remember(self, digests: set[bytes]) -> None:
         """The chunks this handle's last save stored, for the next changed-chunk save."""
@@ -476,6 +478,7 @@ class Background:
     def start(self, job: Job, body: Callable[[Job], Generation]) -> None:
         """Run ``body(job)`` on this handle's writer thread; the job's handle gets its outcome."""
         pending = job.pending
+        shutdown.guard_sigterm()
         with self._lock:
             self._current = self._last = pending
             self.counters["started"] += 1
@@ -512,23 +515,45 @@ class Background:
         self.counters["published" if error is None else "failed"] += 1
         job.pending._finish(generation, error)
 
-    def wait_for_exit(self) -> None:
-        current = self.in_flight()
+    def in_flight_here(self) -> shutdown.InFlight | None:
+        """The save in flight on this process's writer (a forked child has none)."""
+        current = self.in_flight() if self._writes_here() else None
         if current is None:
-            return
-        timeout = self.exit_wait_s
-        if not current.wait(timeout):
-            print(
-                f"castore: the save of {current.run} step {current.step} to {self.name} was "
-                f"still in flight after {timeout:g}s at exit: nothing of it is published",
-                file=sys.stderr,
-            )
-        elif current._unobserved_error is not None:
-            print(
-                f"castore: the save of {current.run} step {current.step} to {self.name} "
-                f"failed in the background: {current._unobserved_error}",
-                file=sys.stderr,
-            )
+            return None
+        return shutdown.InFlight(current.run, current.step, self.exit_wait_s)
+
+    def wait_for_exit(self) -> str | None:
+        """Wait at exit for the save in flight; the line to print if a save was not published.
+
+        A save that failed before exit with nobody told is named too: at exit
+        nobody is left to tell, and the failure must not pass for success.
+        """
+        if not self._writes_here():
+            return None  # a forked child's copy of its parent's handle: nothing runs here
+        if (current := self.in_flight()) is not None:
+            try:
+                finished = current.wait(self.exit_wait_s)
+            except KeyboardInterrupt:  # Ctrl-C again: stop waiting, but say so
+                return self._lost(current, "interrupted (Ctrl-C) while exit waited for it")
+            if not finished:
+                return self._lost(
+                    current, f"still in flight after exit_wait_s={self.exit_wait_s:g}s at exit"
+                )
+        last = self._last
+        if last is not None and (error := last._unobserved_error) is not None:
+            return self._lost(last, f"it failed in the background: {error}")
+        return None
+
+    def _writes_here(self) -> bool:
+        writer = self._writer
+        return writer is not None and writer[0] == os.getpid()
+
+    def _lost(self, pending: PendingSave, why: str) -> str:
+        return (
+            f"castore: the save of {pending.run} step {pending.step} to {self.name} was NOT "
+            f"published: {why}; nothing of it is published and the previous generation of "
+            f"{pending.run} is intact"
+        )
 
 
 def run_async(
@@ -686,12 +711,3 @@ def _writer_loop(
         # closure holds castore's process groups (kept past destroy_process_group,
         # a gloo group made the process abort at exit).
         del background, item
-
-
-_LIVE: weakref.WeakSet[Background] = weakref.WeakSet()
-
-
-@atexit.register
-def _wait_at_exit() -> None:
-    for background in list(_LIVE):
-        background.wait_for_exit()

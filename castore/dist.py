@@ -398,19 +398,25 @@ def _save_async(
         control = Group(control_group, coordinator, timeout)
         return any(control.all_gather(busy, "save: busy"))
 
-    with background.turn(if_busy, agree) as ours:
-        if not ours:
-            return background.skip(run, step)
-        comm = Group(writer_group, coordinator, timeout)
-        return _start_async(
-            store,
-            state,
-            comm,
-            PendingSave(run, step, started=started),
-            metadata,
-            data_order,
-            options,
-        )
+    comm = Group(writer_group, coordinator, timeout)
+    try:
+        with background.turn(if_busy, agree) as ours:
+            if not ours:
+                return background.skip(run, step)
+            return _start_async(
+                store,
+                state,
+                comm,
+                PendingSave(run, step, started=started),
+                metadata,
+                data_order,
+                options,
+            )
+    except KeyboardInterrupt as interrupt:
+        # No rank acked a shard this rank never finished staging: the coordinator
+        # cannot publish it, so every rank's note is the publisher's.
+        annotate_interrupt(interrupt, f"{store.staging_interrupted_note(run)} (rank {comm.rank})")
+        raise
 
 
 def _start_async(

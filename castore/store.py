@@ -303,14 +303,18 @@ class Store:
         metadata_bytes = encode_metadata(metadata)
         order = check_data_order(data_order)
         if not blocking:
-            return save_async(
-                self,
-                encoded,
-                PendingSave(run, step, started=started),
-                metadata_bytes,
-                order,
-                async_options or AsyncOptions(),
-            )
+            try:
+                return save_async(
+                    self,
+                    encoded,
+                    PendingSave(run, step, started=started),
+                    metadata_bytes,
+                    order,
+                    async_options or AsyncOptions(),
+                )
+            except KeyboardInterrupt as interrupt:
+                annotate_interrupt(interrupt, self.staging_interrupted_note(run))
+                raise
         before = self.ref_or_problem(run)
         try:
             with self.save_lock():
@@ -361,6 +365,20 @@ class Store:
                 f"{previous} unless the coordinator publishes: ask the store what is latest"
             )
         return f"castore: save interrupted: nothing was published; {previous}"
+
+    def staging_interrupted_note(self, run: str) -> str:
+        """What an async save of ``run`` interrupted before it returned left.
+
+        Cut short while staging, it never commits (its writer aborts or never
+        starts): the ref now is the ref it found, so no save pays a ref read.
+        """
+        current = self.background.in_flight()
+        if current is not None and current.run == run:
+            return (
+                f"castore: save of run {run!r} interrupted as it returned: step "
+                f"{current.step} is staged and publishes in the background (exit waits for it)"
+            )
+        return self.interrupted_note(run, self.ref_or_problem(run))
 
     def save_lock(self) -> Any:
         """The shared store lock a save holds from its first dedup check to its publish.
