@@ -59,6 +59,7 @@ def open_blob_store(
     cache = IndexCache(directory, str(config["store_id"]))
     backend = BlobPackBackend(blobs, cache=cache, pack_bytes=pack_bytes)
     refs = blob_refs(blobs, store_lease=store_lease)
+    refs.identity = f"blobs:{config['store_id']}"
     store = Store(where, backend, size, refs=refs)
     backend.check_lease = refs.check_store_lock
     return store
