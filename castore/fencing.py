@@ -189,8 +189,8 @@ def writer_epoch(
         resumed = known.step is not None and step >= known.step
         if not resumed:
             raise StepOrderError(
-                f"step {step} is below step {latest_step} of run {run!r}'s latest generation "
-                f"({parent.describe_writer()}): another job may be saving to this run. To "
+                f"step {step} is below step {latest_step} of the latest generation of run "
+                f"{run!r} ({parent.describe_writer()}): another job may be saving to this run. To "
                 "resume the run, load it first; to restart it from a lower step on purpose, "
                 "call store.claim_run() before saving; or save to a new run",
                 run=run,
