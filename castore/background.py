@@ -46,6 +46,7 @@ from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.commit import (
     PublishFaults,
     build_shard,
+    claim_writer,
     publish_single,
 )
 from castore.errors import ChunkMissingError
@@ -634,6 +635,7 @@ def save_async(
         with store.save_lock():
             parent = store.refs.read(pending.run)
             generation = parent.generation + 1 if parent else 1
+            writer = claim_writer(store, pending.run, parent, pending.step)
             written = write_staged(store.backend, job, leaves, store.chunk_size)
             clock = time.perf_counter()
             shard = build_shard(
@@ -656,6 +658,7 @@ def save_async(
                 seconds=time.perf_counter() - pending._started,
                 held_seconds=pending.timings.get("held", 0.0),
                 faults=ASYNC_FAULTS,
+                writer=writer,
             )
         pending.timings["publish"] = time.perf_counter() - clock
         background.remember(written.seen)

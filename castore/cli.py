@@ -97,6 +97,13 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"root       {gen.root}")
         print(f"parent     {gen.parent or '-'}")
         print(f"ranks      {gen.world_size}")
+        if gen.writer:
+            writer = gen.writer
+            job = f"  job {writer['job']}" if writer.get("job") else ""
+            print(
+                f"writer     host {writer.get('host')}  pid {writer.get('pid')}{job}  "
+                f"epoch {writer.get('epoch')}"
+            )
         print("versions   " + ", ".join(f"{k} {v}" for k, v in sorted(gen.frameworks.items())))
         if gen.metadata:
             print(f"metadata   {gen.metadata}")

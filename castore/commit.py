@@ -42,6 +42,7 @@ from castore.errors import (
     UnsupportedValueError,
 )
 from castore.faults import fault_point
+from castore.fencing import record_published, ref_for_root, root_writer, writer_epoch
 from castore.hashing import Digest, digest_bytes
 from castore.objects import (
     MAX_FIELD_DEPTH,
@@ -52,7 +53,7 @@ from castore.objects import (
     encode_object,
 )
 from castore.progress import progress_bar, progress_wanted
-from castore.reading import check_coverage, group_entries, read_object
+from castore.reading import check_coverage, group_entries, read_object, read_root
 from castore.refs import ComposedRefStore, RefValue
 from castore.tree import EncodedTree, check_depth, encode_local_state, encode_tree, tensor_names
 
@@ -190,13 +191,22 @@ def publish(
     fault_point(faults.before_root)
     commit_objects(store, [*extra_objects, (root_digest.raw, root_bytes)])
     fault_point(faults.before_ref_advance)
-    store.refs.advance(
-        root.run,
-        expected=parent.root if parent else None,
-        new=RefValue(root.run, root.generation, root_digest, root.time),
-    )
+    new = ref_for_root(root_digest, root)
+    store.refs.advance(root.run, expected=parent.root if parent else None, new=new)
+    record_published(store.refs, root.run, new)
     fault_point(faults.after_ref_advance)
     return root_digest
+
+
+def claim_writer(
+    store: StoreParts, run: str, parent: RefValue | None, step: int, *, warn: bool = True
+) -> dict[str, Any]:
+    """The ``writer`` a root of ``run`` at ``step`` after ``parent`` records, once this
+    process may publish it (castore.fencing: FencedError, StepOrderError, a warning)."""
+    latest_step = parent.step if parent is not None else None
+    if parent is not None and latest_step is None:  # a ref of before epochs: ask its root
+        latest_step = read_root(store.backend, parent.root, run=run).step
+    return root_writer(writer_epoch(store.refs, run, parent, step, latest_step, warn=warn))
 
 
 def publish_single(
@@ -211,6 +221,7 @@ def publish_single(
     seconds: float,
     held_seconds: float | None,
     faults: PublishFaults,
+    writer: dict[str, Any],
 ) -> tuple[Digest, GenerationRoot]:
     """Publish a single writer's generation: its one shard, still in memory, and its root.
 
@@ -237,6 +248,7 @@ def publish_single(
         ),
         frameworks=framework_versions(),
         data_order=data_order,
+        writer=writer,
     )
     digest = publish(
         store, parent=parent, root=root, faults=faults, extra_objects=((shard.digest, shard.data),)
@@ -297,6 +309,7 @@ def make_root(
     metadata: bytes,
     stats: dict[str, Any],
     frameworks: dict[str, str],
+    writer: dict[str, Any],
     data_order: dict[str, Any] | None = None,
 ) -> GenerationRoot:
     return GenerationRoot(
@@ -312,6 +325,7 @@ def make_root(
         frameworks=frameworks,
         data_order=dict(data_order or {}),
         stats=stats,
+        writer=dict(writer),
     )
 
 
@@ -489,6 +503,7 @@ def publish_writes(
     for write in writes:
         stats += write.stats
     manifests = sum(len(write.data) for write in writes)
+    writer = claim_writer(store, run, parent, step)
 
     def build_root(checked: CheckedShards) -> GenerationRoot:
         return make_root(
@@ -504,6 +519,7 @@ def publish_writes(
                 stats, seconds, checked.tensors, written_bytes=stats.new_bytes + manifests
             ),
             frameworks=framework_versions(),
+            writer=writer,
         )
 
     return publish_shards(

@@ -58,10 +58,12 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
+from castore import fencing
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.commit import (
     CheckedShards,
+    claim_writer,
     commit_objects,
     encode_metadata,
     framework_versions,
@@ -319,6 +321,9 @@ class CastoreWriter(_StoreUser, StorageWriter):
         """The coordinator proposes the generation; ranks with items get shard indices."""
         assert self.run is not None
         parent = self.store.refs.read(self.run)
+        # Refused before any rank writes when this job may not save the run
+        # (castore.fencing); finish checks again under the store lock.
+        claim_writer(self.store, self.run, parent, self.step, warn=False)
         writers = [i for i, plan in enumerate(plans) if plan.items]
         proposal = {
             "generation": parent.generation + 1 if parent else 1,
@@ -409,6 +414,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
         with store.save_lock():
             parent = store.refs.read(run)
             generation = parent.generation + 1 if parent else 1
+            writer = claim_writer(store, run, parent, self.step)
             where = {"run": run, "generation": generation}
             missing = sorted(set(range(len(shard_digests))) - set(shard_digests))
             if missing:
@@ -429,6 +435,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
                         stats, 0.0, len(checked.entries), written_bytes=stats.new_bytes
                     ),
                     frameworks=framework_versions(),
+                    writer=writer,
                 )
 
             published, root = publish_shards(
@@ -499,6 +506,7 @@ class CastoreReader(_StoreUser, StorageReader):
         assert self.run is not None
         digest, root = self.store.resolve_root(self.run, self.generation_spec)
         self.generation = Generation.from_root(digest, root)
+        fencing.record_loaded(self.store.refs, self.run, digest, root.step)  # a resume point
         wire = self.generation.metadata.get("dcp")
         if not isinstance(wire, dict):
             raise CorruptObjectError(

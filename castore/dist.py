@@ -48,6 +48,7 @@ from castore.commit import (
     ShardWrite,
     build_shard,
     check_data_order,
+    claim_writer,
     commit_objects,
     encode_metadata,
     framework_versions,
@@ -331,7 +332,7 @@ def _commit_in_group(
     _check_same_layout(infos, comm)
     assert prepared is not None
 
-    proposal = _propose(store, run, comm)
+    proposal = _propose(store, run, step, comm)
     generation = proposal["generation"]
     mine = prepared.owned
     if mine is None:
@@ -502,16 +503,24 @@ def _check_same_layout(infos: list[Any], comm: Group) -> None:
             )
 
 
-def _propose(store: Store, run: str, comm: Group) -> dict[str, Any]:
-    """The coordinator reads the ref once; every rank learns the id and parent."""
+def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
+    """The coordinator reads the ref once and checks that this job may save the run
+    (castore.fencing); every rank learns the id, the parent and the root's writer."""
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:
-        parent, failure = attempt(lambda: store.refs.read(run))
+
+        def read() -> tuple[RefValue | None, dict[str, Any]]:
+            parent = store.refs.read(run)
+            return parent, claim_writer(store, run, parent, step)
+
+        read_ref, failure = attempt(read)
+        parent, writer = read_ref if read_ref is not None else (None, {})
         message = {
             "error": describe(failure),
             "generation": (parent.generation + 1) if parent else 1,
             "parent": None if parent is None else [parent.generation, parent.root.raw, parent.time],
+            "writer": writer,
         }
     message = comm.broadcast(message, "save: propose")
     if message.get("error"):
@@ -560,6 +569,7 @@ def _validate_and_publish(
             ),
             frameworks=framework_versions(),
             data_order=prepared.data_order,
+            writer=proposal["writer"],
         )
 
     digest, _ = publish_shards(

@@ -55,7 +55,8 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     └── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
 
 Warnings: :class:`ReadOnlyWarning` (a store opened read-only because its
-directory is not writable).
+directory is not writable); :class:`ConcurrentWriterWarning` (a save found its
+run advanced by another writer since this process last loaded or saved it).
 
 Errors carry their context as attributes (``run``, ``generation``, ``tensor``,
 ``expected``/``actual`` digests) and put it in their message, so one line says
@@ -277,6 +278,11 @@ class FencedError(RefConflictError):
 class StepOrderError(CastoreError, ValueError):
     """A save's step is lower than the step of the run's latest generation, which
     this process neither loaded nor saved (``allow_step_back=True`` allows it)."""
+
+
+class ConcurrentWriterWarning(UserWarning):
+    """A save found its run advanced by another writer since this process last
+    loaded or saved it; the message names that writer (castore.fencing)."""
 
 
 class BlobError(CastoreError):

@@ -84,6 +84,8 @@ class Generation:
     metadata: dict[str, Any] = field(default_factory=dict)
     frameworks: dict[str, str] = field(default_factory=dict)
     data_order: dict[str, Any] = field(default_factory=dict)
+    # Who published it: host, pid, job and writer epoch (empty before epochs existed).
+    writer: dict[str, Any] = field(default_factory=dict)
 
     @property
     def logical_bytes(self) -> int:
@@ -117,6 +119,7 @@ class Generation:
             metadata=decode_tree(root.metadata) if root.metadata else {},
             frameworks=dict(root.frameworks),
             data_order=dict(root.data_order),
+            writer=dict(root.writer),
         )
 
 

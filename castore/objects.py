@@ -184,9 +184,12 @@ class GenerationRoot:
     frameworks: dict[str, str] = field(default_factory=dict)
     data_order: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
+    # Who published it: host, pid, job and writer epoch (castore.fencing); roots
+    # written before epochs have none, and encode without the key.
+    writer: dict[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
-        return {
+        wire: dict[str, Any] = {
             "data_order": dict(sorted(self.data_order.items())),
             "format": FORMAT_VERSION,
             "frameworks": dict(sorted(self.frameworks.items())),
@@ -202,6 +205,15 @@ class GenerationRoot:
             "type": TYPE_ROOT,
             "world_size": self.world_size,
         }
+        if self.writer:
+            wire["writer"] = dict(sorted(self.writer.items()))
+        return wire
+
+    @property
+    def epoch(self) -> int:
+        """The writer epoch this generation was published under (0: before epochs)."""
+        epoch = self.writer.get("epoch", 0)
+        return epoch if isinstance(epoch, int) and not isinstance(epoch, bool) else 0
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any]) -> GenerationRoot:
@@ -225,6 +237,10 @@ class GenerationRoot:
             raise CorruptObjectError("root field 'stats' must map names to finite numbers")
         data_order = _typed(wire, "data_order", dict)
         check_depth(data_order, "root field 'data_order'", MAX_FIELD_DEPTH)
+        writer = wire.get("writer", {})
+        if not isinstance(writer, dict):
+            raise CorruptObjectError("root field 'writer' is not a map")
+        check_depth(writer, "root field 'writer'", MAX_FIELD_DEPTH)
         return cls(
             run=_typed(wire, "run", str),
             generation=_positive(wire, "generation"),
@@ -238,6 +254,7 @@ class GenerationRoot:
             frameworks=frameworks,
             data_order=data_order,
             stats=stats,
+            writer=writer,
         )
 
 

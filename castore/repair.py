@@ -21,9 +21,10 @@ from typing import TYPE_CHECKING
 from castore.chunkio import shared_pool
 from castore.chunkstore.base import Namespace
 from castore.errors import IntegrityError
+from castore.fencing import ref_for_root
 from castore.hashing import digest_bytes
 from castore.progress import NO_BAR, Bar, progress_bar
-from castore.refs import DEFAULT_LOCK_TIMEOUT, RefValue
+from castore.refs import DEFAULT_LOCK_TIMEOUT
 from castore.verify import verify_store
 
 if TYPE_CHECKING:
@@ -142,9 +143,7 @@ def restore_lost_refs(store: Store, *, dry_run: bool = False) -> dict[str, int]:
             if root.generation != gen_id:
                 continue
             if not dry_run:
-                store.refs.advance(
-                    run, expected=None, new=RefValue(run, root.generation, digest, root.time)
-                )
+                store.refs.advance(run, expected=None, new=ref_for_root(digest, root))
             restored[run] = root.generation
             break
     return restored

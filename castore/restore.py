@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from castore import errors
+from castore import errors, fencing
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.chunkio import ChunkRequest, read_agree_deliver
 from castore.dtypes import numpy_dtype
@@ -216,6 +216,7 @@ def _load_root(
         _assign(target)
     state = _result_tree(root, entries, wanted, per_rank)
     timings["assembly"] = time.perf_counter() - clock
+    fencing.record_loaded(store.refs, run, digest, root.step)  # a resume point (every rank)
     report = LoadReport(
         generation=Generation.from_root(digest, root),
         bytes_read=store.read_counters.bytes - read_before[1],

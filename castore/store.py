@@ -26,13 +26,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from castore import history, reading
+from castore import fencing, history, reading
 from castore.background import AsyncOptions, Background, PendingSave, save_async
 from castore.chunkio import ChunkRequest, ReadCounters
 from castore.chunkstore.base import ChunkBackend
 from castore.commit import (
     SINGLE_FAULTS,
     check_data_order,
+    claim_writer,
     encode_metadata,
     framework_versions,
     publish_single,
@@ -303,6 +304,9 @@ class Store:
         metadata_bytes = encode_metadata(metadata)
         order = check_data_order(data_order)
         if not blocking:
+            # Refused now, not on the writer thread, when this process may not save
+            # the run (castore.fencing); the writer checks again before it publishes.
+            claim_writer(self, run, self.refs.read(run), step, warn=False)
             try:
                 return save_async(
                     self,
@@ -404,6 +408,7 @@ class Store:
     ) -> Generation:
         parent = self.refs.read(run)
         generation = parent.generation + 1 if parent else 1
+        writer = claim_writer(self, run, parent, step)
         shard = write_shard(
             self, encoded, run=run, generation=generation, rank=0, progress=progress
         )
@@ -419,8 +424,22 @@ class Store:
             seconds=time.perf_counter() - started,
             held_seconds=None,
             faults=SINGLE_FAULTS,
+            writer=writer,
         )
         return Generation.from_root(digest, root)
+
+    def claim_run(self, run: str) -> None:
+        """Make this process the owner of ``run`` from its next save.
+
+        That save publishes under a new writer epoch, so every other writer's
+        next save of the run fails with FencedError, and it may save a step
+        below the run's latest (a restart from an earlier point on purpose).
+        Not needed to resume a run: a process that loads it and saves on owns
+        it from its first save (see castore.fencing). In a multi-rank job, call
+        it on every rank; the coordinator's call is the one that counts.
+        """
+        validate_run_name(run)
+        fencing.claim_run(self.refs, run)
 
     # -- objects ----------------------------------------------------------
 
@@ -550,6 +569,7 @@ class Store:
             self.backend, self.read_counters, root, shards, entries, framework, progress
         )
         timings["read_verify"] = time.perf_counter() - clock
+        fencing.record_loaded(self.refs, root.run, digest, root.step)
         return Restored(state, Generation.from_root(digest, root), list(skipped), timings)
 
     def load(

@@ -71,6 +71,7 @@ def open_blob_store(
     backend = BlobPackBackend(blobs, cache=cache, pack_bytes=pack_bytes)
     refs = blob_refs(blobs, store_lease=store_lease)
     refs.readonly = readonly
+    refs.identity = f"blobs:{config['store_id']}"
     store = Store(where, backend, size, refs=refs, readonly=readonly)
     backend.check_lease = refs.check_store_lock
     return store

@@ -33,7 +33,14 @@ import castore.commit
 import castore.store
 from castore import Store
 from castore.chunkstore.base import Namespace
-from castore.commit import SINGLE_FAULTS, make_root, publish, root_stats, write_shard
+from castore.commit import (
+    SINGLE_FAULTS,
+    claim_writer,
+    make_root,
+    publish,
+    root_stats,
+    write_shard,
+)
 from castore.errors import ChunkMissingError, GenerationNotFoundError, StoreLockedError
 from castore.gc import DELETE_BATCH, RetentionPolicy, collect_garbage
 from castore.store import encode_metadata, framework_versions
@@ -268,6 +275,7 @@ def test_control_lock_free_save_publishes_a_missing_chunk(
         metadata=encode_metadata(None),
         stats=root_stats(shard.stats, 0.0, 1, written_bytes=shard.stats.new_bytes),
         frameworks=framework_versions(),
+        writer=claim_writer(store, RUN, parent, 3),
     )
     publish(
         store,

@@ -467,6 +467,7 @@ class RefStore(ComposedRefStore):
             RepoParts(LocalRefTable(root, locks), self._reflog, LocalTagTable(root), locks),
             lock_timeout=lock_timeout,
         )
+        self.identity = f"dir:{os.path.realpath(root)}"
 
     def ensure_dirs(self) -> None:
         ensure_store_dirs(self.root)

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from castore.errors import InvalidNameError, RefConflictError
+from castore.errors import FencedError, InvalidNameError, RefConflictError
 from castore.hashing import Digest
 
 DEFAULT_LOCK_TIMEOUT = 30.0
@@ -61,23 +61,60 @@ def validate_tag_name(name: str) -> str:
 
 
 @dataclass(frozen=True)
+class Writer:
+    """Who published a generation: host, process and job (a scheduler's job id, if any)."""
+
+    host: str
+    pid: int
+    job: str | None = None
+
+    def describe(self) -> str:
+        job = f" job {self.job}" if self.job else ""
+        return f"host {self.host} pid {self.pid}{job}"
+
+
+@dataclass(frozen=True)
 class RefValue:
-    """What a ref names: the newest root of ``run`` and its generation id."""
+    """What a ref names: the newest root of ``run`` and its generation id.
+
+    A ref written by a save also says the generation's ``step``, the writer
+    epoch of the process that published it and who that was
+    (:mod:`castore.fencing`); refs written before epochs existed have epoch 0,
+    no step and no writer. Tags leave them at their defaults.
+    """
 
     run: str
     generation: int
     root: Digest
     time: float
+    step: int | None = None
+    epoch: int = 0
+    writer: Writer | None = None
+
+    def describe_writer(self) -> str:
+        """Who published what this ref names, for messages."""
+        who = self.writer.describe() if self.writer else "a writer that recorded no identity"
+        step = f", step {self.step}" if self.step is not None else ""
+        return f"generation {self.generation}{step}, by {who} (writer epoch {self.epoch})"
 
 
 def check_advance(
     run: str, current: RefValue | None, *, expected: Digest | None, new: RefValue
 ) -> None:
-    """Raise RefConflictError unless ``current`` names ``expected`` and ``new`` is newer.
+    """Raise RefConflictError unless ``current`` names ``expected`` and ``new`` is newer,
+    and FencedError (first) when ``new`` comes from an older writer epoch than ``current``.
 
     Every ref implementation calls this with the value it holds still (under a
     lock, or before a conditional write), so the refusals read the same on all.
     """
+    if current is not None and new.epoch < current.epoch:
+        raise FencedError(
+            f"run {run!r} was taken over by a newer writer: its ref names "
+            f"{current.describe_writer()}, and this save's writer epoch is {new.epoch}; "
+            "nothing was published. Another job saves to this run: stop this one, or call "
+            "store.claim_run() before saving if this job should own the run",
+            run=run,
+        )
     current_root = current.root if current else None
     if current_root != expected:
         raise RefConflictError(

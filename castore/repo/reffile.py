@@ -21,7 +21,7 @@ import msgpack
 
 from castore.errors import CorruptRefError, FormatVersionError
 from castore.hashing import DIGEST_SIZE, Digest, digest_bytes
-from castore.repo.records import RefValue
+from castore.repo.records import RefValue, Writer
 from castore.safefs import open_store_file, read_store_file, write_all, write_error, writing
 
 REF_MAGIC = b"CASTREF\n"
@@ -33,15 +33,24 @@ _MAX_REF_FILE = _HEADER.size + _MAX_PAYLOAD + DIGEST_SIZE
 
 
 def encode_ref(value: RefValue) -> bytes:
-    payload = msgpack.packb(
-        {
-            "generation": value.generation,
-            "root": value.root.raw,
-            "run": value.run,
-            "time": value.time,
-        },
-        use_bin_type=True,
-    )
+    wire: dict[str, object] = {
+        "generation": value.generation,
+        "root": value.root.raw,
+        "run": value.run,
+        "time": value.time,
+    }
+    # Written only when set, so a tag's file and a ref of before epochs read the same.
+    if value.step is not None:
+        wire["step"] = value.step
+    if value.epoch:
+        wire["epoch"] = value.epoch
+    if value.writer is not None:
+        wire["writer"] = {
+            "host": value.writer.host,
+            "job": value.writer.job,
+            "pid": value.writer.pid,
+        }
+    payload = msgpack.packb(wire, use_bin_type=True)
     body = _HEADER.pack(REF_MAGIC, REF_VERSION, len(payload)) + payload
     return body + digest_bytes(body)
 
@@ -65,7 +74,13 @@ def decode_ref(data: bytes, *, run: str) -> RefValue:
     try:
         wire = msgpack.unpackb(data[_HEADER.size : end], raw=False)
         value = RefValue(
-            wire["run"], int(wire["generation"]), Digest(wire["root"]), float(wire["time"])
+            wire["run"],
+            int(wire["generation"]),
+            Digest(wire["root"]),
+            float(wire["time"]),
+            step=_optional_count(wire, "step"),
+            epoch=_optional_count(wire, "epoch") or 0,
+            writer=_writer(wire.get("writer")),
         )
     except (ValueError, KeyError, TypeError, OverflowError, msgpack.ExtraData) as exc:
         raise CorruptRefError(f"ref payload does not decode: {exc}", run=run) from exc
@@ -76,6 +91,28 @@ def decode_ref(data: bytes, *, run: str) -> RefValue:
     if value.run != run:
         raise CorruptRefError(f"ref file names run {value.run!r}", run=run)
     return value
+
+
+def _optional_count(wire: dict[str, object], key: str) -> int | None:
+    value = wire.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value < 1 << 63:
+        raise ValueError(f"{key} is {value!r}, not a non-negative int64")
+    return value
+
+
+def _writer(wire: object) -> Writer | None:
+    if wire is None:
+        return None
+    if not isinstance(wire, dict):
+        raise TypeError("writer is not a map")
+    host, pid, job = wire.get("host"), wire.get("pid"), wire.get("job")
+    if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool):
+        raise TypeError("writer needs a host string and an int pid")
+    if job is not None and not isinstance(job, str):
+        raise TypeError("writer job is not a string")
+    return Writer(host, pid, job)
 
 
 def fsync_dir(path: Path) -> None:

@@ -64,6 +64,9 @@ class ComposedRefStore:
         self.parts = parts
         self.lock_timeout = lock_timeout
         self.save_wait = DEFAULT_SAVE_WAIT
+        # Names the store for what a process knows of its runs (castore.fencing):
+        # handles on one store must agree, so a store on disk or blobs sets it.
+        self.identity = f"{type(self).__name__}:{id(self)}"
         # Set by a read-only open: every lock and write below is refused before it acts.
         self.readonly: ReadOnly | None = None
 

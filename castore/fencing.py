@@ -1,0 +1,206 @@
+"""One writer per run: writer epochs, the step rule, and who wrote a generation.
+
+Two copies of a job saving to one run used to interleave silently ("latest"
+was whoever wrote last, possibly a lower step). In a cluster that is the
+zombie job: the scheduler restarts a job whose old processes, on a
+partitioned node, still run and still save. castore fences it the way
+replicated systems fence a stale leader:
+
+* **Epochs.** A run's ref records the *writer epoch* it was published under
+  (0 for refs written before epochs), and each root records its writer
+  (host, pid, job, epoch). A process's first save to a run *claims* it: it
+  publishes with the ref's epoch + 1, and its later saves carry that epoch.
+  The ref's compare-and-swap refuses an epoch lower than the ref's
+  (:class:`~castore.errors.FencedError`), so once a newer job has saved, every
+  save of the older one publishes nothing. The newest claim wins.
+* **Steps.** A save whose step is lower than the step of the run's latest
+  generation is refused (:class:`~castore.errors.StepOrderError`) unless this
+  process resumed from an earlier point: it loaded or saved a generation of
+  the run whose step is at most the new one. :meth:`Store.claim_run` lifts
+  the rule for the next save, and claims the run anew.
+* **Warnings.** A save that finds the run advanced by another writer since
+  this process last loaded or saved it warns
+  (:class:`~castore.errors.ConcurrentWriterWarning`), naming that writer.
+
+The common case, one job resumed after a crash, needs nothing: the restarted
+job loads the latest generation, and its first save claims the run.
+
+What a process knows of a run is kept per process (every thread and store
+handle in it shares it: they are one writer), keyed by the store's identity
+and the run; a forked child starts with nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import warnings
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from castore.errors import ConcurrentWriterWarning, FencedError, StepOrderError
+from castore.hashing import Digest
+from castore.objects import GenerationRoot
+from castore.refs import RefValue
+from castore.repo.records import Writer
+
+# Where a job's identity comes from, first found wins: castore's own, then schedulers'.
+JOB_VARIABLES = (
+    "CASTORE_JOB_ID",
+    "SLURM_JOB_ID",
+    "TORCHELASTIC_RUN_ID",
+    "PBS_JOBID",
+    "LSB_JOBID",
+)
+
+
+class Identified(Protocol):
+    """What the per-process record needs of a store's refs: a name for the store."""
+
+    @property
+    def identity(self) -> str: ...
+
+
+def job_identity() -> str | None:
+    """The job this process belongs to, as ``VARIABLE=value`` (None: no scheduler said)."""
+    for name in JOB_VARIABLES:
+        value = os.environ.get(name)
+        if value:
+            return f"{name}={value}"
+    return None
+
+
+def this_writer() -> Writer:
+    return Writer(socket.gethostname(), os.getpid(), job_identity())
+
+
+def root_writer(epoch: int) -> dict[str, Any]:
+    """The ``writer`` field of a root this process publishes under ``epoch``."""
+    writer = this_writer()
+    record: dict[str, Any] = {"epoch": epoch, "host": writer.host, "pid": writer.pid}
+    if writer.job:
+        record["job"] = writer.job
+    return record
+
+
+def writer_of_root(record: dict[str, Any]) -> Writer | None:
+    """A root's ``writer`` field as the ref's Writer (None when it names none)."""
+    host, pid, job = record.get("host"), record.get("pid"), record.get("job")
+    if not isinstance(host, str) or not isinstance(pid, int) or isinstance(pid, bool):
+        return None
+    return Writer(host, pid, job if isinstance(job, str) else None)
+
+
+def ref_for_root(digest: Digest, root: GenerationRoot) -> RefValue:
+    """The ref value that publishes ``root``: its step, and the epoch and writer it records."""
+    return RefValue(
+        root.run,
+        root.generation,
+        digest,
+        root.time,
+        step=root.step,
+        epoch=root.epoch,
+        writer=writer_of_root(root.writer),
+    )
+
+
+@dataclass
+class _Known:
+    """What this process knows of one run of one store."""
+
+    epoch: int | None = None  # the epoch it claimed (None: it has not published)
+    root: Digest | None = None  # the generation it last loaded or published
+    step: int | None = None  # that generation's step
+    claim_anew: bool = False  # claim_run(): the next save claims again, steps unchecked
+
+
+_LOCK = threading.Lock()
+_KNOWN: dict[tuple[str, str], _Known] = {}
+_OWNER = [os.getpid()]
+
+
+def _known(refs: Identified, run: str) -> _Known:
+    """The record of ``run`` (the caller holds _LOCK); a forked child forgets its parent's."""
+    if _OWNER[0] != os.getpid():
+        _KNOWN.clear()
+        _OWNER[0] = os.getpid()
+    return _KNOWN.setdefault((refs.identity, run), _Known())
+
+
+def claim_run(refs: Identified, run: str) -> None:
+    """This process owns ``run`` from its next save: see :meth:`castore.Store.claim_run`."""
+    with _LOCK:
+        _known(refs, run).claim_anew = True
+
+
+def record_loaded(refs: Identified, run: str, root: Digest, step: int) -> None:
+    """This process loaded ``root`` of ``run``: a resume point the step rule accepts."""
+    with _LOCK:
+        known = _known(refs, run)
+        known.root, known.step = root, step
+
+
+def record_published(refs: Identified, run: str, value: RefValue) -> None:
+    """This process advanced the ref of ``run`` to ``value``: it holds that epoch now."""
+    with _LOCK:
+        known = _known(refs, run)
+        known.epoch, known.root, known.step = value.epoch, value.root, value.step
+        known.claim_anew = False
+
+
+def writer_epoch(
+    refs: Identified,
+    run: str,
+    parent: RefValue | None,
+    step: int,
+    latest_step: int | None,
+    *,
+    warn: bool = True,
+) -> int:
+    """The epoch a save of ``run`` at ``step`` publishes under, after the run's ref ``parent``.
+
+    Raises FencedError when a newer writer has claimed the run since this
+    process did, and StepOrderError when ``step`` is below ``latest_step`` (the
+    step of ``parent``'s generation) and below every resume point this process
+    knows. With ``warn``, says so when another writer advanced the run since
+    this process last loaded or saved it. The compare-and-swap that publishes
+    checks the epoch again (:func:`castore.repo.records.check_advance`).
+    """
+    with _LOCK:
+        known = _Known(**vars(_known(refs, run)))
+    current = parent.epoch if parent is not None else 0
+    if known.claim_anew or known.epoch is None:
+        epoch = current + 1
+    elif current > known.epoch:
+        assert parent is not None
+        raise FencedError(
+            f"run {run!r} was taken over by a newer writer: its ref names "
+            f"{parent.describe_writer()}, and this process saves under writer epoch "
+            f"{known.epoch}; nothing of step {step} is published. Another job saves to "
+            "this run: stop this one, or call store.claim_run() first if it should own the run",
+            run=run,
+        )
+    else:
+        epoch = known.epoch
+    if parent is None:
+        return epoch
+    if not known.claim_anew and latest_step is not None and step < latest_step:
+        resumed = known.step is not None and step >= known.step
+        if not resumed:
+            raise StepOrderError(
+                f"step {step} is below step {latest_step} of the latest generation of run "
+                f"{run!r} ({parent.describe_writer()}): another job may be saving to this run. To "
+                "resume the run, load it first; to restart it from a lower step on purpose, "
+                "call store.claim_run() before saving; or save to a new run",
+                run=run,
+            )
+    if warn and known.root is not None and parent.root != known.root:
+        warnings.warn(
+            f"castore: run {run!r} was advanced by another writer since this process last "
+            f"loaded or saved it: {parent.describe_writer()}. This save publishes under writer "
+            f"epoch {epoch}; an older writer's next save fails with FencedError",
+            ConcurrentWriterWarning,
+            stacklevel=4,
+        )
+    return epoch

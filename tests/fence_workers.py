@@ -1,0 +1,117 @@
+"""One writer process for the fencing tests: it opens a store and obeys commands.
+
+Run as ``python fence_workers.py ADDRESS OPTIONS_JSON``; each line of stdin is a
+JSON command, and each answer is one JSON line on stdout:
+
+* ``{"op": "save", "step": N, "mode": M}``: save a small state of run ``r`` at
+  step N through ``M``: ``store`` (Store.save), ``async`` (Store.save with
+  blocking=False, then result()), ``dist`` (castore.dist.save in a gloo group
+  of one), ``train`` (TrainState.save at update N) or ``dcp`` (DCP's save with
+  castore's StorageWriter). Answers ``{"ok": true, "generation": ID}`` or the
+  error's type and message, with every warning raised.
+* ``{"op": "load"}``: load the latest generation; answers its step.
+* ``{"op": "claim"}``: Store.claim_run("r").
+* ``{"op": "quit"}``.
+
+A real process each, so that two of them are two writers of the run exactly as
+two jobs are: each has its own pid, and what a process knows of the run
+(castore.fencing) is its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+from typing import Any
+
+import numpy as np
+
+import castore
+
+RUN = "r"
+
+
+def state(step: int) -> dict[str, Any]:
+    return {"w": np.full(64, step, dtype=np.float32), "step": step}
+
+
+def ensure_group() -> None:
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        handle, name = tempfile.mkstemp(prefix="fence-pg-")
+        os.close(handle)
+        os.unlink(name)
+        dist.init_process_group("gloo", init_method=f"file://{name}", rank=0, world_size=1)
+
+
+def save(store: castore.Store, step: int, mode: str) -> Any:
+    if mode == "store":
+        return store.save(state(step), run=RUN, step=step)
+    if mode == "async":
+        return store.save(state(step), run=RUN, step=step, blocking=False).result()
+    import torch
+
+    ensure_group()
+    if mode == "dist":
+        import castore.dist
+
+        return castore.dist.save(store, state(step), run=RUN, step=step, timeout=30)
+    if mode == "train":
+        from castore.train import TrainState
+
+        model = torch.nn.Linear(4, 2)
+        train = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        train.update = step
+        return train.save(store, run=RUN, timeout=30)
+    if mode == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        from castore.dcp import CastoreWriter
+
+        writer = CastoreWriter(store, run=RUN, step=step)
+        dcp.save({"w": torch.full((64,), float(step))}, storage_writer=writer)
+        return writer.generation
+    raise ValueError(f"unknown mode {mode!r}")
+
+
+def obey(store: castore.Store, command: dict[str, Any]) -> dict[str, Any]:
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            if command["op"] == "save":
+                generation = save(store, command["step"], command.get("mode", "store"))
+                answer: dict[str, Any] = {"ok": True, "generation": generation.id}
+            elif command["op"] == "load":
+                answer = {"ok": True, "step": int(store.load(RUN)["step"])}
+            elif command["op"] == "claim":
+                store.claim_run(RUN)
+                answer = {"ok": True}
+            else:
+                raise ValueError(f"unknown op {command['op']!r}")
+        except (Exception, BaseException) as exc:  # noqa: BLE001 - DCP's CheckpointException
+            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+                raise
+            answer = {"ok": False, "error": type(exc).__name__, "message": str(exc)}
+    answer["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    answer["pid"] = os.getpid()
+    return answer
+
+
+def main() -> None:
+    address, options = sys.argv[1], json.loads(sys.argv[2])
+    store = castore.open(address, **options)
+    print(json.dumps({"ready": os.getpid()}), flush=True)
+    for line in sys.stdin:
+        command = json.loads(line)
+        if command["op"] == "quit":
+            break
+        print(json.dumps(obey(store, command)), flush=True)
+    store.close()
+
+
+if __name__ == "__main__":
+    main()
