@@ -8,8 +8,9 @@ replicated systems fence a stale leader:
 
 * **Epochs.** A run's ref records the *writer epoch* it was published under
   (0 for refs written before epochs), and each root records its writer
-  (host, pid, job, epoch). A process's first save to a run *claims* it: it
-  publishes with the ref's epoch + 1, and its later saves carry that epoch.
+  (host, pid, job, epoch). A process that starts saving a run *claims* it:
+  its first save, and its first save after it loaded (resumed) the run,
+  publishes with the ref's epoch + 1; its later saves carry that epoch.
   The ref's compare-and-swap refuses an epoch lower than the ref's
   (:class:`~castore.errors.FencedError`), so once a newer job has saved, every
   save of the older one publishes nothing. The newest claim wins.
@@ -23,7 +24,8 @@ replicated systems fence a stale leader:
   (:class:`~castore.errors.ConcurrentWriterWarning`), naming that writer.
 
 The common case, one job resumed after a crash, needs nothing: the restarted
-job loads the latest generation, and its first save claims the run.
+job loads the latest generation, and its first save claims the run. A job that
+never loads (a zombie training on) keeps its old epoch, and is fenced.
 
 What a process knows of a run is kept per process (every thread and store
 handle in it shares it: they are one writer), keyed by the store's identity
@@ -135,10 +137,14 @@ def claim_run(refs: Identified, run: str) -> None:
 
 
 def record_loaded(refs: Identified, run: str, root: Digest, step: int) -> None:
-    """This process loaded ``root`` of ``run``: a resume point the step rule accepts."""
+    """This process loaded ``root`` of ``run``: it resumes the run from there.
+
+    Its next save claims the run anew (a new epoch), and the step rule accepts
+    any step from the loaded one's on.
+    """
     with _LOCK:
         known = _known(refs, run)
-        known.root, known.step = root, step
+        known.root, known.step, known.epoch = root, step, None
 
 
 def record_published(refs: Identified, run: str, value: RefValue) -> None:
@@ -195,7 +201,10 @@ def writer_epoch(
                 "call store.claim_run() before saving; or save to a new run",
                 run=run,
             )
-    if warn and known.root is not None and parent.root != known.root:
+    # A thread of this process that published meanwhile is no other writer.
+    me, them = this_writer(), parent.writer
+    ours = them is not None and (them.host, them.pid) == (me.host, me.pid)
+    if warn and known.root is not None and parent.root != known.root and not ours:
         warnings.warn(
             f"castore: run {run!r} was advanced by another writer since this process last "
             f"loaded or saved it: {parent.describe_writer()}. This save publishes under writer "

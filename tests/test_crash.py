@@ -70,7 +70,8 @@ SAVE_FOREVER_SRC = STATE_SRC + textwrap.dedent(
     import castore
 
     with castore.open(sys.argv[1]) as store:
-        for seed in itertools.count(2):
+        # Resume where the run is: a step below its latest would be refused.
+        for seed in itertools.count(store.resolve("run").step + 1):
             gen = store.save(make_state(seed), run="run", step=seed)
             print(gen.id, flush=True)
     """
@@ -262,7 +263,7 @@ def test_sigkill_at_a_random_moment_of_repeated_saves(gen1_store: Path) -> None:
             assert_state_equal(store.load(RUN), make_state(latest.step))
             # One more advance reconciles the reflog if the kill hit between the
             # ref replace and the reflog append.
-            store.save(make_state(7), run=RUN, step=7)
+            store.save(make_state(7), run=RUN, step=latest.step + 1)
             records = store.refs.reflog(RUN)
             assert [r["generation"] for r in records] == list(range(1, len(gens) + 2))
         result = cli_verify_deep(gen1_store)

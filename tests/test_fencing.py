@@ -125,6 +125,19 @@ def test_a_restarted_job_fences_the_old_one_on_every_backend(place: Place) -> No
     assert latest.writer is not None and latest.writer.job == "CASTORE_JOB_ID=new"
 
 
+def test_a_fenced_process_that_loads_the_run_again_resumes_it(tmp_path: Path) -> None:
+    place = Place("local", str(tmp_path / "store"))
+    with writers(place, "first", "second") as (first, second):
+        assert first.save(1)["ok"]
+        assert second("load")["step"] == 1 and second.save(2)["ok"]
+        assert first.save(3)["error"] == "FencedError"
+        assert first("load")["step"] == 2  # a resume: its next save claims the run again
+        assert first.save(3)["ok"]
+        assert second.save(4)["error"] == "FencedError"
+    assert steps(place) == [1, 2, 3]
+    assert ref(place).epoch == 3
+
+
 @pytest.mark.parametrize("mode", ["async", "dist", "train", "dcp"])
 def test_every_save_path_is_fenced(tmp_path: Path, mode: str) -> None:
     place = Place("local", str(tmp_path / "store"))

@@ -189,7 +189,7 @@ def test_broken_control_lmdb_writes_through_a_symlinked_lock_file_without_the_ch
     os.symlink(target, store_path / "chunks/lock.mdb")
     before = snapshot(outside)
 
-    def no_checks(path: Path) -> int:  # what LmdbBackend did before
+    def no_checks(path: Path, *, create: bool = True) -> int:  # what LmdbBackend did before
         return (path / "data.mdb").stat().st_size
 
     monkeypatch.setattr(lmdb_backend, "_check_environment_files", no_checks)

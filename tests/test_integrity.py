@@ -92,7 +92,9 @@ def point_ref_at(store: Store, run: str, data: bytes, generation: int = 1) -> by
     store.refs.advance(
         run,
         expected=current.root if current else None,
-        new=RefValue(run, generation, Digest(digest), time.time()),
+        new=RefValue(
+            run, generation, Digest(digest), time.time(), epoch=current.epoch if current else 0
+        ),
     )
     return digest
 
@@ -394,7 +396,7 @@ def test_a_ref_whose_generation_disagrees_with_its_root_is_corrupt(
     ref = store.refs.read(RUN)
     assert ref is not None
     store.refs.advance(
-        RUN, expected=ref.root, new=RefValue(RUN, 5, ref.root, time.time())
+        RUN, expected=ref.root, new=RefValue(RUN, 5, ref.root, time.time(), epoch=ref.epoch)
     )  # same root, generation 5: the root itself says 1
     with pytest.raises(CorruptObjectError, match="ref names generation 5, its root says 1"):
         store.load(RUN)

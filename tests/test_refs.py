@@ -58,6 +58,12 @@ def counts(store: Store) -> tuple[int, int]:
 # -- compare-and-swap -----------------------------------------------------------
 
 
+def next_value(store: Store, generation: int, root: Digest) -> RefValue:
+    """A new value of RUN's ref under the writer epoch it names now (castore.fencing)."""
+    current = store.refs.read(RUN)
+    return RefValue(RUN, generation, root, time.time(), epoch=current.epoch if current else 0)
+
+
 def test_advance_from_a_stale_root_conflicts_and_leaves_the_ref(store: Store) -> None:
     g1 = store.save(make_state(1), run=RUN, step=1)
     g2 = store.save(make_state(2), run=RUN, step=2)
@@ -66,7 +72,7 @@ def test_advance_from_a_stale_root_conflicts_and_leaves_the_ref(store: Store) ->
 
     stale = Digest.from_hex(g1.root)
     with pytest.raises(RefConflictError, match="ref moved") as info:
-        store.refs.advance(RUN, expected=stale, new=RefValue(RUN, 3, stale, time.time()))
+        store.refs.advance(RUN, expected=stale, new=next_value(store, 3, stale))
     assert info.value.run == RUN
 
     assert ref_file(store).read_bytes() == before
@@ -76,12 +82,12 @@ def test_advance_from_a_stale_root_conflicts_and_leaves_the_ref(store: Store) ->
 
     # expected=None ("no ref yet") is stale too once the run exists.
     with pytest.raises(RefConflictError):
-        store.refs.advance(RUN, expected=None, new=RefValue(RUN, 3, stale, time.time()))
+        store.refs.advance(RUN, expected=None, new=next_value(store, 3, stale))
     assert ref_file(store).read_bytes() == before
 
     # Control: the right expected value advances.
     current = Digest.from_hex(g2.root)
-    store.refs.advance(RUN, expected=current, new=RefValue(RUN, 3, stale, time.time()))
+    store.refs.advance(RUN, expected=current, new=next_value(store, 3, stale))
     assert store.refs.read(RUN) is not None and store.refs.read(RUN).generation == 3
 
 
@@ -100,9 +106,7 @@ def test_generation_ids_must_increase(store: Store, generation: int) -> None:
     before = ref_file(store).read_bytes()
     current = Digest.from_hex(g2.root)
     with pytest.raises(RefConflictError, match="generation ids must increase"):
-        store.refs.advance(
-            RUN, expected=current, new=RefValue(RUN, generation, current, time.time())
-        )
+        store.refs.advance(RUN, expected=current, new=next_value(store, generation, current))
     assert ref_file(store).read_bytes() == before
     assert store.save(make_state(3), run=RUN, step=3).id == 3  # control
 
@@ -125,7 +129,7 @@ def test_save_racing_another_save_conflicts(store: Store, monkeypatch: pytest.Mo
 
     monkeypatch.setattr(store_module, "fault_point", other_save_publishes_first)
     with pytest.raises(RefConflictError, match="reload and retry"):
-        store.save(make_state(10), run=RUN, step=10)
+        store.save(make_state(10), run=RUN, step=30)
     monkeypatch.undo()
 
     assert winner and winner[0].id == 2 and winner[0].parent == g1.root
@@ -134,7 +138,7 @@ def test_save_racing_another_save_conflicts(store: Store, monkeypatch: pytest.Mo
     assert_state_equal(store.load(RUN), make_state(20))
     assert [r["generation"] for r in store.refs.reflog(RUN)] == [1, 2]
     # A retry bases itself on the winner.
-    g3 = store.save(make_state(10), run=RUN, step=10)
+    g3 = store.save(make_state(10), run=RUN, step=30)
     assert g3.id == 3 and g3.parent == winner[0].root
 
 
@@ -147,7 +151,14 @@ def test_concurrent_saves_with_retry_give_a_gapless_chain(store: Store) -> None:
             for i in range(per_thread):
                 while True:
                     try:
-                        store.save(make_state(seed * 100 + i), run=RUN, step=seed * 100 + i)
+                        # One process is one writer: its steps may not go back, so the
+                        # saver is told apart by metadata, not by step.
+                        store.save(
+                            make_state(seed * 100 + i),
+                            run=RUN,
+                            step=0,
+                            metadata={"saver": seed * 100 + i},
+                        )
                         break
                     except RefConflictError:
                         continue
@@ -164,7 +175,7 @@ def test_concurrent_saves_with_retry_give_a_gapless_chain(store: Store) -> None:
     gens = store.generations(RUN)
     assert [g.id for g in gens] == list(range(1, total + 1))
     assert all(b.parent == a.root for a, b in zip(gens[:-1], gens[1:], strict=True))
-    assert sorted(g.step for g in gens) == sorted(
+    assert sorted(g.metadata["saver"] for g in gens) == sorted(
         t * 100 + i for t in range(threads) for i in range(per_thread)
     )
     records = store.refs.reflog(RUN)
@@ -260,7 +271,7 @@ def test_future_root_object_version_is_refused(store: Store) -> None:
     wire = root.to_wire()
     wire.update(format=999, generation=2, parent=digest.raw)
     future = _put_object(store, msgpack.packb(wire, use_bin_type=True))
-    store.refs.advance(RUN, expected=digest, new=RefValue(RUN, 2, future, time.time()))
+    store.refs.advance(RUN, expected=digest, new=next_value(store, 2, future))
 
     with pytest.raises(FormatVersionError, match="format version 999") as info:
         store.load(RUN)
