@@ -26,8 +26,8 @@ from castore.errors import (
     StoreError,
     UnsupportedValueError,
 )
+from castore.format.shard import NotLoaded, RankLocal, Shard
 from castore.history import Generation, SaveStats
-from castore.shard import NotLoaded, RankLocal, Shard
 from castore.store import Store
 
 __version__ = "0.1.0"

@@ -51,8 +51,9 @@ from castore.commit import (
 )
 from castore.errors import ChunkMissingError
 from castore.faults import fault_point
+from castore.format.objects import TensorEntry
+from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
 from castore.history import Generation
-from castore.objects import TensorEntry
 from castore.staging import (
     STAGING_MODES,
     Piece,
@@ -64,7 +65,6 @@ from castore.staging import (
     stage_leaves,
     state_bytes,
 )
-from castore.tree import EncodedTree, TensorLeaf, encode_local_state
 
 IF_BUSY = ("wait", "skip")
 # Changed-chunk staging stages whole when more than this fraction of the chunks of

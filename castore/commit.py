@@ -43,8 +43,8 @@ from castore.errors import (
 )
 from castore.faults import fault_point
 from castore.fencing import record_published, ref_for_root, root_writer, writer_epoch
-from castore.hashing import Digest, digest_bytes
-from castore.objects import (
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import (
     MAX_FIELD_DEPTH,
     TYPE_SHARD,
     GenerationRoot,
@@ -52,10 +52,16 @@ from castore.objects import (
     TensorEntry,
     encode_object,
 )
+from castore.format.tree import (
+    EncodedTree,
+    check_depth,
+    encode_local_state,
+    encode_tree,
+    tensor_names,
+)
 from castore.progress import progress_bar, progress_wanted
 from castore.reading import check_coverage, group_entries, read_object, read_root
 from castore.refs import ComposedRefStore, RefValue
-from castore.tree import EncodedTree, check_depth, encode_local_state, encode_tree, tensor_names
 
 
 class StoreParts(Protocol):

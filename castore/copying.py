@@ -47,9 +47,8 @@ from castore.errors import (
     RefConflictError,
 )
 from castore.faults import fault_point
-from castore.hashing import Digest, digest_bytes
-from castore.history import GenerationSpec
-from castore.objects import (
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import (
     TYPE_ROOT,
     TYPE_SHARD,
     GenerationRoot,
@@ -58,6 +57,7 @@ from castore.objects import (
     decode_object,
     encode_object,
 )
+from castore.history import GenerationSpec
 from castore.progress import NO_BAR, Bar, progress_bar
 from castore.refs import validate_run_name
 from castore.store import Store

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from castore.hashing import digest_bytes
+from castore.format.hashing import digest_bytes
 
 STATE_VERSION = 1
 

@@ -72,7 +72,6 @@ from castore.commit import (
     root_stats,
     write_shard,
 )
-from castore.dtypes import SUPPORTED_DTYPES, torch_dtype
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -80,15 +79,23 @@ from castore.errors import (
     RefConflictError,
     UnsupportedValueError,
 )
-from castore.hashing import Digest
+from castore.format.dtypes import SUPPORTED_DTYPES, torch_dtype
+from castore.format.hashing import Digest
+from castore.format.layout import Box
+from castore.format.objects import GenerationRoot
+from castore.format.shard import Shard
+from castore.format.tree import (
+    EXT_TENSOR,
+    decode_tree,
+    encode_state,
+    encode_tree,
+    escape_key,
+    torch_bytes,
+)
 from castore.history import Generation
-from castore.layout import Box
-from castore.objects import GenerationRoot
 from castore.reading import allocate, box_requests
 from castore.refs import validate_run_name
-from castore.shard import Shard
 from castore.store import Store
-from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key, torch_bytes
 
 SCHEME = "castore://"
 TENSORS = "t"  # state-tree key of DCP's tensors: t/<fqn>
@@ -452,7 +459,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
 
 def _writable(target: torch.Tensor, dtype: str) -> np.ndarray | None:
     """The target's own bytes, when chunks can be delivered straight into them."""
-    from castore.dtypes import name_of_torch_dtype
+    from castore.format.dtypes import name_of_torch_dtype
 
     if target.device.type != "cpu" or not target.is_contiguous():
         return None

@@ -61,14 +61,14 @@ from castore.errors import (
     LayoutMismatchError,
 )
 from castore.faults import fault_point
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import GenerationRoot
+from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 from castore.history import Generation
-from castore.objects import GenerationRoot
 from castore.refs import RefValue, validate_run_name
 from castore.restore import LoadReport, LoadResult, load
 from castore.staging import leaf_nbytes
 from castore.store import Store, annotate_interrupt, check_step, digests_of
-from castore.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 
 __all__ = ["LoadReport", "LoadResult", "PendingSave", "load", "save"]
 

@@ -31,11 +31,11 @@ from typing import Any
 
 import numpy as np
 
-from castore import dtypes
 from castore.chunkio import ChunkRequest, read_requests
 from castore.errors import TensorNotFoundError, UnsupportedValueError
-from castore.layout import Box
-from castore.objects import TensorEntry
+from castore.format import dtypes
+from castore.format.layout import Box
+from castore.format.objects import TensorEntry
 from castore.progress import NO_BAR, Bar, progress_bar
 from castore.reading import box_requests, check_coverage
 from castore.store import Store

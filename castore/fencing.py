@@ -42,8 +42,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from castore.errors import ConcurrentWriterWarning, FencedError, StepOrderError
-from castore.hashing import Digest
-from castore.objects import GenerationRoot
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot
 from castore.refs import RefValue
 from castore.repo.records import Writer
 

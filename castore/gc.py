@@ -54,9 +54,9 @@ from castore.errors import (
     StoreNotFoundError,
 )
 from castore.faults import fault_point
-from castore.hashing import Digest
+from castore.format.hashing import Digest
+from castore.format.objects import TYPE_SHARD, GenerationRoot, ShardManifest
 from castore.history import Generation
-from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest
 from castore.progress import Bar, Phases, format_size, progress_bar
 from castore.readonly import refuse_unwritable
 from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, validate_run_name

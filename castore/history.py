@@ -30,10 +30,10 @@ from castore.errors import (
     LostRunError,
     ObjectMissingError,
 )
-from castore.hashing import Digest
-from castore.objects import GenerationRoot
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot
+from castore.format.tree import decode_tree
 from castore.refs import ComposedRefStore, RefValue, validate_run_name
-from castore.tree import decode_tree
 
 GenerationSpec = int | str
 

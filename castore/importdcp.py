@@ -6,7 +6,7 @@ types allowed (the reader's ``pickle.load`` would run what a hostile file
 names). The metadata lists every tensor's saved chunks (offsets and sizes in
 the global tensor), and the reader's ``read_data`` loads each chunk with
 ``torch.load(weights_only=True)``.
-Each saved chunk becomes one castore box (a :class:`~castore.objects.TensorEntry`
+Each saved chunk becomes one castore box (a :class:`~castore.format.objects.TensorEntry`
 with the chunk's offsets and local shape) in the shard of the writer whose
 ``.distcp`` file held it, so the generation has the checkpoint's sharding and
 world size. Chunks are read and written one at a time: memory holds one chunk.
@@ -29,13 +29,13 @@ from typing import Any
 
 from castore.chunkio import WriteStats, write_leaves
 from castore.commit import build_shard, commit_objects, publish_writes
-from castore.dtypes import name_of_torch_dtype
 from castore.errors import ImportSourceError
+from castore.format.dtypes import name_of_torch_dtype
+from castore.format.objects import TensorEntry
+from castore.format.tree import TensorLeaf, encode_state, join_path, torch_bytes
 from castore.importer import DCP_METADATA
-from castore.objects import TensorEntry
 from castore.progress import Bar, progress_bar
 from castore.store import Store, check_step
-from castore.tree import TensorLeaf, encode_state, join_path, torch_bytes
 
 
 class _ChunkPlanner:

@@ -21,7 +21,6 @@ from typing import Any
 
 import numpy as np
 
-from castore import dtypes
 from castore.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.errors import (
@@ -33,9 +32,10 @@ from castore.errors import (
     ObjectMissingError,
     TensorNotFoundError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.layout import Box, normalize_index, plan_copy
-from castore.objects import (
+from castore.format import dtypes
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.layout import Box, normalize_index, plan_copy
+from castore.format.objects import (
     TYPE_ROOT,
     TYPE_SHARD,
     GenerationRoot,
@@ -43,8 +43,8 @@ from castore.objects import (
     TensorEntry,
     decode_object,
 )
+from castore.format.tree import decode_local_state, decode_tree, torch_bytes
 from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
-from castore.tree import decode_local_state, decode_tree, torch_bytes
 
 # -- objects ------------------------------------------------------------------
 

@@ -33,7 +33,7 @@ from castore.chunkstore.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DB
 from castore.chunkstore.lmdb_file import DATA_FILE, read_committed_meta
 from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
 from castore.errors import CastoreError, StoreNotFoundError
-from castore.hashing import digest_bytes
+from castore.format.hashing import digest_bytes
 from castore.progress import NO_BAR, Bar, Phases, format_size, progress_bar
 from castore.readonly import refuse_unwritable
 from castore.refs import RefStore, fsync_dir

@@ -22,7 +22,7 @@ from castore.chunkio import shared_pool
 from castore.chunkstore.base import Namespace
 from castore.errors import IntegrityError
 from castore.fencing import ref_for_root
-from castore.hashing import digest_bytes
+from castore.format.hashing import digest_bytes
 from castore.progress import NO_BAR, Bar, progress_bar
 from castore.refs import DEFAULT_LOCK_TIMEOUT
 from castore.verify import verify_store

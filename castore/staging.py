@@ -37,7 +37,7 @@ import numpy as np
 from castore.chunkio import cut_chunks, digests_in_order
 from castore.errors import CastoreError
 from castore.faults import fault_point
-from castore.tree import TensorLeaf
+from castore.format.tree import TensorLeaf
 
 # The largest piece: big tensors are staged and handed on this many bytes at a
 # time (rounded down to whole chunks), so a writer can start on a tensor early.

@@ -12,7 +12,7 @@ Write order (invariant 1): chunks committed, then manifest objects committed,
 then the ref advanced (:mod:`castore.commit`). Reads live in
 :mod:`castore.reading`, a run's published generations in
 :mod:`castore.history`; the methods here delegate to them. This module knows
-nothing of torch; tensors from torch are handled by :mod:`castore.tree`,
+nothing of torch; tensors from torch are handled by :mod:`castore.format.tree`,
 which imports torch only when it sees one.
 """
 
@@ -46,9 +46,10 @@ from castore.errors import (
     NoValidGenerationError,
     UnsupportedValueError,
 )
-from castore.hashing import Digest
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
+from castore.format.tree import encode_state
 from castore.history import Generation, GenerationSpec, SaveStats, Skipped
-from castore.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.progress import NO_BAR, Bar
 from castore.reading import (
     ChunkDelivery,
@@ -60,7 +61,6 @@ from castore.reading import (
 from castore.readonly import ReadOnly
 from castore.refs import ComposedRefStore, RefStore, RefValue, validate_run_name
 from castore.repo.base import LockHold
-from castore.tree import encode_state
 
 # Some of these now live in castore.reading, castore.history and castore.commit;
 # they are re-exported so that importers of castore.store keep finding them.

@@ -29,7 +29,7 @@ from castore.errors import (
     UnsupportedBackendError,
     UnsupportedOperationError,
 )
-from castore.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
+from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.readonly import ReadOnly
 from castore.refs import OPEN_LOCK, RefStore, fsync_dir
 from castore.repo.base import LockHold

@@ -54,12 +54,12 @@ from castore.errors import (
     ResumeMismatchError,
     SaveBoundaryError,
 )
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.shard import RankLocal
+from castore.format.tree import decode_tree
 from castore.history import Generation, Skipped
 from castore.restore import LoadReport, agree_on_candidates, agree_on_root
-from castore.shard import RankLocal
 from castore.store import Store
-from castore.tree import decode_tree
 
 RNG_VERSION = 1
 TRAIN_FORMAT = 1  # the layout of the state tree and data-order record below

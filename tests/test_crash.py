@@ -25,7 +25,7 @@ from _helpers import assert_state_equal
 import castore
 from castore.chunkstore.base import Namespace
 from castore.faults import POINTS, InjectedFault
-from castore.objects import decode_object
+from castore.format.objects import decode_object
 
 pytestmark = pytest.mark.slow
 

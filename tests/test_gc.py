@@ -36,7 +36,7 @@ from castore.errors import (
     InvalidNameError,
     StoreLockedError,
 )
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
 from castore.verify import verify_store
 
 CHUNK = 1024

@@ -42,9 +42,9 @@ from castore.commit import (
     write_shard,
 )
 from castore.errors import ChunkMissingError, GenerationNotFoundError, StoreLockedError
+from castore.format.tree import encode_state
 from castore.gc import DELETE_BATCH, RetentionPolicy, collect_garbage
 from castore.store import encode_metadata, framework_versions
-from castore.tree import encode_state
 from castore.verify import verify_store
 
 pytestmark = pytest.mark.slow

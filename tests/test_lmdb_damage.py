@@ -30,8 +30,8 @@ import castore.gc as gc_module
 from castore import Store
 from castore.chunkstore.base import Namespace
 from castore.errors import CastoreError, IndexCorruptError, IntegrityError, StoreFullError
+from castore.format.hashing import digest_bytes
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage
-from castore.hashing import digest_bytes
 from castore.rebuild import rebuild_index
 from castore.verify import verify_store
 

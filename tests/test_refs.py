@@ -28,8 +28,8 @@ from castore.errors import (
     StoreNotFoundError,
     UnsupportedValueError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.objects import GenerationRoot, ShardManifest, encode_object
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import GenerationRoot, ShardManifest, encode_object
 from castore.refs import REF_MAGIC, RefValue
 from castore.verify import verify_store
 

@@ -69,11 +69,11 @@ from castore.errors import (
     CorruptRefError,
     ObjectMissingError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.objects import GenerationRoot, TensorEntry, encode_object
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import GenerationRoot, TensorEntry, encode_object
+from castore.format.tree import encode_state
 from castore.refs import encode_ref
 from castore.store import FallbackWarning
-from castore.tree import encode_state
 from castore.verify import verify_store
 
 RUN = "run"

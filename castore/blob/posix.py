@@ -79,7 +79,7 @@ from castore.errors import (
     UnsupportedBackendError,
 )
 from castore.faults import fault_point
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
 from castore.safefs import kind_of, write_all, writing
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC

@@ -69,7 +69,7 @@ from castore.errors import (
     UnsupportedBackendError,
 )
 from castore.faults import fault_point
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
 
 MIB = 1 << 20
 AWS_MIN_PART = 5 * MIB  # every part but the last (AWS multipart limits)

@@ -64,7 +64,7 @@ from castore.errors import (
     StoreError,
 )
 from castore.faults import fault_point
-from castore.hashing import Buffer, digest_bytes
+from castore.format.hashing import Buffer, digest_bytes
 
 PACK_PREFIX = "packs/"
 INDEX_PREFIX = "index/"

@@ -74,7 +74,7 @@ from castore.chunkstore.packfile import (
 )
 from castore.errors import IndexCorruptError, StoreError, StoreFullError
 from castore.faults import fault_point
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
 from castore.readonly import ReadOnly
 from castore.refs import fsync_dir
 from castore.safefs import (

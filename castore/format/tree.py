@@ -17,14 +17,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from castore.dtypes import (
+from castore.errors import CastoreError, CorruptObjectError, UnsupportedValueError
+from castore.format.dtypes import (
     SUPPORTED_DTYPES,
     name_of_numpy_dtype,
     name_of_torch_dtype,
     numpy_dtype,
 )
-from castore.errors import CastoreError, CorruptObjectError, UnsupportedValueError
-from castore.shard import RankLocal, Shard
+from castore.format.shard import RankLocal, Shard
 
 EXT_TUPLE = 1
 EXT_TENSOR = 2

@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from castore.errors import StoreLockedError
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
 from castore.repo.base import AroundSwap, LockHold, Reflog, RefTable, StoreLocks, TagTable
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,

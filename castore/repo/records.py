@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from castore.errors import FencedError, InvalidNameError, RefConflictError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 
 DEFAULT_LOCK_TIMEOUT = 30.0
 # How long a save waits for a running garbage collection to finish.

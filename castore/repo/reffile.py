@@ -20,7 +20,7 @@ from pathlib import Path
 import msgpack
 
 from castore.errors import CorruptRefError, FormatVersionError
-from castore.hashing import DIGEST_SIZE, Digest, digest_bytes
+from castore.format.hashing import DIGEST_SIZE, Digest, digest_bytes
 from castore.repo.records import RefValue, Writer
 from castore.safefs import open_store_file, read_store_file, write_all, write_error, writing
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from castore.errors import CastoreError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 from castore.readonly import ReadOnly
 from castore.repo.base import (
     AroundSwap,

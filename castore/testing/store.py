@@ -21,8 +21,8 @@ from castore.errors import (
     RefConflictError,
     StoreLockedError,
 )
+from castore.format.hashing import Digest
 from castore.gc import RetentionPolicy, collect_garbage, disk_usage, tag, untag
-from castore.hashing import Digest
 from castore.refs import RefValue
 from castore.repair import repair_store
 from castore.store import FallbackWarning, Store
