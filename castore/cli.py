@@ -23,13 +23,13 @@ import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli_args import COLLAPSE_AT, build_parser
+from castore.core.history import Generation
 from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.format.tree import decode_tree
-from castore.history import Generation
 from castore.importer import check_source, import_checkpoint
-from castore.progress import format_size as format_bytes
 from castore.repair import repair_store
 from castore.store import Store
+from castore.support.progress import format_size as format_bytes
 
 EXIT_PROBLEMS = 1
 DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the rest

@@ -58,10 +58,10 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from castore import fencing
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
-from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
-from castore.commit import (
+from castore.core import fencing
+from castore.core.chunkio import ChunkRequest, WriteStats, read_agree_deliver
+from castore.core.commit import (
     CheckedShards,
     claim_writer,
     commit_objects,
@@ -72,6 +72,8 @@ from castore.commit import (
     root_stats,
     write_shard,
 )
+from castore.core.history import Generation
+from castore.core.reading import allocate, box_requests
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -92,8 +94,6 @@ from castore.format.tree import (
     escape_key,
     torch_bytes,
 )
-from castore.history import Generation
-from castore.reading import allocate, box_requests
 from castore.refs import validate_run_name
 from castore.store import Store
 
@@ -329,7 +329,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
         assert self.run is not None
         parent = self.store.refs.read(self.run)
         # Refused before any rank writes when this job may not save the run
-        # (castore.fencing); finish checks again under the store lock.
+        # (castore.core.fencing); finish checks again under the store lock.
         claim_writer(self.store, self.run, parent, self.step, warn=False)
         writers = [i for i, plan in enumerate(plans) if plan.items]
         proposal = {

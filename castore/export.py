@@ -31,14 +31,14 @@ from typing import Any
 
 import numpy as np
 
-from castore.chunkio import ChunkRequest, read_requests
+from castore.core.chunkio import ChunkRequest, read_requests
+from castore.core.reading import box_requests, check_coverage
 from castore.errors import TensorNotFoundError, UnsupportedValueError
 from castore.format import dtypes
 from castore.format.layout import Box
 from castore.format.objects import TensorEntry
-from castore.progress import NO_BAR, Bar, progress_bar
-from castore.reading import box_requests, check_coverage
 from castore.store import Store
+from castore.support.progress import NO_BAR, Bar, progress_bar
 
 DEFAULT_BUFFER_SIZE = 8 * 2**20
 WRITEBACK_BYTES = 32 * 2**20

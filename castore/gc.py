@@ -47,20 +47,20 @@ from pathlib import Path
 from typing import Any
 
 from castore.chunkstore.base import Namespace
+from castore.core.history import Generation
 from castore.errors import (
     CastoreError,
     GenerationNotFoundError,
     IntegrityError,
     StoreNotFoundError,
 )
-from castore.faults import fault_point
 from castore.format.hashing import Digest
 from castore.format.objects import TYPE_SHARD, GenerationRoot, ShardManifest
-from castore.history import Generation
-from castore.progress import Bar, Phases, format_size, progress_bar
-from castore.readonly import refuse_unwritable
 from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, validate_run_name
 from castore.store import Store
+from castore.support.faults import fault_point
+from castore.support.progress import Bar, Phases, format_size, progress_bar
+from castore.support.readonly import refuse_unwritable
 
 DELETE_BATCH = 1024  # keys per delete transaction
 # A pack less than this fraction live is rewritten by a collection; compact rewrites all.
@@ -574,7 +574,7 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     from castore.chunkstore.lmdb_backend import LmdbBackend
 
     started = time.perf_counter()
-    from castore.storedir import MARKER, _read_marker, local_lmdb_store
+    from castore.core.opening import MARKER, _read_marker, local_lmdb_store
 
     root = local_lmdb_store(
         path,

@@ -34,9 +34,9 @@ from castore.chunkstore.lmdb_file import DATA_FILE, read_committed_meta
 from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
 from castore.errors import CastoreError, StoreNotFoundError
 from castore.format.hashing import digest_bytes
-from castore.progress import NO_BAR, Bar, Phases, format_size, progress_bar
-from castore.readonly import refuse_unwritable
 from castore.refs import RefStore, fsync_dir
+from castore.support.progress import NO_BAR, Bar, Phases, format_size, progress_bar
+from castore.support.readonly import refuse_unwritable
 
 _OBJECTS_DB = Namespace.OBJECTS.value.encode()
 
@@ -60,7 +60,7 @@ def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> Re
     ``progress=True``: phase lines and a bar of the pack bytes re-hashed, on stderr
     (a terminal).
     """
-    from castore.storedir import MARKER, _read_marker, local_lmdb_store
+    from castore.core.opening import MARKER, _read_marker, local_lmdb_store
 
     started = time.perf_counter()
     root = local_lmdb_store(

@@ -18,13 +18,13 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from castore.chunkio import shared_pool
 from castore.chunkstore.base import Namespace
+from castore.core.chunkio import shared_pool
+from castore.core.fencing import ref_for_root
 from castore.errors import IntegrityError
-from castore.fencing import ref_for_root
 from castore.format.hashing import digest_bytes
-from castore.progress import NO_BAR, Bar, progress_bar
 from castore.refs import DEFAULT_LOCK_TIMEOUT
+from castore.support.progress import NO_BAR, Bar, progress_bar
 from castore.verify import verify_store
 
 if TYPE_CHECKING:

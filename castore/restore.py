@@ -16,9 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from castore import errors, fencing
+from castore import errors
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
-from castore.chunkio import ChunkRequest, read_agree_deliver
+from castore.core import fencing
+from castore.core.chunkio import ChunkRequest, read_agree_deliver
+from castore.core.history import Generation, Skipped
+from castore.core.reading import (
+    allocate,
+    box_requests,
+    check_coverage,
+    check_framework,
+    framework_for,
+    numpy_as_torch,
+)
 from castore.errors import (
     CorruptObjectError,
     IntegrityError,
@@ -33,15 +43,6 @@ from castore.format.layout import Box
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.format.shard import NotLoaded, Shard
 from castore.format.tree import decode_tree, join_path, torch_bytes
-from castore.history import Generation, Skipped
-from castore.reading import (
-    allocate,
-    box_requests,
-    check_coverage,
-    check_framework,
-    framework_for,
-    numpy_as_torch,
-)
 from castore.refs import validate_run_name
 from castore.store import Store
 

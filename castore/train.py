@@ -44,7 +44,8 @@ import torch
 
 from castore import dist as castore_dist
 from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, own_groups, raise_failures
-from castore.background import AsyncOptions
+from castore.core.background import AsyncOptions
+from castore.core.history import Generation, Skipped
 from castore.data import ResumableDistributedSampler
 from castore.errors import (
     CorruptObjectError,
@@ -57,7 +58,6 @@ from castore.errors import (
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.shard import RankLocal
 from castore.format.tree import decode_tree
-from castore.history import Generation, Skipped
 from castore.restore import LoadReport, agree_on_candidates, agree_on_root
 from castore.store import Store
 

@@ -61,7 +61,7 @@ def publish_forged(store: Store, run: str, root_wire: Wire, shard_wires: list[Wi
     root_bytes = _packed(root_wire)
     root_digest = Digest(put_object(store, root_bytes))
     # The ref stays well-formed: only the objects lie.
-    # ...under the writer epoch the ref already names (castore.fencing).
+    # ...under the writer epoch the ref already names (castore.core.fencing).
     new = RefValue(run, generation, root_digest, time.time(), epoch=current.epoch)
     store.refs.advance(run, expected=parent, new=new)
     return generation

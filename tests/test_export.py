@@ -32,7 +32,7 @@ import castore
 from castore import Shard, Store
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb_backend import LmdbBackend
-from castore.commit import (
+from castore.core.commit import (
     commit_objects,
     publish_writes,
     write_shard,

@@ -189,7 +189,7 @@ def test_the_property_catches_a_reader_that_skips_validation(
     saved: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Broken control: without the entry checks, a short entry returns bytes nobody wrote."""
-    import castore.reading as reading_module
+    import castore.core.reading as reading_module
     from castore.format.objects import TensorEntry
 
     allocate = reading_module.allocate

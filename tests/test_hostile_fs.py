@@ -26,7 +26,7 @@ from _helpers import assert_state_equal
 
 import castore
 import castore.chunkstore.lmdb_backend as lmdb_backend
-import castore.storedir as storedir
+import castore.core.opening as opening
 from castore.errors import (
     CastoreError,
     NotAStoreError,
@@ -518,14 +518,14 @@ def test_a_store_created_between_the_marker_check_and_the_listing_is_opened(
     """The race made deterministic: another process creates the store inside the window."""
     path = tmp_path / "store"
     path.mkdir()
-    real_is_empty = storedir._is_empty
+    real_is_empty = opening._is_empty
 
     def another_rank_wins(root: Path) -> bool:
         code = f"import castore; castore.open({str(root)!r}, chunk_size=512).close()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=_env())
         return real_is_empty(root)
 
-    monkeypatch.setattr(storedir, "_is_empty", another_rank_wins)
+    monkeypatch.setattr(opening, "_is_empty", another_rank_wins)
     with castore.open(path) as store:
         assert store.chunk_size == 512  # the winner's marker, read after the re-check
 

@@ -12,7 +12,7 @@ from collections.abc import Iterable, Iterator
 
 from castore.blob.base import BlobStore, Version
 from castore.format.hashing import Buffer
-from castore.readonly import ReadOnly
+from castore.support.readonly import ReadOnly
 
 
 class ReadOnlyBlobStore(BlobStore):

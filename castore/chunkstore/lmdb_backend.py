@@ -73,11 +73,11 @@ from castore.chunkstore.packfile import (
     scan_pack,
 )
 from castore.errors import IndexCorruptError, StoreError, StoreFullError
-from castore.faults import fault_point
 from castore.format.hashing import Buffer
-from castore.readonly import ReadOnly
 from castore.refs import fsync_dir
-from castore.safefs import (
+from castore.support.faults import fault_point
+from castore.support.readonly import ReadOnly
+from castore.support.safefs import (
     DISK_FULL,
     is_store_dir,
     make_store_dir,

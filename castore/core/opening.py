@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from castore import readonly as readonly_mode
-from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.core.chunkio import DEFAULT_CHUNK_SIZE
 from castore.errors import (
     FormatVersionError,
     NotAStoreError,
@@ -30,11 +29,12 @@ from castore.errors import (
     UnsupportedOperationError,
 )
 from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
-from castore.readonly import ReadOnly
 from castore.refs import OPEN_LOCK, RefStore, fsync_dir
 from castore.repo.base import LockHold
-from castore.safefs import open_store_file, read_store_file, write_all, writing
 from castore.store import Store
+from castore.support import readonly as readonly_mode
+from castore.support.readonly import ReadOnly
+from castore.support.safefs import open_store_file, read_store_file, write_all, writing
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
@@ -58,8 +58,8 @@ def open_store(
 
     A directory whose marker names the ``blobs`` backend, or any directory with
     ``shared=True``, is a format-3 store on a shared directory (no LMDB, no
-    ``mmap``, no ``flock``): see :mod:`castore.storeblobs`. ``readonly``: see
-    :mod:`castore.readonly` (None: read-only when the directory is not writable).
+    ``mmap``, no ``flock``): see :mod:`castore.core.storeblobs`. ``readonly``: see
+    :mod:`castore.support.readonly` (None: read-only when the directory is not writable).
     """
     root = Path(path)
     if chunk_size is not None:
@@ -166,7 +166,7 @@ def _open_shared(
     **blob_options: Any,
 ) -> Store:
     from castore.blob.posix import PosixBlobStore
-    from castore.storeblobs import open_blob_store
+    from castore.core.storeblobs import open_blob_store
 
     marker = root / MARKER
     if os.path.lexists(marker) and not _names_blobs(marker):
@@ -218,7 +218,7 @@ def open_s3_store(
     StoreAccessDeniedError from the first request.
     """
     from castore.blob.s3 import S3BlobStore
-    from castore.storeblobs import open_blob_store
+    from castore.core.storeblobs import open_blob_store
 
     if blob_options.pop("map_size", None) is not None:
         raise ValueError("map_size sizes a local store's LMDB file; an S3 store has none")
@@ -241,7 +241,7 @@ def local_lmdb_store(path: str | os.PathLike[str], doing: str, why: str) -> Path
     ``s3://`` URL, or a directory whose marker names the ``blobs`` backend):
     ``doing`` is what does not apply and ``why`` says why.
     """
-    from castore.location import parse_location
+    from castore.core.location import parse_location
 
     location = parse_location(path)
     if location.scheme == "s3" or _names_blobs(location.path / MARKER):

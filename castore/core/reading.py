@@ -6,10 +6,10 @@ tensor is rebuilt from its saved boxes: the boxes must tile it exactly once
 (:func:`check_coverage`, also the coordinator's check before a publish),
 then each box's chunks are mapped onto the destination's bytes
 (:func:`box_transfer`) and read, verified and delivered by
-:mod:`castore.chunkio`.
+:mod:`castore.core.chunkio`.
 
 :class:`~castore.Store` delegates its reads here; ``castore.restore``,
-``castore.dcp`` and ``castore.commit`` use these functions directly. Nothing
+``castore.dcp`` and ``castore.core.commit`` use these functions directly. Nothing
 here writes to the store, and nothing imports torch until a caller asks for
 a torch tensor.
 """
@@ -21,8 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from castore.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
 from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.core.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
 from castore.errors import (
     AllocationError,
     ChecksumMismatchError,
@@ -44,7 +44,7 @@ from castore.format.objects import (
     decode_object,
 )
 from castore.format.tree import decode_local_state, decode_tree, torch_bytes
-from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
+from castore.support.progress import NO_BAR, Bar, progress_bar, progress_wanted
 
 # -- objects ------------------------------------------------------------------
 

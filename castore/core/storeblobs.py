@@ -21,9 +21,9 @@ from typing import Any
 
 from castore.blob.base import BlobStore
 from castore.blob.readonly import ReadOnlyBlobStore
-from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.blobcache import IndexCache, default_cache_dir
 from castore.chunkstore.blobpacks import DEFAULT_PACK_BYTES, BlobPackBackend
+from castore.core.chunkio import DEFAULT_CHUNK_SIZE
 from castore.errors import (
     BlobExistsError,
     BlobTooLargeError,
@@ -32,10 +32,10 @@ from castore.errors import (
     StoreNotFoundError,
     UnsupportedBackendError,
 )
-from castore.readonly import ReadOnly
 from castore.repo.blobs import blob_refs
 from castore.repo.leases import DEFAULT_STORE_LEASE
 from castore.store import Store
+from castore.support.readonly import ReadOnly
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
@@ -125,7 +125,7 @@ def _read(blobs: BlobStore, where: str) -> dict[str, Any] | None:
 
 def check_blob_marker(data: bytes, where: str) -> dict[str, Any]:
     """A format-3 marker's settings, checked; the errors say what is wrong and where."""
-    from castore.storedir import check_marker_chunk_size
+    from castore.core.opening import check_marker_chunk_size
 
     try:
         config = json.loads(data)

@@ -184,7 +184,7 @@ class GenerationRoot:
     frameworks: dict[str, str] = field(default_factory=dict)
     data_order: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
-    # Who published it: host, pid, job and writer epoch (castore.fencing); roots
+    # Who published it: host, pid, job and writer epoch (castore.core.fencing); roots
     # written before epochs have none, and encode without the key.
     writer: dict[str, Any] = field(default_factory=dict)
 

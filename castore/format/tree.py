@@ -58,7 +58,7 @@ class TensorLeaf:
     local_shape: tuple[int, ...] = ()
     sharded: bool = False
     # An async save's tensor still on its GPU: its flat uint8 bytes there, copied
-    # to pinned host memory by castore.staging (``data`` is then empty).
+    # to pinned host memory by castore.core.staging (``data`` is then empty).
     device_bytes: Any = None
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ A ref advance is a compare-and-swap under the run's exclusive ``flock``:
 re-read the current value while holding the lock, refuse if it is not what the
 writer based its generation on, then replace the file (temp, fsync, rename,
 fsync of the directory). Every file is opened without following symlinks
-(castore.safefs): a store from an untrusted source cannot redirect a write.
+(castore.support.safefs): a store from an untrusted source cannot redirect a write.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ from castore.repo.records import (
 )
 from castore.repo.reffile import encode_ref, fsync_dir, read_ref_file, replace_file
 from castore.repo.refstore import ComposedRefStore, RepoParts
-from castore.safefs import (
+from castore.support.safefs import (
     is_store_dir,
     make_store_dir,
     open_store_file,

@@ -243,8 +243,8 @@ def memory_store(chunk_size: int | None = None, *, name: str = "memory") -> Stor
     load, generations, tags, gc, verify, repair, du); it is lost when the
     store is dropped. ``name`` appears in messages (``memory:NAME``).
     """
-    from castore.chunkio import DEFAULT_CHUNK_SIZE
     from castore.chunkstore.memory import MemoryBackend
+    from castore.core.chunkio import DEFAULT_CHUNK_SIZE
     from castore.format.objects import MAX_CHUNK_SIZE
     from castore.store import Store  # here: castore.store imports the repository modules
 

@@ -79,7 +79,7 @@ class RefValue:
 
     A ref written by a save also says the generation's ``step``, the writer
     epoch of the process that published it and who that was
-    (:mod:`castore.fencing`); refs written before epochs existed have epoch 0,
+    (:mod:`castore.core.fencing`); refs written before epochs existed have epoch 0,
     no step and no writer. Tags leave them at their defaults.
     """
 

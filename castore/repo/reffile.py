@@ -22,7 +22,7 @@ import msgpack
 from castore.errors import CorruptRefError, FormatVersionError
 from castore.format.hashing import DIGEST_SIZE, Digest, digest_bytes
 from castore.repo.records import RefValue, Writer
-from castore.safefs import open_store_file, read_store_file, write_all, write_error, writing
+from castore.support.safefs import open_store_file, read_store_file, write_all, write_error, writing
 
 REF_MAGIC = b"CASTREF\n"
 REF_VERSION = 1

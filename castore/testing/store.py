@@ -197,7 +197,7 @@ class StoreTests:
             for _ in range(200):
                 try:
                     # One step for all: saves racing from one process are one writer,
-                    # and a step below the latest would be refused (castore.fencing).
+                    # and a step below the latest would be refused (castore.core.fencing).
                     store.save(state(seed), run="r", step=7)
                     return
                 except RefConflictError:
