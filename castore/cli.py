@@ -436,7 +436,7 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def _rebuild(path: str) -> None:
-    from castore.rebuild import rebuild_index
+    from castore.chunkstore.lmdb.rebuild import rebuild_index
 
     report = rebuild_index(path, progress=True)
     print(

@@ -570,8 +570,8 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     """
     import lmdb
 
-    from castore.chunkstore import lmdb_env
-    from castore.chunkstore.lmdb_backend import LmdbBackend
+    from castore.chunkstore.lmdb import env as lmdb_env
+    from castore.chunkstore.lmdb.backend import LmdbBackend
 
     started = time.perf_counter()
     from castore.core.opening import MARKER, _read_marker, local_lmdb_store

@@ -31,7 +31,7 @@ from tqdm import tqdm
 import castore
 from castore import Shard, Store
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.core.commit import (
     commit_objects,
     publish_writes,

@@ -30,7 +30,7 @@ import castore
 import castore.core.commit as castore_commit
 from castore import Store, gc
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.errors import (
     GenerationNotFoundError,
     InvalidNameError,

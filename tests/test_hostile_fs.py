@@ -25,7 +25,7 @@ import pytest
 from _helpers import assert_state_equal
 
 import castore
-import castore.chunkstore.lmdb_backend as lmdb_backend
+import castore.chunkstore.lmdb.backend as lmdb_backend
 import castore.core.opening as opening
 from castore.errors import (
     CastoreError,
@@ -536,7 +536,7 @@ def test_a_map_grown_by_another_process_during_open_is_adopted(
     chunks = store_path / "chunks"
     real_open = lmdb_backend.lmdb.open
     grow = (
-        "from castore.chunkstore.lmdb_backend import LmdbBackend\n"
+        "from castore.chunkstore.lmdb.backend import LmdbBackend\n"
         "from castore.chunkstore.base import Namespace\n"
         f"b = LmdbBackend({str(chunks)!r}, map_size=1 << 20)\n"
         "b.put_many(Namespace.OBJECTS, [(bytes([i]) * 32, bytes(64 << 10)) for i in range(64)])\n"

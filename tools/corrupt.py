@@ -53,7 +53,7 @@ from tabulate import tabulate
 import castore
 from castore import RankLocal, Shard, Store
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.core.commit import (
     COORDINATOR_FAULTS,
     ShardWrite,

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.core.chunkio import DEFAULT_CHUNK_SIZE
 from castore.errors import (
     FormatVersionError,

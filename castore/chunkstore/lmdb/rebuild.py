@@ -26,11 +26,11 @@ from typing import Any
 
 import lmdb
 
-from castore.chunkstore import lmdb_env
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import Location, _pack_id
-from castore.chunkstore.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DB
-from castore.chunkstore.lmdb_file import DATA_FILE, read_committed_meta
+from castore.chunkstore.lmdb import env as lmdb_env
+from castore.chunkstore.lmdb.backend import Location, _pack_id
+from castore.chunkstore.lmdb.env import DEFAULT_MAP_SIZE, INDEX_DB
+from castore.chunkstore.lmdb.file import DATA_FILE, read_committed_meta
 from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
 from castore.errors import CastoreError, StoreNotFoundError
 from castore.format.hashing import digest_bytes
