@@ -175,7 +175,7 @@ def staggered(rank: int, world_size: int, path: str, stagger_s: float) -> dict[s
 
     import castore
     import castore.dist
-    from castore._comm import DEFAULT_TIMEOUT, own_groups
+    from castore.dist.comm import DEFAULT_TIMEOUT, own_groups
 
     own_groups(None, DEFAULT_TIMEOUT)  # made before the clocks start: its creation is collective
     with _open(path) as store:
@@ -199,7 +199,7 @@ def skewed(rank: int, world_size: int, path: str, skew_s: float) -> dict[str, An
 
     import castore
     import castore.dist
-    from castore._comm import DEFAULT_TIMEOUT, own_groups
+    from castore.dist.comm import DEFAULT_TIMEOUT, own_groups
 
     own_groups(None, DEFAULT_TIMEOUT)
     with _open(path) as store:

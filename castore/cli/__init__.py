@@ -22,7 +22,7 @@ from tabulate import tabulate
 import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
-from castore.cli_args import COLLAPSE_AT, build_parser
+from castore.cli.args import COLLAPSE_AT, build_parser
 from castore.core.history import Generation
 from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.format.tree import decode_tree
@@ -665,7 +665,3 @@ def _fail(message: str, held: Sequence[str] = (), code: int = EXIT_PROBLEMS) -> 
         traceback.print_exc()
     print(f"castore: error: {message}", file=sys.stderr)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

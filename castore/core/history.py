@@ -5,7 +5,7 @@ its reflog (every advance, and every generation garbage collection dropped)
 and the parent link each root carries. Everything here reads those and the
 roots they name; nothing writes. :class:`~castore.Store` delegates its
 ``resolve``, ``generations``, ``candidates`` and friends to these functions,
-and ``castore.restore``, ``castore.gc`` and ``castore.verify`` reach them
+and ``castore.dist.restore``, ``castore.gc`` and ``castore.verify`` reach them
 through the store.
 
 The store is passed as a :class:`RunHistory`: its path (for messages), its

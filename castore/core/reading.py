@@ -8,7 +8,7 @@ then each box's chunks are mapped onto the destination's bytes
 (:func:`box_transfer`) and read, verified and delivered by
 :mod:`castore.core.chunkio`.
 
-:class:`~castore.Store` delegates its reads here; ``castore.restore``,
+:class:`~castore.Store` delegates its reads here; ``castore.dist.restore``,
 ``castore.dcp`` and ``castore.core.commit`` use these functions directly. Nothing
 here writes to the store, and nothing imports torch until a caller asks for
 a torch tensor.

@@ -58,7 +58,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.core import fencing
 from castore.core.chunkio import ChunkRequest, WriteStats, read_agree_deliver
 from castore.core.commit import (
@@ -74,6 +73,7 @@ from castore.core.commit import (
 )
 from castore.core.history import Generation
 from castore.core.reading import allocate, box_requests
+from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.errors import (
     CastoreError,
     CorruptObjectError,

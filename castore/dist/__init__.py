@@ -7,7 +7,7 @@ sharded tensors cover their global shapes exactly once, and only then commits
 the root and advances the ref; the outcome is broadcast. Any failure or dead
 rank means nothing is published.
 
-Restore (invariants 4, 5) lives in :mod:`castore.restore` and is exported
+Restore (invariants 4, 5) lives in :mod:`castore.dist.restore` and is exported
 here as ``load``: each rank verifies only the chunks its target boxes overlap,
 all ranks agree, and only then does any rank write into its live tensors.
 
@@ -24,7 +24,7 @@ from typing import Any, Literal, overload
 
 import msgpack
 
-from castore._comm import (
+from castore.dist.comm import (
     DEFAULT_TIMEOUT,
     Group,
     attempt,
@@ -66,7 +66,7 @@ from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 from castore.refs import RefValue, validate_run_name
-from castore.restore import LoadReport, LoadResult, load
+from castore.dist.restore import LoadReport, LoadResult, load
 from castore.store import Store, annotate_interrupt, check_step, digests_of
 from castore.support.faults import fault_point
 

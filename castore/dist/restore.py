@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from castore import errors
-from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
+from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.core import fencing
 from castore.core.chunkio import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation, Skipped
