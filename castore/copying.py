@@ -57,7 +57,7 @@ from castore.format.objects import (
     decode_object,
     encode_object,
 )
-from castore.refs import validate_run_name
+from castore.repo.records import validate_run_name
 from castore.store import Store
 from castore.support.faults import fault_point
 from castore.support.progress import NO_BAR, Bar, progress_bar

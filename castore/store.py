@@ -57,8 +57,10 @@ from castore.errors import (
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.format.tree import encode_state
-from castore.refs import ComposedRefStore, RefStore, RefValue, validate_run_name
 from castore.repo.base import LockHold
+from castore.repo.local import RefStore
+from castore.repo.records import RefValue, validate_run_name
+from castore.repo.refstore import ComposedRefStore
 from castore.support.progress import NO_BAR, Bar
 from castore.support.readonly import ReadOnly
 
@@ -168,7 +170,7 @@ class Store:
 
     # -- lifecycle --------------------------------------------------------
 
-    def _hold_open_lock(self, hold: LockHold) -> None:
+    def hold_open_lock(self, hold: LockHold) -> None:
         """Keep ``hold`` (the shared open lock, see castore.gc.compact) until :meth:`close`.
 
         A Store dropped unclosed (a notebook cell run again rebinds it) lets go of

@@ -26,7 +26,7 @@ from castore.errors import CastoreError, GenerationNotFoundError
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot, TensorEntry
 from castore.format.tree import decode_tree, tensor_names
-from castore.refs import validate_run_name
+from castore.repo.records import validate_run_name
 from castore.support.progress import NO_BAR, Bar, progress_bar, progress_wanted
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ from castore import Store
 from castore.chunkstore.base import Namespace
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import TYPE_SHARD
-from castore.refs import RefValue
+from castore.repo.records import RefValue
 
 Wire = dict[str, Any]
 EntryMutation = Callable[[Wire], None]

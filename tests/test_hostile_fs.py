@@ -35,7 +35,8 @@ from castore.errors import (
     UnsafeStoreFileError,
 )
 from castore.gc import RetentionPolicy, collect_garbage, tag, untag
-from castore.refs import DurabilityWarning, ReflogWarning
+from castore.repo.records import ReflogWarning
+from castore.repo.reffile import DurabilityWarning
 from castore.verify import verify_store
 
 RUN = "a"

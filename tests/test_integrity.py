@@ -33,7 +33,7 @@ from castore.errors import (
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import FORMAT_VERSION, GenerationRoot, encode_object
 from castore.format.tree import EXT_NUMPY_SCALAR
-from castore.refs import RefValue
+from castore.repo.records import RefValue
 from castore.verify import verify_store
 
 CLI = Path(sys.executable).parent / "castore"

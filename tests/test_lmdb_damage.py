@@ -29,10 +29,10 @@ import castore.chunkstore.lmdb.backend as lmdb_backend
 import castore.gc as gc_module
 from castore import Store
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb.rebuild import rebuild_index
 from castore.errors import CastoreError, IndexCorruptError, IntegrityError, StoreFullError
 from castore.format.hashing import digest_bytes
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage
+from castore.repair import rebuild_index
 from castore.verify import verify_store
 
 CHUNK = 256

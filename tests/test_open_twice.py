@@ -24,10 +24,10 @@ import castore
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb import env as lmdb_env
 from castore.chunkstore.lmdb.backend import LmdbBackend
-from castore.chunkstore.lmdb.rebuild import rebuild_index
 from castore.dcp import CastoreReader, CastoreWriter
 from castore.errors import StoreError, StoreLockedError
 from castore.gc import compact
+from castore.repair import rebuild_index
 from castore.verify import verify_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

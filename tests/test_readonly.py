@@ -27,11 +27,10 @@ import pytest
 
 import castore
 from castore import cli, gc
-from castore.chunkstore.lmdb.rebuild import rebuild_index
 from castore.errors import ReadOnlyStoreError, ReadOnlyWarning, StoreAccessDeniedError
 from castore.export import to_safetensors
 from castore.importer import import_checkpoint
-from castore.repair import repair_store
+from castore.repair import rebuild_index, repair_store
 from castore.verify import verify_store
 
 NOBODY = 65534

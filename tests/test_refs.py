@@ -30,7 +30,8 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot, ShardManifest, encode_object
-from castore.refs import REF_MAGIC, RefValue
+from castore.repo.records import RefValue
+from castore.repo.reffile import REF_MAGIC
 from castore.verify import verify_store
 
 RUN = "run"

@@ -72,7 +72,7 @@ from castore.errors import (
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot, TensorEntry, encode_object
 from castore.format.tree import encode_state
-from castore.refs import encode_ref
+from castore.repo.reffile import encode_ref
 from castore.store import FallbackWarning
 from castore.support import faults
 from castore.verify import verify_store

@@ -27,7 +27,7 @@ from castore.core.history import Generation
 from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
-from castore.repair import repair_store
+from castore.repair import rebuild_index, repair_store
 from castore.store import Store
 from castore.support.progress import format_size as format_bytes
 
@@ -436,8 +436,6 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def _rebuild(path: str) -> None:
-    from castore.chunkstore.lmdb.rebuild import rebuild_index
-
     report = rebuild_index(path, progress=True)
     print(
         f"rebuilt the LMDB file: indexed {report.chunks_indexed} chunk(s) from "

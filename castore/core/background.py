@@ -146,7 +146,8 @@ class PendingSave:
         self.timeline: list[tuple[float, int]] = []
         self.staged_bytes = 0
         self.staging = "full"  # how this save staged: "changed" unless it fell back
-        self._started = time.perf_counter() if started is None else started
+        # When the save began (perf_counter); castore.dist times its staging from it too.
+        self.started = time.perf_counter() if started is None else started
         self._finished = threading.Event()
         self._generation: Generation | None = None
         self._error: BaseException | None = None
@@ -192,7 +193,7 @@ class PendingSave:
 
     def _finish(self, generation: Generation | None, error: BaseException | None) -> None:
         self._generation, self._error = generation, error
-        self.timings["total"] = time.perf_counter() - self._started
+        self.timings["total"] = time.perf_counter() - self.started
         self._finished.set()
 
     @property
@@ -610,7 +611,7 @@ def run_async(
         job.hand(piece)
     pending.timings["snapshot"] = snapshot.seconds
     pending.timings["staging_wait"] = background.pool.waited
-    pending.timings["held"] = time.perf_counter() - pending._started
+    pending.timings["held"] = time.perf_counter() - pending.started
     pending.staged_bytes = snapshot.staged_bytes
     job.end_input(snapshot)
     if job.fits:
@@ -655,7 +656,7 @@ def save_async(
                 skeleton=encoded.skeleton,
                 metadata=metadata,
                 data_order=data_order,
-                seconds=time.perf_counter() - pending._started,
+                seconds=time.perf_counter() - pending.started,
                 held_seconds=pending.timings.get("held", 0.0),
                 faults=ASYNC_FAULTS,
                 writer=writer,

@@ -59,7 +59,8 @@ from castore.format.tree import (
     encode_tree,
     tensor_names,
 )
-from castore.refs import ComposedRefStore, RefValue
+from castore.repo.records import RefValue
+from castore.repo.refstore import ComposedRefStore
 from castore.support.faults import fault_point
 from castore.support.progress import progress_bar, progress_wanted
 

@@ -33,7 +33,8 @@ from castore.errors import (
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot
 from castore.format.tree import decode_tree
-from castore.refs import ComposedRefStore, RefValue, validate_run_name
+from castore.repo.records import RefValue, validate_run_name
+from castore.repo.refstore import ComposedRefStore
 
 GenerationSpec = int | str
 

@@ -19,6 +19,7 @@ from typing import Any
 
 from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.core.chunkio import DEFAULT_CHUNK_SIZE
+from castore.core.storeblobs import check_marker_chunk_size, open_blob_store
 from castore.errors import (
     FormatVersionError,
     NotAStoreError,
@@ -29,12 +30,12 @@ from castore.errors import (
     UnsupportedOperationError,
 )
 from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
-from castore.refs import OPEN_LOCK, RefStore, fsync_dir
 from castore.repo.base import LockHold
+from castore.repo.local import OPEN_LOCK, RefStore
 from castore.store import Store
 from castore.support import readonly as readonly_mode
 from castore.support.readonly import ReadOnly
-from castore.support.safefs import open_store_file, read_store_file, write_all, writing
+from castore.support.safefs import fsync_dir, open_store_file, read_store_file, write_all, writing
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
@@ -104,7 +105,7 @@ def open_store(
         hold.release()
         raise
     store = Store(root, backend, size, refs=refs)
-    store._hold_open_lock(hold)
+    store.hold_open_lock(hold)
     return store
 
 
@@ -120,7 +121,7 @@ def _open_readonly(root: Path, chunk_size: int, reason: ReadOnly | None) -> Stor
         hold.release()
         raise
     store = Store(root, backend, chunk_size, refs=refs, readonly=reason)
-    store._hold_open_lock(hold)
+    store.hold_open_lock(hold)
     return store
 
 
@@ -153,7 +154,7 @@ def _names_blobs(marker: Path) -> bool:
     try:
         config = json.loads(read_store_file(marker, limit=_MAX_MARKER))
     except (OSError, ValueError, RecursionError):
-        return False  # _read_marker says what is wrong with it
+        return False  # read_marker says what is wrong with it
     return isinstance(config, dict) and config.get("backend") == "blobs"
 
 
@@ -166,11 +167,9 @@ def _open_shared(
     **blob_options: Any,
 ) -> Store:
     from castore.blob.posix import PosixBlobStore
-    from castore.core.storeblobs import open_blob_store
-
     marker = root / MARKER
     if os.path.lexists(marker) and not _names_blobs(marker):
-        _read_marker(marker)  # a damaged or foreign marker says so
+        read_marker(marker)  # a damaged or foreign marker says so
         raise UnsupportedBackendError(
             f"{root} is a single-node store (LMDB): it cannot be opened shared=True; copy it "
             f"into a shared store with: castore copy {root} NEW_DIR (after creating NEW_DIR "
@@ -218,8 +217,6 @@ def open_s3_store(
     StoreAccessDeniedError from the first request.
     """
     from castore.blob.s3 import S3BlobStore
-    from castore.core.storeblobs import open_blob_store
-
     if blob_options.pop("map_size", None) is not None:
         raise ValueError("map_size sizes a local store's LMDB file; an S3 store has none")
     if chunk_size is not None:
@@ -269,7 +266,7 @@ def _marker_or_new_store(root: Path, *, create: bool, chunk_size: int | None) ->
     """The marker's settings, creating the store first if the directory is empty."""
     marker = root / MARKER
     if os.path.lexists(marker):  # lexists: a symlinked marker is refused by the read, not skipped
-        return _read_marker(marker)
+        return read_marker(marker)
     if not root.exists() or _is_empty(root):
         if not create:
             raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
@@ -278,13 +275,13 @@ def _marker_or_new_store(root: Path, *, create: bool, chunk_size: int | None) ->
     # is the first entry it makes, so a directory with entries and no marker now
     # has one if (and only if) it is a store being created.
     if os.path.lexists(marker):
-        return _read_marker(marker)
+        return read_marker(marker)
     raise NotAStoreError(
         f"{root} is a non-empty directory without {MARKER}: not a castore store", path=str(root)
     )
 
 
-def _read_marker(marker: Path) -> dict[str, Any]:
+def read_marker(marker: Path) -> dict[str, Any]:
     try:
         data = read_store_file(marker, limit=_MAX_MARKER)
         if len(data) > _MAX_MARKER:
@@ -321,19 +318,6 @@ def _read_marker(marker: Path) -> dict[str, Any]:
     return config
 
 
-def check_marker_chunk_size(marker: Path | str, chunk_size: Any) -> None:
-    # The marker may come from anywhere: a chunk size it names sizes every buffer a save cuts.
-    if chunk_size is None:
-        raise NotAStoreError(f"store marker {marker} has no chunk size", path=str(marker))
-    valid = isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
-    if not valid or not 0 < chunk_size <= MAX_CHUNK_SIZE:
-        raise NotAStoreError(
-            f"store marker {marker} has chunk_size {chunk_size!r}: must be a positive "
-            f"integer of at most {MAX_CHUNK_SIZE} bytes",
-            path=str(marker),
-        )
-
-
 def _is_empty(root: Path) -> bool:
     """No entries but other processes' half-written markers (see _create_store)."""
     return all(entry.name.startswith(f".{MARKER}.") for entry in root.iterdir())
@@ -366,7 +350,7 @@ def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
             try:
                 os.link(temp, root / MARKER)
             except FileExistsError:
-                return _read_marker(root / MARKER)  # another process created it first
+                return read_marker(root / MARKER)  # another process created it first
     finally:
         temp.unlink(missing_ok=True)
     with writing(phase, root):

@@ -94,7 +94,7 @@ from castore.format.tree import (
     escape_key,
     torch_bytes,
 )
-from castore.refs import validate_run_name
+from castore.repo.records import validate_run_name
 from castore.store import Store
 
 SCHEME = "castore://"

@@ -65,7 +65,7 @@ from castore.errors import (
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
-from castore.refs import RefValue, validate_run_name
+from castore.repo.records import RefValue, validate_run_name
 from castore.dist.restore import LoadReport, LoadResult, load
 from castore.store import Store, annotate_interrupt, check_step, digests_of
 from castore.support.faults import fault_point
@@ -430,7 +430,7 @@ def _start_async(
     options: AsyncOptions,
 ) -> PendingSave:
     """Prepare and stage this rank's state; its writer thread runs the commit."""
-    run, step, started = pending.run, pending.step, pending._started
+    run, step, started = pending.run, pending.step, pending.started
     background = store.background
 
     def prepare() -> _Prepared:

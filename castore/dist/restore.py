@@ -43,7 +43,7 @@ from castore.format.layout import Box
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.format.shard import NotLoaded, Shard
 from castore.format.tree import decode_tree, join_path, torch_bytes
-from castore.refs import validate_run_name
+from castore.repo.records import validate_run_name
 from castore.store import Store
 
 

@@ -44,9 +44,10 @@ from castore.repo.records import (
     validate_run_name,
     validate_tag_name,
 )
-from castore.repo.reffile import encode_ref, fsync_dir, read_ref_file, replace_file
+from castore.repo.reffile import encode_ref, read_ref_file, replace_file
 from castore.repo.refstore import ComposedRefStore, RepoParts
 from castore.support.safefs import (
+    fsync_dir,
     is_store_dir,
     make_store_dir,
     open_store_file,

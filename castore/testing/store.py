@@ -23,8 +23,8 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest
 from castore.gc import RetentionPolicy, collect_garbage, disk_usage, tag, untag
-from castore.refs import RefValue
 from castore.repair import repair_store
+from castore.repo.records import RefValue
 from castore.store import FallbackWarning, Store
 from castore.verify import verify_store
 

@@ -70,15 +70,16 @@ from castore.chunkstore.packfile import (
     PACK_SUFFIX,
     PACK_VERSION,
     RECORD_HEADER,
+    pack_id,
     scan_pack,
 )
 from castore.errors import IndexCorruptError, StoreError, StoreFullError
 from castore.format.hashing import Buffer
-from castore.refs import fsync_dir
 from castore.support.faults import fault_point
 from castore.support.readonly import ReadOnly
 from castore.support.safefs import (
     DISK_FULL,
+    fsync_dir,
     is_store_dir,
     make_store_dir,
     open_store_file,
@@ -117,16 +118,6 @@ class Location:
 
 def pack_name(pack: int) -> str:
     return f"{pack:016x}{PACK_SUFFIX}"
-
-
-def _pack_id(name: str) -> int | None:
-    stem = name[: -len(PACK_SUFFIX)] if name.endswith(PACK_SUFFIX) else ""
-    if len(stem) != 16:
-        return None
-    try:
-        return int(stem, 16)
-    except ValueError:
-        return None
 
 
 # fdatasync flushes the data and the file size, which is all a pack needs;
@@ -426,7 +417,7 @@ class LmdbBackend(ChunkBackend):
         """Every pack file: id -> size in bytes (temp files and strangers excluded)."""
         sizes = {}
         for entry in os.scandir(self.pack_dir):
-            pack = _pack_id(entry.name)
+            pack = pack_id(entry.name)
             if pack is None:
                 continue
             try:
