@@ -43,7 +43,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb.compact import CompactReport, compact_lmdb_store
+from castore.chunkstore.lmdb.compact import compact_lmdb_store
 from castore.core.history import Generation
 from castore.core.opening import MARKER, local_lmdb_store, read_marker
 from castore.errors import (
@@ -549,6 +549,13 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
 # -- compaction -------------------------------------------------------------------
 
 
+@dataclass
+class CompactReport:
+    bytes_before: int
+    bytes_after: int
+    seconds: float
+
+
 def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactReport:
     """Rewrite every pack with dead space and the LMDB file without its free pages.
 
@@ -558,6 +565,7 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     counts before it replaces ``chunks/data.mdb`` with one ``rename``.
     ``progress=True``: a line per phase on stderr (a terminal).
     """
+    started = time.perf_counter()
     root = local_lmdb_store(
         path,
         "castore compact",
@@ -567,4 +575,5 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     if not root.exists():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
     read_marker(root / MARKER)  # a real store, of a format we know
-    return compact_lmdb_store(root, merge_below=MERGE_PACKS_BELOW, progress=progress)
+    before, after = compact_lmdb_store(root, merge_below=MERGE_PACKS_BELOW, progress=progress)
+    return CompactReport(before, after, time.perf_counter() - started)

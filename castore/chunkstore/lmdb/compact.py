@@ -10,8 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,15 +24,8 @@ from castore.support.readonly import refuse_unwritable
 from castore.support.safefs import fsync_dir
 
 
-@dataclass
-class CompactReport:
-    bytes_before: int
-    bytes_after: int
-    seconds: float
-
-
-def compact_lmdb_store(root: Path, *, merge_below: int, progress: bool = False) -> CompactReport:
-    """Compact the local store at ``root`` (its marker checked): packs, then the LMDB file.
+def compact_lmdb_store(root: Path, *, merge_below: int, progress: bool = False) -> tuple[int, int]:
+    """Compact the local store at ``root`` (its marker checked): its bytes on disk before and after.
 
     Offline: refused (``StoreLockedError``) while any process has the store
     open. Packs are rewritten first (see ``LmdbBackend.reclaim``; packs under
@@ -42,7 +33,6 @@ def compact_lmdb_store(root: Path, *, merge_below: int, progress: bool = False) 
     entry by entry against the original's counts before it replaces
     ``chunks/data.mdb`` with one ``rename``.
     """
-    started = time.perf_counter()
     refuse_unwritable(root, "compact")
     hold = RefStore(root).hold_open(
         exclusive=True,
@@ -95,7 +85,7 @@ def compact_lmdb_store(root: Path, *, merge_below: int, progress: bool = False) 
         after = _bytes_on_disk(chunks_dir)  # unpadded until the next open
     finally:
         hold.release()
-    return CompactReport(before, after, time.perf_counter() - started)
+    return before, after
 
 
 
