@@ -15,6 +15,7 @@ from castore import errors
 from castore.copying import CopyReport, copy
 from castore.core.background import AsyncOptions, PendingSave, SaveBytes
 from castore.core.history import Generation, SaveStats
+from castore.core.opening import open_address
 from castore.errors import (
     CastoreError,
     ChecksumMismatchError,
@@ -97,21 +98,6 @@ def open(  # noqa: A001 - the public name the API promises
     ``readonly=False`` never does. An S3 store is read-only only when asked:
     reads need no write, so credentials that only read work either way.
     """
-    from castore.core.location import parse_location
-    from castore.core.opening import open_store
-
-    location = parse_location(path)
-    if location.scheme == "s3":
-        from castore.core.opening import open_s3_store
-
-        return open_s3_store(
-            location.bucket,
-            location.prefix,
-            create=create,
-            chunk_size=chunk_size,
-            readonly=readonly,
-            **options,
-        )
-    return open_store(
-        location.path, create=create, chunk_size=chunk_size, readonly=readonly, **options
+    return open_address(
+        path, create=create, chunk_size=chunk_size, readonly=readonly, **options
     )

@@ -41,6 +41,8 @@ from castore.chunkstore.base import Namespace
 from castore.core.chunkio import expected_length, verify_chunk
 from castore.core.commit import PublishFaults, check_shards, publish
 from castore.core.history import GenerationSpec
+from castore.core.location import parse_location
+from castore.core.opening import open_address
 from castore.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
@@ -170,8 +172,6 @@ def copy(
 
 def _address(where: StoreOrPath) -> str:
     """A store's address for comparison: an absolute path, or an s3:// URL."""
-    from castore.core.location import parse_location
-
     named = where.path if isinstance(where, Store) else where
     location = parse_location(named if isinstance(named, str) else os.fspath(named))
     return location.url if location.scheme == "s3" else str(location.path.resolve())
@@ -180,9 +180,7 @@ def _address(where: StoreOrPath) -> str:
 def _opened(where: StoreOrPath, stack: ExitStack, *, create: bool) -> Store:
     if isinstance(where, Store):
         return where
-    import castore
-
-    return stack.enter_context(castore.open(where, create=create))
+    return stack.enter_context(open_address(where, create=create))
 
 
 def _choose(

@@ -19,6 +19,7 @@ from typing import Any
 
 from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.core.chunkio import DEFAULT_CHUNK_SIZE
+from castore.core.location import parse_location
 from castore.core.storeblobs import check_marker_chunk_size, open_blob_store
 from castore.errors import (
     FormatVersionError,
@@ -43,6 +44,30 @@ STORE_VERSION = 2
 # Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files.
 OLDEST_STORE_VERSION = 2
 _MAX_MARKER = 1 << 16
+
+
+def open_address(
+    path: str | os.PathLike[str],
+    *,
+    create: bool = True,
+    chunk_size: int | None = None,
+    readonly: bool | None = None,
+    **options: Any,
+) -> Store:
+    """Open the store ``path`` names: a directory, ``file://`` or ``s3://`` (see castore.open)."""
+    location = parse_location(path)
+    if location.scheme == "s3":
+        return open_s3_store(
+            location.bucket,
+            location.prefix,
+            create=create,
+            chunk_size=chunk_size,
+            readonly=readonly,
+            **options,
+        )
+    return open_store(
+        location.path, create=create, chunk_size=chunk_size, readonly=readonly, **options
+    )
 
 
 def open_store(
@@ -238,8 +263,6 @@ def local_lmdb_store(path: str | os.PathLike[str], doing: str, why: str) -> Path
     ``s3://`` URL, or a directory whose marker names the ``blobs`` backend):
     ``doing`` is what does not apply and ``why`` says why.
     """
-    from castore.core.location import parse_location
-
     location = parse_location(path)
     if location.scheme == "s3" or _names_blobs(location.path / MARKER):
         raise UnsupportedOperationError(

@@ -72,6 +72,7 @@ from castore.core.commit import (
     write_shard,
 )
 from castore.core.history import Generation
+from castore.core.opening import open_address
 from castore.core.reading import allocate, box_requests
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.errors import (
@@ -118,10 +119,8 @@ def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str
 def _open(store: Store | str | os.PathLike[str]) -> Store:
     if isinstance(store, Store):
         return store
-    import castore
-
     # As given: Path() would fold an s3:// address into a local directory "s3:".
-    return castore.open(store)
+    return open_address(store)
 
 
 def _name(kind: str, fqn: str) -> str:
