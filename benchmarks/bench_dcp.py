@@ -157,7 +157,7 @@ def rewarm_code() -> None:
     import numpy as np
     import torch
 
-    from castore.hashing import digest_bytes
+    from castore.format.hashing import digest_bytes
 
     digest_bytes(bytes(1 << 20), threads=1)
     np.frombuffer(bytes(1 << 16), dtype=np.uint8).copy()

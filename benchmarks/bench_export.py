@@ -148,7 +148,7 @@ def output_digests(out: str) -> dict[str, str]:
     """name -> blake3 of the bytes, for every tensor of every safetensors file in ``out``."""
     from safetensors import safe_open
 
-    from castore.hashing import digest_bytes
+    from castore.format.hashing import digest_bytes
 
     digests = {}
     for path in sorted(Path(out).glob("*.safetensors")):

@@ -324,7 +324,7 @@ def rewarm_code(store_path: str) -> None:
     """Touch the code a page-cache drop evicted (not the store's data) before a timed load."""
     import torch
 
-    from castore.hashing import digest_bytes
+    from castore.format.hashing import digest_bytes
 
     digest_bytes(bytes(1 << 20), threads=1)
     np.frombuffer(bytes(1 << 16), dtype=np.uint8).copy()

@@ -89,7 +89,7 @@ from _common import disk_free, drop_caches, print_goals
 from tabulate import tabulate
 
 import castore
-from castore.chunkio import DEFAULT_CHUNK_SIZE, WRITE_BATCH_BYTES
+from castore.core.chunkio import DEFAULT_CHUNK_SIZE, WRITE_BATCH_BYTES
 
 MIB = 1 << 20
 GIB = 1 << 30

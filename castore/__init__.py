@@ -12,8 +12,10 @@ import os
 from typing import Any
 
 from castore import errors
-from castore.background import AsyncOptions, PendingSave, SaveBytes
 from castore.copying import CopyReport, copy
+from castore.core.background import AsyncOptions, PendingSave, SaveBytes
+from castore.core.history import Generation, SaveStats
+from castore.core.opening import open_address
 from castore.errors import (
     CastoreError,
     ChecksumMismatchError,
@@ -26,8 +28,7 @@ from castore.errors import (
     StoreError,
     UnsupportedValueError,
 )
-from castore.history import Generation, SaveStats
-from castore.shard import NotLoaded, RankLocal, Shard
+from castore.format.shard import NotLoaded, RankLocal, Shard
 from castore.store import Store
 
 __version__ = "0.1.0"
@@ -97,21 +98,4 @@ def open(  # noqa: A001 - the public name the API promises
     ``readonly=False`` never does. An S3 store is read-only only when asked:
     reads need no write, so credentials that only read work either way.
     """
-    from castore.location import parse_location
-    from castore.storedir import open_store
-
-    location = parse_location(path)
-    if location.scheme == "s3":
-        from castore.storedir import open_s3_store
-
-        return open_s3_store(
-            location.bucket,
-            location.prefix,
-            create=create,
-            chunk_size=chunk_size,
-            readonly=readonly,
-            **options,
-        )
-    return open_store(
-        location.path, create=create, chunk_size=chunk_size, readonly=readonly, **options
-    )
+    return open_address(path, create=create, chunk_size=chunk_size, readonly=readonly, **options)

@@ -37,19 +37,20 @@ from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
 
-from castore.chunkio import expected_length, verify_chunk
 from castore.chunkstore.base import Namespace
-from castore.commit import PublishFaults, check_shards, publish
+from castore.core.chunkio import expected_length, verify_chunk
+from castore.core.commit import PublishFaults, check_shards, publish
+from castore.core.history import GenerationSpec
+from castore.core.location import parse_location
+from castore.core.opening import open_address
 from castore.errors import (
     ChecksumMismatchError,
     CorruptObjectError,
     ObjectMissingError,
     RefConflictError,
 )
-from castore.faults import fault_point
-from castore.hashing import Digest, digest_bytes
-from castore.history import GenerationSpec
-from castore.objects import (
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import (
     TYPE_ROOT,
     TYPE_SHARD,
     GenerationRoot,
@@ -58,9 +59,10 @@ from castore.objects import (
     decode_object,
     encode_object,
 )
-from castore.progress import NO_BAR, Bar, progress_bar
-from castore.refs import validate_run_name
+from castore.repo.records import validate_run_name
 from castore.store import Store
+from castore.support.faults import fault_point
+from castore.support.progress import NO_BAR, Bar, progress_bar
 
 # Chunk bytes read from SRC and held before one commit at DST: bounds memory, and
 # what an interrupted copy can lose (a rerun copies the batch again).
@@ -170,8 +172,6 @@ def copy(
 
 def _address(where: StoreOrPath) -> str:
     """A store's address for comparison: an absolute path, or an s3:// URL."""
-    from castore.location import parse_location
-
     named = where.path if isinstance(where, Store) else where
     location = parse_location(named if isinstance(named, str) else os.fspath(named))
     return location.url if location.scheme == "s3" else str(location.path.resolve())
@@ -180,9 +180,7 @@ def _address(where: StoreOrPath) -> str:
 def _opened(where: StoreOrPath, stack: ExitStack, *, create: bool) -> Store:
     if isinstance(where, Store):
         return where
-    import castore
-
-    return stack.enter_context(castore.open(where, create=create))
+    return stack.enter_context(open_address(where, create=create))
 
 
 def _choose(

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.data.distributed import DistributedSampler
 
-from castore.hashing import digest_bytes
+from castore.format.hashing import digest_bytes
 
 STATE_VERSION = 1
 
@@ -64,7 +64,7 @@ class ResumableDistributedSampler(DistributedSampler):  # type: ignore[type-arg]
         drop_last: bool = False,
     ) -> None:
         if not (dist.is_available() and dist.is_initialized()):
-            # A single process saves "alone" (README): be the one replica it is.
+            # A single process saves "alone" (docs/TRAINING.md): be the one replica it is.
             num_replicas = 1 if num_replicas is None else num_replicas
             rank = 0 if rank is None else rank
         super().__init__(dataset, num_replicas, rank, shuffle, seed, drop_last)

@@ -16,11 +16,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from castore.errors import GenerationNotFoundError, ObjectMissingError
-from castore.hashing import Digest
-from castore.objects import GenerationRoot, TensorEntry
-from castore.progress import format_size
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot, TensorEntry
+from castore.format.tree import decode_tree
 from castore.store import Store
-from castore.tree import decode_tree
+from castore.support.progress import format_size
 
 VALUE_WIDTH = 40
 COMPARE_LIMIT = 64 << 20  # bytes per side a diff may read to compare resharded tensors

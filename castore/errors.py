@@ -282,7 +282,7 @@ class StepOrderError(CastoreError, ValueError):
 
 class ConcurrentWriterWarning(UserWarning):
     """A save found its run advanced by another writer since this process last
-    loaded or saved it; the message names that writer (castore.fencing)."""
+    loaded or saved it; the message names that writer (castore.core.fencing)."""
 
 
 class BlobError(CastoreError):

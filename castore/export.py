@@ -31,14 +31,15 @@ from typing import Any
 
 import numpy as np
 
-from castore import dtypes
-from castore.chunkio import ChunkRequest, read_requests
+from castore.core.chunkio import ChunkRequest, read_requests
+from castore.core.reading import box_requests, check_coverage
 from castore.errors import TensorNotFoundError, UnsupportedValueError
-from castore.layout import Box
-from castore.objects import TensorEntry
-from castore.progress import NO_BAR, Bar, progress_bar
-from castore.reading import box_requests, check_coverage
+from castore.format import dtypes
+from castore.format.layout import Box
+from castore.format.objects import TensorEntry
 from castore.store import Store
+from castore.support.progress import NO_BAR, Bar, progress_bar
+from castore.support.safefs import fsync_dir
 
 DEFAULT_BUFFER_SIZE = 8 * 2**20
 WRITEBACK_BYTES = 32 * 2**20
@@ -409,15 +410,6 @@ def publish_dir(tmp: Path, out_dir: Path) -> None:
         out_dir.rmdir()
     os.rename(tmp, out_dir)
     fsync_dir(out_dir.parent)
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename or link in ``path`` durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def to_safetensors(

@@ -38,29 +38,26 @@ from __future__ import annotations
 
 import math
 import os
-import shutil
-import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import Any
 
 from castore.chunkstore.base import Namespace
+from castore.chunkstore.lmdb.compact import compact_lmdb_store
+from castore.core.history import Generation
+from castore.core.opening import MARKER, local_lmdb_store, read_marker
 from castore.errors import (
     CastoreError,
     GenerationNotFoundError,
     IntegrityError,
     StoreNotFoundError,
 )
-from castore.faults import fault_point
-from castore.hashing import Digest
-from castore.history import Generation
-from castore.objects import TYPE_SHARD, GenerationRoot, ShardManifest
-from castore.progress import Bar, Phases, format_size, progress_bar
-from castore.readonly import refuse_unwritable
-from castore.refs import DEFAULT_LOCK_TIMEOUT, RefStore, RefValue, fsync_dir, validate_run_name
+from castore.format.hashing import Digest
+from castore.format.objects import TYPE_SHARD, GenerationRoot, ShardManifest
+from castore.repo.records import DEFAULT_LOCK_TIMEOUT, RefValue, validate_run_name
 from castore.store import Store
+from castore.support.faults import fault_point
+from castore.support.progress import Bar, Phases, format_size, progress_bar
 
 DELETE_BATCH = 1024  # keys per delete transaction
 # A pack less than this fraction live is rewritten by a collection; compact rewrites all.
@@ -568,93 +565,15 @@ def compact(path: str | os.PathLike[str], *, progress: bool = False) -> CompactR
     counts before it replaces ``chunks/data.mdb`` with one ``rename``.
     ``progress=True``: a line per phase on stderr (a terminal).
     """
-    import lmdb
-
-    from castore.chunkstore import lmdb_env
-    from castore.chunkstore.lmdb_backend import LmdbBackend
-
     started = time.perf_counter()
-    from castore.storedir import MARKER, _read_marker, local_lmdb_store
-
     root = local_lmdb_store(
         path,
         "castore compact",
         "its packs are immutable blobs that castore gc already rewrites when sparse, and it "
         "has no LMDB file; there is nothing to compact",
     )
-
     if not root.exists():
         raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
-    _read_marker(root / MARKER)  # a real store, of a format we know
-    refuse_unwritable(root, "compact")
-    hold = RefStore(root).hold_open(
-        exclusive=True,
-        busy=f"store {root} is open (in this or another process): close every user "
-        "before compacting",
-    )
-    try:
-        chunks_dir = root / "chunks"
-        lmdb_env.refuse_if_open(chunks_dir, store=root, doing="compacting")
-        data_file = chunks_dir / "data.mdb"
-        before = _bytes_on_disk(chunks_dir)  # before an open pads data.mdb's tail
-        phases = Phases(progress, "compact", 3)
-        phases.start(f"rewrite every pack with dead space ({format_size(before)} on disk)")
-        backend = LmdbBackend(chunks_dir)
-        try:
-            # No process has the store open: no pack in flight.
-            backend.reclaim(min_live=1.0, merge_below=MERGE_PACKS_BELOW)
-        finally:
-            backend.close()
-        # A fresh name (mkdir fails on anything already there, a symlink included):
-        # the compacted copy is never written through an entry the store brought.
-        work = Path(tempfile.mkdtemp(prefix=f".compact-{os.getpid()}-", dir=chunks_dir))
-        try:
-            size = format_size(data_file.stat().st_size)
-            phases.start(f"copy the LMDB file without its free pages ({size})")
-            env = lmdb.open(str(chunks_dir), readonly=True, max_dbs=4, lock=False)
-            try:
-                expected = _entry_counts(env)
-                env.copy(str(work), compact=True)
-            finally:
-                env.close()
-            phases.start("check the copy's entry counts and swap it in")
-            copy = lmdb.open(str(work), readonly=True, max_dbs=4, lock=False)
-            try:
-                if _entry_counts(copy) != expected:
-                    raise IntegrityError(
-                        "compaction produced a copy whose entry counts differ; the store is "
-                        "unchanged",
-                        path=str(root),
-                    )
-            finally:
-                copy.close()
-            new_file = work / "data.mdb"
-            with open(new_file, "rb+") as handle:
-                os.fsync(handle.fileno())
-            os.replace(new_file, data_file)  # the atomic swap
-            fsync_dir(chunks_dir)
-        finally:
-            shutil.rmtree(work, ignore_errors=True)
-        after = _bytes_on_disk(chunks_dir)  # unpadded until the next open
-    finally:
-        hold.release()
+    read_marker(root / MARKER)  # a real store, of a format we know
+    before, after = compact_lmdb_store(root, merge_below=MERGE_PACKS_BELOW, progress=progress)
     return CompactReport(before, after, time.perf_counter() - started)
-
-
-def _bytes_on_disk(chunks_dir: Path) -> int:
-    """The LMDB data file plus every pack file, by stat alone (no LMDB open)."""
-    data_file = chunks_dir / "data.mdb"
-    size = data_file.stat().st_size if data_file.exists() else 0
-    packs = chunks_dir / "packs"
-    return size + sum(p.stat().st_size for p in packs.glob("*.pack") if p.is_file())
-
-
-def _entry_counts(env: Any) -> dict[bytes, int]:
-    """Entries of every named database of an environment."""
-    counts = {}
-    with env.begin() as txn:
-        names = [bytes(key) for key, _ in txn.cursor()]
-        for name in names:
-            db = env.open_db(name, txn=txn, create=False)
-            counts[name] = txn.stat(db)["entries"]
-    return counts

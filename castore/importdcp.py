@@ -6,7 +6,7 @@ types allowed (the reader's ``pickle.load`` would run what a hostile file
 names). The metadata lists every tensor's saved chunks (offsets and sizes in
 the global tensor), and the reader's ``read_data`` loads each chunk with
 ``torch.load(weights_only=True)``.
-Each saved chunk becomes one castore box (a :class:`~castore.objects.TensorEntry`
+Each saved chunk becomes one castore box (a :class:`~castore.format.objects.TensorEntry`
 with the chunk's offsets and local shape) in the shard of the writer whose
 ``.distcp`` file held it, so the generation has the checkpoint's sharding and
 world size. Chunks are read and written one at a time: memory holds one chunk.
@@ -14,7 +14,7 @@ A non-tensor item (which DCP pickles) is read with ``weights_only=True`` and
 becomes a plain value. The state is nested again by the paths DCP recorded
 when it flattened it (``planner_data``), as ``dcp_to_torch_save`` does.
 Everything is published through castore's multi-writer commit
-(:func:`castore.commit.publish_shards`): nothing is visible until it is complete.
+(:func:`castore.core.commit.publish_shards`): nothing is visible until it is complete.
 """
 
 from __future__ import annotations
@@ -27,15 +27,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from castore.chunkio import WriteStats, write_leaves
-from castore.commit import build_shard, commit_objects, publish_writes
-from castore.dtypes import name_of_torch_dtype
+from castore.core.chunkio import WriteStats, write_leaves
+from castore.core.commit import build_shard, commit_objects, publish_writes
 from castore.errors import ImportSourceError
+from castore.format.dtypes import name_of_torch_dtype
+from castore.format.objects import TensorEntry
+from castore.format.tree import TensorLeaf, encode_state, join_path, torch_bytes
 from castore.importer import DCP_METADATA
-from castore.objects import TensorEntry
-from castore.progress import Bar, progress_bar
 from castore.store import Store, check_step
-from castore.tree import TensorLeaf, encode_state, join_path, torch_bytes
+from castore.support.progress import Bar, progress_bar
 
 
 class _ChunkPlanner:

@@ -29,8 +29,8 @@ from typing import Any
 
 import numpy as np
 
-from castore.dtypes import numpy_dtype
 from castore.errors import ImportSourceError
+from castore.format.dtypes import numpy_dtype
 from castore.store import Store
 
 INDEX_NAME = "model.safetensors.index.json"

@@ -13,18 +13,21 @@ damaged, and per generation the tensors and bytes that are lost.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from castore.chunkio import shared_pool
 from castore.chunkstore.base import Namespace
-from castore.errors import IntegrityError
-from castore.fencing import ref_for_root
-from castore.hashing import digest_bytes
-from castore.progress import NO_BAR, Bar, progress_bar
-from castore.refs import DEFAULT_LOCK_TIMEOUT
+from castore.chunkstore.lmdb.rebuild import RebuildReport, rebuild_lmdb_index
+from castore.core.chunkio import shared_pool
+from castore.core.fencing import ref_for_root
+from castore.core.opening import MARKER, local_lmdb_store, read_marker
+from castore.errors import IntegrityError, StoreNotFoundError
+from castore.format.hashing import digest_bytes
+from castore.repo.records import DEFAULT_LOCK_TIMEOUT
+from castore.support.progress import NO_BAR, Bar, progress_bar
 from castore.verify import verify_store
 
 if TYPE_CHECKING:
@@ -147,3 +150,22 @@ def restore_lost_refs(store: Store, *, dry_run: bool = False) -> dict[str, int]:
             restored[run] = root.generation
             break
     return restored
+
+
+def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> RebuildReport:
+    """Write a fresh ``chunks/data.mdb``: salvaged objects and an index built from the packs.
+
+    ``castore repair --rebuild-index``: offline, on a local store only.
+    ``progress=True``: phase lines and a bar of the pack bytes re-hashed, on
+    stderr (a terminal).
+    """
+    root = local_lmdb_store(
+        path,
+        "castore repair --rebuild-index",
+        "its chunk index is the index blobs, which every process reads afresh; "
+        "castore verify --deep checks them against the packs",
+    )
+    if not (root / MARKER).is_file():
+        raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
+    read_marker(root / MARKER)
+    return rebuild_lmdb_index(root, progress=progress)

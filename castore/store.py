@@ -9,10 +9,10 @@ A store is a directory::
     locks/RUN.lock  flock target for compare-and-swap ref advances
 
 Write order (invariant 1): chunks committed, then manifest objects committed,
-then the ref advanced (:mod:`castore.commit`). Reads live in
-:mod:`castore.reading`, a run's published generations in
-:mod:`castore.history`; the methods here delegate to them. This module knows
-nothing of torch; tensors from torch are handled by :mod:`castore.tree`,
+then the ref advanced (:mod:`castore.core.commit`). Reads live in
+:mod:`castore.core.reading`, a run's published generations in
+:mod:`castore.core.history`; the methods here delegate to them. This module knows
+nothing of torch; tensors from torch are handled by :mod:`castore.format.tree`,
 which imports torch only when it sees one.
 """
 
@@ -26,11 +26,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, overload
 
-from castore import fencing, history, reading
-from castore.background import AsyncOptions, Background, PendingSave, save_async
-from castore.chunkio import ChunkRequest, ReadCounters
 from castore.chunkstore.base import ChunkBackend
-from castore.commit import (
+from castore.core import fencing, history, reading
+from castore.core.background import AsyncOptions, Background, PendingSave, save_async
+from castore.core.chunkio import ChunkRequest, ReadCounters
+from castore.core.commit import (
     SINGLE_FAULTS,
     check_data_order,
     claim_writer,
@@ -39,6 +39,14 @@ from castore.commit import (
     publish_single,
     write_shard,
 )
+from castore.core.history import Generation, GenerationSpec, SaveStats, Skipped
+from castore.core.reading import (
+    ChunkDelivery,
+    box_requests,
+    box_transfer,
+    check_framework,
+    numpy_as_torch,
+)
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -46,23 +54,17 @@ from castore.errors import (
     NoValidGenerationError,
     UnsupportedValueError,
 )
-from castore.hashing import Digest
-from castore.history import Generation, GenerationSpec, SaveStats, Skipped
-from castore.objects import GenerationRoot, ShardManifest, TensorEntry
-from castore.progress import NO_BAR, Bar
-from castore.reading import (
-    ChunkDelivery,
-    box_requests,
-    box_transfer,
-    check_framework,
-    numpy_as_torch,
-)
-from castore.readonly import ReadOnly
-from castore.refs import ComposedRefStore, RefStore, RefValue, validate_run_name
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
+from castore.format.tree import encode_state
 from castore.repo.base import LockHold
-from castore.tree import encode_state
+from castore.repo.local import RefStore
+from castore.repo.records import RefValue, validate_run_name
+from castore.repo.refstore import ComposedRefStore
+from castore.support.progress import NO_BAR, Bar
+from castore.support.readonly import ReadOnly
 
-# Some of these now live in castore.reading, castore.history and castore.commit;
+# Some of these now live in castore.core.reading, castore.core.history and castore.core.commit;
 # they are re-exported so that importers of castore.store keep finding them.
 __all__ = [
     "ChunkDelivery",
@@ -139,7 +141,7 @@ class Store:
         """A store over ``backend`` (chunks, objects) and ``refs`` (refs, reflog, tags,
         locks; default: those of the directory ``path``). ``path`` also names the
         store in messages: a local directory, or the URL of a store on blobs.
-        ``readonly`` (why it is read-only) refuses every write (castore.readonly)."""
+        ``readonly`` (why it is read-only) refuses every write (castore.support.readonly)."""
         self.path: Path | str = path
         self.readonly_reason = readonly
         self.backend = backend
@@ -168,7 +170,7 @@ class Store:
 
     # -- lifecycle --------------------------------------------------------
 
-    def _hold_open_lock(self, hold: LockHold) -> None:
+    def hold_open_lock(self, hold: LockHold) -> None:
         """Keep ``hold`` (the shared open lock, see castore.gc.compact) until :meth:`close`.
 
         A Store dropped unclosed (a notebook cell run again rebinds it) lets go of
@@ -252,11 +254,11 @@ class Store:
 
         ``data_order`` (a map of plain values) is recorded in the root; see
         ``docs/FORMAT.md``. ``progress=True`` shows a bar of the tensor bytes
-        on stderr when it is a terminal (see :mod:`castore.progress`).
+        on stderr when it is a terminal (see :mod:`castore.support.progress`).
 
         ``blocking=False`` returns a :class:`~castore.PendingSave` as soon as the
         state is snapshotted; the caller may then change it freely, and a
-        background thread writes and publishes it (:mod:`castore.background`).
+        background thread writes and publishes it (:mod:`castore.core.background`).
         ``if_busy`` (``"wait"`` or ``"skip"``) says what an async save does while
         another is in flight; ``async_options`` (:class:`~castore.AsyncOptions`)
         bounds staging memory and paces the write. A blocking save waits for
@@ -305,7 +307,7 @@ class Store:
         order = check_data_order(data_order)
         if not blocking:
             # Refused now, not on the writer thread, when this process may not save
-            # the run (castore.fencing); the writer checks again before it publishes.
+            # the run (castore.core.fencing); the writer checks again before it publishes.
             claim_writer(self, run, self.refs.read(run), step, warn=False)
             try:
                 return save_async(
@@ -435,7 +437,7 @@ class Store:
         next save of the run fails with FencedError, and it may save a step
         below the run's latest (a restart from an earlier point on purpose).
         Not needed to resume a run: a process that loads it and saves on owns
-        it from its first save (see castore.fencing). In a multi-rank job, call
+        it from its first save (see castore.core.fencing). In a multi-rank job, call
         it on every rank; the coordinator's call is the one that counts.
         """
         validate_run_name(run)
@@ -459,7 +461,7 @@ class Store:
         """Every global tensor of a generation: name -> the distinct boxes that make it up."""
         return reading.tensor_entries(self.backend, root, shards)
 
-    # -- resolving generations (castore.history) --------------------------
+    # -- resolving generations (castore.core.history) --------------------------
 
     def runs(self) -> list[str]:
         return self.refs.runs()
@@ -588,7 +590,7 @@ class Store:
         ``fallback="previous"`` loads the newest generation at or before it that
         validates, with a warning naming each one skipped (:meth:`restore`
         returns them). ``progress=True`` shows a bar of the tensor bytes read
-        and verified on stderr when it is a terminal (see :mod:`castore.progress`).
+        and verified on stderr when it is a terminal (see :mod:`castore.support.progress`).
         """
         restored = self.restore(
             run, generation, framework=framework, fallback=fallback, progress=progress

@@ -19,15 +19,15 @@ from concurrent.futures import wait
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from castore.chunkio import expected_length, shared_pool
 from castore.chunkstore.base import Namespace
+from castore.core.chunkio import expected_length, shared_pool
+from castore.core.reading import check_coverage, check_rank_local
 from castore.errors import CastoreError, GenerationNotFoundError
-from castore.hashing import Digest, digest_bytes
-from castore.objects import GenerationRoot, TensorEntry
-from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
-from castore.reading import check_coverage, check_rank_local
-from castore.refs import validate_run_name
-from castore.tree import decode_tree, tensor_names
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import GenerationRoot, TensorEntry
+from castore.format.tree import decode_tree, tensor_names
+from castore.repo.records import validate_run_name
+from castore.support.progress import NO_BAR, Bar, progress_bar, progress_wanted
 
 if TYPE_CHECKING:
     from castore.store import Store

@@ -61,9 +61,9 @@ def mutate(state: dict[str, Any]) -> None:
 
 def _open(path: str) -> Any:
     import castore
-    import castore.chunkio
+    import castore.core.chunkio
 
-    castore.chunkio.WRITE_BATCH_BYTES = BATCH_BYTES
+    castore.core.chunkio.WRITE_BATCH_BYTES = BATCH_BYTES
     return castore.open(path, chunk_size=CHUNK_SIZE)
 
 
@@ -113,12 +113,12 @@ def killed_mid_write(
     """Publish seed 1; then, while saving seed 2, rank ``killed`` SIGKILLs itself mid-write."""
     import castore
     import castore.dist
-    import castore.faults
+    import castore.support.faults
 
     with _open(path) as store:
         castore.dist.save(store, make_state(1, rank, world_size), run=RUN, step=1)
         if rank == killed:
-            castore.faults.arm("dist.worker_mid_shard", "kill")
+            castore.support.faults.arm("dist.worker_mid_shard", "kill")
         started = time.monotonic()
         pending = castore.dist.save(
             store,
@@ -175,7 +175,7 @@ def staggered(rank: int, world_size: int, path: str, stagger_s: float) -> dict[s
 
     import castore
     import castore.dist
-    from castore._comm import DEFAULT_TIMEOUT, own_groups
+    from castore.dist.comm import DEFAULT_TIMEOUT, own_groups
 
     own_groups(None, DEFAULT_TIMEOUT)  # made before the clocks start: its creation is collective
     with _open(path) as store:
@@ -199,7 +199,7 @@ def skewed(rank: int, world_size: int, path: str, skew_s: float) -> dict[str, An
 
     import castore
     import castore.dist
-    from castore._comm import DEFAULT_TIMEOUT, own_groups
+    from castore.dist.comm import DEFAULT_TIMEOUT, own_groups
 
     own_groups(None, DEFAULT_TIMEOUT)
     with _open(path) as store:

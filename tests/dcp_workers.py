@@ -30,7 +30,7 @@ from torch.distributed.tensor import DTensor
 import castore
 from castore.chunkstore.base import Namespace
 from castore.dcp import CastoreReader, CastoreWriter
-from castore.tree import escape_key
+from castore.format.tree import escape_key
 from castore.verify import verify_store
 
 # 128-byte chunks: fc1.weight's 6-row block (at world size 4) is three chunks.

@@ -425,7 +425,7 @@ def run_script(rank: int, world_size: int, path: str, ops: list[dict[str, Any]])
     outside it skip the op; the ranks inside build their state or targets from their rank
     and size in the group.
     """
-    import castore.faults
+    import castore.support.faults
 
     results: list[Any] = []
     with castore.open(path) as store:
@@ -448,10 +448,10 @@ def run_script(rank: int, world_size: int, path: str, ops: list[dict[str, Any]])
                 results.append(run_op(me, size, store, op, options))
             elif kind == "arm":
                 if rank == op["rank"]:
-                    castore.faults.arm(op["point"], op["action"])
+                    castore.support.faults.arm(op["point"], op["action"])
                 results.append(None)
             elif kind == "disarm":
-                castore.faults.disarm()
+                castore.support.faults.disarm()
                 results.append(None)
             elif kind == "barrier":  # all ranks of the default group
                 import torch.distributed as dist

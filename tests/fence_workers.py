@@ -15,7 +15,7 @@ JSON command, and each answer is one JSON line on stdout:
 
 A real process each, so that two of them are two writers of the run exactly as
 two jobs are: each has its own pid, and what a process knows of the run
-(castore.fencing) is its own.
+(castore.core.fencing) is its own.
 """
 
 from __future__ import annotations

@@ -19,9 +19,9 @@ import msgpack
 
 from castore import Store
 from castore.chunkstore.base import Namespace
-from castore.hashing import Digest, digest_bytes
-from castore.objects import TYPE_SHARD
-from castore.refs import RefValue
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import TYPE_SHARD
+from castore.repo.records import RefValue
 
 Wire = dict[str, Any]
 EntryMutation = Callable[[Wire], None]
@@ -61,7 +61,7 @@ def publish_forged(store: Store, run: str, root_wire: Wire, shard_wires: list[Wi
     root_bytes = _packed(root_wire)
     root_digest = Digest(put_object(store, root_bytes))
     # The ref stays well-formed: only the objects lie.
-    # ...under the writer epoch the ref already names (castore.fencing).
+    # ...under the writer epoch the ref already names (castore.core.fencing).
     new = RefValue(run, generation, root_digest, time.time(), epoch=current.epoch)
     store.refs.advance(run, expected=parent, new=new)
     return generation
@@ -97,7 +97,7 @@ def forge_root(store: Store, run: str, mutate: RootMutation) -> int:
 
 def nested_tuple_payload(depth: int) -> bytes:
     """A state skeleton of ``depth`` nested tuples, encoded as castore encodes one."""
-    from castore.tree import EXT_TUPLE
+    from castore.format.tree import EXT_TUPLE
 
     value: Any = 1
     for _ in range(depth):
@@ -132,7 +132,7 @@ def _leave_a_gap(entry: Wire) -> None:
     # Consistent in itself (bytes and chunks fit the smaller box): only coverage is wrong.
     import math
 
-    from castore.dtypes import numpy_dtype
+    from castore.format.dtypes import numpy_dtype
 
     entry["local_shape"] = [entry["local_shape"][0] - 1, *entry["local_shape"][1:]]
     entry["nbytes"] = math.prod(entry["local_shape"]) * numpy_dtype(entry["dtype"]).itemsize

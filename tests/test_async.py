@@ -24,12 +24,12 @@ import torch
 
 import castore
 import castore.cli
-import castore.faults
-import castore.staging
+import castore.core.staging
+import castore.support.faults
 from castore import AsyncOptions, Store
 from castore.chunkstore.base import Namespace
-from castore.faults import InjectedFault
 from castore.gc import RetentionPolicy, collect_garbage
+from castore.support.faults import InjectedFault
 from castore.verify import verify_store
 
 RUN = "run"
@@ -146,8 +146,8 @@ def assert_latest_holds(store: Store, expected: Any) -> None:
 @pytest.fixture
 def faults() -> Iterator[Callable[[str], None]]:
     """Arm a fault point to raise in this process; every point is disarmed afterwards."""
-    yield lambda point: castore.faults.arm(point, "raise")
-    castore.faults.disarm()
+    yield lambda point: castore.support.faults.arm(point, "raise")
+    castore.support.faults.disarm()
 
 
 @pytest.fixture
@@ -230,7 +230,7 @@ def test_a_failed_async_save_raises_from_result_publishes_nothing_and_is_raised_
     assert pending.wait(timeout=30)  # wait() never raises
     with pytest.raises(InjectedFault):
         pending.result()
-    castore.faults.disarm()
+    castore.support.faults.disarm()
     assert latest_id(store) == 1 and store.background.counters["failed"] == 1
     assert_latest_holds(store, first)
     # Seen once by result(): neither the next save nor close raises it again.
@@ -245,7 +245,7 @@ def test_an_unobserved_failure_is_raised_by_the_next_save_which_does_not_happen(
     store.save(array_state(4096), run=RUN, step=1)
     faults("async.mid_write")
     store.save(array_state(8192, seed=2), run=RUN, step=2, blocking=False).wait(timeout=30)
-    castore.faults.disarm()
+    castore.support.faults.disarm()
     with pytest.raises(InjectedFault):
         store.save(array_state(8192, seed=3), run=RUN, step=3, blocking=False)
     assert ids(store) == [1]
@@ -261,7 +261,7 @@ def test_an_unobserved_failure_is_raised_by_close_once(
     store = handle()
     faults("async.before_ref_advance")
     store.save(array_state(8192), run=RUN, step=1, blocking=False).wait(timeout=30)
-    castore.faults.disarm()
+    castore.support.faults.disarm()
     with pytest.raises(InjectedFault):
         store.close()
     store.close()  # once only
@@ -279,7 +279,7 @@ def test_a_failure_while_staging_is_raised_by_the_save_call_and_changes_nothing(
     faults("async.mid_snapshot")
     with pytest.raises(InjectedFault):
         store.save(rich_state(seed=2), run=RUN, step=2, blocking=False)
-    castore.faults.disarm()
+    castore.support.faults.disarm()
     assert latest_id(store) == 1
     assert_latest_holds(store, first)
     assert store.save(rich_state(seed=3), run=RUN, step=3, blocking=False).result().id == 2
@@ -394,13 +394,13 @@ def test_a_second_save_of_the_same_state_allocates_no_staging_buffer(
     staging_bytes: int | None,
 ) -> None:
     allocations: list[int] = []
-    allocate = castore.staging._allocate
+    allocate = castore.core.staging._allocate
 
     def counting(nbytes: int, pinned: bool) -> Any:
         allocations.append(nbytes)
         return allocate(nbytes, pinned)
 
-    monkeypatch.setattr(castore.staging, "_allocate", counting)
+    monkeypatch.setattr(castore.core.staging, "_allocate", counting)
     state = make()
     options = AsyncOptions(staging_bytes=staging_bytes)
     first = store.save(state, run=RUN, step=1, blocking=False, async_options=options)

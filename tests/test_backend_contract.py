@@ -20,7 +20,7 @@ from castore.chunkstore import ChunkBackend, LmdbBackend, MemoryBackend, Namespa
 from castore.chunkstore.blobcache import IndexCache
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.errors import StoreError
-from castore.hashing import digest_bytes
+from castore.format.hashing import digest_bytes
 from castore.testing.chunks import ChunkBackendTests, items
 
 

@@ -39,6 +39,7 @@ from castore.chunkstore.blobpacks import (
     parse_index,
 )
 from castore.chunkstore.packfile import PACK_HEADER, RECORD_HEADER
+from castore.core.storeblobs import MARKER, open_blob_store
 from castore.errors import (
     FormatVersionError,
     IntegrityError,
@@ -49,7 +50,6 @@ from castore.errors import (
 from castore.gc import GcAbortedError, collect_garbage
 from castore.retention import RetentionPolicy
 from castore.store import FallbackWarning
-from castore.storeblobs import MARKER, open_blob_store
 from castore.testing.chunks import items
 from castore.verify import verify_store
 

@@ -133,16 +133,16 @@ def test_a_failed_multipart_leaves_no_object_and_no_upload(
 def test_the_mid_multipart_fault_point_fires_after_the_first_part(
     s3_endpoint: str, s3_bucket: str, small_parts: int
 ) -> None:
-    import castore.faults
+    import castore.support.faults
 
     blobs = _small_part_store(s3_endpoint, s3_bucket, small_parts)
     blobs.create("packs/single", b"one request, no parts")  # no multipart: no fault
-    castore.faults.arm("blob.mid_multipart", "raise")
+    castore.support.faults.arm("blob.mid_multipart", "raise")
     try:
-        with pytest.raises(castore.faults.InjectedFault):
+        with pytest.raises(castore.support.faults.InjectedFault):
             blobs.create("packs/p", bytes(2 * small_parts))
     finally:
-        castore.faults.disarm()
+        castore.support.faults.disarm()
     # Raised (not killed), the upload is aborted: nothing of it is left.
     assert _keys(s3_endpoint, s3_bucket) == ["stores/test/packs/single"]
     assert _uploads(s3_endpoint, s3_bucket) == []

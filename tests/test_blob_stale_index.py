@@ -172,7 +172,7 @@ dist.destroy_process_group()
 
 @pytest.mark.slow
 def test_a_dist_restore_on_a_stale_handle_finds_the_moved_chunks(tmp_path: Path) -> None:
-    """castore.dist.load (castore/restore.py) in a group of one, in a child process."""
+    """castore.dist.load (castore/dist/restore.py) in a group of one, in a child process."""
     done = subprocess.run(
         [sys.executable, "-c", textwrap.dedent(DIST_RESTORE), str(tmp_path / "store")],
         cwd=tmp_path,

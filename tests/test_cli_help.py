@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from castore.cli import COMMANDS
-from castore.cli_args import build_parser
+from castore.cli.args import build_parser
 
 CLI = Path(sys.executable).parent / "castore"
 

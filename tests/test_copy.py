@@ -26,7 +26,7 @@ from castore.errors import (
     NotAStoreError,
     RefConflictError,
 )
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 from castore.verify import verify_store
 
 CLI = Path(sys.executable).parent / "castore"

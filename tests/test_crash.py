@@ -24,8 +24,8 @@ from _helpers import assert_state_equal
 
 import castore
 from castore.chunkstore.base import Namespace
-from castore.faults import POINTS, InjectedFault
-from castore.objects import decode_object
+from castore.format.objects import decode_object
+from castore.support.faults import POINTS, InjectedFault
 
 pytestmark = pytest.mark.slow
 
@@ -53,11 +53,11 @@ SAVE_ONCE_SRC = STATE_SRC + textwrap.dedent(
     """
     import sys
     import castore
-    import castore.chunkio
+    import castore.core.chunkio
 
     path, seed, batch = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     if batch:
-        castore.chunkio.WRITE_BATCH_BYTES = batch
+        castore.core.chunkio.WRITE_BATCH_BYTES = batch
     with castore.open(path) as store:
         gen = store.save(make_state(seed), run="run", step=seed)
     print(f"published {gen.id}", flush=True)
@@ -277,16 +277,16 @@ def test_sigkill_at_a_random_moment_of_repeated_saves(gen1_store: Path) -> None:
 def test_injected_exception_at_each_point(
     gen1_store: Path, point: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import castore.chunkio
-    import castore.faults
+    import castore.core.chunkio
+    import castore.support.faults
 
-    monkeypatch.setattr(castore.chunkio, "WRITE_BATCH_BYTES", 4096)
-    monkeypatch.setitem(castore.faults._ARMED, point, "raise")
+    monkeypatch.setattr(castore.core.chunkio, "WRITE_BATCH_BYTES", 4096)
+    monkeypatch.setitem(castore.support.faults._ARMED, point, "raise")
     with castore.open(gen1_store) as store:
         with pytest.raises(InjectedFault) as info:
             store.save(make_state(2), run=RUN, step=2)
         assert info.value.point == point
         expected_latest = 2 if point == "save.after_ref_advance" else 1
         assert store.resolve(RUN).id == expected_latest
-    monkeypatch.delitem(castore.faults._ARMED, point)
+    monkeypatch.delitem(castore.support.faults._ARMED, point)
     assert_healthy_and_next_save_works(gen1_store, latest_id=expected_latest)

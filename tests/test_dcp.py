@@ -46,7 +46,7 @@ from castore.errors import (
     InvalidNameError,
     UnsupportedValueError,
 )
-from castore.tree import decode_tree
+from castore.format.tree import decode_tree
 from castore.verify import verify_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

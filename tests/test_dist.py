@@ -112,7 +112,7 @@ def check_plain_state(
     per_rank: list[dict[str, Any]], seed: int, step: int, old_ranks: list[int | None]
 ) -> None:
     """Non-tensor values, RankLocal values (old_ranks[r] is None: dropped) and NotLoaded."""
-    import castore.shard
+    import castore.format.shard
 
     for rank, result in enumerate(per_rank):
         state = result["state"]
@@ -134,7 +134,7 @@ def check_plain_state(
             leaf = w.get_path(state, name)
             if name in targeted:
                 continue  # the caller's own object: checked through same_objects
-            assert isinstance(leaf, castore.shard.NotLoaded), (name, leaf)
+            assert isinstance(leaf, castore.format.shard.NotLoaded), (name, leaf)
             assert tuple(leaf.shape) == shape and leaf.dtype == dtype, leaf
 
 

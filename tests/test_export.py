@@ -31,16 +31,16 @@ from tqdm import tqdm
 import castore
 from castore import Shard, Store
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import LmdbBackend
-from castore.commit import (
+from castore.chunkstore.lmdb.backend import LmdbBackend
+from castore.core.commit import (
     commit_objects,
     publish_writes,
     write_shard,
 )
 from castore.errors import ChecksumMismatchError, IntegrityError, TensorNotFoundError
 from castore.export import INDEX_FILE, SINGLE_FILE, stripes, to_safetensors, to_torch
-from castore.layout import Box
-from castore.tree import encode_state
+from castore.format.layout import Box
+from castore.format.tree import encode_state
 
 REPO = Path(__file__).resolve().parent.parent
 DTYPES = [ml_dtypes.bfloat16, np.float16, np.float32, np.int64, np.bool_]
@@ -519,7 +519,7 @@ def test_cli_damaged_chunk_is_one_line_and_leaves_nothing(
 
 def torch_as_numpy(value: Any) -> np.ndarray:
     """A torch tensor's bytes as the numpy array castore would give (bf16 via ml_dtypes)."""
-    from castore import dtypes
+    from castore.format import dtypes
 
     name = str(value.dtype).removeprefix("torch.")
     raw = value.contiguous().reshape(-1).view(torch.uint8).numpy()

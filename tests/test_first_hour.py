@@ -107,7 +107,7 @@ def test_a_step_is_a_non_negative_int64(
 
 def test_the_largest_step_round_trips(store: Store) -> None:
     assert store.save({"x": 1}, run="r", step=2**63 - 1).step == 2**63 - 1
-    store.claim_run("r")  # 0 is a step back: asked for (castore.fencing)
+    store.claim_run("r")  # 0 is a step back: asked for (castore.core.fencing)
     assert store.save({"x": 1}, run="r", step=0).step == 0
     assert [g.step for g in store.generations("r")] == [2**63 - 1, 0]
 

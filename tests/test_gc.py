@@ -27,16 +27,16 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import castore
-import castore.commit as castore_commit
+import castore.core.commit as castore_commit
 from castore import Store, gc
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.errors import (
     GenerationNotFoundError,
     InvalidNameError,
     StoreLockedError,
 )
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
 from castore.verify import verify_store
 
 CHUNK = 1024
@@ -208,7 +208,7 @@ def test_every_steps_keeps_the_first_generation_of_each_bucket(store: Store) -> 
 def test_every_seconds_keeps_the_newest_of_each_interval(
     store: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # Save times come from the clock castore.commit reads; give it known values.
+    # Save times come from the clock castore.core.commit reads; give it known values.
     times = iter([100.0, 200.0, 200.0, 3700.0, 3800.0, 7300.0])
     monkeypatch.setattr(castore_commit, "time", types.SimpleNamespace(time=lambda: next(times)))
     save_steps(store, "a", [1, 2, 3, 4, 5, 6])
@@ -406,7 +406,7 @@ def test_collect_is_refused_while_a_save_holds_the_store(store: Store) -> None:
 def test_a_sweep_cut_short_hides_dropped_generations_and_the_next_one_finishes(
     store: Store,
 ) -> None:
-    from castore import faults
+    from castore.support import faults
 
     states = {i: small_state(i) for i in range(1, 5)}
     for i, state in states.items():

@@ -29,11 +29,11 @@ import pytest
 from _helpers import assert_state_equal
 
 import castore
-import castore.commit
+import castore.core.commit
 import castore.store
 from castore import Store
 from castore.chunkstore.base import Namespace
-from castore.commit import (
+from castore.core.commit import (
     SINGLE_FAULTS,
     claim_writer,
     make_root,
@@ -42,9 +42,9 @@ from castore.commit import (
     write_shard,
 )
 from castore.errors import ChunkMissingError, GenerationNotFoundError, StoreLockedError
+from castore.format.tree import encode_state
 from castore.gc import DELETE_BATCH, RetentionPolicy, collect_garbage
 from castore.store import encode_metadata, framework_versions
-from castore.tree import encode_state
 from castore.verify import verify_store
 
 pytestmark = pytest.mark.slow
@@ -326,13 +326,13 @@ def test_gc_is_refused_while_a_save_is_between_dedup_and_publish(
 
         monkeypatch.setattr(castore.store, "write_shard", paused_write_shard)
     else:
-        original_publish = castore.commit.publish  # publish_single calls it by this name
+        original_publish = castore.core.commit.publish  # publish_single calls it by this name
 
         def paused_publish(*args: Any, **kwargs: Any) -> Any:
             pause()
             return original_publish(*args, **kwargs)
 
-        monkeypatch.setattr(castore.commit, "publish", paused_publish)
+        monkeypatch.setattr(castore.core.commit, "publish", paused_publish)
     outcome: dict[str, Any] = {}
 
     def save() -> None:

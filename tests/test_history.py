@@ -22,7 +22,8 @@ import castore.gc as gc_module
 import castore.repo.local as local_repo
 from castore import Store, cli
 from castore.gc import RetentionPolicy, collect_garbage
-from castore.refs import PUBLISH_ACTIONS, RefStore
+from castore.repo.local import RefStore
+from castore.repo.records import PUBLISH_ACTIONS
 from castore.verify import verify_store
 
 RUN = "h"

@@ -24,7 +24,7 @@ import pytest
 import castore
 from castore import Store
 from castore.errors import GenerationNotFoundError, LostRunError
-from castore.refs import RefValue
+from castore.repo.records import RefValue
 
 STATE = {"w": np.arange(256, dtype=np.float32), "epoch": 1}
 

@@ -30,8 +30,8 @@ from castore.errors import (
     LostRunError,
     UnsupportedValueError,
 )
+from castore.format.tree import MAX_DEPTH
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage
-from castore.tree import MAX_DEPTH
 from castore.verify import verify_store
 
 CLI = Path(sys.executable).parent / "castore"
@@ -145,7 +145,7 @@ def _apply(changes: dict[str, Any]) -> Any:
 
 def _expected(entry_shape: tuple[int, ...], dtype: str) -> np.ndarray:
     """What a consistent forged entry may return: the chunk bytes, reinterpreted."""
-    from castore.dtypes import numpy_dtype
+    from castore.format.dtypes import numpy_dtype
 
     return np.frombuffer(ORIGINAL.tobytes(), dtype=numpy_dtype(dtype)).reshape(entry_shape)
 
@@ -189,8 +189,8 @@ def test_the_property_catches_a_reader_that_skips_validation(
     saved: Store, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Broken control: without the entry checks, a short entry returns bytes nobody wrote."""
-    import castore.reading as reading_module
-    from castore.objects import TensorEntry
+    import castore.core.reading as reading_module
+    from castore.format.objects import TensorEntry
 
     allocate = reading_module.allocate
 
@@ -404,7 +404,7 @@ def test_an_unknown_run_is_still_not_found(store: Store) -> None:
 def test_checksummed_reflog_line_of_the_wrong_shape_is_damage(
     store: Store, store_path: Path, record: str
 ) -> None:
-    from castore.hashing import digest_bytes
+    from castore.format.hashing import digest_bytes
 
     _three_generations(store)
     text = record.replace("%s", "ab" * 32)

@@ -25,8 +25,8 @@ import pytest
 from _helpers import assert_state_equal
 
 import castore
-import castore.chunkstore.lmdb_backend as lmdb_backend
-import castore.storedir as storedir
+import castore.chunkstore.lmdb.backend as lmdb_backend
+import castore.core.opening as opening
 from castore.errors import (
     CastoreError,
     NotAStoreError,
@@ -35,7 +35,8 @@ from castore.errors import (
     UnsafeStoreFileError,
 )
 from castore.gc import RetentionPolicy, collect_garbage, tag, untag
-from castore.refs import DurabilityWarning, ReflogWarning
+from castore.repo.records import ReflogWarning
+from castore.repo.reffile import DurabilityWarning
 from castore.verify import verify_store
 
 RUN = "a"
@@ -518,14 +519,14 @@ def test_a_store_created_between_the_marker_check_and_the_listing_is_opened(
     """The race made deterministic: another process creates the store inside the window."""
     path = tmp_path / "store"
     path.mkdir()
-    real_is_empty = storedir._is_empty
+    real_is_empty = opening._is_empty
 
     def another_rank_wins(root: Path) -> bool:
         code = f"import castore; castore.open({str(root)!r}, chunk_size=512).close()"
         subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=_env())
         return real_is_empty(root)
 
-    monkeypatch.setattr(storedir, "_is_empty", another_rank_wins)
+    monkeypatch.setattr(opening, "_is_empty", another_rank_wins)
     with castore.open(path) as store:
         assert store.chunk_size == 512  # the winner's marker, read after the re-check
 
@@ -536,7 +537,7 @@ def test_a_map_grown_by_another_process_during_open_is_adopted(
     chunks = store_path / "chunks"
     real_open = lmdb_backend.lmdb.open
     grow = (
-        "from castore.chunkstore.lmdb_backend import LmdbBackend\n"
+        "from castore.chunkstore.lmdb.backend import LmdbBackend\n"
         "from castore.chunkstore.base import Namespace\n"
         f"b = LmdbBackend({str(chunks)!r}, map_size=1 << 20)\n"
         "b.put_many(Namespace.OBJECTS, [(bytes([i]) * 32, bytes(64 << 10)) for i in range(64)])\n"

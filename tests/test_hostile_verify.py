@@ -23,7 +23,7 @@ from test_hostile import run_cli
 
 from castore import Store
 from castore.errors import ChecksumMismatchError, CorruptObjectError, IntegrityError
-from castore.tree import EXT_TENSOR, MAX_DEPTH
+from castore.format.tree import EXT_TENSOR, MAX_DEPTH
 from castore.verify import verify_store
 
 RUN = "hostile"

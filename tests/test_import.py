@@ -20,12 +20,12 @@ from tqdm import tqdm
 
 import castore
 from castore.errors import ImportSourceError
+from castore.format.tree import encode_state
 from castore.importer import (
     from_safetensors,
     import_checkpoint,
     map_safetensors,
 )
-from castore.tree import encode_state
 
 CHUNK_SIZE = 1024
 

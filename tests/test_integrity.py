@@ -30,10 +30,10 @@ from castore.errors import (
     IntegrityError,
     ObjectMissingError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.objects import FORMAT_VERSION, GenerationRoot, encode_object
-from castore.refs import RefValue
-from castore.tree import EXT_NUMPY_SCALAR
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import FORMAT_VERSION, GenerationRoot, encode_object
+from castore.format.tree import EXT_NUMPY_SCALAR
+from castore.repo.records import RefValue
 from castore.verify import verify_store
 
 CLI = Path(sys.executable).parent / "castore"

@@ -1,4 +1,4 @@
-"""Unit tests of castore.layout: boxes, copy plans and the chunks a region touches.
+"""Unit tests of castore.format.layout: boxes, copy plans and the chunks a region touches.
 
 The reference for every check is plain numpy slicing on a whole array: a region
 copied chunk by chunk must land exactly where ``dst[dst_box] = src[src_box]``
@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from castore.errors import InvalidIndexError
-from castore.layout import Box, CopyPlan, normalize_index, plan_copy
+from castore.format.layout import Box, CopyPlan, normalize_index, plan_copy
 
 # -- helpers -------------------------------------------------------------------
 

@@ -25,14 +25,14 @@ import pytest
 from _helpers import assert_state_equal
 
 import castore
-import castore.chunkstore.lmdb_backend as lmdb_backend
+import castore.chunkstore.lmdb.backend as lmdb_backend
 import castore.gc as gc_module
 from castore import Store
 from castore.chunkstore.base import Namespace
 from castore.errors import CastoreError, IndexCorruptError, IntegrityError, StoreFullError
+from castore.format.hashing import digest_bytes
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage
-from castore.hashing import digest_bytes
-from castore.rebuild import rebuild_index
+from castore.repair import rebuild_index
 from castore.verify import verify_store
 
 CHUNK = 256
@@ -139,7 +139,7 @@ def test_broken_control_without_the_header_check_a_truncated_file_kills_the_proc
 ) -> None:
     os.truncate(data_file(damaged), PAGE * 8)
     unchecked = (
-        "import castore.chunkstore.lmdb_env as b\n"  # where the environment is opened
+        "import castore.chunkstore.lmdb.env as b\n"  # where the environment is opened
         "b.check_data_file = b.pad_data_file = lambda p: None\n"  # (padding would zero-fill)
     )
     result = python(unchecked + LOAD_ALL, damaged)
@@ -484,7 +484,7 @@ def test_a_disk_error_on_commit_is_a_full_store_and_the_previous_generation_stay
 
 
 def test_every_lmdb_error_leaves_the_backend_typed(tmp_path: Path) -> None:
-    from castore.chunkstore.lmdb_file import translate
+    from castore.chunkstore.lmdb.file import translate
 
     where = tmp_path
     assert isinstance(translate(lmdb.CorruptedError("x"), where, "read"), IntegrityError)

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import castore
+from castore.core.location import parse_location
 from castore.errors import StoreError, UnsupportedBackendError
-from castore.location import parse_location
 
 CLI = Path(sys.executable).parent / "castore"
 

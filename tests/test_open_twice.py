@@ -21,13 +21,13 @@ from _helpers import assert_state_equal
 from conftest import TEST_CHUNK_SIZE, StateFactory
 
 import castore
-from castore.chunkstore import lmdb_env
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.chunkstore.lmdb import env as lmdb_env
+from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.dcp import CastoreReader, CastoreWriter
 from castore.errors import StoreError, StoreLockedError
 from castore.gc import compact
-from castore.rebuild import rebuild_index
+from castore.repair import rebuild_index
 from castore.verify import verify_store
 
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")

@@ -21,7 +21,7 @@ import pytest
 from _helpers import assert_state_equal
 
 import castore
-import castore.chunkstore.lmdb_backend as lmdb_backend
+import castore.chunkstore.lmdb.backend as lmdb_backend
 from castore import Store
 from castore.chunkstore.base import Namespace
 from castore.errors import ChecksumMismatchError, ChunkMissingError, IntegrityError, StoreError

@@ -24,10 +24,10 @@ import pytest
 from tqdm import tqdm
 
 import castore
-from castore import Store, gc, progress
+from castore import Store, gc
 from castore.chunkstore.base import Namespace
-from castore.rebuild import rebuild_index
-from castore.repair import repair_store
+from castore.repair import rebuild_index, repair_store
+from castore.support import progress
 from castore.verify import verify_store
 
 CLI = Path(sys.executable).parent / "castore"

@@ -30,8 +30,7 @@ from castore import cli, gc
 from castore.errors import ReadOnlyStoreError, ReadOnlyWarning, StoreAccessDeniedError
 from castore.export import to_safetensors
 from castore.importer import import_checkpoint
-from castore.rebuild import rebuild_index
-from castore.repair import repair_store
+from castore.repair import rebuild_index, repair_store
 from castore.verify import verify_store
 
 NOBODY = 65534
@@ -173,7 +172,7 @@ def test_a_read_only_open_creates_no_file_even_where_it_could(tmp_path: Path) ->
                 write()
     after = listing(tmp_path / "store")
     # One deliberate exception: where lock.mdb is writable, a writer may exist, so the
-    # reader takes its slot in LMDB's reader table (lmdb_env's module text says why);
+    # reader takes its slot in LMDB's reader table (chunkstore/lmdb/env.py says why);
     # that write changes the lock file's mtime, never its size, and nothing else.
     lock = "chunks/lock.mdb"
     assert after.pop(lock)[0::2] == before.pop(lock)[0::2]

@@ -28,9 +28,10 @@ from castore.errors import (
     StoreNotFoundError,
     UnsupportedValueError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.objects import GenerationRoot, ShardManifest, encode_object
-from castore.refs import REF_MAGIC, RefValue
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import GenerationRoot, ShardManifest, encode_object
+from castore.repo.records import RefValue
+from castore.repo.reffile import REF_MAGIC
 from castore.verify import verify_store
 
 RUN = "run"
@@ -59,7 +60,7 @@ def counts(store: Store) -> tuple[int, int]:
 
 
 def next_value(store: Store, generation: int, root: Digest) -> RefValue:
-    """A new value of RUN's ref under the writer epoch it names now (castore.fencing)."""
+    """A new value of RUN's ref under the writer epoch it names now (castore.core.fencing)."""
     current = store.refs.read(RUN)
     return RefValue(RUN, generation, root, time.time(), epoch=current.epoch if current else 0)
 
@@ -113,7 +114,7 @@ def test_generation_ids_must_increase(store: Store, generation: int) -> None:
 
 def test_save_racing_another_save_conflicts(store: Store, monkeypatch: pytest.MonkeyPatch) -> None:
     g1 = store.save(make_state(1), run=RUN, step=1)
-    import castore.commit as store_module
+    import castore.core.commit as store_module
 
     real_fault_point = store_module.fault_point
     winner: list[castore.Generation] = []

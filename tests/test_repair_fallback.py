@@ -14,7 +14,7 @@ import castore
 import castore.dist
 from castore.chunkstore.base import Namespace
 from castore.errors import ChecksumMismatchError, CorruptRefError, NoValidGenerationError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 from castore.repair import repair_store
 from castore.store import FallbackWarning, Store
 from castore.verify import verify_store

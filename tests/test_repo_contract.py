@@ -20,7 +20,7 @@ import pytest
 from castore.blob import MemoryBlobStore, PosixBlobStore
 from castore.blob.base import BlobStore
 from castore.errors import RefConflictError, UnsupportedOperationError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 from castore.repo.base import AroundSwap, RefTable
 from castore.repo.blobs import BlobStoreLocks
 from castore.repo.local import LocalLocks, LocalReflog, LocalRefTable, LocalTagTable, RefStore

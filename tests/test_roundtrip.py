@@ -18,7 +18,7 @@ import torch
 
 import castore
 from castore import Generation, GenerationNotFoundError, Store, UnsupportedValueError
-from castore.dtypes import SUPPORTED_DTYPES, numpy_dtype
+from castore.format.dtypes import SUPPORTED_DTYPES, numpy_dtype
 
 DTYPES = sorted(SUPPORTED_DTYPES)
 HEX64 = re.compile(r"[0-9a-f]{64}")

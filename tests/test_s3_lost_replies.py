@@ -25,8 +25,8 @@ from castore.errors import (
     RefConflictError,
     StoreUnavailableError,
 )
+from castore.format.hashing import Digest, digest_bytes
 from castore.gc import tag
-from castore.hashing import Digest, digest_bytes
 from castore.repo.records import RefValue
 from castore.repo.reffile import encode_ref
 

@@ -19,10 +19,10 @@ import pytest
 import castore
 from castore import Store
 from castore.blob import MemoryBlobStore
+from castore.core.storeblobs import open_blob_store
 from castore.errors import UnsupportedOperationError
 from castore.gc import RetentionPolicy, collect_garbage
 from castore.repo.memory import MemoryRefStore, memory_store
-from castore.storeblobs import open_blob_store
 from castore.testing import StoreTests
 from castore.verify import verify_store
 

@@ -6,8 +6,8 @@ tensor that never changes, plain values and a per-rank ``RankLocal`` value),
 plus one generation of a second run ``other``. For the cases about ranks,
 generation 3 is written as a 2-rank generation in this one process, the way
 ``castore.dist.save`` does it: each rank's chunks and shard manifest
-(``castore.commit.write_shard``), then the coordinator's checks and the root
-(``castore.commit.publish_shards``). The newest generation is then damaged, and four
+(``castore.core.commit.write_shard``), then the coordinator's checks and the root
+(``castore.core.commit.publish_shards``). The newest generation is then damaged, and four
 outcomes are recorded:
 
 * load: ``Store.load(run)``: the error type and message, or the generation it
@@ -51,10 +51,10 @@ import numpy as np
 from tabulate import tabulate
 
 import castore
-from castore import RankLocal, Shard, Store, faults
+from castore import RankLocal, Shard, Store
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import LmdbBackend
-from castore.commit import (
+from castore.chunkstore.lmdb.backend import LmdbBackend
+from castore.core.commit import (
     COORDINATOR_FAULTS,
     ShardWrite,
     commit_objects,
@@ -69,11 +69,12 @@ from castore.errors import (
     CorruptRefError,
     ObjectMissingError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.objects import GenerationRoot, TensorEntry, encode_object
-from castore.refs import encode_ref
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import GenerationRoot, TensorEntry, encode_object
+from castore.format.tree import encode_state
+from castore.repo.reffile import encode_ref
 from castore.store import FallbackWarning
-from castore.tree import encode_state
+from castore.support import faults
 from castore.verify import verify_store
 
 RUN = "run"

@@ -7,7 +7,7 @@ NumPy noise generator, a ResumableDistributedSampler). The job saves with
 ``castore.train.TrainState.save`` after every update, so generations 1..U of
 run "drill" hold updates 1..U. Then, per scenario:
 
-1. crash: a fault point is armed (``castore.faults.arm(point, "kill")``) in
+1. crash: a fault point is armed (``castore.support.faults.arm(point, "kill")``) in
    one process only, right before the save of update U; that process SIGKILLs
    itself at that point of the two-phase commit. Worker points arm rank 1,
    coordinator points rank 0. The other ranks must fail on their own with a
@@ -117,7 +117,7 @@ from drill_backends import BACKENDS, DrillBackend, open_options  # noqa: E402
 
 RUN = "drill"
 CHUNK_SIZE = 4096  # the store's chunk size: a shard spans many chunks
-WRITE_BATCH = 2 * CHUNK_SIZE  # castore.chunkio.WRITE_BATCH_BYTES in the drill's savers
+WRITE_BATCH = 2 * CHUNK_SIZE  # castore.core.chunkio.WRITE_BATCH_BYTES in the drill's savers
 DELETE_BATCH = 2  # castore.gc.DELETE_BATCH in the drill's collector
 GC_KEEP = 2
 GRACE = 10.0  # seconds beyond --save-timeout the survivors get to fail on their own
@@ -262,9 +262,9 @@ def _noting_batches(backend: Any, progress: Path) -> Iterator[None]:
 
 def _noting_thread(point: str, progress: Path) -> None:
     """Note the thread that reaches ``point`` (the caller's or the writer's), then go on."""
-    import castore.faults
+    import castore.support.faults
 
-    real = castore.faults.fault_point
+    real = castore.support.faults.fault_point
 
     def noted(name: str) -> None:
         if name == point:
@@ -280,29 +280,28 @@ def _noting_thread(point: str, progress: Path) -> None:
 
 def _arm(config: dict[str, Any], rank: int, update: int) -> None:
     """Arm the scenario's fault point in this process, and watch how far the save gets."""
-    import castore.chunkio
-    import castore.commit
-    import castore.faults
+    import castore.core.chunkio
+    import castore.core.commit
+    import castore.support.faults
 
     point = config["point"]
     progress = _progress(config, rank)
     _note(progress, {"armed": point, "update": update})
     if point == "dist.worker_mid_shard":
         # Observation only: record the shard's size and each committed batch.
-        write_leaves = castore.commit.write_leaves
+        write_leaves = castore.core.commit.write_leaves
 
         def watched_write(backend: Any, leaves: Any, chunk_size: int, **kwargs: Any) -> Any:
             total = sum(leaf.data.nbytes for leaf in leaves)
-            _note(
-                progress, {"shard_bytes": total, "batch_bytes": castore.chunkio.WRITE_BATCH_BYTES}
-            )
+            batch_bytes = castore.core.chunkio.WRITE_BATCH_BYTES
+            _note(progress, {"shard_bytes": total, "batch_bytes": batch_bytes})
             with _noting_batches(backend, progress):
                 return write_leaves(backend, leaves, chunk_size, **kwargs)
 
-        castore.commit.write_leaves = watched_write  # type: ignore[assignment]
+        castore.core.commit.write_leaves = watched_write  # type: ignore[assignment]
     if not config["blocking"]:
         _noting_thread(point, progress)
-    castore.faults.arm(point, "kill")
+    castore.support.faults.arm(point, "kill")
 
 
 def _hold_async_writes(
@@ -316,7 +315,7 @@ def _hold_async_writes(
     alone may hold its bytes). The last save's write notes its batches.
     """
     import castore.dist
-    from castore.staging import state_bytes
+    from castore.core.staging import state_bytes
 
     write_staged = castore.dist.write_staged
     progress = _progress(config, rank)
@@ -399,8 +398,8 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     import torch
 
     import castore
-    import castore.background
-    import castore.chunkio
+    import castore.core.background
+    import castore.core.chunkio
     import castore.train
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # the drill's "where stuck?"
@@ -413,7 +412,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     node = f"{config['label']}-rank{rank}"
     store = castore.open(config["store"], create=False, **open_options(node))
     if phase == "train":
-        castore.chunkio.WRITE_BATCH_BYTES = config["write_batch"]
+        castore.core.chunkio.WRITE_BATCH_BYTES = config["write_batch"]
         trained = _train_and_save(job, store, config, rank)
         store.close()  # as a job should: it raises an async save's error nobody saw
         return trained

@@ -6,8 +6,8 @@ Checks, each in its own try so one failure hides none of the others:
 
 - async saves of CUDA tensors (``staging="full"`` and ``"changed"``): pinned
   staging buffers, non-blocking copies and the event the writer waits on
-  (``castore.staging``, ``piece.ready.synchronize()`` in
-  ``castore.background``); every tensor is changed on the GPU right after
+  (``castore.core.staging``, ``piece.ready.synchronize()`` in
+  ``castore.core.background``); every tensor is changed on the GPU right after
   ``save`` returns, and what loads back must equal, bit for bit, the values
   at the call;
 - a blocking save of CUDA tensors (float32, float16, bfloat16, int64) loaded

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from castore.errors import BlobConflictError, BlobRangeError, InvalidNameError
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
 
 # Refs, tags and leases are a few hundred bytes; the bound keeps a hostile blob
 # from making read_versioned (and a shared directory's re-check) allocate at will.

@@ -31,7 +31,7 @@ from castore.errors import (
     BlobTooLargeError,
     InvalidNameError,
 )
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
 
 
 class MemoryBlobStore(BlobStore):

@@ -78,9 +78,9 @@ from castore.errors import (
     UnsafeStoreFileError,
     UnsupportedBackendError,
 )
-from castore.faults import fault_point
-from castore.hashing import Buffer
-from castore.safefs import kind_of, write_all, writing
+from castore.format.hashing import Buffer
+from castore.support.faults import fault_point
+from castore.support.safefs import kind_of, write_all, writing
 
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE_FLAGS = os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC

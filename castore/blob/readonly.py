@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 
 from castore.blob.base import BlobStore, Version
-from castore.hashing import Buffer
-from castore.readonly import ReadOnly
+from castore.format.hashing import Buffer
+from castore.support.readonly import ReadOnly
 
 
 class ReadOnlyBlobStore(BlobStore):

@@ -68,8 +68,8 @@ from castore.errors import (
     StoreError,
     UnsupportedBackendError,
 )
-from castore.faults import fault_point
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
+from castore.support.faults import fault_point
 
 MIB = 1 << 20
 AWS_MIN_PART = 5 * MIB  # every part but the last (AWS multipart limits)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
 
 
 class Namespace(str, Enum):

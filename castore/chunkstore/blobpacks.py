@@ -32,7 +32,7 @@ Reads fetch byte ranges of packs: a window of requested chunks is grouped by
 pack, neighbouring chunks merged into one ranged request (their record
 headers, 40 bytes each, come along), and several requests are in flight.
 Chunk bytes are not verified here: the caller hashes every chunk
-(:mod:`castore.chunkio`).
+(:mod:`castore.core.chunkio`).
 """
 
 from __future__ import annotations
@@ -63,8 +63,8 @@ from castore.errors import (
     IndexCorruptError,
     StoreError,
 )
-from castore.faults import fault_point
-from castore.hashing import Buffer, digest_bytes
+from castore.format.hashing import Buffer, digest_bytes
+from castore.support.faults import fault_point
 
 PACK_PREFIX = "packs/"
 INDEX_PREFIX = "index/"

@@ -6,7 +6,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 from castore.chunkstore.base import ChunkBackend, Namespace, PutResult, ReadSink
-from castore.hashing import Buffer
+from castore.format.hashing import Buffer
 
 
 class MemoryBackend(ChunkBackend):

@@ -106,3 +106,14 @@ def read_chunk(path: Path, record: PackRecord) -> bytes:
         return os.pread(fd, record.length, record.offset)
     finally:
         os.close(fd)
+
+
+def pack_id(name: str) -> int | None:
+    """The number a pack file's name ``<16 hex digits>.pack`` carries; None for any other name."""
+    stem = name[: -len(PACK_SUFFIX)] if name.endswith(PACK_SUFFIX) else ""
+    if len(stem) != 16:
+        return None
+    try:
+        return int(stem, 16)
+    except ValueError:
+        return None

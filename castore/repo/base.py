@@ -28,7 +28,7 @@ from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 
 from castore.errors import UnsupportedOperationError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
     PUBLISH_ACTIONS,

@@ -62,7 +62,7 @@ from castore.errors import (
     StoreLockedError,
     StoreUnavailableError,
 )
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
 from castore.repo.base import AroundSwap, Reflog, RefTable, TagTable
 from castore.repo.leases import DEFAULT_STORE_LEASE, StoreLeases
 from castore.repo.memory import MemoryLocks

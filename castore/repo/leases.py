@@ -13,7 +13,7 @@ present and decided to reuse (invariant 6). Two kinds of lease blob do it:
 if ``gc`` is held, it deletes its lease and waits. A collection first takes
 ``gc``, then lists the save leases and waits until there are none. The store
 orders every request (S3 is strongly consistent for writes, reads and
-listings; a shared directory must be too -- see the README): if the save's
+listings; a shared directory must be too -- see docs/STORAGE.md): if the save's
 read of ``gc`` came before the collection took it, the save's lease was
 created before that, so the collection's listing, which comes after, shows
 it; otherwise the save sees ``gc`` held. Never both go on.
@@ -35,7 +35,7 @@ clock. A waiter cannot break it before ``stale_after`` has passed since that
 renewal, so the step has ``stale_after / 2`` to land. A lease that is lost or
 too old raises LockLostError and nothing is published or deleted. What is
 left is the request that is already on the wire when it passes the check and
-is delayed in flight for more than ``stale_after / 2``; the README says so.
+is delayed in flight for more than ``stale_after / 2``; docs/STORAGE.md says so.
 
 **What a stall longer than ``stale_after`` does** (tests/test_gc_leases.py):
 

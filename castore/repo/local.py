@@ -13,7 +13,7 @@ A ref advance is a compare-and-swap under the run's exclusive ``flock``:
 re-read the current value while holding the lock, refuse if it is not what the
 writer based its generation on, then replace the file (temp, fsync, rename,
 fsync of the directory). Every file is opened without following symlinks
-(castore.safefs): a store from an untrusted source cannot redirect a write.
+(castore.support.safefs): a store from an untrusted source cannot redirect a write.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from castore.errors import StoreLockedError
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
 from castore.repo.base import AroundSwap, LockHold, Reflog, RefTable, StoreLocks, TagTable
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
@@ -44,9 +44,10 @@ from castore.repo.records import (
     validate_run_name,
     validate_tag_name,
 )
-from castore.repo.reffile import encode_ref, fsync_dir, read_ref_file, replace_file
+from castore.repo.reffile import encode_ref, read_ref_file, replace_file
 from castore.repo.refstore import ComposedRefStore, RepoParts
-from castore.safefs import (
+from castore.support.safefs import (
+    fsync_dir,
     is_store_dir,
     make_store_dir,
     open_store_file,

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from castore.errors import StoreLockedError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 from castore.repo.base import AroundSwap, LockHold, Reflog, RefTable, StoreLocks, TagTable
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
@@ -243,9 +243,9 @@ def memory_store(chunk_size: int | None = None, *, name: str = "memory") -> Stor
     load, generations, tags, gc, verify, repair, du); it is lost when the
     store is dropped. ``name`` appears in messages (``memory:NAME``).
     """
-    from castore.chunkio import DEFAULT_CHUNK_SIZE
     from castore.chunkstore.memory import MemoryBackend
-    from castore.objects import MAX_CHUNK_SIZE
+    from castore.core.chunkio import DEFAULT_CHUNK_SIZE
+    from castore.format.objects import MAX_CHUNK_SIZE
     from castore.store import Store  # here: castore.store imports the repository modules
 
     size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size

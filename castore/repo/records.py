@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from castore.errors import FencedError, InvalidNameError, RefConflictError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 
 DEFAULT_LOCK_TIMEOUT = 30.0
 # How long a save waits for a running garbage collection to finish.
@@ -79,7 +79,7 @@ class RefValue:
 
     A ref written by a save also says the generation's ``step``, the writer
     epoch of the process that published it and who that was
-    (:mod:`castore.fencing`); refs written before epochs existed have epoch 0,
+    (:mod:`castore.core.fencing`); refs written before epochs existed have epoch 0,
     no step and no writer. Tags leave them at their defaults.
     """
 

@@ -20,9 +20,16 @@ from pathlib import Path
 import msgpack
 
 from castore.errors import CorruptRefError, FormatVersionError
-from castore.hashing import DIGEST_SIZE, Digest, digest_bytes
+from castore.format.hashing import DIGEST_SIZE, Digest, digest_bytes
 from castore.repo.records import RefValue, Writer
-from castore.safefs import open_store_file, read_store_file, write_all, write_error, writing
+from castore.support.safefs import (
+    fsync_dir,
+    open_store_file,
+    read_store_file,
+    write_all,
+    write_error,
+    writing,
+)
 
 REF_MAGIC = b"CASTREF\n"
 REF_VERSION = 1
@@ -113,14 +120,6 @@ def _writer(wire: object) -> Writer | None:
     if job is not None and not isinstance(job, str):
         raise TypeError("writer job is not a string")
     return Writer(host, pid, job)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class DurabilityWarning(UserWarning):

@@ -19,8 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from castore.errors import CastoreError
-from castore.hashing import Digest
-from castore.readonly import ReadOnly
+from castore.format.hashing import Digest
 from castore.repo.base import (
     AroundSwap,
     LockHold,
@@ -43,6 +42,7 @@ from castore.repo.records import (
     run_lock_busy,
     validate_run_name,
 )
+from castore.support.readonly import ReadOnly
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class ComposedRefStore:
         self.parts = parts
         self.lock_timeout = lock_timeout
         self.save_wait = DEFAULT_SAVE_WAIT
-        # Names the store for what a process knows of its runs (castore.fencing):
+        # Names the store for what a process knows of its runs (castore.core.fencing):
         # handles on one store must agree, so a store on disk or blobs sets it.
         self.identity = f"{type(self).__name__}:{id(self)}"
         # Set by a read-only open: every lock and write below is refused before it acts.

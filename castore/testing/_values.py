@@ -6,7 +6,7 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-from castore.hashing import Digest, digest_bytes
+from castore.format.hashing import Digest, digest_bytes
 from castore.repo.records import RefValue
 
 

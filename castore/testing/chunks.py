@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from castore.chunkstore.base import ChunkBackend, Namespace
-from castore.hashing import digest_bytes
+from castore.format.hashing import digest_bytes
 
 
 def items(count: int, size: int = 100) -> list[tuple[bytes, bytes]]:

@@ -8,7 +8,7 @@ from contextlib import contextmanager
 import pytest
 
 from castore.errors import InvalidNameError, RefConflictError
-from castore.hashing import Digest
+from castore.format.hashing import Digest
 from castore.repo.base import RefTable
 from castore.repo.records import RefValue
 from castore.testing._values import race, root, value

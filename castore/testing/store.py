@@ -21,10 +21,10 @@ from castore.errors import (
     RefConflictError,
     StoreLockedError,
 )
+from castore.format.hashing import Digest
 from castore.gc import RetentionPolicy, collect_garbage, disk_usage, tag, untag
-from castore.hashing import Digest
-from castore.refs import RefValue
 from castore.repair import repair_store
+from castore.repo.records import RefValue
 from castore.store import FallbackWarning, Store
 from castore.verify import verify_store
 
@@ -197,7 +197,7 @@ class StoreTests:
             for _ in range(200):
                 try:
                     # One step for all: saves racing from one process are one writer,
-                    # and a step below the latest would be refused (castore.fencing).
+                    # and a step below the latest would be refused (castore.core.fencing).
                     store.save(state(seed), run="r", step=7)
                     return
                 except RefConflictError:

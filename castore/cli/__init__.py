@@ -22,14 +22,14 @@ from tabulate import tabulate
 import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
-from castore.cli_args import COLLAPSE_AT, build_parser
+from castore.cli.args import COLLAPSE_AT, build_parser
+from castore.core.history import Generation
 from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
-from castore.history import Generation
+from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
-from castore.progress import format_size as format_bytes
-from castore.repair import repair_store
+from castore.repair import rebuild_index, repair_store
 from castore.store import Store
-from castore.tree import decode_tree
+from castore.support.progress import format_size as format_bytes
 
 EXIT_PROBLEMS = 1
 DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the rest
@@ -436,8 +436,6 @@ def cmd_repair(args: argparse.Namespace) -> int:
 
 
 def _rebuild(path: str) -> None:
-    from castore.rebuild import rebuild_index
-
     report = rebuild_index(path, progress=True)
     print(
         f"rebuilt the LMDB file: indexed {report.chunks_indexed} chunk(s) from "
@@ -665,7 +663,3 @@ def _fail(message: str, held: Sequence[str] = (), code: int = EXIT_PROBLEMS) -> 
         traceback.print_exc()
     print(f"castore: error: {message}", file=sys.stderr)
     return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,11 +30,11 @@ import numpy as np
 
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.errors import ChecksumMismatchError, ChunkMissingError
-from castore.faults import fault_point
-from castore.hashing import Buffer, digest_bytes
-from castore.objects import TensorEntry
-from castore.progress import NO_BAR, Bar
-from castore.tree import TensorLeaf
+from castore.format.hashing import Buffer, digest_bytes
+from castore.format.objects import TensorEntry
+from castore.format.tree import TensorLeaf
+from castore.support.faults import fault_point
+from castore.support.progress import NO_BAR, Bar
 
 DEFAULT_CHUNK_SIZE = 4 << 20
 WRITE_BATCH_BYTES = 256 << 20

@@ -26,17 +26,18 @@ from typing import Any
 
 import lmdb
 
-from castore.chunkstore import lmdb_env
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_backend import Location, _pack_id
-from castore.chunkstore.lmdb_env import DEFAULT_MAP_SIZE, INDEX_DB
-from castore.chunkstore.lmdb_file import DATA_FILE, read_committed_meta
-from castore.chunkstore.packfile import PACK_DIR, read_chunk, scan_pack
-from castore.errors import CastoreError, StoreNotFoundError
-from castore.hashing import digest_bytes
-from castore.progress import NO_BAR, Bar, Phases, format_size, progress_bar
-from castore.readonly import refuse_unwritable
-from castore.refs import RefStore, fsync_dir
+from castore.chunkstore.lmdb import env as lmdb_env
+from castore.chunkstore.lmdb.backend import Location
+from castore.chunkstore.lmdb.env import DEFAULT_MAP_SIZE, INDEX_DB
+from castore.chunkstore.lmdb.file import DATA_FILE, read_committed_meta
+from castore.chunkstore.packfile import PACK_DIR, pack_id, read_chunk, scan_pack
+from castore.errors import CastoreError
+from castore.format.hashing import digest_bytes
+from castore.repo.local import RefStore
+from castore.support.progress import NO_BAR, Bar, Phases, format_size, progress_bar
+from castore.support.readonly import refuse_unwritable
+from castore.support.safefs import fsync_dir
 
 _OBJECTS_DB = Namespace.OBJECTS.value.encode()
 
@@ -54,24 +55,13 @@ class RebuildReport:
     seconds: float = 0.0
 
 
-def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> RebuildReport:
-    """Write a fresh ``chunks/data.mdb``: salvaged objects and an index built from the packs.
+def rebuild_lmdb_index(root: Path, *, progress: bool = False) -> RebuildReport:
+    """Write a fresh ``chunks/data.mdb`` of the local store at ``root`` (its marker checked).
 
-    ``progress=True``: phase lines and a bar of the pack bytes re-hashed, on stderr
-    (a terminal).
+    Salvaged objects and an index built from the packs. ``progress=True``:
+    phase lines and a bar of the pack bytes re-hashed, on stderr (a terminal).
     """
-    from castore.storedir import MARKER, _read_marker, local_lmdb_store
-
     started = time.perf_counter()
-    root = local_lmdb_store(
-        path,
-        "castore repair --rebuild-index",
-        "its chunk index is the index blobs, which every process reads afresh; "
-        "castore verify --deep checks them against the packs",
-    )
-    if not (root / MARKER).is_file():
-        raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
-    _read_marker(root / MARKER)
     refuse_unwritable(root, "rebuilding the chunk index")
     hold = RefStore(root).hold_open(
         exclusive=True,
@@ -183,7 +173,7 @@ def _walk_range(
 
 def _pack_paths(pack_dir: Path) -> list[tuple[int, Path]]:
     """Every file named like a pack, in pack-name order."""
-    named = ((_pack_id(entry.name), Path(entry.path)) for entry in os.scandir(pack_dir))
+    named = ((pack_id(entry.name), Path(entry.path)) for entry in os.scandir(pack_dir))
     return sorted((pack, path) for pack, path in named if pack is not None)
 
 

@@ -7,7 +7,7 @@ sharded tensors cover their global shapes exactly once, and only then commits
 the root and advances the ref; the outcome is broadcast. Any failure or dead
 rank means nothing is published.
 
-Restore (invariants 4, 5) lives in :mod:`castore.restore` and is exported
+Restore (invariants 4, 5) lives in :mod:`castore.dist.restore` and is exported
 here as ``load``: each rank verifies only the chunks its target boxes overlap,
 all ranks agree, and only then does any rank write into its live tensors.
 
@@ -24,7 +24,7 @@ from typing import Any, Literal, overload
 
 import msgpack
 
-from castore._comm import (
+from castore.dist.comm import (
     DEFAULT_TIMEOUT,
     Group,
     attempt,
@@ -33,7 +33,7 @@ from castore._comm import (
     raise_failures,
     rebuild,
 )
-from castore.background import (
+from castore.core.background import (
     AsyncOptions,
     Job,
     PendingSave,
@@ -42,8 +42,8 @@ from castore.background import (
     run_async,
     write_staged,
 )
-from castore.chunkio import WriteStats
-from castore.commit import (
+from castore.core.chunkio import WriteStats
+from castore.core.commit import (
     CheckedShards,
     ShardWrite,
     build_shard,
@@ -57,18 +57,18 @@ from castore.commit import (
     root_stats,
     write_shard,
 )
+from castore.core.history import Generation
+from castore.core.staging import leaf_nbytes
 from castore.errors import (
     LayoutMismatchError,
 )
-from castore.faults import fault_point
-from castore.hashing import Digest, digest_bytes
-from castore.history import Generation
-from castore.objects import GenerationRoot
-from castore.refs import RefValue, validate_run_name
-from castore.restore import LoadReport, LoadResult, load
-from castore.staging import leaf_nbytes
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import GenerationRoot
+from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
+from castore.repo.records import RefValue, validate_run_name
+from castore.dist.restore import LoadReport, LoadResult, load
 from castore.store import Store, annotate_interrupt, check_step, digests_of
-from castore.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
+from castore.support.faults import fault_point
 
 __all__ = ["LoadReport", "LoadResult", "PendingSave", "load", "save"]
 
@@ -101,7 +101,7 @@ def _prepare(
 
     Fixed before the ranks meet, the replicated tensors are balanced alone
     (each rank's sharded bytes are not known yet), and an async save stages
-    only what this rank writes (castore.staging).
+    only what this rank writes (castore.core.staging).
     """
     check_step(step)
     encoded = encode_state(state, defer_device=owner is not None)
@@ -430,7 +430,7 @@ def _start_async(
     options: AsyncOptions,
 ) -> PendingSave:
     """Prepare and stage this rank's state; its writer thread runs the commit."""
-    run, step, started = pending.run, pending.step, pending._started
+    run, step, started = pending.run, pending.step, pending.started
     background = store.background
 
     def prepare() -> _Prepared:
@@ -505,7 +505,7 @@ def _check_same_layout(infos: list[Any], comm: Group) -> None:
 
 def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
     """The coordinator reads the ref once and checks that this job may save the run
-    (castore.fencing); every rank learns the id, the parent and the root's writer."""
+    (castore.core.fencing); every rank learns the id, the parent and the root's writer."""
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:

@@ -84,7 +84,7 @@ def announce(reason: ReadOnly) -> None:
 
 def _outside_castore() -> int:
     """The stacklevel of the first caller outside castore (the open is a few calls deep)."""
-    package = os.path.dirname(__file__) + os.sep
+    package = os.path.dirname(os.path.dirname(__file__)) + os.sep  # castore/, not support/
     frame, level = sys._getframe(2), 2  # the caller of announce's caller
     while frame is not None and frame.f_code.co_filename.startswith(package):
         frame, level = frame.f_back, level + 1  # type: ignore[assignment]

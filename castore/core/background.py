@@ -2,7 +2,7 @@
 
 ``Store.save(..., blocking=False)``, ``castore.dist.save(..., blocking=False)``
 and ``TrainState.save(..., blocking=False)`` return a :class:`PendingSave` once
-the state's bytes are staged (:mod:`castore.staging`); the caller may then
+the state's bytes are staged (:mod:`castore.core.staging`); the caller may then
 change every tensor. One writer thread per store handle then hashes, writes,
 commits and publishes, exactly as a blocking save would: a failed async save
 publishes nothing and the previous generation stays latest.
@@ -16,7 +16,7 @@ publishes nothing and the previous generation stays latest.
 - **At exit** (the main thread ending, ``sys.exit``, an exception, Ctrl-C,
   or SIGTERM while castore's handler is in place) a save in flight is waited
   for, at most ``exit_wait_s``, before the hashing pools stop
-  (:mod:`castore.shutdown`). One that did not publish by then, or failed
+  (:mod:`castore.core.shutdown`). One that did not publish by then, or failed
   with nobody told, is named on stderr as NOT published and the process
   exits non-zero; what it wrote is only unreferenced chunks (the publish is
   the ref's atomic advance), which GC collects.
@@ -40,20 +40,17 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
-from castore import chunkio, shutdown
-from castore.chunkio import WriteStats, cut_chunks, digests_in_order
 from castore.chunkstore.base import ChunkBackend, Namespace
-from castore.commit import (
+from castore.core import chunkio, shutdown
+from castore.core.chunkio import WriteStats, cut_chunks, digests_in_order
+from castore.core.commit import (
     PublishFaults,
     build_shard,
     claim_writer,
     publish_single,
 )
-from castore.errors import ChunkMissingError
-from castore.faults import fault_point
-from castore.history import Generation
-from castore.objects import TensorEntry
-from castore.staging import (
+from castore.core.history import Generation
+from castore.core.staging import (
     STAGING_MODES,
     Piece,
     SaveAborted,
@@ -64,7 +61,10 @@ from castore.staging import (
     stage_leaves,
     state_bytes,
 )
-from castore.tree import EncodedTree, TensorLeaf, encode_local_state
+from castore.errors import ChunkMissingError
+from castore.format.objects import TensorEntry
+from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
+from castore.support.faults import fault_point
 
 IF_BUSY = ("wait", "skip")
 # Changed-chunk staging stages whole when more than this fraction of the chunks of
@@ -146,7 +146,8 @@ class PendingSave:
         self.timeline: list[tuple[float, int]] = []
         self.staged_bytes = 0
         self.staging = "full"  # how this save staged: "changed" unless it fell back
-        self._started = time.perf_counter() if started is None else started
+        # When the save began (perf_counter); castore.dist times its staging from it too.
+        self.started = time.perf_counter() if started is None else started
         self._finished = threading.Event()
         self._generation: Generation | None = None
         self._error: BaseException | None = None
@@ -192,7 +193,7 @@ class PendingSave:
 
     def _finish(self, generation: Generation | None, error: BaseException | None) -> None:
         self._generation, self._error = generation, error
-        self.timings["total"] = time.perf_counter() - self._started
+        self.timings["total"] = time.perf_counter() - self.started
         self._finished.set()
 
     @property
@@ -610,7 +611,7 @@ def run_async(
         job.hand(piece)
     pending.timings["snapshot"] = snapshot.seconds
     pending.timings["staging_wait"] = background.pool.waited
-    pending.timings["held"] = time.perf_counter() - pending._started
+    pending.timings["held"] = time.perf_counter() - pending.started
     pending.staged_bytes = snapshot.staged_bytes
     job.end_input(snapshot)
     if job.fits:
@@ -655,7 +656,7 @@ def save_async(
                 skeleton=encoded.skeleton,
                 metadata=metadata,
                 data_order=data_order,
-                seconds=time.perf_counter() - pending._started,
+                seconds=time.perf_counter() - pending.started,
                 held_seconds=pending.timings.get("held", 0.0),
                 faults=ASYNC_FAULTS,
                 writer=writer,

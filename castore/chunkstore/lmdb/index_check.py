@@ -32,7 +32,7 @@ from castore.chunkstore.packfile import (
     read_record,
     scan_pack,
 )
-from castore.hashing import digest_bytes
+from castore.format.hashing import digest_bytes
 
 LOCATION_SIZE = 24  # length, pack id, offset: three u64
 _SHOWN = 20  # problems listed one by one; the rest are counted

@@ -1,6 +1,6 @@
 """The end of a process with an async save in flight: wait for it, or say it was lost.
 
-An async save (:mod:`castore.background`) is written by a daemon thread; if
+An async save (:mod:`castore.core.background`) is written by a daemon thread; if
 the process ended under it, the save would be cut off silently. So:
 
 - **Exit waits.** Interpreter exit (the main thread returning, ``sys.exit``,

@@ -6,10 +6,10 @@ tensor is rebuilt from its saved boxes: the boxes must tile it exactly once
 (:func:`check_coverage`, also the coordinator's check before a publish),
 then each box's chunks are mapped onto the destination's bytes
 (:func:`box_transfer`) and read, verified and delivered by
-:mod:`castore.chunkio`.
+:mod:`castore.core.chunkio`.
 
-:class:`~castore.Store` delegates its reads here; ``castore.restore``,
-``castore.dcp`` and ``castore.commit`` use these functions directly. Nothing
+:class:`~castore.Store` delegates its reads here; ``castore.dist.restore``,
+``castore.dcp`` and ``castore.core.commit`` use these functions directly. Nothing
 here writes to the store, and nothing imports torch until a caller asks for
 a torch tensor.
 """
@@ -21,9 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from castore import dtypes
-from castore.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
 from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.core.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
 from castore.errors import (
     AllocationError,
     ChecksumMismatchError,
@@ -33,9 +32,10 @@ from castore.errors import (
     ObjectMissingError,
     TensorNotFoundError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.layout import Box, normalize_index, plan_copy
-from castore.objects import (
+from castore.format import dtypes
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.layout import Box, normalize_index, plan_copy
+from castore.format.objects import (
     TYPE_ROOT,
     TYPE_SHARD,
     GenerationRoot,
@@ -43,8 +43,8 @@ from castore.objects import (
     TensorEntry,
     decode_object,
 )
-from castore.progress import NO_BAR, Bar, progress_bar, progress_wanted
-from castore.tree import decode_local_state, decode_tree, torch_bytes
+from castore.format.tree import decode_local_state, decode_tree, torch_bytes
+from castore.support.progress import NO_BAR, Bar, progress_bar, progress_wanted
 
 # -- objects ------------------------------------------------------------------
 

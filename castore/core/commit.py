@@ -33,18 +33,18 @@ from typing import Any, Protocol
 import msgpack
 import numpy as np
 
-from castore.chunkio import WriteStats, write_leaves
 from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.core.chunkio import WriteStats, write_leaves
+from castore.core.fencing import record_published, ref_for_root, root_writer, writer_epoch
+from castore.core.reading import check_coverage, group_entries, read_object, read_root
 from castore.errors import (
     ChunkMissingError,
     CorruptObjectError,
     LayoutMismatchError,
     UnsupportedValueError,
 )
-from castore.faults import fault_point
-from castore.fencing import record_published, ref_for_root, root_writer, writer_epoch
-from castore.hashing import Digest, digest_bytes
-from castore.objects import (
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import (
     MAX_FIELD_DEPTH,
     TYPE_SHARD,
     GenerationRoot,
@@ -52,10 +52,17 @@ from castore.objects import (
     TensorEntry,
     encode_object,
 )
-from castore.progress import progress_bar, progress_wanted
-from castore.reading import check_coverage, group_entries, read_object, read_root
-from castore.refs import ComposedRefStore, RefValue
-from castore.tree import EncodedTree, check_depth, encode_local_state, encode_tree, tensor_names
+from castore.format.tree import (
+    EncodedTree,
+    check_depth,
+    encode_local_state,
+    encode_tree,
+    tensor_names,
+)
+from castore.repo.records import RefValue
+from castore.repo.refstore import ComposedRefStore
+from castore.support.faults import fault_point
+from castore.support.progress import progress_bar, progress_wanted
 
 
 class StoreParts(Protocol):
@@ -96,7 +103,7 @@ def write_shard(
 
     ``own`` restricts the global tensors this rank writes (replicated tensors
     are written by one rank only); its rank-local values are always written.
-    ``progress``: a bar on stderr counting the tensor bytes (see castore.progress).
+    ``progress``: a bar on stderr counting the tensor bytes (see castore.support.progress).
     """
     leaves = [leaf for leaf in encoded.leaves if own is None or leaf.name in own]
     local_state, local_leaves = encode_local_state(encoded.rank_local)
@@ -202,7 +209,7 @@ def claim_writer(
     store: StoreParts, run: str, parent: RefValue | None, step: int, *, warn: bool = True
 ) -> dict[str, Any]:
     """The ``writer`` a root of ``run`` at ``step`` after ``parent`` records, once this
-    process may publish it (castore.fencing: FencedError, StepOrderError, a warning)."""
+    process may publish it (castore.core.fencing: FencedError, StepOrderError, a warning)."""
     latest_step = parent.step if parent is not None else None
     if parent is not None and latest_step is None:  # a ref of before epochs: ask its root
         latest_step = read_root(store.backend, parent.root, run=run).step

@@ -20,7 +20,7 @@ Choices that matter for correctness:
 * Reads hand out zero-copy views (LMDB buffers, memory maps of packs) that
   never outlive the call: values are handed to a callback.
 * One environment per data file per process, shared and counted by every
-  handle on it (``lmdb_env``): LMDB forbids a second open in one process. It
+  handle on it (:mod:`castore.chunkstore.lmdb.env`): LMDB forbids a second open in one process. It
   is never used across ``fork()``: it records the pid that opened it and
   refuses use from another process.
 * Pack space is reclaimed only by :meth:`LmdbBackend.reclaim`, which deletes
@@ -47,7 +47,6 @@ from typing import Any
 
 import lmdb
 
-from castore.chunkstore import lmdb_env
 from castore.chunkstore.base import (
     ChunkBackend,
     IndexCheck,
@@ -56,13 +55,14 @@ from castore.chunkstore.base import (
     ReadSink,
     ReclaimStats,
 )
-from castore.chunkstore.index_check import LOCATION_SIZE, IndexEntry, cross_check
-from castore.chunkstore.lmdb_file import (
+from castore.chunkstore.lmdb import env as lmdb_env
+from castore.chunkstore.lmdb.file import (
     REPAIR_HINT,
     audit_pages,
     lmdb_guarded,
     read_committed_meta,
 )
+from castore.chunkstore.lmdb.index_check import LOCATION_SIZE, IndexEntry, cross_check
 from castore.chunkstore.packfile import (
     PACK_DIR,
     PACK_HEADER,
@@ -70,15 +70,16 @@ from castore.chunkstore.packfile import (
     PACK_SUFFIX,
     PACK_VERSION,
     RECORD_HEADER,
+    pack_id,
     scan_pack,
 )
 from castore.errors import IndexCorruptError, StoreError, StoreFullError
-from castore.faults import fault_point
-from castore.hashing import Buffer
-from castore.readonly import ReadOnly
-from castore.refs import fsync_dir
-from castore.safefs import (
+from castore.format.hashing import Buffer
+from castore.support.faults import fault_point
+from castore.support.readonly import ReadOnly
+from castore.support.safefs import (
     DISK_FULL,
+    fsync_dir,
     is_store_dir,
     make_store_dir,
     open_store_file,
@@ -119,16 +120,6 @@ def pack_name(pack: int) -> str:
     return f"{pack:016x}{PACK_SUFFIX}"
 
 
-def _pack_id(name: str) -> int | None:
-    stem = name[: -len(PACK_SUFFIX)] if name.endswith(PACK_SUFFIX) else ""
-    if len(stem) != 16:
-        return None
-    try:
-        return int(stem, 16)
-    except ValueError:
-        return None
-
-
 # fdatasync flushes the data and the file size, which is all a pack needs;
 # platforms without it (macOS) get fsync.
 _datasync = getattr(os, "fdatasync", os.fsync)
@@ -151,7 +142,7 @@ class LmdbBackend(ChunkBackend):
         self.pack_dir = self.path / PACK_DIR
         self.readonly = readonly
         existing = _check_environment_files(self.path, create=readonly is None)
-        # One environment per data file per process, whatever the handles (see lmdb_env).
+        # One environment per data file per process, whatever the handles (see lmdb.env).
         shared = lmdb_env.acquire(
             self.path, map_size=map_size, existing=existing, readonly=readonly is not None
         )
@@ -426,7 +417,7 @@ class LmdbBackend(ChunkBackend):
         """Every pack file: id -> size in bytes (temp files and strangers excluded)."""
         sizes = {}
         for entry in os.scandir(self.pack_dir):
-            pack = _pack_id(entry.name)
+            pack = pack_id(entry.name)
             if pack is None:
                 continue
             try:

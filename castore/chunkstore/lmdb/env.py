@@ -47,7 +47,7 @@ from typing import Any
 import lmdb
 
 from castore.chunkstore.base import Namespace
-from castore.chunkstore.lmdb_file import DATA_FILE, check_data_file, pad_data_file, translate
+from castore.chunkstore.lmdb.file import DATA_FILE, check_data_file, pad_data_file, translate
 from castore.errors import StoreError, StoreLockedError
 
 DEFAULT_MAP_SIZE = 1 << 30

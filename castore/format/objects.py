@@ -14,10 +14,10 @@ from typing import Any
 
 import msgpack
 
-from castore.dtypes import SUPPORTED_DTYPES, numpy_dtype
 from castore.errors import CorruptObjectError, FormatVersionError
-from castore.hashing import Digest, digest_of
-from castore.tree import check_depth
+from castore.format.dtypes import SUPPORTED_DTYPES, numpy_dtype
+from castore.format.hashing import Digest, digest_of
+from castore.format.tree import check_depth
 
 FORMAT_VERSION = 1
 # Limits a manifest must keep; a file never chooses a size beyond them.
@@ -184,7 +184,7 @@ class GenerationRoot:
     frameworks: dict[str, str] = field(default_factory=dict)
     data_order: dict[str, Any] = field(default_factory=dict)
     stats: dict[str, Any] = field(default_factory=dict)
-    # Who published it: host, pid, job and writer epoch (castore.fencing); roots
+    # Who published it: host, pid, job and writer epoch (castore.core.fencing); roots
     # written before epochs have none, and encode without the key.
     writer: dict[str, Any] = field(default_factory=dict)
 

@@ -190,3 +190,12 @@ def writing(phase: str, path: Path) -> Iterator[None]:
         raise
     except OSError as exc:
         raise write_error(phase, path, exc) from exc
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a rename, link or unlink in the directory ``path`` durable."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

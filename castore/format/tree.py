@@ -17,14 +17,14 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from castore.dtypes import (
+from castore.errors import CastoreError, CorruptObjectError, UnsupportedValueError
+from castore.format.dtypes import (
     SUPPORTED_DTYPES,
     name_of_numpy_dtype,
     name_of_torch_dtype,
     numpy_dtype,
 )
-from castore.errors import CastoreError, CorruptObjectError, UnsupportedValueError
-from castore.shard import RankLocal, Shard
+from castore.format.shard import RankLocal, Shard
 
 EXT_TUPLE = 1
 EXT_TENSOR = 2
@@ -58,7 +58,7 @@ class TensorLeaf:
     local_shape: tuple[int, ...] = ()
     sharded: bool = False
     # An async save's tensor still on its GPU: its flat uint8 bytes there, copied
-    # to pinned host memory by castore.staging (``data`` is then empty).
+    # to pinned host memory by castore.core.staging (``data`` is then empty).
     device_bytes: Any = None
 
     def __post_init__(self) -> None:

@@ -58,10 +58,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from castore import fencing
-from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
-from castore.chunkio import ChunkRequest, WriteStats, read_agree_deliver
-from castore.commit import (
+from castore.core import fencing
+from castore.core.chunkio import ChunkRequest, WriteStats, read_agree_deliver
+from castore.core.commit import (
     CheckedShards,
     claim_writer,
     commit_objects,
@@ -72,7 +71,10 @@ from castore.commit import (
     root_stats,
     write_shard,
 )
-from castore.dtypes import SUPPORTED_DTYPES, torch_dtype
+from castore.core.history import Generation
+from castore.core.opening import open_address
+from castore.core.reading import allocate, box_requests
+from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -80,15 +82,21 @@ from castore.errors import (
     RefConflictError,
     UnsupportedValueError,
 )
-from castore.hashing import Digest
-from castore.history import Generation
-from castore.layout import Box
-from castore.objects import GenerationRoot
-from castore.reading import allocate, box_requests
-from castore.refs import validate_run_name
-from castore.shard import Shard
+from castore.format.dtypes import SUPPORTED_DTYPES, torch_dtype
+from castore.format.hashing import Digest
+from castore.format.layout import Box
+from castore.format.objects import GenerationRoot
+from castore.format.shard import Shard
+from castore.format.tree import (
+    EXT_TENSOR,
+    decode_tree,
+    encode_state,
+    encode_tree,
+    escape_key,
+    torch_bytes,
+)
+from castore.repo.records import validate_run_name
 from castore.store import Store
-from castore.tree import EXT_TENSOR, decode_tree, encode_state, encode_tree, escape_key, torch_bytes
 
 SCHEME = "castore://"
 TENSORS = "t"  # state-tree key of DCP's tensors: t/<fqn>
@@ -111,10 +119,8 @@ def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str
 def _open(store: Store | str | os.PathLike[str]) -> Store:
     if isinstance(store, Store):
         return store
-    import castore
-
     # As given: Path() would fold an s3:// address into a local directory "s3:".
-    return castore.open(store)
+    return open_address(store)
 
 
 def _name(kind: str, fqn: str) -> str:
@@ -322,7 +328,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
         assert self.run is not None
         parent = self.store.refs.read(self.run)
         # Refused before any rank writes when this job may not save the run
-        # (castore.fencing); finish checks again under the store lock.
+        # (castore.core.fencing); finish checks again under the store lock.
         claim_writer(self.store, self.run, parent, self.step, warn=False)
         writers = [i for i, plan in enumerate(plans) if plan.items]
         proposal = {
@@ -452,7 +458,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
 
 def _writable(target: torch.Tensor, dtype: str) -> np.ndarray | None:
     """The target's own bytes, when chunks can be delivered straight into them."""
-    from castore.dtypes import name_of_torch_dtype
+    from castore.format.dtypes import name_of_torch_dtype
 
     if target.device.type != "cpu" or not target.is_contiguous():
         return None

@@ -42,10 +42,9 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from castore.errors import ConcurrentWriterWarning, FencedError, StepOrderError
-from castore.hashing import Digest
-from castore.objects import GenerationRoot
-from castore.refs import RefValue
-from castore.repo.records import Writer
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot
+from castore.repo.records import RefValue, Writer
 
 # Where a job's identity comes from, first found wins: castore's own, then schedulers'.
 JOB_VARIABLES = (

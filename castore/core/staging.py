@@ -1,7 +1,7 @@
 """The snapshot an async save takes: tensor bytes copied into reused, bounded buffers.
 
 ``Store.save(..., blocking=False)`` (and its multi-rank forms) hands the write
-to a background thread (:mod:`castore.background`), so the caller may change
+to a background thread (:mod:`castore.core.background`), so the caller may change
 every tensor as soon as the call returns. Before it returns, the caller copies
 the bytes the save needs into *staging buffers*; the writer hashes and writes
 them and gives each buffer back.
@@ -34,10 +34,10 @@ from typing import Any
 
 import numpy as np
 
-from castore.chunkio import cut_chunks, digests_in_order
+from castore.core.chunkio import cut_chunks, digests_in_order
 from castore.errors import CastoreError
-from castore.faults import fault_point
-from castore.tree import TensorLeaf
+from castore.format.tree import TensorLeaf
+from castore.support.faults import fault_point
 
 # The largest piece: big tensors are staged and handed on this many bytes at a
 # time (rounded down to whole chunks), so a writer can start on a tensor early.

@@ -43,9 +43,11 @@ import numpy as np
 import torch
 
 from castore import dist as castore_dist
-from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, own_groups, raise_failures
-from castore.background import AsyncOptions
+from castore.core.background import AsyncOptions
+from castore.core.history import Generation, Skipped
 from castore.data import ResumableDistributedSampler
+from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, own_groups, raise_failures
+from castore.dist.restore import LoadReport, agree_on_candidates, agree_on_root
 from castore.errors import (
     CorruptObjectError,
     IntegrityError,
@@ -54,12 +56,10 @@ from castore.errors import (
     ResumeMismatchError,
     SaveBoundaryError,
 )
-from castore.hashing import Digest, digest_bytes
-from castore.history import Generation, Skipped
-from castore.restore import LoadReport, agree_on_candidates, agree_on_root
-from castore.shard import RankLocal
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.shard import RankLocal
+from castore.format.tree import decode_tree
 from castore.store import Store
-from castore.tree import decode_tree
 
 RNG_VERSION = 1
 TRAIN_FORMAT = 1  # the layout of the state tree and data-order record below
@@ -597,7 +597,7 @@ class TrainState:
         ``blocking=False`` returns a :class:`~castore.PendingSave` once the state
         is staged (see :func:`castore.dist.save`); training may step on at once.
         """
-        # An async save's checks run over castore's own group (castore._comm.own_groups).
+        # An async save's checks run over castore's own group (castore.dist.comm.own_groups).
         comm = Group(group if blocking else own_groups(group, timeout)[1], coordinator, timeout)
         self._follow_sampler()
 

@@ -21,9 +21,9 @@ from typing import Any
 
 from castore.blob.base import BlobStore
 from castore.blob.readonly import ReadOnlyBlobStore
-from castore.chunkio import DEFAULT_CHUNK_SIZE
 from castore.chunkstore.blobcache import IndexCache, default_cache_dir
 from castore.chunkstore.blobpacks import DEFAULT_PACK_BYTES, BlobPackBackend
+from castore.core.chunkio import DEFAULT_CHUNK_SIZE
 from castore.errors import (
     BlobExistsError,
     BlobTooLargeError,
@@ -32,10 +32,11 @@ from castore.errors import (
     StoreNotFoundError,
     UnsupportedBackendError,
 )
-from castore.readonly import ReadOnly
+from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.repo.blobs import blob_refs
 from castore.repo.leases import DEFAULT_STORE_LEASE
 from castore.store import Store
+from castore.support.readonly import ReadOnly
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
@@ -125,8 +126,6 @@ def _read(blobs: BlobStore, where: str) -> dict[str, Any] | None:
 
 def check_blob_marker(data: bytes, where: str) -> dict[str, Any]:
     """A format-3 marker's settings, checked; the errors say what is wrong and where."""
-    from castore.storedir import check_marker_chunk_size
-
     try:
         config = json.loads(data)
     except (ValueError, RecursionError) as exc:
@@ -158,3 +157,16 @@ def check_blob_marker(data: bytes, where: str) -> dict[str, Any]:
     ):
         raise NotAStoreError(f"store marker of {where} has no valid store_id", path=where)
     return config
+
+
+def check_marker_chunk_size(marker: Path | str, chunk_size: Any) -> None:
+    # The marker may come from anywhere: a chunk size it names sizes every buffer a save cuts.
+    if chunk_size is None:
+        raise NotAStoreError(f"store marker {marker} has no chunk size", path=str(marker))
+    valid = isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
+    if not valid or not 0 < chunk_size <= MAX_CHUNK_SIZE:
+        raise NotAStoreError(
+            f"store marker {marker} has chunk_size {chunk_size!r}: must be a positive "
+            f"integer of at most {MAX_CHUNK_SIZE} bytes",
+            path=str(marker),
+        )

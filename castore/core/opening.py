@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from castore import readonly as readonly_mode
-from castore.chunkio import DEFAULT_CHUNK_SIZE
-from castore.chunkstore.lmdb_backend import LmdbBackend
+from castore.chunkstore.lmdb.backend import LmdbBackend
+from castore.core.chunkio import DEFAULT_CHUNK_SIZE
+from castore.core.location import parse_location
+from castore.core.storeblobs import check_marker_chunk_size, open_blob_store
 from castore.errors import (
     FormatVersionError,
     NotAStoreError,
@@ -29,12 +30,13 @@ from castore.errors import (
     UnsupportedBackendError,
     UnsupportedOperationError,
 )
-from castore.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
-from castore.readonly import ReadOnly
-from castore.refs import OPEN_LOCK, RefStore, fsync_dir
+from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.repo.base import LockHold
-from castore.safefs import open_store_file, read_store_file, write_all, writing
+from castore.repo.local import OPEN_LOCK, RefStore
 from castore.store import Store
+from castore.support import readonly as readonly_mode
+from castore.support.readonly import ReadOnly
+from castore.support.safefs import fsync_dir, open_store_file, read_store_file, write_all, writing
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
@@ -42,6 +44,30 @@ STORE_VERSION = 2
 # Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files.
 OLDEST_STORE_VERSION = 2
 _MAX_MARKER = 1 << 16
+
+
+def open_address(
+    path: str | os.PathLike[str],
+    *,
+    create: bool = True,
+    chunk_size: int | None = None,
+    readonly: bool | None = None,
+    **options: Any,
+) -> Store:
+    """Open the store ``path`` names: a directory, ``file://`` or ``s3://`` (see castore.open)."""
+    location = parse_location(path)
+    if location.scheme == "s3":
+        return open_s3_store(
+            location.bucket,
+            location.prefix,
+            create=create,
+            chunk_size=chunk_size,
+            readonly=readonly,
+            **options,
+        )
+    return open_store(
+        location.path, create=create, chunk_size=chunk_size, readonly=readonly, **options
+    )
 
 
 def open_store(
@@ -58,8 +84,8 @@ def open_store(
 
     A directory whose marker names the ``blobs`` backend, or any directory with
     ``shared=True``, is a format-3 store on a shared directory (no LMDB, no
-    ``mmap``, no ``flock``): see :mod:`castore.storeblobs`. ``readonly``: see
-    :mod:`castore.readonly` (None: read-only when the directory is not writable).
+    ``mmap``, no ``flock``): see :mod:`castore.core.storeblobs`. ``readonly``: see
+    :mod:`castore.support.readonly` (None: read-only when the directory is not writable).
     """
     root = Path(path)
     if chunk_size is not None:
@@ -104,7 +130,7 @@ def open_store(
         hold.release()
         raise
     store = Store(root, backend, size, refs=refs)
-    store._hold_open_lock(hold)
+    store.hold_open_lock(hold)
     return store
 
 
@@ -120,7 +146,7 @@ def _open_readonly(root: Path, chunk_size: int, reason: ReadOnly | None) -> Stor
         hold.release()
         raise
     store = Store(root, backend, chunk_size, refs=refs, readonly=reason)
-    store._hold_open_lock(hold)
+    store.hold_open_lock(hold)
     return store
 
 
@@ -153,7 +179,7 @@ def _names_blobs(marker: Path) -> bool:
     try:
         config = json.loads(read_store_file(marker, limit=_MAX_MARKER))
     except (OSError, ValueError, RecursionError):
-        return False  # _read_marker says what is wrong with it
+        return False  # read_marker says what is wrong with it
     return isinstance(config, dict) and config.get("backend") == "blobs"
 
 
@@ -166,11 +192,10 @@ def _open_shared(
     **blob_options: Any,
 ) -> Store:
     from castore.blob.posix import PosixBlobStore
-    from castore.storeblobs import open_blob_store
 
     marker = root / MARKER
     if os.path.lexists(marker) and not _names_blobs(marker):
-        _read_marker(marker)  # a damaged or foreign marker says so
+        read_marker(marker)  # a damaged or foreign marker says so
         raise UnsupportedBackendError(
             f"{root} is a single-node store (LMDB): it cannot be opened shared=True; copy it "
             f"into a shared store with: castore copy {root} NEW_DIR (after creating NEW_DIR "
@@ -218,7 +243,6 @@ def open_s3_store(
     StoreAccessDeniedError from the first request.
     """
     from castore.blob.s3 import S3BlobStore
-    from castore.storeblobs import open_blob_store
 
     if blob_options.pop("map_size", None) is not None:
         raise ValueError("map_size sizes a local store's LMDB file; an S3 store has none")
@@ -241,8 +265,6 @@ def local_lmdb_store(path: str | os.PathLike[str], doing: str, why: str) -> Path
     ``s3://`` URL, or a directory whose marker names the ``blobs`` backend):
     ``doing`` is what does not apply and ``why`` says why.
     """
-    from castore.location import parse_location
-
     location = parse_location(path)
     if location.scheme == "s3" or _names_blobs(location.path / MARKER):
         raise UnsupportedOperationError(
@@ -269,7 +291,7 @@ def _marker_or_new_store(root: Path, *, create: bool, chunk_size: int | None) ->
     """The marker's settings, creating the store first if the directory is empty."""
     marker = root / MARKER
     if os.path.lexists(marker):  # lexists: a symlinked marker is refused by the read, not skipped
-        return _read_marker(marker)
+        return read_marker(marker)
     if not root.exists() or _is_empty(root):
         if not create:
             raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
@@ -278,13 +300,13 @@ def _marker_or_new_store(root: Path, *, create: bool, chunk_size: int | None) ->
     # is the first entry it makes, so a directory with entries and no marker now
     # has one if (and only if) it is a store being created.
     if os.path.lexists(marker):
-        return _read_marker(marker)
+        return read_marker(marker)
     raise NotAStoreError(
         f"{root} is a non-empty directory without {MARKER}: not a castore store", path=str(root)
     )
 
 
-def _read_marker(marker: Path) -> dict[str, Any]:
+def read_marker(marker: Path) -> dict[str, Any]:
     try:
         data = read_store_file(marker, limit=_MAX_MARKER)
         if len(data) > _MAX_MARKER:
@@ -321,19 +343,6 @@ def _read_marker(marker: Path) -> dict[str, Any]:
     return config
 
 
-def check_marker_chunk_size(marker: Path | str, chunk_size: Any) -> None:
-    # The marker may come from anywhere: a chunk size it names sizes every buffer a save cuts.
-    if chunk_size is None:
-        raise NotAStoreError(f"store marker {marker} has no chunk size", path=str(marker))
-    valid = isinstance(chunk_size, int) and not isinstance(chunk_size, bool)
-    if not valid or not 0 < chunk_size <= MAX_CHUNK_SIZE:
-        raise NotAStoreError(
-            f"store marker {marker} has chunk_size {chunk_size!r}: must be a positive "
-            f"integer of at most {MAX_CHUNK_SIZE} bytes",
-            path=str(marker),
-        )
-
-
 def _is_empty(root: Path) -> bool:
     """No entries but other processes' half-written markers (see _create_store)."""
     return all(entry.name.startswith(f".{MARKER}.") for entry in root.iterdir())
@@ -366,7 +375,7 @@ def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
             try:
                 os.link(temp, root / MARKER)
             except FileExistsError:
-                return _read_marker(root / MARKER)  # another process created it first
+                return read_marker(root / MARKER)  # another process created it first
     finally:
         temp.unlink(missing_ok=True)
     with writing(phase, root):

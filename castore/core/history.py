@@ -5,7 +5,7 @@ its reflog (every advance, and every generation garbage collection dropped)
 and the parent link each root carries. Everything here reads those and the
 roots they name; nothing writes. :class:`~castore.Store` delegates its
 ``resolve``, ``generations``, ``candidates`` and friends to these functions,
-and ``castore.restore``, ``castore.gc`` and ``castore.verify`` reach them
+and ``castore.dist.restore``, ``castore.gc`` and ``castore.verify`` reach them
 through the store.
 
 The store is passed as a :class:`RunHistory`: its path (for messages), its
@@ -30,10 +30,11 @@ from castore.errors import (
     LostRunError,
     ObjectMissingError,
 )
-from castore.hashing import Digest
-from castore.objects import GenerationRoot
-from castore.refs import ComposedRefStore, RefValue, validate_run_name
-from castore.tree import decode_tree
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot
+from castore.format.tree import decode_tree
+from castore.repo.records import RefValue, validate_run_name
+from castore.repo.refstore import ComposedRefStore
 
 GenerationSpec = int | str
 

@@ -16,10 +16,19 @@ from typing import Any
 
 import numpy as np
 
-from castore import errors, fencing
-from castore._comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
-from castore.chunkio import ChunkRequest, read_agree_deliver
-from castore.dtypes import numpy_dtype
+from castore import errors
+from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
+from castore.core import fencing
+from castore.core.chunkio import ChunkRequest, read_agree_deliver
+from castore.core.history import Generation, Skipped
+from castore.core.reading import (
+    allocate,
+    box_requests,
+    check_coverage,
+    check_framework,
+    framework_for,
+    numpy_as_torch,
+)
 from castore.errors import (
     CorruptObjectError,
     IntegrityError,
@@ -28,22 +37,14 @@ from castore.errors import (
     RankLocalMismatchError,
     TensorNotFoundError,
 )
-from castore.hashing import Digest
-from castore.history import Generation, Skipped
-from castore.layout import Box
-from castore.objects import GenerationRoot, ShardManifest, TensorEntry
-from castore.reading import (
-    allocate,
-    box_requests,
-    check_coverage,
-    check_framework,
-    framework_for,
-    numpy_as_torch,
-)
-from castore.refs import validate_run_name
-from castore.shard import NotLoaded, Shard
+from castore.format.dtypes import numpy_dtype
+from castore.format.hashing import Digest
+from castore.format.layout import Box
+from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
+from castore.format.shard import NotLoaded, Shard
+from castore.format.tree import decode_tree, join_path, torch_bytes
+from castore.repo.records import validate_run_name
 from castore.store import Store
-from castore.tree import decode_tree, join_path, torch_bytes
 
 
 @dataclass
@@ -299,7 +300,7 @@ def _is_array(value: Any) -> bool:
 def _plan_targets(
     targets: Any, entries: dict[str, list[TensorEntry]], where: dict[str, Any]
 ) -> list[_Target]:
-    from castore.dtypes import name_of_numpy_dtype, name_of_torch_dtype
+    from castore.format.dtypes import name_of_numpy_dtype, name_of_torch_dtype
 
     found: list[tuple[str, Any]] = []
     _target_leaves(targets, "", found)
