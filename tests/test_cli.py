@@ -514,3 +514,14 @@ def test_debug_env_adds_the_traceback(store_copy: Path) -> None:
     assert result.returncode == 1
     assert "Traceback" in result.stderr  # the control for "no traceback" above
     assert result.stderr.splitlines()[-1].startswith("castore: error: GenerationNotFoundError")
+
+
+def test_text_columns_print_as_given_even_when_they_look_like_numbers() -> None:
+    # A root prefix that reads as 1.05768e+17 and a run named with digits: a generation's
+    # root in `castore log` was once printed as a float (its digest decided when).
+    from castore.cli import text_table
+
+    rows = [["0123", 4, "1057676782e8", ""], ["7", 12, "000000000001", "best"]]
+    table = text_table(rows, ["run", "id", "root", "tags"], text=("run", "root", "tags"))
+    assert "1057676782e8" in table and "000000000001" in table and "0123" in table
+    assert "e+17" not in table

@@ -48,6 +48,13 @@ def _open(path: str) -> Store:
     return castore.open(path, create=False)
 
 
+def text_table(rows: list[list[Any]], headers: list[str], *, text: tuple[str, ...]) -> str:
+    """A table whose ``text`` columns print as given: tabulate would read a root prefix
+    such as ``1057676782e8``, or a run named ``123``, as a number and reformat it."""
+    keep = [index for index, name in enumerate(headers) if name in text]
+    return str(tabulate(rows, headers=headers, disable_numparse=keep or False))
+
+
 def cmd_log(args: argparse.Namespace) -> int:
     with _open(args.store) as store:
         runs = [args.run] if args.run else store.runs()
@@ -62,8 +69,8 @@ def cmd_log(args: argparse.Namespace) -> int:
             print("no generations")
             return 0
         headers = ["id", "step", "time", "logical", "new", "written", "dedup", "held", "root"]
-        headers.append("tags")
-        print(tabulate(rows, headers=(["run"] if len(runs) > 1 else []) + headers))
+        headers = (["run"] if len(runs) > 1 else []) + headers + ["tags"]
+        print(text_table(rows, headers, text=("run", "root", "tags")))
     return 0
 
 
@@ -335,7 +342,7 @@ def _print_plans(plans: list[gc.RunPlan], dropped_verdict: str) -> None:
                 [plan.run, gen.id, gen.step, _format_time(gen.time), verdict, "; ".join(reasons)]
             )
     if rows:
-        print(tabulate(rows, headers=["run", "id", "step", "time", "", "kept by"]))
+        print(text_table(rows, ["run", "id", "step", "time", "", "kept by"], text=("run",)))
         print()
 
 
@@ -530,7 +537,7 @@ def _print_diff(diff: diffing.GenerationDiff) -> None:
     ]
     for table, headers in sections:
         if table:
-            print(tabulate(table, headers=headers))
+            print(text_table(table, headers, text=("tensor", "old", "new")))
             print()
 
 
