@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -772,6 +773,32 @@ def test_tag_untag_and_collect(store: Store) -> None:
         store.load("a", 2)
 
 
+def test_a_tag_name_that_run_at_name_cannot_address_is_refused(
+    store: Store, store_path: Path
+) -> None:
+    save_steps(store, "a", [10, 20, 30])
+    refused = [("123", "all digits"), ("2", "all digits"), ("007", "all digits")]
+    refused += [("latest", "newest generation")]
+    for name, words in refused:
+        with pytest.raises(InvalidNameError, match=words) as caught:
+            gc.tag(store, "a", 1, name)
+        assert "could never be named" in str(caught.value) and "run=a" in str(caught.value)
+    with pytest.raises(InvalidNameError, match="step-123"):  # the hint
+        gc.tag(store, "a", 1, "123")
+    assert store.refs.tags("a") == {}
+    # Names RUN@NAME does reach: digits with a letter, a dot, a hex word a tag wins over.
+    for name in ("v123", "step-123", "1.5", "Latest", "abcdef"):
+        assert gc.tag(store, "a", 2, name).id == 2
+        assert store.resolve("a", name).id == 2
+    assert store.resolve("a", "3").id == 3
+    # A tag named before the rule (its file put in place) still pins and can be removed.
+    tags = store_path / "tags" / "a"
+    shutil.copy(tags / "v123", tags / "123")
+    assert store.refs.tags("a")["123"].generation == 2
+    gc.untag(store, "a", "123")
+    assert "123" not in store.refs.tags("a")
+
+
 def test_retagging_moves_what_the_tag_keeps(store: Store) -> None:
     save_steps(store, "a", [1, 2, 3, 4])
     gc.tag(store, "a", 1, "best")
@@ -1095,6 +1122,8 @@ CLI_ERRORS = [
     ("gc-unknown-run", lambda s, t: ["gc", s, "--run", "nobody"], "GenerationNotFoundError"),
     ("untag-missing", lambda s, t: ["untag", s, "exp", "nope"], "GenerationNotFoundError"),
     ("tag-bad-name", lambda s, t: ["tag", s, "exp@1", "bad name"], "InvalidNameError"),
+    ("tag-all-digits", lambda s, t: ["tag", s, "exp@1", "123"], "all digits, and RUN@123"),
+    ("tag-latest", lambda s, t: ["tag", s, "exp@1", "latest"], "RUN@latest always means"),
     ("tag-unknown-gen", lambda s, t: ["tag", s, "exp@9", "x"], "GenerationNotFoundError"),
     ("du-missing-store", lambda s, t: ["du", t / "nowhere"], "StoreNotFoundError"),
     ("compact-missing", lambda s, t: ["compact", t / "nowhere"], "nowhere"),
@@ -1146,14 +1175,22 @@ def test_du_of_one_run_counts_only_that_runs_chunks(store: Store) -> None:
         disk_usage(store, ["nope"])
 
 
-def test_a_tag_wins_over_the_root_prefix_it_spells_and_digits_stay_ids(store: Store) -> None:
+def test_a_tag_wins_over_the_root_prefix_it_spells_and_digits_stay_ids(
+    store: Store, store_path: Path
+) -> None:
     for i in range(1, 4):
         store.save(small_state(i), run="a", step=i)
     third = store.resolve("a", 3)
-    gc.tag(store, "a", 1, third.root[:8])  # a tag named like generation 3's root prefix
-    gc.tag(store, "a", 1, "2")  # a tag named like an id
-    assert store.resolve("a", third.root[:8]).id == 1
-    assert store.resolve("a", third.root[:9]).id == 3  # no such tag: the prefix
-    assert store.resolve("a", "2").id == 2
+    # A tag named like generation 3's root prefix (one with a letter: digits cannot tag).
+    size = next(n for n in range(8, 64) if not third.root[:n].isdigit())
+    gc.tag(store, "a", 1, third.root[:size])
+    assert store.resolve("a", third.root[:size]).id == 1
+    assert store.resolve("a", third.root[: size + 1]).id == 3  # no such tag: the prefix
+    with pytest.raises(InvalidNameError, match="all digits"):
+        gc.tag(store, "a", 1, "2")  # a tag named like an id is refused ...
+    tags = store_path / "tags" / "a"
+    shutil.copy(tags / third.root[:size], tags / "2")  # ... and one made before the rule
+    assert store.refs.tags("a")["2"].generation == 1
+    assert store.resolve("a", "2").id == 2  # is never what RUN@2 means
     with pytest.raises(GenerationNotFoundError, match="a tag name"):
         store.resolve("a", "no-such-tag")

@@ -257,7 +257,11 @@ def _add_tags(commands: Any) -> None:
         "castore tag ./ckpt exp1@2 release\ncastore tag ./ckpt exp1 before-lr-change",
     )
     tag.add_argument("target", metavar="RUN[@GEN]", help="the generation to pin (see above)")
-    tag.add_argument("name", metavar="NAME", help="the tag's name, unique within the run")
+    tag.add_argument(
+        "name",
+        metavar="NAME",
+        help="the tag's name, unique within the run: letters, digits, . _ - (not all digits)",
+    )
     untag = _command(
         commands,
         "untag",
