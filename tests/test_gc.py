@@ -808,6 +808,21 @@ def test_retagging_moves_what_the_tag_keeps(store: Store) -> None:
     assert ids(store, "a") == [2, 4]
 
 
+def test_moving_a_tag_says_which_generation_it_no_longer_pins(store: Store) -> None:
+    gens = save_steps(store, "a", [1, 2, 3, 4])
+    new = gc.set_tag(store, "a", 1, "best")
+    assert (new.name, new.generation.id, new.previous, new.moved) == ("best", 1, None, False)
+    same = gc.set_tag(store, "a", 1, "best")
+    assert same.previous is not None and same.previous.generation == 1 and not same.moved
+    moved = gc.set_tag(store, "a", 3, "best")
+    assert moved.moved and moved.generation.id == 3
+    assert moved.previous is not None
+    assert (moved.previous.generation, moved.previous.root.hex) == (1, gens[0].root)
+    # What it says holds: generation 1 is pinned no more, and goes.
+    assert gc.collect_garbage(store, gc.RetentionPolicy(keep_last=1)).dropped == {"a": [1, 2]}
+    assert ids(store, "a") == [3, 4]
+
+
 # -- 7. disk usage -----------------------------------------------------------------
 
 
@@ -1077,6 +1092,31 @@ def test_cli_tag_log_untag(cli_store: Path) -> None:
     assert untagged.returncode == 0, untagged.stderr
     assert untagged.stdout.strip() == "removed tag best of run exp"
     assert all(len(r) == 9 for r in table_rows(run_cli("log", cli_store, "--run", "exp").stdout))
+    assert run_cli("gc", cli_store, "--keep", "1").returncode == 0
+    with castore.open(cli_store, create=False) as store:
+        assert ids(store, "exp") == [3]
+
+
+def test_cli_retag_says_which_generation_the_tag_no_longer_pins(cli_store: Path) -> None:
+    with castore.open(cli_store, create=False) as store:
+        root = {g.id: g.root[:12] for g in store.generations("exp")}
+    first = run_cli("tag", cli_store, "exp@1", "best")
+    assert first.stdout == f"tagged exp@1 ({root[1]}) as best\n"
+    assert run_cli("tag", cli_store, "exp@1", "first").returncode == 0
+    moved = run_cli("tag", cli_store, "exp@2", "best")
+    assert moved.returncode == 0 and moved.stderr == ""
+    assert moved.stdout == (
+        f"moved tag best from exp@1 ({root[1]}) to exp@2 ({root[2]}); "
+        "exp@1 is no longer pinned by it (tag first still pins it)\n"
+    )
+    assert run_cli("untag", cli_store, "exp", "first").returncode == 0
+    again = run_cli("tag", cli_store, "exp@3", "best")
+    assert again.stdout == (
+        f"moved tag best from exp@2 ({root[2]}) to exp@3 ({root[3]}); "
+        "exp@2 is no longer pinned by it (castore gc may now drop it)\n"
+    )
+    same = run_cli("tag", cli_store, "exp@3", "best")
+    assert same.stdout == f"tagged exp@3 ({root[3]}) as best\n"
     assert run_cli("gc", cli_store, "--keep", "1").returncode == 0
     with castore.open(cli_store, create=False) as store:
         assert ids(store, "exp") == [3]

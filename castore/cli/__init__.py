@@ -252,8 +252,28 @@ def cmd_verify(args: argparse.Namespace) -> int:
 def cmd_tag(args: argparse.Namespace) -> int:
     run, generation = _split_target(args.target)
     with _open(args.store) as store:
-        gen = gc.tag(store, run, generation, args.name)
-    print(f"tagged {run}@{gen.id} ({gen.root[:12]}) as {args.name}")
+        change = gc.set_tag(store, run, generation, args.name)
+        others = sorted(
+            name
+            for name, value in store.refs.tags(run).items()
+            if change.previous is not None and value.root == change.previous.root
+        )
+    gen, old = change.generation, change.previous
+    if old is None or not change.moved:
+        print(f"tagged {run}@{gen.id} ({gen.root[:12]}) as {args.name}")
+        return 0
+    still = (
+        f"tag {others[0]} still pins it"
+        if len(others) == 1
+        else f"tags {', '.join(others)} still pin it"
+        if others
+        else "castore gc may now drop it"
+    )
+    print(
+        f"moved tag {args.name} from {run}@{old.generation} ({old.root.hex[:12]}) to "
+        f"{run}@{gen.id} ({gen.root[:12]}); {run}@{old.generation} is no longer pinned "
+        f"by it ({still})"
+    )
     return 0
 
 

@@ -253,7 +253,10 @@ def _add_tags(commands: Any) -> None:
         "tag",
         "pin a generation under a name (retention keeps it)",
         "Pin a generation under NAME: castore gc keeps it, whatever the policy, until\n"
-        "it is untagged. A NAME the run already has moves to this generation.\n\n" + TARGET_HELP,
+        "it is untagged. A NAME the run already has moves to this generation, and the\n"
+        "generation it named is no longer pinned by it (the output says which). NAME\n"
+        "cannot be all digits or 'latest': RUN@NAME would mean an id, or the newest.\n\n"
+        + TARGET_HELP,
         "castore tag ./ckpt exp1@2 release\ncastore tag ./ckpt exp1 before-lr-change",
     )
     tag.add_argument("target", metavar="RUN[@GEN]", help="the generation to pin (see above)")
