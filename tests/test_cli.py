@@ -460,6 +460,13 @@ ERRORS = [
     ("bad-run-log", lambda s, t: ["log", s, "--run", "a b"], 1, "InvalidNameError"),
     ("unknown-generation", lambda s, t: ["show", s, "exp1@99"], 1, "GenerationNotFoundError"),
     ("bad-generation-spec", lambda s, t: ["show", s, "exp1@zz"], 1, "GenerationNotFoundError"),
+    # RUN@ with nothing after the @ is refused, never read as the newest.
+    ("empty-gen-show", lambda s, t: ["show", s, "exp1@"], 1, "names no generation after '@'"),
+    ("empty-gen-verify", lambda s, t: ["verify", s, "exp1@"], 1, "InvalidNameError: 'exp1@'"),
+    ("empty-gen-tag", lambda s, t: ["tag", s, "exp1@", "x"], 1, "write exp1 (or exp1@latest)"),
+    ("empty-gen-diff", lambda s, t: ["diff", s, "exp1@2", "exp1@"], 1, "InvalidNameError"),
+    ("empty-gen-export", lambda s, t: ["export", s, "exp1@", t / "o"], 1, "InvalidNameError"),
+    ("empty-run", lambda s, t: ["show", s, "@2"], 1, "names no run before '@'"),
     ("unknown-run", lambda s, t: ["show", s, "nobody"], 1, "GenerationNotFoundError"),
     ("unknown-run-log", lambda s, t: ["log", s, "--run", "nobody"], 1, "GenerationNotFoundError"),
     ("unknown-subcommand", lambda s, t: ["frobnicate", s], 2, "invalid choice"),

@@ -17,7 +17,8 @@ import torch
 import castore
 import castore.dist
 from castore import Store
-from castore.errors import GenerationNotFoundError, UnsupportedValueError
+from castore.core.history import split_address
+from castore.errors import GenerationNotFoundError, InvalidNameError, UnsupportedValueError
 
 
 def test_loading_from_a_store_open_just_created_says_it_is_empty(tmp_path: Path) -> None:
@@ -103,6 +104,19 @@ def test_a_step_is_a_non_negative_int64(
     with pytest.raises(error, match=message):
         castore.dist.save(store, {"x": 1}, run="r", step=step)  # a group of one
     assert store.runs() == []
+
+
+def test_an_empty_generation_is_refused_not_read_as_the_newest(store: Store) -> None:
+    store.save({"x": 1}, run="r", step=1)
+    store.save({"x": 2}, run="r", step=2)
+    with pytest.raises(InvalidNameError, match="names no generation after '@'"):
+        split_address("r@")
+    assert split_address("r") == ("r", "latest") and split_address("r@1") == ("r", "1")
+    for empty in ("", " "):
+        with pytest.raises(GenerationNotFoundError, match="bad generation"):
+            store.load("r", empty)
+        with pytest.raises(GenerationNotFoundError, match="bad generation"):
+            store.resolve("r", empty)
 
 
 def test_the_largest_step_round_trips(store: Store) -> None:

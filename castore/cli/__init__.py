@@ -23,7 +23,7 @@ import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli.args import COLLAPSE_AT, build_parser
-from castore.core.history import Generation
+from castore.core.history import Generation, split_address
 from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
@@ -37,11 +37,6 @@ DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the res
 
 def _format_time(stamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
-
-
-def _split_target(target: str) -> tuple[str, str]:
-    run, _, generation = target.partition("@")
-    return run, generation or "latest"
 
 
 def _open(path: str) -> Store:
@@ -96,7 +91,7 @@ def _format_seconds(seconds: float) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    run, generation = _split_target(args.target)
+    run, generation = split_address(args.target)
     with _open(args.store) as store:
         digest, root = store.resolve_root(run, generation)
         gen = Generation.from_root(digest, root)
@@ -219,7 +214,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     run, generation = (None, None)
     if args.target:
-        run, generation = _split_target(args.target)
+        run, generation = split_address(args.target)
         generation = None if generation == "latest" and "@" not in args.target else generation
     with _open(args.store) as store:
         sample = None if args.sample is None else args.sample / 100
@@ -250,7 +245,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_tag(args: argparse.Namespace) -> int:
-    run, generation = _split_target(args.target)
+    run, generation = split_address(args.target)
     with _open(args.store) as store:
         change = gc.set_tag(store, run, generation, args.name)
         others = sorted(
@@ -517,7 +512,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    run_a, gen_a = _split_target(args.a)
+    run_a, gen_a = split_address(args.a)
     if args.each is not None:
         if args.b:
             raise ValueError(
@@ -532,7 +527,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 else:
                     print(each.stat_line())
         return 0
-    run_b, gen_b = _split_target(args.b) if args.b else (None, None)
+    run_b, gen_b = split_address(args.b) if args.b else (None, None)
     with _open(args.store) as store:
         diff = diffing.diff_generations(store, run_a, gen_a, run_b, gen_b)
     if not args.stat:
@@ -570,7 +565,7 @@ def _change_rows(changes: list[diffing.ValueChange]) -> list[list[str]]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    run, generation = _split_target(args.target)
+    run, generation = split_address(args.target)
     chosen: dict[str, Any] = {
         "prefix": args.prefix,
         "strip_prefix": args.strip_prefix,

@@ -40,7 +40,8 @@ RUN[@GEN] names a generation of run RUN:
   RUN@release   the generation tag "release" pins (castore tag; log lists tags)
   RUN@3fa2c1    the generation whose root digest starts with these hex digits
                 (6 to 64 of them; log shows the first 12)
-An all-digit GEN is always an id; a tag name wins over a root prefix it spells."""
+An all-digit GEN is always an id; a tag name wins over a root prefix it spells;
+RUN@ with nothing after the @ is an error, not the newest."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

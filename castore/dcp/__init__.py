@@ -71,7 +71,7 @@ from castore.core.commit import (
     root_stats,
     write_shard,
 )
-from castore.core.history import Generation
+from castore.core.history import Generation, split_address
 from castore.core.opening import open_address
 from castore.core.reading import allocate, box_requests
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
@@ -109,11 +109,11 @@ def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str
     if not text.startswith(SCHEME):
         raise InvalidNameError(f"not a castore checkpoint id: {text!r} (castore://STORE/RUN[@GEN])")
     path, _, target = text[len(SCHEME) :].rpartition("/")
-    run, _, generation = target.partition("@")
-    if not path or not run:
+    if not path or not target:
         raise InvalidNameError(f"castore checkpoint id {text!r} needs a store path and a run")
+    run, generation = split_address(target)
     validate_run_name(run)
-    return path, run, generation or "latest"
+    return path, run, generation
 
 
 def _open(store: Store | str | os.PathLike[str]) -> Store:
