@@ -426,6 +426,34 @@ def test_gc_refuses_a_plan_that_changed_after_the_answer(gc_store: Path) -> None
     assert ids(gc_store) == [1, 2, 3, 4, 5]
 
 
+def test_gc_without_a_terminal_or_a_policy_deletes_nothing_and_says_what_to_pass(
+    gc_store: Path,
+) -> None:
+    refused = run_cli("gc", gc_store)  # stdin is /dev/null: a notebook's !castore gc, cron
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert "--keep K" in refused.stderr and "--yes" in refused.stderr
+    assert ids(gc_store) == [1, 2, 3, 4] and ids(gc_store, "other") == [1]
+    dry = run_cli("gc", gc_store, "--dry-run")
+    assert dry.returncode == 0 and "dry run: 1 generation(s) dropped" in dry.stdout
+    assert ids(gc_store) == [1, 2, 3, 4]
+    yes = run_cli("gc", gc_store, "--yes")  # asked for: the default policy, --keep 3
+    assert yes.returncode == 0, yes.stderr
+    assert ids(gc_store) == [2, 3, 4]
+    every = run_cli("gc", gc_store, "--every-steps", "1")  # a policy given: no --yes needed
+    assert every.returncode == 0, every.stderr
+    assert ids(gc_store) == [2, 3, 4]
+
+
+def test_gc_on_a_terminal_without_a_policy_still_asks(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, answer="n")
+    assert code == 1 and "Delete 1 generation(s)? [y/N]" in out and "nothing deleted" in out
+    assert ids(gc_store) == [1, 2, 3, 4]
+    code, out = run_in_terminal("gc", gc_store, answer="y")
+    assert code == 0, out
+    assert ids(gc_store) == [2, 3, 4]
+
+
 def test_gc_without_a_terminal_does_not_ask(gc_store: Path) -> None:
     result = run_cli("gc", gc_store, "--keep", "2")  # stdin is /dev/null, as in cron or CI
     assert result.returncode == 0, result.stderr

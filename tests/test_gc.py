@@ -1158,8 +1158,15 @@ def test_cli_compact(cli_store: Path) -> None:
 
 # Bad option values (--keep 0, --every soon) are usage errors, exit 2: tests/test_cli.py.
 CLI_ERRORS = [
-    ("gc-missing-store", lambda s, t: ["gc", t / "nowhere"], "StoreNotFoundError"),
-    ("gc-unknown-run", lambda s, t: ["gc", s, "--run", "nobody"], "GenerationNotFoundError"),
+    ("gc-missing-store", lambda s, t: ["gc", t / "nowhere", "--keep", "1"], "StoreNotFoundError"),
+    (
+        "gc-unknown-run",
+        lambda s, t: ["gc", s, "--keep", "1", "--run", "nobody"],
+        "GenerationNotFoundError",
+    ),
+    # Off a terminal, nobody can be asked: a policy or --yes says to delete.
+    ("gc-no-policy", lambda s, t: ["gc", s], "pass the policy (--keep K, --every-steps N"),
+    ("gc-no-policy-run", lambda s, t: ["gc", s, "--run", "exp"], "or --yes for the default"),
     ("untag-missing", lambda s, t: ["untag", s, "exp", "nope"], "GenerationNotFoundError"),
     ("tag-bad-name", lambda s, t: ["tag", s, "exp@1", "bad name"], "InvalidNameError"),
     ("tag-all-digits", lambda s, t: ["tag", s, "exp@1", "123"], "all digits, and RUN@123"),

@@ -280,12 +280,24 @@ def cmd_untag(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    chosen = args.keep is not None or args.every_steps is not None or args.every is not None
+    asking = sys.stdin.isatty()
+    if not (chosen or args.yes or args.dry_run or asking):
+        # A notebook's `!castore gc`, a task runner, cron: nobody to ask, so deleting
+        # by the default policy must be asked for.
+        raise ValueError(
+            "castore gc would delete without asking (stdin is not a terminal): pass the "
+            "policy (--keep K, --every-steps N, --every DURATION), or --yes for the "
+            f"default (--keep {gc.RetentionPolicy.keep_last}); --dry-run shows the plan"
+        )
     policy = gc.RetentionPolicy(
-        keep_last=args.keep, every_steps=args.every_steps, every_seconds=args.every
+        keep_last=args.keep or gc.RetentionPolicy.keep_last,
+        every_steps=args.every_steps,
+        every_seconds=args.every,
     )
     runs = [args.run] if args.run else None
     with _open(args.store) as store:
-        if args.dry_run or args.yes or not sys.stdin.isatty():
+        if args.dry_run or args.yes or not asking:
             report = gc.collect_garbage(
                 store,
                 policy,

@@ -289,7 +289,9 @@ def _add_collection(commands: Any) -> None:
         "It prints the plan: each generation, keep or drop, and the rules that keep\n"
         "it. When stdin is a terminal and generations would be dropped, it then asks\n"
         "before deleting (--yes skips the question). When stdin is not a terminal\n"
-        "(scripts, cron, CI) it deletes without asking, as --yes does.",
+        "(scripts, cron, CI, a notebook's !castore gc) it does not ask: it deletes only\n"
+        "when the policy is given (--keep, --every-steps, --every) or --yes is passed,\n"
+        "and otherwise exits 1 having deleted nothing.",
         "castore gc ./ckpt --keep 2 --dry-run     # show the plan, delete nothing\n"
         "castore gc ./ckpt --keep 5 --every 1d --yes",
     )
@@ -297,9 +299,9 @@ def _add_collection(commands: Any) -> None:
     collect.add_argument(
         "--keep",
         type=_at_least_one("how many of the newest generations of each run to keep"),
-        default=3,
         metavar="K",
-        help="keep the newest K generations of each run, K >= 1",
+        help="keep the newest K generations of each run, K >= 1 "
+        f"(default: {gc.RetentionPolicy.keep_last})",
     )
     collect.add_argument(
         "--every-steps",
