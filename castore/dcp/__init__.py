@@ -33,7 +33,7 @@ import functools
 import io
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Any, SupportsIndex
 
 import msgpack
 import numpy as np
@@ -96,7 +96,7 @@ from castore.format.tree import (
     torch_bytes,
 )
 from castore.repo.records import validate_run_name
-from castore.store import Store
+from castore.store import Store, check_step
 
 SCHEME = "castore://"
 TENSORS = "t"  # state-tree key of DCP's tensors: t/<fqn>
@@ -289,20 +289,20 @@ class CastoreWriter(_StoreUser, StorageWriter):
         store: Store | str | os.PathLike[str] | None = None,
         *,
         run: str | None = None,
-        step: int = 0,
+        step: SupportsIndex = 0,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
         self._store_arg: Store | str | os.PathLike[str] | None = store
         self._opened: Store | None = None
         self.run = validate_run_name(run) if run is not None else None
-        self.step = step
+        self.step = check_step(step)
         self.timeout = timeout
         self.is_coordinator = False
         self.generation: Generation | None = None  # set by finish on the coordinator
 
     @classmethod
-    def from_checkpoint_id(cls, checkpoint_id: str, *, step: int = 0) -> CastoreWriter:
+    def from_checkpoint_id(cls, checkpoint_id: str, *, step: SupportsIndex = 0) -> CastoreWriter:
         path, run, _ = parse_checkpoint_id(checkpoint_id)
         return cls(path, run=run, step=step)
 
