@@ -596,7 +596,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 run,
                 generation,
                 args.out,
-                max_shard_size=args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE,
+                max_shard_size=args.max_shard_size,
                 index_from=args.index_from,
                 progress=True,
                 **chosen,

@@ -475,9 +475,12 @@ def _add_export(commands: Any) -> None:
         "tensor is held in memory, only stripes of rows, each from the chunks it overlaps,\n"
         "every chunk verified. OUT must not exist or be empty; the files are written\n"
         "next to it and moved into place only when all are complete, so a failure (a\n"
-        "damaged chunk, say: exit 1) leaves nothing. --format torch writes one\n"
-        "torch.save file OUT instead (a pickle; see --format).\n\n" + TARGET_HELP,
+        "damaged chunk, say: exit 1) leaves nothing. An OUT ending in .safetensors is\n"
+        "one file instead, holding every selected tensor (it must not exist;\n"
+        "--max-shard-size and --index-from need a directory). --format torch writes\n"
+        "one torch.save file OUT instead (a pickle; see --format).\n\n" + TARGET_HELP,
         "castore export ./ckpt exp1 ./hf-model\n"
+        "castore export ./ckpt exp1 ./exp1.safetensors --prefix model/ --strip-prefix\n"
         "castore export ./ckpt exp1@7 ./hf --prefix model/ --strip-prefix --dtype bf16\n"
         "castore export ./ckpt exp1 ./hf --max-shard-size 2GB --rename model/=transformer.\n"
         "castore export ./ckpt exp1 ./hf --prefix model/ --strip-prefix "
@@ -488,7 +491,8 @@ def _add_export(commands: Any) -> None:
     export.add_argument(
         "out",
         metavar="OUT",
-        help="safetensors: the directory to create (must not exist or be empty); "
+        help="safetensors: the directory to create (must not exist or be empty), or, "
+        "when it ends in .safetensors, the one file to create (must not exist); "
         "torch: the file to create (must not exist)",
     )
     export.add_argument(
