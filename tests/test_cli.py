@@ -237,21 +237,50 @@ def test_show_of_a_real_training_state_is_short(tmp_path: Path) -> None:
     assert len(every.stdout.splitlines()) == len(result.stdout.splitlines()) + 39
 
 
-def test_show_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
-    path = tmp_path / "store"
-    with castore.open(path, chunk_size=1024) as store:
-        store.save({"ids": [{"n": i} for i in range(5000)]}, run="r", step=1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    shown = subprocess.run(
-        ["bash", "-c", f'"{CLI}" show "{path}" r | head -1; echo "status ${{PIPESTATUS[0]}}"'],
-        capture_output=True,
-        text=True,
-        timeout=60,
+def read_one_line_and_close(args: list[object], env: dict[str, str]) -> tuple[str, int, str]:
+    """Run the CLI into a real pipe, read its first line, close the pipe as ``head -1``
+    does: (that line, the exit status, everything on stderr)."""
+    process = subprocess.Popen(
+        [str(CLI), *map(str, args)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         env=env,
     )
-    assert shown.stdout.startswith("generation r@1  step 1")
-    assert shown.stdout.splitlines()[-1] == "status 1"
-    assert shown.stderr == ""  # no "BrokenPipeError" line, no traceback
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline().decode()
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    return first, process.wait(timeout=60), err
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_show_into_a_pipe_closed_after_one_line_exits_141_quietly(
+    tmp_path: Path, buffered: bool
+) -> None:
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        # --all prints a row per value: far more than a pipe holds, so the write must fail.
+        store.save({"ids": [{"n": i} for i in range(5000)]}, run="r", step=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CASTORE_", "PYTHONUNBUF"))}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    first, status, err = read_one_line_and_close(["show", path, "r", "--all"], env)
+    assert first.startswith("generation r@1  step 1")
+    assert err == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
+    assert status == 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`
+
+
+@pytest.mark.parametrize("args", [["--version"], ["show", "--help"]], ids=["version", "help"])
+def test_version_and_help_into_a_closed_pipe_exit_141_quietly(args: list[object]) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CASTORE_", "PYTHONUNBUF"))}
+    process = subprocess.Popen(
+        [str(CLI), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before it writes: it is still importing castore
+    err = process.stderr.read().decode()
+    assert (process.wait(timeout=60), err) == (141, "")
 
 
 # -- verify -----------------------------------------------------------------------

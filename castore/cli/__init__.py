@@ -32,6 +32,9 @@ from castore.store import Store
 from castore.support.progress import format_size as format_bytes
 
 EXIT_PROBLEMS = 1
+# A closed stdout (`castore log ... | head -1`): what a shell reports for a tool SIGPIPE
+# (13) killed. Not 0: `verify | head -1` may have cut off its PROBLEM lines; not 1, verify's.
+EXIT_BROKEN_PIPE = 128 + 13
 DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the rest
 
 
@@ -645,21 +648,35 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit status. ``castore show ... | head -1``: when the reader
+    closes the pipe, exit 141 (as a Unix tool killed by SIGPIPE) with nothing on stderr."""
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help, --version, a usage error: argparse printed it
+            sys.stdout.flush()  # here, so that a closed pipe is caught below
+            raise
+        return _run(args)
+    except BrokenPipeError:
+        # The reader has what it wanted: no error line, and no "Exception ignored"
+        # from the interpreter flushing stdout into the closed pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(args: argparse.Namespace) -> int:
     read_only: list[str] = []
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _held_read_only_warnings(warnings.showwarning, read_only)
             code = COMMANDS[args.command](args)
-        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        sys.stdout.flush()  # here, so that a closed pipe is caught in main
         _print_warnings(read_only)
         return code
     except ReadOnlyStoreError as exc:
         return _fail(f"{type(exc).__name__}: {exc}")  # says read-only itself: one line
     except BrokenPipeError:
-        # `castore show ... | head`: the reader has what it wanted; no error line.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_PROBLEMS
+        raise  # main's: an OSError, but not a failure to report
     except CastoreError as exc:
         return _fail(f"{type(exc).__name__}: {exc}", read_only)
     except (OSError, ValueError) as exc:
