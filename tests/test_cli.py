@@ -6,6 +6,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -115,7 +116,56 @@ def test_log_of_an_empty_store(tmp_path: Path) -> None:
     castore.open(tmp_path / "empty").close()
     result = run_cli("log", tmp_path / "empty")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "no generations"
+    assert result.stdout == "no generations\n"  # a whole line: the prompt starts on the next
+
+
+def test_messages_of_nothing_to_show_end_their_line(cli_store: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    castore.open(empty).close()
+    assert run_cli("log", empty).stdout == "no generations\n"
+    assert run_cli("gc", empty, "--keep", "1").stdout.endswith(" in 0.00s\n")
+    assert run_cli("du", empty).stdout.endswith("\n")
+    assert run_cli("verify", empty).stdout.endswith("structural\nOK\n")
+    copied = tmp_path / "copied"
+    assert run_cli("copy", cli_store, copied).returncode == 0
+    again = run_cli("copy", cli_store, copied)
+    assert again.stdout.endswith(f"nothing to copy: 2 generation(s) already in {copied}\n")
+
+
+def test_ctrl_c_at_the_gc_question_starts_the_error_on_its_own_line(tmp_path: Path) -> None:
+    path = tmp_path / "gc"
+    with castore.open(path, chunk_size=1024) as store:
+        for step in (1, 2):
+            store.save({"w": np.full(512, step, dtype=np.float32)}, run="r", step=step)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    master, slave = os.openpty()
+    process = subprocess.Popen(
+        [str(CLI), "gc", str(path), "--keep", "1"], stdin=slave, stdout=slave, stderr=slave,
+        env=env,
+    )  # fmt: skip
+    os.close(slave)
+    output = b""
+    try:
+        while b"[y/N]" not in output:
+            assert select.select([master], [], [], 60)[0], output
+            output += os.read(master, 4096)
+        process.send_signal(signal.SIGINT)  # Ctrl-C at the question
+        assert process.wait(timeout=60) == 130
+        while select.select([master], [], [], 1)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(master)
+        if process.poll() is None:
+            process.kill()
+    text = output.decode().replace("\r\n", "\n")
+    assert "[y/N] \ncastore: error: interrupted\n" in text, text
+    assert ids(path, "r") == [1, 2]
 
 
 # -- show -------------------------------------------------------------------------

@@ -359,6 +359,9 @@ def _confirm(question: str) -> bool:
     except EOFError:
         print()
         return False
+    except KeyboardInterrupt:
+        print(flush=True)  # so that "castore: error: interrupted" starts its own line
+        raise
     return answer.strip().lower() in ("y", "yes")
 
 
