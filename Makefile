@@ -7,9 +7,13 @@ TORCH_SPEC ?= torch==2.13.0
 
 .PHONY: demo demo-s3 test lint bench bench-s3 bench-async bench-export cadence gpu-check clean
 
+# Each pip step says what it installs first: the first run is minutes of pip --quiet.
 $(VENV)/.installed: pyproject.toml Makefile
+	@echo "creating the virtual environment $(VENV) with $(PYTHON) ..."
 	$(PYTHON) -m venv $(VENV)
+	@echo "installing $(TORCH_SPEC) (CPU build, ~200 MB) into $(VENV): a few minutes the first time ..."
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	@echo "installing castore and its dev tools (pytest, ruff, mypy, boto3, moto, safetensors) into $(VENV) ..."
 	$(PY) -m pip install --quiet -e ".[torch,dev]"
 	touch $@
 
@@ -33,6 +37,7 @@ bench: $(VENV)/.installed
 
 # s3fs (the bench extra) for DCP's fsspec writer; `make test` does not need it.
 $(VENV)/.installed-bench: $(VENV)/.installed
+	@echo "installing the bench extra (s3fs, a pinned boto3) into $(VENV) ..."
 	$(PY) -m pip install --quiet -e ".[torch,dev,bench]"
 	touch $@
 
@@ -54,6 +59,7 @@ bench-export: $(VENV)/.installed
 # interleaved (castore sync and async, DCP save and async_save); writes
 # cadence-out/receipt.json and cadence-out/steps.png. CADENCE_ARGS=--quick: a smoke run.
 $(VENV)/.installed-cadence: $(VENV)/.installed
+	@echo "installing the cadence extra (matplotlib) into $(VENV) ..."
 	$(PY) -m pip install --quiet -e ".[torch,dev,cadence]"
 	touch $@
 

@@ -47,7 +47,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── UnsupportedOperationError        (NotImplementedError) this backend cannot do that
     ├── GenerationNotFoundError          (LookupError) no such run or generation
     ├── TensorNotFoundError              (LookupError) no such tensor in a generation
-    ├── InvalidNameError                 (ValueError) a run name that is unsafe
+    ├── InvalidNameError                 (ValueError) an unsafe run or tag name, a bad RUN@GEN
     ├── InvalidIndexError                (IndexError) a bad read_slice index
     ├── UnsupportedValueError            (TypeError) a value castore cannot encode
     │   └── ImportSourceError            (ValueError) a source to import is missing or unsafe
@@ -318,7 +318,8 @@ class TensorNotFoundError(CastoreError, LookupError):
 
 
 class InvalidNameError(CastoreError, ValueError):
-    """A run or tag name is empty, too long, or contains unsafe characters."""
+    """A run or tag name is empty, too long, or contains unsafe characters; a tag
+    name ``RUN@NAME`` could not address; a ``RUN@GEN`` address with nothing after ``@``."""
 
 
 class InvalidIndexError(CastoreError, IndexError):

@@ -12,6 +12,8 @@ always does (a damaged one raises the usual :class:`~castore.errors.IntegrityErr
 
 The output is written in a temporary directory next to ``out_dir`` and
 renamed into place only once every file is complete; a failure removes it.
+An output path ending in ``.safetensors`` is one file instead, written next
+to itself and linked into place when complete.
 """
 
 from __future__ import annotations
@@ -403,6 +405,26 @@ def check_out_dir(out_dir: Path) -> None:
         raise FileExistsError(f"output path {out_dir} exists and is not a directory")
 
 
+def check_out_file(
+    out_file: Path, max_shard_size: int | None, index_from: Path | str | None
+) -> None:
+    """Refuse what one output file cannot be: split into shards, laid out by an index,
+    or written over what exists."""
+    if max_shard_size is not None or index_from is not None:
+        option = (
+            "a max shard size (--max-shard-size)"
+            if max_shard_size is not None
+            else "an index to follow (--index-from)"
+        )
+        raise ValueError(
+            f"{option} lays the export out as files in a directory, but {out_file} names "
+            f"one file: name a directory instead (e.g. {out_file.with_suffix('')})"
+        )
+    if out_file.exists() or out_file.is_symlink():
+        what = "a directory" if out_file.is_dir() else "a file"
+        raise FileExistsError(f"output file {out_file} exists ({what})")
+
+
 def publish_dir(tmp: Path, out_dir: Path) -> None:
     """Move the finished temporary directory into place (over an empty ``out_dir``)."""
     check_out_dir(out_dir)  # again: something may have appeared while we wrote
@@ -410,6 +432,11 @@ def publish_dir(tmp: Path, out_dir: Path) -> None:
         out_dir.rmdir()
     os.rename(tmp, out_dir)
     fsync_dir(out_dir.parent)
+
+
+def names_one_file(out: Path) -> bool:
+    """An output path ending in ``.safetensors`` names one file, not a directory."""
+    return out.name.lower().endswith(".safetensors")
 
 
 def to_safetensors(
@@ -421,7 +448,7 @@ def to_safetensors(
     prefix: str | None = None,
     strip_prefix: bool = False,
     dtype: str = "keep",
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    max_shard_size: int | None = None,
     rename: Sequence[str] | None = None,
     index_from: Path | str | None = None,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
@@ -429,9 +456,12 @@ def to_safetensors(
 ) -> ExportReport:
     """Export the tensors of ``run@generation`` to safetensors files in ``out_dir``.
 
-    One ``model.safetensors`` when everything fits ``max_shard_size`` bytes,
-    else ``model-0000i-of-0000N.safetensors`` files and ``model.safetensors.index.json``
-    (or the layout and names of ``index_from``). ``prefix`` selects tensors by
+    One ``model.safetensors`` when everything fits ``max_shard_size`` bytes
+    (default 5 GB), else ``model-0000i-of-0000N.safetensors`` files and
+    ``model.safetensors.index.json`` (or the layout and names of ``index_from``).
+    An ``out_dir`` whose name ends in ``.safetensors`` is instead the one file
+    written, holding every selected tensor (``max_shard_size`` and ``index_from``
+    apply to a directory only). ``prefix`` selects tensors by
     key path (``model/``), ``strip_prefix`` removes it from the names, ``rename``
     holds ``FROM=TO`` prefix renames; ``dtype`` (bf16, fp16, fp32) converts the
     floating-point tensors, others keep theirs. Non-tensor values are not exported.
@@ -442,7 +472,11 @@ def to_safetensors(
     renames = parse_renames(rename)
     if buffer_size < 1:
         raise ValueError(f"buffer size must be positive, got {buffer_size}")
-    check_out_dir(out_dir)
+    one_file = names_one_file(out_dir)
+    if one_file:
+        check_out_file(out_dir, max_shard_size, index_from)
+    else:
+        check_out_dir(out_dir)
     _digest, root = store.resolve_root(run, generation)
     where: dict[str, Any] = {"run": root.run, "generation": root.generation}
     entries = store.tensor_entries(root)  # read once, not per stripe
@@ -454,10 +488,13 @@ def to_safetensors(
         dtype=wanted,
         where=where,
     )
+    if one_file:
+        return export_one_file(store, tensors, out_dir, buffer_size, where, progress)
     if index_from is not None:
         files = plan_files_from_index(tensors, index_from)
     else:
-        files = plan_files(tensors, max_shard_size)
+        size = DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size
+        files = plan_files(tensors, size)
     report = ExportReport(out_dir)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_dir.parent / f".{out_dir.name}.export-{secrets.token_hex(6)}"
@@ -481,6 +518,30 @@ def to_safetensors(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    return report
+
+
+def export_one_file(
+    store: Store,
+    tensors: list[ExportTensor],
+    out_file: Path,
+    buffer_size: int,
+    where: dict[str, Any],
+    progress: bool,
+) -> ExportReport:
+    """Write every tensor to the one safetensors file ``out_file``: beside it first,
+    then linked into place when complete and durable (never over a file)."""
+    report = ExportReport(out_file.parent, [out_file.name], len(tensors))
+    report.bytes = sum(t.nbytes for t in tensors)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.parent / f".{out_file.name}.export-{secrets.token_hex(6)}"
+    try:
+        with progress_bar(progress, "export", report.bytes) as bar:
+            write_file(store, tmp, tensors, buffer_size, where, report, bar)
+        os.link(tmp, out_file)  # fails, rather than overwrites, if out_file appeared meanwhile
+    finally:
+        tmp.unlink(missing_ok=True)
+    fsync_dir(out_file.parent)
     return report
 
 
@@ -509,6 +570,12 @@ def to_torch(
     out_file = Path(out_file)
     wanted = target_dtype(dtype)
     renames = parse_renames(rename)
+    if names_one_file(out_file):
+        raise ValueError(
+            f"{out_file} would give a torch.save pickle a .safetensors name, which promises "
+            "a file that loads without running code: name it .pt (or .bin), or export "
+            "safetensors (no --format torch)"
+        )
     if out_file.exists() or out_file.is_symlink():
         raise FileExistsError(f"output file {out_file} exists")
     _digest, root = store.resolve_root(run, generation)

@@ -54,7 +54,12 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest
 from castore.format.objects import TYPE_SHARD, GenerationRoot, ShardManifest
-from castore.repo.records import DEFAULT_LOCK_TIMEOUT, RefValue, validate_run_name
+from castore.repo.records import (
+    DEFAULT_LOCK_TIMEOUT,
+    RefValue,
+    validate_run_name,
+    validate_tag_name,
+)
 from castore.store import Store
 from castore.support.faults import fault_point
 from castore.support.progress import Bar, Phases, format_size, progress_bar
@@ -442,9 +447,43 @@ class _no_lock:
 # -- tags -------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TagChange:
+    """What :func:`set_tag` did: tag ``name`` of ``generation.run`` now names ``generation``.
+
+    ``previous`` is what the tag named before (None: the tag is new, or its file
+    was unreadable and has been replaced). When :attr:`moved`, the generation
+    ``previous`` names is no longer pinned by this tag: retention may drop it
+    unless another tag or rule keeps it.
+    """
+
+    name: str
+    generation: Generation
+    previous: RefValue | None = None
+
+    @property
+    def moved(self) -> bool:
+        """The tag named another generation before."""
+        return self.previous is not None and self.previous.root.hex != self.generation.root
+
+
 def tag(store: Store, run: str, generation: int | str, name: str) -> Generation:
-    """Pin a generation under ``name``: retention keeps it until it is untagged."""
+    """Pin a generation under ``name``: retention keeps it until it is untagged.
+
+    A tag the run already has moves here; :func:`set_tag` also says what it named.
+    """
+    return set_tag(store, run, generation, name).generation
+
+
+def set_tag(store: Store, run: str, generation: int | str, name: str) -> TagChange:
+    """Point tag ``name`` of ``run`` at a generation, creating or moving it.
+
+    The name must be one ``RUN@NAME`` can address (not all digits, not ``latest``:
+    InvalidNameError).
+    """
     store.refuse_if_readonly("tag")
+    validate_run_name(run)
+    validate_tag_name(name, run=run)
     # Shared store lock: a collection is not dropping this generation right now.
     with store.refs.store_lock(
         exclusive=False,
@@ -452,12 +491,16 @@ def tag(store: Store, run: str, generation: int | str, name: str) -> Generation:
         busy=f"store busy: garbage collection held {store.path}",
     ):
         gen = store.resolve(run, generation)
+        try:
+            previous = store.refs.tag(run, name)
+        except IntegrityError:
+            previous = None  # a damaged tag file: replaced below, as before
         # A lease (blob stores) broken meanwhile: a collection may have dropped it.
         store.refs.check_store_lock()
         store.refs.write_tag(
             run, name, RefValue(run, gen.id, Digest.from_hex(gen.root), time.time())
         )
-    return gen
+    return TagChange(name, gen, previous)
 
 
 def untag(store: Store, run: str, name: str) -> None:

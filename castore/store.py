@@ -18,13 +18,14 @@ which imports torch only when it sees one.
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal, overload
+from typing import Any, Literal, SupportsIndex, overload
 
 from castore.chunkstore.base import ChunkBackend
 from castore.core import fencing, history, reading
@@ -113,12 +114,26 @@ MAX_STEP = (1 << 63) - 1  # a root's step is an int64 (msgpack and every reader'
 
 
 def check_step(step: Any) -> int:
-    """A generation's ``step``: a non-negative int that fits int64 (a count of steps)."""
-    if not isinstance(step, int) or isinstance(step, bool):
-        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
-    if not 0 <= step <= MAX_STEP:
-        raise ValueError(f"step must be a non-negative int64 (0 to 2**63-1), got {step}")
-    return step
+    """A generation's ``step`` as an int: a non-negative integer that fits int64.
+
+    Anything ``operator.index`` takes is an integer (an int, ``np.int64``, a 0-d
+    integer tensor: what a training loop's counter often is); bools, floats and
+    arrays of more than one dimension are refused. Every save path calls this.
+    """
+    refused = TypeError(
+        "step must be an integer (an int, a NumPy integer or a 0-d integer tensor), "
+        f"got {type(step).__name__} {step!r}"
+    )
+    dtype, ndim = str(getattr(step, "dtype", "")), getattr(step, "ndim", 0)
+    if isinstance(step, bool) or dtype in ("bool", "torch.bool") or ndim != 0:
+        raise refused  # True would pass operator.index as 1
+    try:
+        value = operator.index(step)
+    except TypeError:
+        raise refused from None
+    if not 0 <= value <= MAX_STEP:
+        raise ValueError(f"step must be a non-negative int64 (0 to 2**63-1), got {value}")
+    return value
 
 
 def digests_of(shard: ShardManifest) -> set[bytes]:
@@ -213,7 +228,7 @@ class Store:
         state: Any,
         *,
         run: str,
-        step: int,
+        step: SupportsIndex,
         metadata: dict[str, Any] | None = None,
         data_order: dict[str, Any] | None = None,
         progress: bool = False,
@@ -228,7 +243,7 @@ class Store:
         state: Any,
         *,
         run: str,
-        step: int,
+        step: SupportsIndex,
         metadata: dict[str, Any] | None = None,
         data_order: dict[str, Any] | None = None,
         progress: bool = False,
@@ -242,7 +257,7 @@ class Store:
         state: Any,
         *,
         run: str,
-        step: int,
+        step: SupportsIndex,
         metadata: dict[str, Any] | None = None,
         data_order: dict[str, Any] | None = None,
         progress: bool = False,
@@ -268,7 +283,7 @@ class Store:
         started = time.perf_counter()
         self.refuse_if_readonly("save")
         validate_run_name(run)
-        check_step(step)
+        step = check_step(step)
         if blocking and if_busy != "wait":
             raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
         if blocking:

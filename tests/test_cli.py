@@ -6,6 +6,7 @@ import os
 import re
 import select
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -115,7 +116,56 @@ def test_log_of_an_empty_store(tmp_path: Path) -> None:
     castore.open(tmp_path / "empty").close()
     result = run_cli("log", tmp_path / "empty")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == "no generations"
+    assert result.stdout == "no generations\n"  # a whole line: the prompt starts on the next
+
+
+def test_messages_of_nothing_to_show_end_their_line(cli_store: Path, tmp_path: Path) -> None:
+    empty = tmp_path / "empty"
+    castore.open(empty).close()
+    assert run_cli("log", empty).stdout == "no generations\n"
+    assert run_cli("gc", empty, "--keep", "1").stdout.endswith(" in 0.00s\n")
+    assert run_cli("du", empty).stdout.endswith("\n")
+    assert run_cli("verify", empty).stdout.endswith("structural\nOK\n")
+    copied = tmp_path / "copied"
+    assert run_cli("copy", cli_store, copied).returncode == 0
+    again = run_cli("copy", cli_store, copied)
+    assert again.stdout.endswith(f"nothing to copy: 2 generation(s) already in {copied}\n")
+
+
+def test_ctrl_c_at_the_gc_question_starts_the_error_on_its_own_line(tmp_path: Path) -> None:
+    path = tmp_path / "gc"
+    with castore.open(path, chunk_size=1024) as store:
+        for step in (1, 2):
+            store.save({"w": np.full(512, step, dtype=np.float32)}, run="r", step=step)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    master, slave = os.openpty()
+    process = subprocess.Popen(
+        [str(CLI), "gc", str(path), "--keep", "1"], stdin=slave, stdout=slave, stderr=slave,
+        env=env,
+    )  # fmt: skip
+    os.close(slave)
+    output = b""
+    try:
+        while b"[y/N]" not in output:
+            assert select.select([master], [], [], 60)[0], output
+            output += os.read(master, 4096)
+        process.send_signal(signal.SIGINT)  # Ctrl-C at the question
+        assert process.wait(timeout=60) == 130
+        while select.select([master], [], [], 1)[0]:
+            try:
+                chunk = os.read(master, 4096)
+            except OSError:  # EIO: the process closed the terminal
+                break
+            if not chunk:
+                break
+            output += chunk
+    finally:
+        os.close(master)
+        if process.poll() is None:
+            process.kill()
+    text = output.decode().replace("\r\n", "\n")
+    assert "[y/N] \ncastore: error: interrupted\n" in text, text
+    assert ids(path, "r") == [1, 2]
 
 
 # -- show -------------------------------------------------------------------------
@@ -237,21 +287,50 @@ def test_show_of_a_real_training_state_is_short(tmp_path: Path) -> None:
     assert len(every.stdout.splitlines()) == len(result.stdout.splitlines()) + 39
 
 
-def test_show_into_a_closed_pipe_is_quiet(tmp_path: Path) -> None:
-    path = tmp_path / "store"
-    with castore.open(path, chunk_size=1024) as store:
-        store.save({"ids": [{"n": i} for i in range(5000)]}, run="r", step=1)
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    shown = subprocess.run(
-        ["bash", "-c", f'"{CLI}" show "{path}" r | head -1; echo "status ${{PIPESTATUS[0]}}"'],
-        capture_output=True,
-        text=True,
-        timeout=60,
+def read_one_line_and_close(args: list[object], env: dict[str, str]) -> tuple[str, int, str]:
+    """Run the CLI into a real pipe, read its first line, close the pipe as ``head -1``
+    does: (that line, the exit status, everything on stderr)."""
+    process = subprocess.Popen(
+        [str(CLI), *map(str, args)],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         env=env,
     )
-    assert shown.stdout.startswith("generation r@1  step 1")
-    assert shown.stdout.splitlines()[-1] == "status 1"
-    assert shown.stderr == ""  # no "BrokenPipeError" line, no traceback
+    assert process.stdout is not None and process.stderr is not None
+    first = process.stdout.readline().decode()
+    process.stdout.close()
+    err = process.stderr.read().decode()
+    return first, process.wait(timeout=60), err
+
+
+@pytest.mark.parametrize("buffered", [True, False], ids=["buffered", "unbuffered"])
+def test_show_into_a_pipe_closed_after_one_line_exits_141_quietly(
+    tmp_path: Path, buffered: bool
+) -> None:
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=1024) as store:
+        # --all prints a row per value: far more than a pipe holds, so the write must fail.
+        store.save({"ids": [{"n": i} for i in range(5000)]}, run="r", step=1)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CASTORE_", "PYTHONUNBUF"))}
+    if not buffered:
+        env["PYTHONUNBUFFERED"] = "1"
+    first, status, err = read_one_line_and_close(["show", path, "r", "--all"], env)
+    assert first.startswith("generation r@1  step 1")
+    assert err == ""  # no traceback, no "Exception ignored ... BrokenPipeError"
+    assert status == 141  # 128 + SIGPIPE, as a shell reports `yes | head -1`
+
+
+@pytest.mark.parametrize("args", [["--version"], ["show", "--help"]], ids=["version", "help"])
+def test_version_and_help_into_a_closed_pipe_exit_141_quietly(args: list[object]) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CASTORE_", "PYTHONUNBUF"))}
+    process = subprocess.Popen(
+        [str(CLI), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env
+    )
+    assert process.stdout is not None and process.stderr is not None
+    process.stdout.close()  # before it writes: it is still importing castore
+    err = process.stderr.read().decode()
+    assert (process.wait(timeout=60), err) == (141, "")
 
 
 # -- verify -----------------------------------------------------------------------
@@ -426,6 +505,34 @@ def test_gc_refuses_a_plan_that_changed_after_the_answer(gc_store: Path) -> None
     assert ids(gc_store) == [1, 2, 3, 4, 5]
 
 
+def test_gc_without_a_terminal_or_a_policy_deletes_nothing_and_says_what_to_pass(
+    gc_store: Path,
+) -> None:
+    refused = run_cli("gc", gc_store)  # stdin is /dev/null: a notebook's !castore gc, cron
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.count("\n") == 1 and "Traceback" not in refused.stderr
+    assert "--keep K" in refused.stderr and "--yes" in refused.stderr
+    assert ids(gc_store) == [1, 2, 3, 4] and ids(gc_store, "other") == [1]
+    dry = run_cli("gc", gc_store, "--dry-run")
+    assert dry.returncode == 0 and "dry run: 1 generation(s) dropped" in dry.stdout
+    assert ids(gc_store) == [1, 2, 3, 4]
+    yes = run_cli("gc", gc_store, "--yes")  # asked for: the default policy, --keep 3
+    assert yes.returncode == 0, yes.stderr
+    assert ids(gc_store) == [2, 3, 4]
+    every = run_cli("gc", gc_store, "--every-steps", "1")  # a policy given: no --yes needed
+    assert every.returncode == 0, every.stderr
+    assert ids(gc_store) == [2, 3, 4]
+
+
+def test_gc_on_a_terminal_without_a_policy_still_asks(gc_store: Path) -> None:
+    code, out = run_in_terminal("gc", gc_store, answer="n")
+    assert code == 1 and "Delete 1 generation(s)? [y/N]" in out and "nothing deleted" in out
+    assert ids(gc_store) == [1, 2, 3, 4]
+    code, out = run_in_terminal("gc", gc_store, answer="y")
+    assert code == 0, out
+    assert ids(gc_store) == [2, 3, 4]
+
+
 def test_gc_without_a_terminal_does_not_ask(gc_store: Path) -> None:
     result = run_cli("gc", gc_store, "--keep", "2")  # stdin is /dev/null, as in cron or CI
     assert result.returncode == 0, result.stderr
@@ -460,6 +567,13 @@ ERRORS = [
     ("bad-run-log", lambda s, t: ["log", s, "--run", "a b"], 1, "InvalidNameError"),
     ("unknown-generation", lambda s, t: ["show", s, "exp1@99"], 1, "GenerationNotFoundError"),
     ("bad-generation-spec", lambda s, t: ["show", s, "exp1@zz"], 1, "GenerationNotFoundError"),
+    # RUN@ with nothing after the @ is refused, never read as the newest.
+    ("empty-gen-show", lambda s, t: ["show", s, "exp1@"], 1, "names no generation after '@'"),
+    ("empty-gen-verify", lambda s, t: ["verify", s, "exp1@"], 1, "InvalidNameError: 'exp1@'"),
+    ("empty-gen-tag", lambda s, t: ["tag", s, "exp1@", "x"], 1, "write exp1 (or exp1@latest)"),
+    ("empty-gen-diff", lambda s, t: ["diff", s, "exp1@2", "exp1@"], 1, "InvalidNameError"),
+    ("empty-gen-export", lambda s, t: ["export", s, "exp1@", t / "o"], 1, "InvalidNameError"),
+    ("empty-run", lambda s, t: ["show", s, "@2"], 1, "names no run before '@'"),
     ("unknown-run", lambda s, t: ["show", s, "nobody"], 1, "GenerationNotFoundError"),
     ("unknown-run-log", lambda s, t: ["log", s, "--run", "nobody"], 1, "GenerationNotFoundError"),
     ("unknown-subcommand", lambda s, t: ["frobnicate", s], 2, "invalid choice"),

@@ -65,7 +65,11 @@ def test_defaults_and_non_interactive_behaviour_are_in_gc_help() -> None:
     text = " ".join(help_of("gc").split())
     assert "keep the newest K generations of each run, K >= 1 (default: 3)" in text
     assert "(default: 30)" in text
-    assert "When stdin is not a terminal (scripts, cron, CI) it deletes without asking" in text
+    assert (
+        "When stdin is not a terminal (scripts, cron, CI, a notebook's !castore gc) it does "
+        "not ask: it deletes only when the policy is given (--keep, --every-steps, --every) "
+        "or --yes is passed" in text
+    )
     assert "-y, --yes" in text
 
 

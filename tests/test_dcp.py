@@ -407,9 +407,14 @@ def test_checkpoint_ids() -> None:
         assert cls.validate_checkpoint_id(Path("relative/dir")) is False
     assert parse_checkpoint_id("castore://./ckpt/exp1") == ("./ckpt", "exp1", "latest")
     assert parse_checkpoint_id("castore:///a/b/exp1@12") == ("/a/b", "exp1", "12")
-    for bad in ("castore://run-only", "/a/b/exp1", "castore://store/"):
+    for bad in ("castore://run-only", "/a/b/exp1", "castore://store/", "castore://a/@3"):
         with pytest.raises(InvalidNameError):
             parse_checkpoint_id(bad)
+    # RUN@ with nothing after the @ is refused, not read as the newest.
+    with pytest.raises(InvalidNameError, match="names no generation after '@'"):
+        parse_checkpoint_id("castore:///a/b/exp1@")
+    with pytest.raises(InvalidNameError, match="names no generation after '@'"):
+        CastoreReader.from_checkpoint_id("castore:///a/b/exp1@")
 
 
 def test_reader_from_checkpoint_id_and_reset(tmp_path: Path) -> None:

@@ -164,6 +164,31 @@ def test_round_trip_single_file(
         assert handle.get_slice("model/w2")[3:5].tobytes() == expected["model/w2"][3:5].tobytes()
 
 
+def test_an_out_path_ending_in_safetensors_is_one_file(
+    saved: tuple[Store, dict[str, np.ndarray]], tmp_path: Path
+) -> None:
+    store, expected = saved
+    out = tmp_path / "out.safetensors"
+    report = to_safetensors(store, "r", "latest", out, buffer_size=64)
+    assert out.is_file()  # not a directory named out.safetensors
+    assert (report.out_dir, report.files) == (tmp_path, ["out.safetensors"])
+    assert report.tensors == len(expected)
+    assert report.bytes == sum(v.nbytes for v in expected.values())
+    assert_bitwise(load_file(out), expected)
+    assert leftovers(tmp_path) == ["out.safetensors"]  # no temporary file beside it
+    before = out.read_bytes()
+    with pytest.raises(FileExistsError, match="exists"):
+        to_safetensors(store, "r", "latest", out)
+    for layout in ({"max_shard_size": 10**9}, {"index_from": tmp_path / "index.json"}):
+        with pytest.raises(ValueError, match="names one file: name a directory instead"):
+            to_safetensors(store, "r", "latest", tmp_path / "other.safetensors", **layout)
+    with pytest.raises(ValueError, match="pickle a .safetensors name"):
+        to_torch(store, "r", "latest", tmp_path / "pickled.safetensors")
+    assert out.read_bytes() == before
+    assert leftovers(tmp_path) == ["out.safetensors"]
+    assert not (tmp_path / "other.safetensors").exists()
+
+
 def test_header_is_aligned_like_the_library(saved: tuple[Store, Any], tmp_path: Path) -> None:
     store, _ = saved
     to_safetensors(store, "r", "latest", tmp_path / "out")
@@ -473,6 +498,38 @@ def test_cli_exports_with_options(store: Store, store_path: Path, tmp_path: Path
     }
     assert_bitwise(read_exported(out), expected)
     assert len(json.loads((out / INDEX_FILE).read_text())["weight_map"]) == 7
+
+
+def test_cli_export_to_a_safetensors_name_writes_that_one_file(
+    store: Store, store_path: Path, tmp_path: Path
+) -> None:
+    state = make_state()
+    store.save(state, run="r", step=7)
+    store.close()
+    out = tmp_path / "exp1.safetensors"
+    result = run_cli("export", store_path, "r", out, "--prefix", "model/", "--strip-prefix")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0] == f"wrote {out}"
+    assert out.is_file()
+    expected = {
+        k.removeprefix("model/"): v
+        for k, v in flat_tensors(state).items()
+        if k.startswith("model/")
+    }
+    assert_bitwise(load_file(out), expected)
+    one_line_error(
+        run_cli("export", store_path, "r", tmp_path / "b.safetensors", "--max-shard-size", "1GB"),
+        1,
+        "--max-shard-size",
+        "name a directory instead",
+    )
+    one_line_error(
+        run_cli("export", store_path, "r", tmp_path / "c.safetensors", "--format", "torch"),
+        1,
+        "name it .pt",
+    )
+    one_line_error(run_cli("export", store_path, "r", out), 1, "exists")
+    assert sorted(p.name for p in tmp_path.iterdir() if "safetensors" in p.name) == [out.name]
 
 
 def test_cli_errors_are_one_line(store: Store, store_path: Path, tmp_path: Path) -> None:

@@ -13,11 +13,15 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 
 import castore
 import castore.dist
 from castore import Store
-from castore.errors import GenerationNotFoundError, UnsupportedValueError
+from castore.core.history import split_address
+from castore.dcp import CastoreWriter
+from castore.errors import GenerationNotFoundError, InvalidNameError, UnsupportedValueError
+from castore.importer import import_checkpoint
 
 
 def test_loading_from_a_store_open_just_created_says_it_is_empty(tmp_path: Path) -> None:
@@ -89,20 +93,84 @@ def test_numpy_text_scalars_are_stored_as_plain_text(store: Store) -> None:
     ("step", "error", "message"),
     [
         (-1, ValueError, "step must be a non-negative int64.*got -1"),
+        (np.int64(-1), ValueError, "step must be a non-negative int64.*got -1"),
+        (torch.tensor(-3), ValueError, "step must be a non-negative int64.*got -3"),
         (2**63, ValueError, "step must be a non-negative int64"),
         (2**70, ValueError, "step must be a non-negative int64"),
-        (1.0, TypeError, "step must be an int, got float"),
-        (True, TypeError, "step must be an int, got bool"),
+        (np.uint64(2**64 - 1), ValueError, "step must be a non-negative int64"),
+        (1.0, TypeError, "step must be an integer .*got float"),
+        (np.float64(2.0), TypeError, "step must be an integer .*got float64"),
+        (torch.tensor(2.0), TypeError, "step must be an integer .*got Tensor"),
+        (True, TypeError, "step must be an integer .*got bool"),
+        (np.bool_(True), TypeError, "step must be an integer .*got bool"),
+        (torch.tensor(True), TypeError, "step must be an integer .*got Tensor"),
+        (torch.tensor([5]), TypeError, "step must be an integer .*0-d"),
+        ("5", TypeError, "step must be an integer .*got str"),
     ],
-)
+    ids=["-1", "np.int64(-1)", "tensor(-3)", "2**63", "2**70", "np.uint64 max", "float",
+         "np.float64", "float tensor", "True", "np.bool_", "bool tensor", "1-d tensor", "str"],
+)  # fmt: skip
 def test_a_step_is_a_non_negative_int64(
     store: Store, step: Any, error: type[Exception], message: str
 ) -> None:
     with pytest.raises(error, match=message):
         store.save({"x": 1}, run="r", step=step)
     with pytest.raises(error, match=message):
+        store.save({"x": 1}, run="r", step=step, blocking=False)
+    with pytest.raises(error, match=message):
         castore.dist.save(store, {"x": 1}, run="r", step=step)  # a group of one
+    with pytest.raises(error, match=message):
+        castore.dist.save(store, {"x": 1}, run="r", step=step, blocking=False)
+    with pytest.raises(error, match=message):
+        CastoreWriter(store, run="r", step=step)
     assert store.runs() == []
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+@pytest.mark.parametrize(
+    "step",
+    [np.int64(5), np.int32(5), np.uint8(5), np.array(5), torch.tensor(5), torch.tensor(5).int()],
+    ids=["np.int64", "np.int32", "np.uint8", "0-d array", "0-d tensor", "0-d int32 tensor"],
+)
+def test_any_integer_is_a_step_and_is_saved_as_an_int(
+    store: Store, tmp_path: Path, step: Any
+) -> None:
+    """A loop's counter is often np.int64 or a 0-d tensor: every save path takes it."""
+    saved = [
+        store.save({"x": 1}, run="plain", step=step),
+        store.save({"x": 1}, run="async", step=step, blocking=False).result(timeout=60),
+        castore.dist.save(store, {"x": 1}, run="dist", step=step),
+        castore.dist.save(store, {"x": 1}, run="dist-async", step=step, blocking=False).result(
+            timeout=60
+        ),
+        import_checkpoint(store, "imported", one_safetensors_file(tmp_path), step=step),
+    ]
+    writer = CastoreWriter(store, run="dcp", step=step)
+    dcp.save({"w": torch.ones(2)}, storage_writer=writer, no_dist=True)
+    assert all(gen is not None for gen in saved)
+    for run in ("plain", "async", "dist", "dist-async", "imported", "dcp"):
+        (gen,) = store.generations(run)
+        assert gen.step == 5 and type(gen.step) is int, run
+    assert type(writer.step) is int
+
+
+def one_safetensors_file(tmp_path: Path) -> Path:
+    path = tmp_path / "w.safetensors"
+    pytest.importorskip("safetensors.numpy").save_file({"w": np.ones(2)}, str(path))
+    return path
+
+
+def test_an_empty_generation_is_refused_not_read_as_the_newest(store: Store) -> None:
+    store.save({"x": 1}, run="r", step=1)
+    store.save({"x": 2}, run="r", step=2)
+    with pytest.raises(InvalidNameError, match="names no generation after '@'"):
+        split_address("r@")
+    assert split_address("r") == ("r", "latest") and split_address("r@1") == ("r", "1")
+    for empty in ("", " "):
+        with pytest.raises(GenerationNotFoundError, match="bad generation"):
+            store.load("r", empty)
+        with pytest.raises(GenerationNotFoundError, match="bad generation"):
+            store.resolve("r", empty)
 
 
 def test_the_largest_step_round_trips(store: Store) -> None:

@@ -13,6 +13,7 @@ import hashlib
 import math
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -772,6 +773,32 @@ def test_tag_untag_and_collect(store: Store) -> None:
         store.load("a", 2)
 
 
+def test_a_tag_name_that_run_at_name_cannot_address_is_refused(
+    store: Store, store_path: Path
+) -> None:
+    save_steps(store, "a", [10, 20, 30])
+    refused = [("123", "all digits"), ("2", "all digits"), ("007", "all digits")]
+    refused += [("latest", "newest generation")]
+    for name, words in refused:
+        with pytest.raises(InvalidNameError, match=words) as caught:
+            gc.tag(store, "a", 1, name)
+        assert "could never be named" in str(caught.value) and "run=a" in str(caught.value)
+    with pytest.raises(InvalidNameError, match="step-123"):  # the hint
+        gc.tag(store, "a", 1, "123")
+    assert store.refs.tags("a") == {}
+    # Names RUN@NAME does reach: digits with a letter, a dot, a hex word a tag wins over.
+    for name in ("v123", "step-123", "1.5", "Latest", "abcdef"):
+        assert gc.tag(store, "a", 2, name).id == 2
+        assert store.resolve("a", name).id == 2
+    assert store.resolve("a", "3").id == 3
+    # A tag named before the rule (its file put in place) still pins and can be removed.
+    tags = store_path / "tags" / "a"
+    shutil.copy(tags / "v123", tags / "123")
+    assert store.refs.tags("a")["123"].generation == 2
+    gc.untag(store, "a", "123")
+    assert "123" not in store.refs.tags("a")
+
+
 def test_retagging_moves_what_the_tag_keeps(store: Store) -> None:
     save_steps(store, "a", [1, 2, 3, 4])
     gc.tag(store, "a", 1, "best")
@@ -779,6 +806,21 @@ def test_retagging_moves_what_the_tag_keeps(store: Store) -> None:
     assert gc.plan_retention(store, gc.RetentionPolicy(keep_last=1))[0].kept == [2, 4]
     gc.collect_garbage(store, gc.RetentionPolicy(keep_last=1))
     assert ids(store, "a") == [2, 4]
+
+
+def test_moving_a_tag_says_which_generation_it_no_longer_pins(store: Store) -> None:
+    gens = save_steps(store, "a", [1, 2, 3, 4])
+    new = gc.set_tag(store, "a", 1, "best")
+    assert (new.name, new.generation.id, new.previous, new.moved) == ("best", 1, None, False)
+    same = gc.set_tag(store, "a", 1, "best")
+    assert same.previous is not None and same.previous.generation == 1 and not same.moved
+    moved = gc.set_tag(store, "a", 3, "best")
+    assert moved.moved and moved.generation.id == 3
+    assert moved.previous is not None
+    assert (moved.previous.generation, moved.previous.root.hex) == (1, gens[0].root)
+    # What it says holds: generation 1 is pinned no more, and goes.
+    assert gc.collect_garbage(store, gc.RetentionPolicy(keep_last=1)).dropped == {"a": [1, 2]}
+    assert ids(store, "a") == [3, 4]
 
 
 # -- 7. disk usage -----------------------------------------------------------------
@@ -1055,6 +1097,31 @@ def test_cli_tag_log_untag(cli_store: Path) -> None:
         assert ids(store, "exp") == [3]
 
 
+def test_cli_retag_says_which_generation_the_tag_no_longer_pins(cli_store: Path) -> None:
+    with castore.open(cli_store, create=False) as store:
+        root = {g.id: g.root[:12] for g in store.generations("exp")}
+    first = run_cli("tag", cli_store, "exp@1", "best")
+    assert first.stdout == f"tagged exp@1 ({root[1]}) as best\n"
+    assert run_cli("tag", cli_store, "exp@1", "first").returncode == 0
+    moved = run_cli("tag", cli_store, "exp@2", "best")
+    assert moved.returncode == 0 and moved.stderr == ""
+    assert moved.stdout == (
+        f"moved tag best from exp@1 ({root[1]}) to exp@2 ({root[2]}); "
+        "exp@1 is no longer pinned by it (tag first still pins it)\n"
+    )
+    assert run_cli("untag", cli_store, "exp", "first").returncode == 0
+    again = run_cli("tag", cli_store, "exp@3", "best")
+    assert again.stdout == (
+        f"moved tag best from exp@2 ({root[2]}) to exp@3 ({root[3]}); "
+        "exp@2 is no longer pinned by it (castore gc may now drop it)\n"
+    )
+    same = run_cli("tag", cli_store, "exp@3", "best")
+    assert same.stdout == f"tagged exp@3 ({root[3]}) as best\n"
+    assert run_cli("gc", cli_store, "--keep", "1").returncode == 0
+    with castore.open(cli_store, create=False) as store:
+        assert ids(store, "exp") == [3]
+
+
 def test_cli_du(cli_store: Path) -> None:
     with castore.open(cli_store, create=False) as store:
         usage = gc.disk_usage(store)
@@ -1091,10 +1158,19 @@ def test_cli_compact(cli_store: Path) -> None:
 
 # Bad option values (--keep 0, --every soon) are usage errors, exit 2: tests/test_cli.py.
 CLI_ERRORS = [
-    ("gc-missing-store", lambda s, t: ["gc", t / "nowhere"], "StoreNotFoundError"),
-    ("gc-unknown-run", lambda s, t: ["gc", s, "--run", "nobody"], "GenerationNotFoundError"),
+    ("gc-missing-store", lambda s, t: ["gc", t / "nowhere", "--keep", "1"], "StoreNotFoundError"),
+    (
+        "gc-unknown-run",
+        lambda s, t: ["gc", s, "--keep", "1", "--run", "nobody"],
+        "GenerationNotFoundError",
+    ),
+    # Off a terminal, nobody can be asked: a policy or --yes says to delete.
+    ("gc-no-policy", lambda s, t: ["gc", s], "pass the policy (--keep K, --every-steps N"),
+    ("gc-no-policy-run", lambda s, t: ["gc", s, "--run", "exp"], "or --yes for the default"),
     ("untag-missing", lambda s, t: ["untag", s, "exp", "nope"], "GenerationNotFoundError"),
     ("tag-bad-name", lambda s, t: ["tag", s, "exp@1", "bad name"], "InvalidNameError"),
+    ("tag-all-digits", lambda s, t: ["tag", s, "exp@1", "123"], "all digits, and RUN@123"),
+    ("tag-latest", lambda s, t: ["tag", s, "exp@1", "latest"], "RUN@latest always means"),
     ("tag-unknown-gen", lambda s, t: ["tag", s, "exp@9", "x"], "GenerationNotFoundError"),
     ("du-missing-store", lambda s, t: ["du", t / "nowhere"], "StoreNotFoundError"),
     ("compact-missing", lambda s, t: ["compact", t / "nowhere"], "nowhere"),
@@ -1146,14 +1222,22 @@ def test_du_of_one_run_counts_only_that_runs_chunks(store: Store) -> None:
         disk_usage(store, ["nope"])
 
 
-def test_a_tag_wins_over_the_root_prefix_it_spells_and_digits_stay_ids(store: Store) -> None:
+def test_a_tag_wins_over_the_root_prefix_it_spells_and_digits_stay_ids(
+    store: Store, store_path: Path
+) -> None:
     for i in range(1, 4):
         store.save(small_state(i), run="a", step=i)
     third = store.resolve("a", 3)
-    gc.tag(store, "a", 1, third.root[:8])  # a tag named like generation 3's root prefix
-    gc.tag(store, "a", 1, "2")  # a tag named like an id
-    assert store.resolve("a", third.root[:8]).id == 1
-    assert store.resolve("a", third.root[:9]).id == 3  # no such tag: the prefix
-    assert store.resolve("a", "2").id == 2
+    # A tag named like generation 3's root prefix (one with a letter: digits cannot tag).
+    size = next(n for n in range(8, 64) if not third.root[:n].isdigit())
+    gc.tag(store, "a", 1, third.root[:size])
+    assert store.resolve("a", third.root[:size]).id == 1
+    assert store.resolve("a", third.root[: size + 1]).id == 3  # no such tag: the prefix
+    with pytest.raises(InvalidNameError, match="all digits"):
+        gc.tag(store, "a", 1, "2")  # a tag named like an id is refused ...
+    tags = store_path / "tags" / "a"
+    shutil.copy(tags / third.root[:size], tags / "2")  # ... and one made before the rule
+    assert store.refs.tags("a")["2"].generation == 1
+    assert store.resolve("a", "2").id == 2  # is never what RUN@2 means
     with pytest.raises(GenerationNotFoundError, match="a tag name"):
         store.resolve("a", "no-such-tag")

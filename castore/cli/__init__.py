@@ -23,7 +23,7 @@ import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli.args import COLLAPSE_AT, build_parser
-from castore.core.history import Generation
+from castore.core.history import Generation, split_address
 from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
@@ -32,16 +32,14 @@ from castore.store import Store
 from castore.support.progress import format_size as format_bytes
 
 EXIT_PROBLEMS = 1
+# A closed stdout (`castore log ... | head -1`): what a shell reports for a tool SIGPIPE
+# (13) killed. Not 0: `verify | head -1` may have cut off its PROBLEM lines; not 1, verify's.
+EXIT_BROKEN_PIPE = 128 + 13
 DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the rest
 
 
 def _format_time(stamp: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(stamp))
-
-
-def _split_target(target: str) -> tuple[str, str]:
-    run, _, generation = target.partition("@")
-    return run, generation or "latest"
 
 
 def _open(path: str) -> Store:
@@ -96,7 +94,7 @@ def _format_seconds(seconds: float) -> str:
 
 
 def cmd_show(args: argparse.Namespace) -> int:
-    run, generation = _split_target(args.target)
+    run, generation = split_address(args.target)
     with _open(args.store) as store:
         digest, root = store.resolve_root(run, generation)
         gen = Generation.from_root(digest, root)
@@ -219,7 +217,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
     run, generation = (None, None)
     if args.target:
-        run, generation = _split_target(args.target)
+        run, generation = split_address(args.target)
         generation = None if generation == "latest" and "@" not in args.target else generation
     with _open(args.store) as store:
         sample = None if args.sample is None else args.sample / 100
@@ -250,10 +248,30 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_tag(args: argparse.Namespace) -> int:
-    run, generation = _split_target(args.target)
+    run, generation = split_address(args.target)
     with _open(args.store) as store:
-        gen = gc.tag(store, run, generation, args.name)
-    print(f"tagged {run}@{gen.id} ({gen.root[:12]}) as {args.name}")
+        change = gc.set_tag(store, run, generation, args.name)
+        others = sorted(
+            name
+            for name, value in store.refs.tags(run).items()
+            if change.previous is not None and value.root == change.previous.root
+        )
+    gen, old = change.generation, change.previous
+    if old is None or not change.moved:
+        print(f"tagged {run}@{gen.id} ({gen.root[:12]}) as {args.name}")
+        return 0
+    still = (
+        f"tag {others[0]} still pins it"
+        if len(others) == 1
+        else f"tags {', '.join(others)} still pin it"
+        if others
+        else "castore gc may now drop it"
+    )
+    print(
+        f"moved tag {args.name} from {run}@{old.generation} ({old.root.hex[:12]}) to "
+        f"{run}@{gen.id} ({gen.root[:12]}); {run}@{old.generation} is no longer pinned "
+        f"by it ({still})"
+    )
     return 0
 
 
@@ -265,12 +283,24 @@ def cmd_untag(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
+    chosen = args.keep is not None or args.every_steps is not None or args.every is not None
+    asking = sys.stdin.isatty()
+    if not (chosen or args.yes or args.dry_run or asking):
+        # A notebook's `!castore gc`, a task runner, cron: nobody to ask, so deleting
+        # by the default policy must be asked for.
+        raise ValueError(
+            "castore gc would delete without asking (stdin is not a terminal): pass the "
+            "policy (--keep K, --every-steps N, --every DURATION), or --yes for the "
+            f"default (--keep {gc.RetentionPolicy.keep_last}); --dry-run shows the plan"
+        )
     policy = gc.RetentionPolicy(
-        keep_last=args.keep, every_steps=args.every_steps, every_seconds=args.every
+        keep_last=args.keep or gc.RetentionPolicy.keep_last,
+        every_steps=args.every_steps,
+        every_seconds=args.every,
     )
     runs = [args.run] if args.run else None
     with _open(args.store) as store:
-        if args.dry_run or args.yes or not sys.stdin.isatty():
+        if args.dry_run or args.yes or not asking:
             report = gc.collect_garbage(
                 store,
                 policy,
@@ -329,6 +359,9 @@ def _confirm(question: str) -> bool:
     except EOFError:
         print()
         return False
+    except KeyboardInterrupt:
+        print(flush=True)  # so that "castore: error: interrupted" starts its own line
+        raise
     return answer.strip().lower() in ("y", "yes")
 
 
@@ -497,7 +530,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
-    run_a, gen_a = _split_target(args.a)
+    run_a, gen_a = split_address(args.a)
     if args.each is not None:
         if args.b:
             raise ValueError(
@@ -512,7 +545,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
                 else:
                     print(each.stat_line())
         return 0
-    run_b, gen_b = _split_target(args.b) if args.b else (None, None)
+    run_b, gen_b = split_address(args.b) if args.b else (None, None)
     with _open(args.store) as store:
         diff = diffing.diff_generations(store, run_a, gen_a, run_b, gen_b)
     if not args.stat:
@@ -550,7 +583,7 @@ def _change_rows(changes: list[diffing.ValueChange]) -> list[list[str]]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    run, generation = _split_target(args.target)
+    run, generation = split_address(args.target)
     chosen: dict[str, Any] = {
         "prefix": args.prefix,
         "strip_prefix": args.strip_prefix,
@@ -569,7 +602,7 @@ def cmd_export(args: argparse.Namespace) -> int:
                 run,
                 generation,
                 args.out,
-                max_shard_size=args.max_shard_size or export.DEFAULT_MAX_SHARD_SIZE,
+                max_shard_size=args.max_shard_size,
                 index_from=args.index_from,
                 progress=True,
                 **chosen,
@@ -618,21 +651,35 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Run one command; its exit status. ``castore show ... | head -1``: when the reader
+    closes the pipe, exit 141 (as a Unix tool killed by SIGPIPE) with nothing on stderr."""
+    try:
+        try:
+            args = build_parser().parse_args(argv)
+        except SystemExit:  # --help, --version, a usage error: argparse printed it
+            sys.stdout.flush()  # here, so that a closed pipe is caught below
+            raise
+        return _run(args)
+    except BrokenPipeError:
+        # The reader has what it wanted: no error line, and no "Exception ignored"
+        # from the interpreter flushing stdout into the closed pipe at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_BROKEN_PIPE
+
+
+def _run(args: argparse.Namespace) -> int:
     read_only: list[str] = []
     try:
         with warnings.catch_warnings():
             warnings.showwarning = _held_read_only_warnings(warnings.showwarning, read_only)
             code = COMMANDS[args.command](args)
-        sys.stdout.flush()  # here, so that a closed pipe is caught below
+        sys.stdout.flush()  # here, so that a closed pipe is caught in main
         _print_warnings(read_only)
         return code
     except ReadOnlyStoreError as exc:
         return _fail(f"{type(exc).__name__}: {exc}")  # says read-only itself: one line
     except BrokenPipeError:
-        # `castore show ... | head`: the reader has what it wanted; no error line.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-        return EXIT_PROBLEMS
+        raise  # main's: an OSError, but not a failure to report
     except CastoreError as exc:
         return _fail(f"{type(exc).__name__}: {exc}", read_only)
     except (OSError, ValueError) as exc:

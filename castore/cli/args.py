@@ -40,7 +40,8 @@ RUN[@GEN] names a generation of run RUN:
   RUN@release   the generation tag "release" pins (castore tag; log lists tags)
   RUN@3fa2c1    the generation whose root digest starts with these hex digits
                 (6 to 64 of them; log shows the first 12)
-An all-digit GEN is always an id; a tag name wins over a root prefix it spells."""
+An all-digit GEN is always an id; a tag name wins over a root prefix it spells;
+RUN@ with nothing after the @ is an error, not the newest."""
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -253,11 +254,18 @@ def _add_tags(commands: Any) -> None:
         "tag",
         "pin a generation under a name (retention keeps it)",
         "Pin a generation under NAME: castore gc keeps it, whatever the policy, until\n"
-        "it is untagged. A NAME the run already has moves to this generation.\n\n" + TARGET_HELP,
+        "it is untagged. A NAME the run already has moves to this generation, and the\n"
+        "generation it named is no longer pinned by it (the output says which). NAME\n"
+        "cannot be all digits or 'latest': RUN@NAME would mean an id, or the newest.\n\n"
+        + TARGET_HELP,
         "castore tag ./ckpt exp1@2 release\ncastore tag ./ckpt exp1 before-lr-change",
     )
     tag.add_argument("target", metavar="RUN[@GEN]", help="the generation to pin (see above)")
-    tag.add_argument("name", metavar="NAME", help="the tag's name, unique within the run")
+    tag.add_argument(
+        "name",
+        metavar="NAME",
+        help="the tag's name, unique within the run: letters, digits, . _ - (not all digits)",
+    )
     untag = _command(
         commands,
         "untag",
@@ -281,7 +289,9 @@ def _add_collection(commands: Any) -> None:
         "It prints the plan: each generation, keep or drop, and the rules that keep\n"
         "it. When stdin is a terminal and generations would be dropped, it then asks\n"
         "before deleting (--yes skips the question). When stdin is not a terminal\n"
-        "(scripts, cron, CI) it deletes without asking, as --yes does.",
+        "(scripts, cron, CI, a notebook's !castore gc) it does not ask: it deletes only\n"
+        "when the policy is given (--keep, --every-steps, --every) or --yes is passed,\n"
+        "and otherwise exits 1 having deleted nothing.",
         "castore gc ./ckpt --keep 2 --dry-run     # show the plan, delete nothing\n"
         "castore gc ./ckpt --keep 5 --every 1d --yes",
     )
@@ -289,9 +299,9 @@ def _add_collection(commands: Any) -> None:
     collect.add_argument(
         "--keep",
         type=_at_least_one("how many of the newest generations of each run to keep"),
-        default=3,
         metavar="K",
-        help="keep the newest K generations of each run, K >= 1",
+        help="keep the newest K generations of each run, K >= 1 "
+        f"(default: {gc.RetentionPolicy.keep_last})",
     )
     collect.add_argument(
         "--every-steps",
@@ -465,9 +475,12 @@ def _add_export(commands: Any) -> None:
         "tensor is held in memory, only stripes of rows, each from the chunks it overlaps,\n"
         "every chunk verified. OUT must not exist or be empty; the files are written\n"
         "next to it and moved into place only when all are complete, so a failure (a\n"
-        "damaged chunk, say: exit 1) leaves nothing. --format torch writes one\n"
-        "torch.save file OUT instead (a pickle; see --format).\n\n" + TARGET_HELP,
+        "damaged chunk, say: exit 1) leaves nothing. An OUT ending in .safetensors is\n"
+        "one file instead, holding every selected tensor (it must not exist;\n"
+        "--max-shard-size and --index-from need a directory). --format torch writes\n"
+        "one torch.save file OUT instead (a pickle; see --format).\n\n" + TARGET_HELP,
         "castore export ./ckpt exp1 ./hf-model\n"
+        "castore export ./ckpt exp1 ./exp1.safetensors --prefix model/ --strip-prefix\n"
         "castore export ./ckpt exp1@7 ./hf --prefix model/ --strip-prefix --dtype bf16\n"
         "castore export ./ckpt exp1 ./hf --max-shard-size 2GB --rename model/=transformer.\n"
         "castore export ./ckpt exp1 ./hf --prefix model/ --strip-prefix "
@@ -478,7 +491,8 @@ def _add_export(commands: Any) -> None:
     export.add_argument(
         "out",
         metavar="OUT",
-        help="safetensors: the directory to create (must not exist or be empty); "
+        help="safetensors: the directory to create (must not exist or be empty), or, "
+        "when it ends in .safetensors, the one file to create (must not exist); "
         "torch: the file to create (must not exist)",
     )
     export.add_argument(

@@ -27,13 +27,14 @@ from castore.errors import (
     CastoreError,
     CorruptObjectError,
     GenerationNotFoundError,
+    InvalidNameError,
     LostRunError,
     ObjectMissingError,
 )
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot
 from castore.format.tree import decode_tree
-from castore.repo.records import RefValue, validate_run_name
+from castore.repo.records import LATEST, RefValue, validate_run_name
 from castore.repo.refstore import ComposedRefStore
 
 GenerationSpec = int | str
@@ -361,6 +362,24 @@ def _resolve_by_chain(
 
 def resolve(store: RunHistory, run: str, generation: GenerationSpec = "latest") -> Generation:
     return Generation.from_root(*resolve_root(store, run, generation))
+
+
+def split_address(address: str) -> tuple[str, str]:
+    """``RUN[@GEN]`` -> (run, generation); ``RUN`` alone is ``"latest"``.
+
+    ``RUN@`` is refused, not read as the newest: an id, tag or prefix that a
+    script left empty would otherwise load another generation than it meant.
+    """
+    run, at, generation = address.partition("@")
+    if at and not generation:
+        raise InvalidNameError(
+            f"{address!r} names no generation after '@': write {run} (or {run}@latest) "
+            f"for the newest, {run}@ID, {run}@TAG or {run}@ROOT-PREFIX",
+            run=run or None,
+        )
+    if at and not run:
+        raise InvalidNameError(f"{address!r} names no run before '@': write RUN@{generation}")
+    return run, generation or LATEST
 
 
 def is_id(spec: GenerationSpec) -> bool:

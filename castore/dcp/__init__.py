@@ -33,7 +33,7 @@ import functools
 import io
 import os
 from dataclasses import replace
-from typing import Any
+from typing import Any, SupportsIndex
 
 import msgpack
 import numpy as np
@@ -71,7 +71,7 @@ from castore.core.commit import (
     root_stats,
     write_shard,
 )
-from castore.core.history import Generation
+from castore.core.history import Generation, split_address
 from castore.core.opening import open_address
 from castore.core.reading import allocate, box_requests
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
@@ -96,7 +96,7 @@ from castore.format.tree import (
     torch_bytes,
 )
 from castore.repo.records import validate_run_name
-from castore.store import Store
+from castore.store import Store, check_step
 
 SCHEME = "castore://"
 TENSORS = "t"  # state-tree key of DCP's tensors: t/<fqn>
@@ -109,11 +109,11 @@ def parse_checkpoint_id(checkpoint_id: str | os.PathLike[str]) -> tuple[str, str
     if not text.startswith(SCHEME):
         raise InvalidNameError(f"not a castore checkpoint id: {text!r} (castore://STORE/RUN[@GEN])")
     path, _, target = text[len(SCHEME) :].rpartition("/")
-    run, _, generation = target.partition("@")
-    if not path or not run:
+    if not path or not target:
         raise InvalidNameError(f"castore checkpoint id {text!r} needs a store path and a run")
+    run, generation = split_address(target)
     validate_run_name(run)
-    return path, run, generation or "latest"
+    return path, run, generation
 
 
 def _open(store: Store | str | os.PathLike[str]) -> Store:
@@ -289,20 +289,20 @@ class CastoreWriter(_StoreUser, StorageWriter):
         store: Store | str | os.PathLike[str] | None = None,
         *,
         run: str | None = None,
-        step: int = 0,
+        step: SupportsIndex = 0,
         timeout: float = DEFAULT_TIMEOUT,
     ) -> None:
         super().__init__()
         self._store_arg: Store | str | os.PathLike[str] | None = store
         self._opened: Store | None = None
         self.run = validate_run_name(run) if run is not None else None
-        self.step = step
+        self.step = check_step(step)
         self.timeout = timeout
         self.is_coordinator = False
         self.generation: Generation | None = None  # set by finish on the coordinator
 
     @classmethod
-    def from_checkpoint_id(cls, checkpoint_id: str, *, step: int = 0) -> CastoreWriter:
+    def from_checkpoint_id(cls, checkpoint_id: str, *, step: SupportsIndex = 0) -> CastoreWriter:
         path, run, _ = parse_checkpoint_id(checkpoint_id)
         return cls(path, run=run, step=step)
 

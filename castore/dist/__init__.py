@@ -20,7 +20,7 @@ import contextlib
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal, overload
+from typing import Any, Literal, SupportsIndex, overload
 
 import msgpack
 
@@ -91,7 +91,7 @@ class _Prepared:
 
 def _prepare(
     state: Any,
-    step: int,
+    step: SupportsIndex,
     metadata: dict[str, Any] | None,
     data_order: dict[str, Any] | None,
     *,
@@ -146,7 +146,7 @@ def save(
     state: Any,
     *,
     run: str,
-    step: int,
+    step: SupportsIndex,
     metadata: dict[str, Any] | None = None,
     data_order: dict[str, Any] | None = None,
     group: Any = None,
@@ -164,7 +164,7 @@ def save(
     state: Any,
     *,
     run: str,
-    step: int,
+    step: SupportsIndex,
     metadata: dict[str, Any] | None = None,
     data_order: dict[str, Any] | None = None,
     group: Any = None,
@@ -182,7 +182,7 @@ def save(
     state: Any,
     *,
     run: str,
-    step: int,
+    step: SupportsIndex,
     metadata: dict[str, Any] | None = None,
     data_order: dict[str, Any] | None = None,
     group: Any = None,
@@ -199,7 +199,7 @@ def save(
     state: Any,
     *,
     run: str,
-    step: int,
+    step: SupportsIndex,
     metadata: dict[str, Any] | None = None,
     data_order: dict[str, Any] | None = None,
     group: Any = None,
@@ -225,12 +225,13 @@ def save(
     """
     # Before any collective: every rank opened the same store, so every rank refuses.
     store.refuse_if_readonly("save")
+    step_int = _int_if_valid_step(step)
     if not blocking:
         return _save_async(
             store,
             state,
             run,
-            step,
+            step_int,
             metadata,
             data_order,
             group,
@@ -245,12 +246,21 @@ def save(
     before = store.ref_or_problem(run)
     try:
         store.background.before_blocking_save()
-        return _save_in_group(store, state, comm, run, step, metadata, data_order)
+        return _save_in_group(store, state, comm, run, step_int, metadata, data_order)
     except KeyboardInterrupt as interrupt:
         # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
         note = store.interrupted_note(run, before, publisher=comm.is_coordinator)
         annotate_interrupt(interrupt, f"{note} (rank {comm.rank})")
         raise
+
+
+def _int_if_valid_step(step: SupportsIndex) -> Any:
+    """``step`` as an int (from ``np.int64``, a 0-d tensor); an invalid one as given,
+    for :func:`_prepare` to refuse where every rank learns of it (not here, alone)."""
+    try:
+        return check_step(step)
+    except (TypeError, ValueError):
+        return step
 
 
 def _save_in_group(

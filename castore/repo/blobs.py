@@ -78,6 +78,7 @@ from castore.repo.records import (
     is_valid_name,
     run_lock_busy,
     validate_run_name,
+    validate_stored_tag_name,
     validate_tag_name,
 )
 from castore.repo.reffile import decode_ref, encode_ref
@@ -100,7 +101,7 @@ def ref_blob(run: str) -> str:
 
 
 def tag_blob(run: str, name: str) -> str:
-    return f"tags/{validate_run_name(run)}/{validate_tag_name(name)}"
+    return f"tags/{validate_run_name(run)}/{validate_stored_tag_name(name, run=run)}"
 
 
 def record_blob(run: str, sequence: int) -> str:
@@ -442,7 +443,7 @@ class BlobTagTable(TagTable):
         return dict(sorted(found.items()))
 
     def write(self, run: str, name: str, value: RefValue) -> None:
-        blob = tag_blob(run, name)
+        blob = tag_blob(run, validate_tag_name(name, run=run))
         data = encode_ref(value)
         while True:  # last writer wins, as a rename over a local tag file does
             found = self.blobs.read_versioned(blob)

@@ -42,6 +42,7 @@ from castore.repo.records import (
     is_valid_name,
     run_lock_busy,
     validate_run_name,
+    validate_stored_tag_name,
     validate_tag_name,
 )
 from castore.repo.reffile import encode_ref, read_ref_file, replace_file
@@ -210,10 +211,11 @@ class LocalTagTable(TagTable):
 
     def _path(self, run: str, name: str) -> Path:
         validate_run_name(run)
-        validate_tag_name(name)
+        validate_stored_tag_name(name, run=run)
         return self.tags_dir / run / name
 
     def write(self, run: str, name: str, value: RefValue) -> None:
+        validate_tag_name(name, run=run)
         path = self._path(run, name)
         with writing(f"creating the tag directory of run {run!r}", path.parent):
             make_store_dir(self.tags_dir)

@@ -34,6 +34,7 @@ from castore.repo.records import (
     is_valid_name,
     run_lock_busy,
     validate_run_name,
+    validate_stored_tag_name,
     validate_tag_name,
 )
 from castore.repo.refstore import ComposedRefStore, RepoParts
@@ -210,13 +211,13 @@ class MemoryTagTable(TagTable):
 
     def write(self, run: str, name: str, value: RefValue) -> None:
         validate_run_name(run)
-        validate_tag_name(name)
+        validate_tag_name(name, run=run)
         with self._guard:
             self._tags.setdefault(run, {})[name] = value
 
     def delete(self, run: str, name: str) -> bool:
         validate_run_name(run)
-        validate_tag_name(name)
+        validate_stored_tag_name(name, run=run)
         with self._guard:
             return self._tags.get(run, {}).pop(name, None) is not None
 

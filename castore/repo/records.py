@@ -26,6 +26,10 @@ DEFAULT_LOCK_TIMEOUT = 30.0
 DEFAULT_SAVE_WAIT = 600.0
 
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_NAME_RULES = (
+    "use 1-128 characters from A-Z a-z 0-9 . _ -, starting with a letter or digit, without '..'"
+)
+LATEST = "latest"  # RUN@latest: the newest generation, whatever a tag is named
 PUBLISH_ACTIONS = ("advance", "recovered")  # reflog records that name a published root
 REFLOG_ACTIONS = (*PUBLISH_ACTIONS, "collect")
 _HEX_DIGEST = re.compile(r"[0-9a-f]{64}")
@@ -43,19 +47,39 @@ def validate_run_name(run: str) -> str:
     """Return ``run`` if it is a safe run name, else raise InvalidNameError."""
     if not is_valid_name(run):
         raise InvalidNameError(
-            f"invalid run name {run!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
-            "starting with a letter or digit, without '..'",
+            f"invalid run name {run!r}: {_NAME_RULES}",
             run=run if isinstance(run, str) else repr(run),
         )
     return run
 
 
-def validate_tag_name(name: str) -> str:
-    """Return ``name`` if it is a safe tag name (the rules of run names)."""
+def validate_stored_tag_name(name: str, *, run: str | None = None) -> str:
+    """Return ``name`` if a tag may be stored, read or removed under it: a safe name (the
+    rules of run names). Untag takes any such name, so a tag named before the rules of
+    :func:`validate_tag_name` (``123``, ``latest``) can still be removed."""
     if not is_valid_name(name):
+        raise InvalidNameError(f"invalid tag name {name!r}: {_NAME_RULES}", run=run)
+    return name
+
+
+def validate_tag_name(name: str, *, run: str | None = None) -> str:
+    """Return ``name`` if a tag may be written under it: a safe name that ``RUN@NAME``
+    can address. There an all-digit name is always a generation id and ``latest``
+    always the newest generation, so a tag of either name could never be named."""
+    validate_stored_tag_name(name, run=run)
+    if name.isdigit():
         raise InvalidNameError(
-            f"invalid tag name {name!r}: use 1-128 characters from A-Z a-z 0-9 . _ -, "
-            "starting with a letter or digit, without '..'"
+            f"invalid tag name {name!r}: it is all digits, and RUN@{name} always means "
+            f"generation id {int(name)}, so the tag could never be named; add a letter "
+            f"(e.g. 'step-{name}' or 'v{name}')",
+            run=run,
+        )
+    if name == LATEST:
+        raise InvalidNameError(
+            f"invalid tag name {name!r}: RUN@latest always means the run's newest "
+            "generation, so the tag could never be named; choose another name "
+            "(e.g. 'latest-good')",
+            run=run,
         )
     return name
 

@@ -57,6 +57,16 @@ class TagTableTests:
         assert tags.get("b", "best") == value("b", 5)
         assert sorted(tags.runs()) == ["a", "b"]
 
+    def test_names_run_at_name_cannot_address_are_refused_on_write(self, tags: TagTable) -> None:
+        # RUN@123 is always generation id 123 and RUN@latest the newest: such a tag
+        # could never be named where a generation is asked for.
+        for name in ("123", "0", "007", "latest"):
+            with pytest.raises(InvalidNameError, match="could never be named"):
+                tags.write("r", name, value("r", 1))
+            assert tags.get("r", name) is None
+            assert tags.delete("r", name) is False  # removing one is allowed: there is none
+        assert tags.runs() == []
+
     def test_invalid_names(self, tags: TagTable) -> None:
         for name in BAD_NAMES:
             with pytest.raises(InvalidNameError):

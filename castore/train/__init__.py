@@ -352,6 +352,14 @@ class WeightsLoaded:
     tensors: int
     report: LoadReport | None = None
 
+    def __repr__(self) -> str:
+        # One line: the generation and the report (which holds it again) print whole otherwise.
+        gen = self.generation
+        return (
+            f"<castore.train.WeightsLoaded {gen.run}@{gen.id} step {gen.step} "
+            f"root {gen.root[:12]}: {self.tensors} tensor(s) loaded>"
+        )
+
 
 class TrainState:
     """The training state at one update boundary, saved and restored as a whole.
