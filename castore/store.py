@@ -50,6 +50,7 @@ from castore.core.reading import (
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
+    FallbackWarning,
     IntegrityError,
     NoValidGenerationError,
     UnsupportedValueError,
@@ -83,10 +84,6 @@ __all__ = [
     "framework_versions",
     "numpy_as_torch",
 ]
-
-
-class FallbackWarning(UserWarning):
-    """A load with ``fallback="previous"`` skipped generations that did not validate."""
 
 
 @dataclass

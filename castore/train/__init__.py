@@ -50,6 +50,7 @@ from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, own_gro
 from castore.dist.restore import LoadReport, agree_on_candidates, agree_on_root
 from castore.errors import (
     CorruptObjectError,
+    DataCursorWarning,
     IntegrityError,
     LayoutMismatchError,
     NoValidGenerationError,
@@ -268,10 +269,6 @@ def _check_record(saved: dict[str, Any], where: dict[str, Any]) -> None:
 
 _RNG_FIELDS = ("world_size", "numpy_generators", "cuda_devices")  # to restore RNG streams
 _CONTINUATION_FIELDS = ("dataset_hash", "dataset_len", "components")
-
-
-class DataCursorWarning(UserWarning):
-    """The examples counted by ``microbatch_done`` fell short of what the sampler handed out."""
 
 
 def examples_in(batch: Any) -> int:
