@@ -2,13 +2,15 @@
 
 :func:`load_weights` reads only the model's tensors of a generation (any
 rank count) into the module in place; the optimizer, schedulers, RNG streams
-and data position stay as they are.
+and data position stay as they are. With ``strict=False`` it loads the names
+the module and the generation share and reports the rest, as
+``torch.nn.Module.load_state_dict`` does, so a backbone loads under a new head.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -26,11 +28,18 @@ from castore.train.optimizers import unwrap
 
 @dataclass
 class WeightsLoaded:
-    """What :func:`load_weights` loaded: the model only. This is not a resume."""
+    """What :func:`load_weights` loaded: the model only. This is not a resume.
+
+    ``missing_keys`` are the module's names the generation does not hold and
+    ``unexpected_keys`` the saved names the module lacks (both empty unless
+    ``strict=False``), as ``torch.nn.Module.load_state_dict`` reports them.
+    """
 
     generation: Generation
     tensors: int
     report: LoadReport | None = None
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -80,6 +89,7 @@ def load_weights(
     generation: int | str = "latest",
     *,
     prefix: str = "model",
+    strict: bool = True,
     group: Any = None,
     coordinator: int = 0,
     timeout: float = DEFAULT_TIMEOUT,
@@ -90,6 +100,12 @@ def load_weights(
     and nothing claims the next update matches any other run's. ``prefix`` is
     the key the model's state sits under in the saved tree (``"model"`` for
     :class:`TrainState` saves).
+
+    ``strict=True`` refuses a model whose names differ from the saved ones
+    (LayoutMismatchError, nothing changed). ``strict=False`` loads the names
+    both hold and lists the others in ``missing_keys`` and
+    ``unexpected_keys``. Either way a shared name whose shape or dtype differs
+    is a LayoutMismatchError, and nothing changes.
     """
     comm = Group(group, coordinator, timeout)
     digest = agree_on_root(store, run, generation, comm)
@@ -100,7 +116,8 @@ def load_weights(
         skeleton = saved_skeleton(root)
         saved = skeleton.get(prefix) if isinstance(skeleton, dict) else None
         where = {"run": run, "generation": root.generation}
-        check_model_keys(module, saved, where)
+        if strict:
+            check_model_keys(module, saved, where)
         return match_model_keys(module, saved, where)
 
     keys, failure = attempt(check)
@@ -119,4 +136,6 @@ def load_weights(
         rank_local="drop",
         framework="torch",
     )
-    return WeightsLoaded(loaded.report.generation, len(targets), loaded.report)
+    return WeightsLoaded(
+        loaded.report.generation, len(targets), loaded.report, keys.missing, keys.unexpected
+    )
