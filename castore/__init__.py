@@ -30,8 +30,7 @@ from castore.errors import (
 )
 from castore.format.shard import NotLoaded, RankLocal, Shard
 from castore.store import Store
-
-__version__ = "0.1.0"
+from castore.version import __version__
 
 __all__ = [
     "AsyncOptions",

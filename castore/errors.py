@@ -52,11 +52,23 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── UnsupportedValueError            (TypeError) a value castore cannot encode
     │   └── ImportSourceError            (ValueError) a source to import is missing or unsafe
     ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
-    └── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
+    ├── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
+    ├── GcAbortedError                   garbage collection stopped before deleting anything
+    ├── SaveAborted                      the background writer failed while staging went on
+    └── InjectedFault                    a test's fault point switched to ``raise``
 
-Warnings: :class:`ReadOnlyWarning` (a store opened read-only because its
-directory is not writable); :class:`ConcurrentWriterWarning` (a save found its
-run advanced by another writer since this process last loaded or saved it).
+Every warning castore gives is a :class:`CastoreWarning` (a ``UserWarning``)::
+
+    CastoreWarning
+    ├── ReadOnlyWarning                  a store opened read-only: its directory is not writable
+    ├── ConcurrentWriterWarning          a save found its run advanced by another writer
+    ├── FallbackWarning                  a fallback load skipped generations that did not validate
+    ├── DurabilityWarning                a ref or tag replaced, but its directory not synced
+    ├── ReflogWarning                    a generation published without its reflog record
+    ├── LeaseWarning                     a store lease found broken when let go
+    ├── LeaseLostWarning                 a run lease taken over while held
+    ├── CacheWarning                     the per-node index cache could not be used
+    └── DataCursorWarning                examples counted short of what the sampler handed out
 
 Errors carry their context as attributes (``run``, ``generation``, ``tensor``,
 ``expected``/``actual`` digests) and put it in their message, so one line says
@@ -152,7 +164,11 @@ class ReadOnlyStoreError(StoreError, PermissionError):
         return error
 
 
-class ReadOnlyWarning(UserWarning):
+class CastoreWarning(UserWarning):
+    """Base of every warning castore gives."""
+
+
+class ReadOnlyWarning(CastoreWarning):
     """A store was opened read-only on its own: its directory is not writable."""
 
 
@@ -280,7 +296,7 @@ class StepOrderError(CastoreError, ValueError):
     this process neither loaded nor saved (``allow_step_back=True`` allows it)."""
 
 
-class ConcurrentWriterWarning(UserWarning):
+class ConcurrentWriterWarning(CastoreWarning):
     """A save found its run advanced by another writer since this process last
     loaded or saved it; the message names that writer (castore.core.fencing)."""
 
@@ -349,3 +365,54 @@ class ResumeMismatchError(CastoreError, ValueError):
 
     ``differences`` maps each field to ``(saved, current)``.
     """
+
+
+class GcAbortedError(CastoreError):
+    """Collection stopped before deleting anything; the message says why and where."""
+
+
+class SaveAborted(CastoreError):
+    """The background writer failed while the caller was still staging."""
+
+
+class InjectedFault(CastoreError):
+    """Raised by a fault point switched to ``raise`` (castore.support.faults)."""
+
+
+# -- warnings -----------------------------------------------------------------------
+
+
+class FallbackWarning(CastoreWarning):
+    """A load with ``fallback="previous"`` skipped generations that did not validate."""
+
+
+class DurabilityWarning(CastoreWarning):
+    """A ref or tag was replaced (readers see it) but its directory could not be synced."""
+
+
+class ReflogWarning(CastoreWarning):
+    """A generation was published but its reflog record could not be written.
+
+    The ref is the commit point, so the save stands; the next advance of the
+    run appends the missing record (action ``recovered``).
+    """
+
+
+class LeaseWarning(CastoreWarning):
+    """A store lease was found broken when its holder let it go."""
+
+
+class LeaseLostWarning(CastoreWarning):
+    """A run lease was taken over while held (its holder stalled past ``stale_after``).
+
+    The ref's compare-and-swap still refused any stale advance; what may be
+    out of order is the reflog of that run (docs/FORMAT.md, "Locks").
+    """
+
+
+class CacheWarning(CastoreWarning):
+    """The per-node index cache could not be used; the store goes on without it."""
+
+
+class DataCursorWarning(CastoreWarning):
+    """The examples counted by ``microbatch_done`` fell short of what the sampler handed out."""

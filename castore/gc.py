@@ -47,7 +47,7 @@ from castore.chunkstore.lmdb.compact import compact_lmdb_store
 from castore.core.history import Generation
 from castore.core.opening import MARKER, local_lmdb_store, read_marker
 from castore.errors import (
-    CastoreError,
+    GcAbortedError,
     GenerationNotFoundError,
     IntegrityError,
     StoreNotFoundError,
@@ -71,10 +71,6 @@ RECLAIM_MIN_LIVE = 0.5
 # one pack, so frequent small saves would otherwise leave one file per save.
 MERGE_PACKS_BELOW = 4 << 20
 GC_FAULTS = ("gc.before_sweep", "gc.mid_sweep", "gc.mid_chunks", "gc.reclaim_rewritten")
-
-
-class GcAbortedError(CastoreError):
-    """Collection stopped before deleting anything; the message says why and where."""
 
 
 # -- retention ------------------------------------------------------------------

@@ -33,9 +33,10 @@ from castore.errors import ImportSourceError
 from castore.format.dtypes import name_of_torch_dtype
 from castore.format.objects import TensorEntry
 from castore.format.tree import TensorLeaf, encode_state, join_path, torch_bytes
-from castore.importer import DCP_METADATA
 from castore.store import Store, check_step
 from castore.support.progress import Bar, progress_bar
+
+DCP_METADATA = ".metadata"  # the file that makes a directory a DCP checkpoint
 
 
 class _ChunkPlanner:

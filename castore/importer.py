@@ -29,13 +29,14 @@ from typing import Any
 
 import numpy as np
 
+from castore import importdcp
 from castore.errors import ImportSourceError
 from castore.format.dtypes import numpy_dtype
+from castore.importdcp import DCP_METADATA
 from castore.store import Store
 
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
-DCP_METADATA = ".metadata"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 # safetensors' dtype tags -> castore's canonical names.
@@ -228,8 +229,6 @@ def from_dcp(
     progress: bool = False,
 ) -> ImportReport:
     """Import a DCP checkpoint directory as the next generation, keeping its saved boxes."""
-    from castore import importdcp
-
     source = Path(directory)
     generation, boxes, stats = importdcp.from_dcp(store, run, source, step=step, progress=progress)
     return ImportReport(

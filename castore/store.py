@@ -51,6 +51,7 @@ from castore.core.reading import (
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
+    FallbackWarning,
     IntegrityError,
     NoValidGenerationError,
     UnsupportedValueError,
@@ -84,10 +85,6 @@ __all__ = [
     "framework_versions",
     "numpy_as_torch",
 ]
-
-
-class FallbackWarning(UserWarning):
-    """A load with ``fallback="previous"`` skipped generations that did not validate."""
 
 
 @dataclass

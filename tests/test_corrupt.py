@@ -1,4 +1,4 @@
-"""The corruption fixture (tools/corrupt.py): every kind of damage, every outcome.
+"""The corruption fixture (castore.testing.corrupt): every kind of damage, every outcome.
 
 Each case builds a real LMDB store (three generations of ``run``; for the rank
 cases generation 3 is a 2-rank generation), damages the newest generation in
@@ -12,8 +12,8 @@ one way, and then checks, each in its own test:
   loads the newest undamaged generation bitwise and lists what it skipped.
 
 Where castore mishandles a case the test is ``xfail(strict=True)`` with the
-reason kept in the tool's case table (``Case.gaps``), so the tool's printed
-table and these tests agree. The damaged stores are read-only once built and
+reason kept in the fixture's case table (``Case.gaps``), so the printed table
+of tools/corrupt.py and these tests agree. The damaged stores are read-only once built and
 are shared by the tests of one case.
 """
 
@@ -40,11 +40,10 @@ from castore.errors import (
     ObjectMissingError,
 )
 from castore.store import FallbackWarning
+from castore.testing import corrupt
 from castore.verify import verify_store
 
 TOOLS = Path(__file__).resolve().parents[1] / "tools"
-sys.path.insert(0, str(TOOLS))
-import corrupt  # noqa: E402
 
 RUN = corrupt.RUN
 NEWEST = corrupt.NEWEST

@@ -15,11 +15,10 @@ from castore import gc
 from castore.diffing import GenerationDiff, diff_generations, diff_history
 from castore.errors import GenerationNotFoundError
 from castore.store import Store
+from castore.testing import corrupt
 
 CHUNK = 1024
 REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "tools"))
-import corrupt  # noqa: E402
 
 
 def make_state() -> dict[str, object]:

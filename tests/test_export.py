@@ -2,7 +2,7 @@
 
 The 4-rank generation is built in this one process the way castore.dist.save
 builds one (each rank's chunks and shard manifest with ``write_shard``, then the
-coordinator's checks and root with ``publish_shards``), as tools/corrupt.py does:
+coordinator's checks and root with ``publish_shards``), as castore.testing.corrupt does:
 real shard manifests with uneven 2-D boxes, no process group needed.
 """
 

@@ -81,7 +81,7 @@ def test_microbatch_done_takes_the_batch_itself() -> None:
         state.microbatch_done(batch)  # an (x, ids) tuple: counts 4, not 2
         state.update_done()
         break
-    assert state._epoch_examples == BATCH
+    assert state._cursor.epoch_examples == BATCH
 
 
 # -- the cursor checked against the sampler ---------------------------------------------

@@ -6,7 +6,9 @@ a group of one (rank 0 of 1).
 
 from __future__ import annotations
 
+import copy
 import random
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -499,6 +501,7 @@ def test_load_weights_loads_only_the_model(store: Store) -> None:
     loaded = load_weights(store, "r", model)
     assert isinstance(loaded, WeightsLoaded)
     assert loaded.tensors == 4
+    assert (loaded.missing_keys, loaded.unexpected_keys) == ([], [])
     assert loaded.generation.root == generation.root
     assert_bitwise(params(model), params(original.model))
     assert optimizer.state_dict()["state"] == {}
@@ -513,6 +516,63 @@ def test_load_weights_into_a_model_missing_a_key_changes_nothing(store: Store) -
     with pytest.raises(LayoutMismatchError, match="3.bias"):
         load_weights(store, "r", model)
     assert_bitwise(params(model), before)
+
+
+def backbone_with(seed: int, **head: nn.Module) -> nn.Sequential:
+    """A pretrained-style model: a backbone, then the named head module(s)."""
+    torch.manual_seed(seed)
+    backbone = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 8))
+    return nn.Sequential(OrderedDict(backbone=backbone, **head))
+
+
+def save_pretrained(store: Store) -> nn.Sequential:
+    pretrained = backbone_with(1, head=nn.Linear(8, 2))
+    store.save({"model": pretrained.state_dict()}, run="pretrain", step=1)
+    return pretrained
+
+
+def test_load_weights_not_strict_loads_a_backbone_under_a_new_head(store: Store) -> None:
+    pretrained = save_pretrained(store)
+    model = backbone_with(2, classifier=nn.Linear(8, 10))  # a new head under new names
+    head_before = params(model.classifier)
+    loaded = load_weights(store, "pretrain", model, strict=False)
+    assert loaded.tensors == 4  # the backbone's two weights and two biases
+    assert loaded.missing_keys == ["classifier.weight", "classifier.bias"]
+    assert loaded.unexpected_keys == ["head.weight", "head.bias"]
+    assert_bitwise(params(model.backbone), params(pretrained.backbone))
+    assert_bitwise(params(model.classifier), head_before)
+    # The names torch's own non-strict load reports for the same two models.
+    reference = copy.deepcopy(model).load_state_dict(pretrained.state_dict(), strict=False)
+    assert loaded.missing_keys == reference.missing_keys
+    assert loaded.unexpected_keys == reference.unexpected_keys
+
+
+def test_load_weights_strict_refuses_the_new_head_and_changes_nothing(store: Store) -> None:
+    save_pretrained(store)
+    model = backbone_with(2, classifier=nn.Linear(8, 10))
+    before = params(model)
+    with pytest.raises(LayoutMismatchError, match=r"not saved \['classifier.bias'"):
+        load_weights(store, "pretrain", model)  # strict=True is the default
+    assert_bitwise(params(model), before)
+
+
+@pytest.mark.parametrize(
+    ("head", "message"),
+    [
+        (lambda: nn.Linear(8, 10), r"target 'model/head.weight' is float32\[10, 8\]"),
+        (lambda: nn.Linear(8, 2).double(), r"target 'model/head.weight' is float64\[2, 8\]"),
+    ],
+    ids=["shape", "dtype"],
+)
+def test_load_weights_not_strict_still_refuses_a_shared_name_that_differs(
+    store: Store, head: Callable[[], nn.Module], message: str
+) -> None:
+    save_pretrained(store)
+    model = backbone_with(2, head=head())  # the saved name, another shape or dtype
+    before = params(model)
+    with pytest.raises(LayoutMismatchError, match=message):
+        load_weights(store, "pretrain", model, strict=False)
+    assert_bitwise(params(model), before)  # the backbone too: nothing changed
 
 
 # -- 12. misuse ----------------------------------------------------------------------

@@ -90,7 +90,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from _common import free_port, print_goals, tree_bytes  # noqa: E402
+from _common import print_goals, tree_bytes  # noqa: E402
+from _ranks import join_tcp_group, spawn_ranks, stop_ranks  # noqa: E402
 
 import castore  # noqa: E402
 import castore.dist  # noqa: E402
@@ -122,7 +123,7 @@ STALL_GOAL = 1.2  # an async save's median stall <= 1.2x a plain copy of the sta
 RUN_TIMEOUT = 600.0  # seconds one mode's run may take
 # Imported once by the fork server, so a run's ranks start in a fraction of a second
 # instead of each importing torch again (5 s a run on a 2-core machine).
-PRELOAD = ["torch", "torch.distributed.checkpoint", "castore.dist", "tabulate", "_common"]
+PRELOAD = ["torch", "torch.distributed.checkpoint", "castore.dist", "tabulate", "_common", "_ranks"]
 
 
 @dataclass(frozen=True)
@@ -417,9 +418,7 @@ def copy_reference(state: dict[str, Any], repeats: int) -> list[float]:
 def run_rank(rank: int, world: int, port: int, cfg: Config, mode: str, folder: str) -> dict:
     """One rank's whole run of ``mode``: warm-up, timed steps with saves, control, reference."""
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
+    join_tcp_group(rank, world, port)
     torch.manual_seed(0)  # the same initial model in every mode (DDP broadcasts rank 0's anyway)
     ddp = DDP(TinyLM(cfg))
     optimizer = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
@@ -469,15 +468,7 @@ def launch(cfg: Config, mode: str, scratch: Path) -> list[dict]:
         castore.open(folder / "store").close()  # created here: ranks must not race to create it
     context = mp.get_context("forkserver")
     results = context.Queue()
-    port = free_port()
-    procs = [
-        context.Process(
-            target=rank_entry, args=(r, cfg.ranks, port, cfg, mode, str(folder), results)
-        )
-        for r in range(cfg.ranks)
-    ]
-    for proc in procs:
-        proc.start()
+    procs = spawn_ranks(context, rank_entry, cfg.ranks, cfg, mode, str(folder), results)
     replies: list[dict] = []
     try:
         while len(replies) < cfg.ranks:
@@ -486,10 +477,7 @@ def launch(cfg: Config, mode: str, scratch: Path) -> list[dict]:
                 raise SystemExit(f"cadence: {mode}: rank {reply['rank']} failed:\n{reply['error']}")
             replies.append(reply)
     finally:
-        for proc in procs:
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.kill()  # our own child, by its handle
+        stop_ranks(procs, timeout=30)
         shutil.rmtree(folder, ignore_errors=True)
     return sorted(replies, key=lambda r: r["rank"])
 

@@ -112,6 +112,7 @@ from typing import Any
 
 TOOLS = Path(__file__).resolve().parent
 sys.path.insert(0, str(TOOLS))
+import _ranks  # noqa: E402
 import resume_parity  # noqa: E402 - the training job this drill crashes and resumes
 from drill_backends import BACKENDS, DrillBackend, open_options  # noqa: E402
 
@@ -560,64 +561,39 @@ def launch(
     config: dict[str, Any], phase: str, label: str, *, armed_rank: int | None = None
 ) -> Launch:
     """Start every rank of one launch; if ``armed_rank`` dies, let the others fail alone."""
-    world = config["ranks"]
-    workdir = Path(config["workdir"])
-    spec = workdir / f"{label}.json"
-    rendezvous = workdir / f"rendezvous-{label}"
-    rendezvous.unlink(missing_ok=True)
-    spec.write_text(
-        json.dumps(
-            {
-                **config,
-                "phase": phase,
-                "label": label,
-                "world": world,
-                "rendezvous": str(rendezvous),
-                "armed_rank": armed_rank,
-            }
-        )
-    )
-    env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
     started = time.time()
-    env[STARTED_ENV] = repr(started)
-    logs = [workdir / f"{label}-{rank}.log" for rank in range(world)]
-    procs = []
-    for rank in range(world):
-        with logs[rank].open("wb") as log:
-            procs.append(
-                subprocess.Popen(
-                    _self_command("--worker", str(spec), str(rank)),
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
-                )
-            )
-    deadline = time.monotonic() + config["timeout"]
+    workers = _ranks.start_workers(
+        Path(__file__).resolve(),
+        config,
+        phase=phase,
+        label=label,
+        world=config["ranks"],
+        env=_ranks.worker_env(STARTED_ENV, started),
+        armed_rank=armed_rank,
+    )
     armed_died: float | None = None
     armed_died_at: float | None = None
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if armed_rank is not None and armed_died is None and procs[armed_rank].poll() is not None:
+
+    def armed_rank_gone_past_grace() -> bool:
+        nonlocal armed_died, armed_died_at
+        armed = workers.procs[armed_rank] if armed_rank is not None else None
+        if armed is not None and armed_died is None and armed.poll() is not None:
             armed_died, armed_died_at = time.monotonic(), time.time()
-        if armed_died is not None and time.monotonic() - armed_died > config["grace"]:
-            break
-        time.sleep(0.01)
-    stuck = [p for p in procs if p.poll() is None]
+        return armed_died is not None and time.monotonic() - armed_died > config["grace"]
+
+    workers.wait(config["timeout"], stop=armed_rank_gone_past_grace, poll=0.01)
+    stuck = [p for p in workers.procs if p.poll() is None]
     for proc in stuck:  # their stacks go to their logs (faulthandler, see worker)
         proc.send_signal(signal.SIGUSR1)
     if stuck:
         time.sleep(0.5)
-    killed = resume_parity.kill_remaining(procs)
-    results = []
-    for rank in range(world):
-        path = workdir / f"{label}-{rank}.json"
-        results.append(json.loads(path.read_text()) if path.exists() else None)
-    tails = [f"{p.name}: {p.read_text(errors='replace')[-600:]}" for p in logs if p.stat().st_size]
+    killed = workers.kill_remaining()
     return Launch(
-        [p.returncode for p in procs],
-        results,
+        [p.returncode for p in workers.procs],
+        workers.results(),
         killed,
         time.time() - started,
-        "\n".join(tails),
+        workers.log_tails(600),
         armed_died_at,
     )
 
@@ -1186,7 +1162,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        return resume_parity.run_child(Path(argv[1]), int(argv[2]), worker)
+        return _ranks.run_child(Path(argv[1]), int(argv[2]), worker)
     if argv[:1] == ["--reader"]:
         keep = int(argv[3]) if argv[2:3] == ["--plan-keep"] else None
         return _reader(argv[1], keep)

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -28,6 +27,7 @@ from tabulate import tabulate
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _ranks import join_tcp_group, spawn_ranks, stop_ranks  # noqa: E402
 from demo import build_model  # noqa: E402  (the same model as the single-process demo)
 
 import castore  # noqa: E402
@@ -74,14 +74,8 @@ def sharded_state(
     }
 
 
-def init_group(rank: int, world: int, port: int) -> None:
-    dist.init_process_group(
-        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
-    )
-
-
 def train_and_save(rank: int, world: int, port: int, store_path: str, reference: str) -> None:
-    init_group(rank, world, port)
+    join_tcp_group(rank, world, port)
     torch.manual_seed(1234 + rank)
     ddp = nn.parallel.DistributedDataParallel(build_model())
     model = ddp.module
@@ -114,7 +108,7 @@ def train_and_save(rank: int, world: int, port: int, store_path: str, reference:
 
 
 def restore(rank: int, world: int, port: int, store_path: str, reference: str, out: Any) -> None:
-    init_group(rank, world, port)
+    join_tcp_group(rank, world, port)
     full = torch.load(reference)
     targets: dict[str, Any] = {"model": {}, "optimizer": {"state": {}}}
     for key, tensor in full.items():
@@ -160,23 +154,11 @@ def restore(rank: int, world: int, port: int, store_path: str, reference: str, o
     dist.destroy_process_group()
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(target: Any, world: int, *args: Any) -> None:
-    context = mp.get_context("spawn")
-    port = free_port()
-    procs = [context.Process(target=target, args=(r, world, port, *args)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    for proc in procs:
-        proc.join(timeout=600)
-    failed = [p.exitcode for p in procs if p.exitcode != 0]
-    if failed:
-        raise SystemExit(f"demo: a rank failed (exit codes {[p.exitcode for p in procs]})")
+    procs = spawn_ranks(mp.get_context("spawn"), target, world, *args)
+    codes = stop_ranks(procs, timeout=600)
+    if any(code != 0 for code in codes):
+        raise SystemExit(f"demo: a rank failed (exit codes {codes})")
 
 
 def main() -> int:

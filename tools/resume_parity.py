@@ -24,18 +24,18 @@ position): a broken control whose comparison must fail.
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import tempfile
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
+
+from _ranks import run_child, start_workers, worker_env
 
 ACCUMULATION = 2
 MICROBATCH = 4  # examples per rank per microbatch
@@ -266,54 +266,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     return {"records": records, "final": _final(job), "resumed": resumed}
 
 
-def run_child(spec: Path, rank: int, work: Any) -> int:
-    """One rank: join the gloo group, run ``work(config, rank, world)``, write its result.
-
-    A failure is written as ``{"error": {type, message, at}}`` for the parent to judge.
-    """
-    import torch.distributed as dist
-
-    config = json.loads(spec.read_text())
-    world = config["world"]
-    dist.init_process_group(
-        "gloo", init_method=f"file://{config['rendezvous']}", rank=rank, world_size=world
-    )
-    out = Path(config["workdir"], f"{config['label']}-{rank}.json")
-    try:
-        result: dict[str, Any] = {"ok": work(config, rank, world)}
-    except Exception as exc:  # noqa: BLE001 - reported to the parent, which decides
-        error = {"type": type(exc).__name__, "message": str(exc), "at": time.time()}
-        result = {"error": error}
-    out.write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    if "error" in result:
-        os._exit(0)  # a peer may be dead: tearing down the group could block
-    # The job's DDP module sits in a reference cycle, and its reducer holds the
-    # default gloo group: collect it while the interpreter is whole. Left to
-    # interpreter finalization, the group's destruction aborted the process now
-    # and then ("terminate called without an active exception": 1 run in 6 to 14
-    # of the drill's async_published row; none in 47 with the collection).
-    gc.collect()
-    dist.destroy_process_group()
-    return 0
-
-
 # -- the parent: launch, kill, compare -------------------------------------------
-
-
-def kill_remaining(procs: list[subprocess.Popen[bytes]]) -> list[int]:
-    """SIGKILL every process still running and reap all; the indices of those killed.
-
-    Every one is signalled before any is waited for: a rank must not outlive a
-    killed peer long enough to notice it and exit by itself.
-    """
-    killed = [i for i, proc in enumerate(procs) if proc.poll() is None]
-    for i in killed:
-        procs[i].send_signal(signal.SIGKILL)
-    for proc in procs:
-        proc.wait()
-    return killed
 
 
 def _launch(
@@ -323,58 +276,30 @@ def _launch(
     kill_when_saved: bool = False,
     label: str | None = None,
 ) -> Any:
-    label = label or phase
     workdir = Path(config["workdir"])
-    spec = workdir / f"{label}.json"
-    rendezvous = workdir / f"rendezvous-{label}"
-    rendezvous.unlink(missing_ok=True)
-    for stale in workdir.glob(f"{label}-*.json"):
-        stale.unlink()
-    spec.write_text(
-        json.dumps(
-            {
-                **config,
-                "phase": phase,
-                "label": label,
-                "world": world,
-                "rendezvous": str(rendezvous),
-            }
-        )
+    env = worker_env("PARITY_STARTED", time.time())
+    workers = start_workers(
+        Path(__file__).resolve(), config, phase=phase, label=label or phase, world=world, env=env
     )
-    env = {**os.environ, "PARITY_STARTED": repr(time.time())}
-    env.pop("CASTORE_FAULTS", None)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), "--worker", str(spec), str(rank)],
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=open(workdir / f"{label}-{rank}.log", "wb"),  # noqa: SIM115
-        )
-        for rank in range(world)
-    ]
-    deadline = time.monotonic() + config["timeout"]
     markers = [workdir / f"saved-{rank}" for rank in range(world)]
-    while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
-        if kill_when_saved and all(m.exists() for m in markers):
-            break
-        time.sleep(0.05)
-    timed_out = not kill_when_saved and any(p.poll() is None for p in procs)
-    kill_remaining(procs)  # the interruption, or a launch past its timeout
+    workers.wait(
+        config["timeout"], stop=lambda: kill_when_saved and all(m.exists() for m in markers)
+    )
+    timed_out = not kill_when_saved and workers.running()
+    workers.kill_remaining()  # the interruption, or a launch past its timeout
     if timed_out:
         raise SystemExit(
             f"{phase}: ranks still running after {config['timeout']:g}s: {_logs(workdir)}"
         )
     if kill_when_saved:
-        killed = [p.returncode == -signal.SIGKILL for p in procs]
+        killed = [p.returncode == -signal.SIGKILL for p in workers.procs]
         if not all(killed):
             raise SystemExit(f"interrupted run: not every rank was SIGKILLed ({_logs(workdir)})")
         return None
-    results = []
-    for rank in range(world):
-        path = workdir / f"{label}-{rank}.json"
-        if not path.exists():
-            raise SystemExit(f"{label} rank {rank} died without a result: {_logs(workdir)}")
-        results.append(json.loads(path.read_text()))
+    results = workers.results()
+    for rank, result in enumerate(results):
+        if result is None:
+            raise SystemExit(f"{workers.label} rank {rank} died without a result: {_logs(workdir)}")
     return results
 
 

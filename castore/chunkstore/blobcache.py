@@ -26,6 +26,8 @@ from typing import Any
 
 import lmdb
 
+from castore.errors import CacheWarning
+
 # One environment per cache directory per process (LMDB forbids a second open):
 # handles share it, counted, and the last to close closes it.
 _OPEN: dict[str, list[Any]] = {}  # resolved path -> [environment, handles, pid]
@@ -33,10 +35,6 @@ _OPEN_LOCK = threading.Lock()
 
 _STORE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 _MAP_SIZE = 1 << 30  # sparse; about 7 million chunks' entries
-
-
-class CacheWarning(UserWarning):
-    """The per-node index cache could not be used; the store goes on without it."""
 
 
 def default_cache_dir() -> Path:

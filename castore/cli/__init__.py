@@ -24,7 +24,7 @@ from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli.args import COLLAPSE_AT, build_parser
 from castore.core.history import Generation, split_address
-from castore.errors import CastoreError, ReadOnlyStoreError, ReadOnlyWarning
+from castore.errors import CastoreError, GcAbortedError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
 from castore.repair import rebuild_index, repair_store
@@ -345,7 +345,7 @@ class _ConfirmedPolicy(gc.RetentionPolicy):
         reasons = super().decide(generations, tags)
         for gen in generations:
             if not reasons[gen.id] and gen.id not in self.confirmed.get(gen.run, frozenset()):
-                raise gc.GcAbortedError(
+                raise GcAbortedError(
                     f"gc aborted, nothing deleted: the plan changed after you answered "
                     f"(a save or untag since?); it would now also drop {gen.run}@{gen.id}; "
                     "run castore gc again"

@@ -53,7 +53,6 @@ from castore.core.history import Generation
 from castore.core.staging import (
     STAGING_MODES,
     Piece,
-    SaveAborted,
     Snapshot,
     StagingPool,
     leaf_nbytes,
@@ -61,7 +60,7 @@ from castore.core.staging import (
     stage_leaves,
     state_bytes,
 )
-from castore.errors import ChunkMissingError
+from castore.errors import ChunkMissingError, SaveAborted
 from castore.format.objects import TensorEntry
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
 from castore.support.faults import fault_point

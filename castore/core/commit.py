@@ -63,6 +63,7 @@ from castore.repo.records import RefValue
 from castore.repo.refstore import ComposedRefStore
 from castore.support.faults import fault_point
 from castore.support.progress import progress_bar, progress_wanted
+from castore.version import __version__
 
 
 class StoreParts(Protocol):
@@ -343,8 +344,6 @@ def encode_metadata(metadata: dict[str, Any] | None) -> bytes:
 
 def framework_versions() -> dict[str, str]:
     """The versions a root records: castore, Python, numpy, and torch if it is loaded."""
-    from castore import __version__
-
     versions = {
         "castore": __version__,
         "python": platform.python_version(),

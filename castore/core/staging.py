@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from castore.core.chunkio import cut_chunks, digests_in_order
-from castore.errors import CastoreError
+from castore.errors import SaveAborted
 from castore.format.tree import TensorLeaf
 from castore.support.faults import fault_point
 
@@ -43,10 +43,6 @@ from castore.support.faults import fault_point
 # time (rounded down to whole chunks), so a writer can start on a tensor early.
 PIECE_BYTES = 64 << 20
 STAGING_MODES = ("full", "changed")
-
-
-class SaveAborted(CastoreError):
-    """The background writer failed while the caller was still staging."""
 
 
 @dataclass

@@ -58,6 +58,7 @@ from castore.errors import (
     CastoreError,
     CommitUnknownError,
     CorruptRefError,
+    LeaseLostWarning,
     RefConflictError,
     StoreLockedError,
     StoreUnavailableError,
@@ -137,14 +138,6 @@ def _landed(blobs: BlobStore, name: str, data: bytes) -> Version | None:
 
 
 # -- locks ------------------------------------------------------------------------
-
-
-class LeaseLostWarning(UserWarning):
-    """A run lease was taken over while held (its holder stalled past ``stale_after``).
-
-    The ref's compare-and-swap still refused any stale advance; what may be
-    out of order is the reflog of that run (docs/FORMAT.md, "Locks").
-    """
 
 
 @dataclass(frozen=True)

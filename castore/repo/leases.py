@@ -72,7 +72,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 from castore.blob.base import BlobStore, Version
-from castore.errors import BlobConflictError, CastoreError, LockLostError, StoreLockedError
+from castore.errors import (
+    BlobConflictError,
+    CastoreError,
+    LeaseWarning,
+    LockLostError,
+    StoreLockedError,
+)
 
 GC_LEASE = "locks/store/gc"
 SAVE_LEASES = "locks/store/saves/"
@@ -81,10 +87,6 @@ FREE = b'{"free":true}'
 # renews its lease every quarter of this, so only a dead or stalled holder is broken.
 DEFAULT_STORE_LEASE = 60.0
 _POLL_FIRST, _POLL_MOST = 0.005, 0.5
-
-
-class LeaseWarning(UserWarning):
-    """A store lease was found broken when its holder let it go."""
 
 
 @dataclass(eq=False)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from castore.errors import FencedError, InvalidNameError, RefConflictError
+from castore.errors import ReflogWarning as ReflogWarning  # importable here, where it was defined
 from castore.format.hashing import Digest
 
 DEFAULT_LOCK_TIMEOUT = 30.0
@@ -162,14 +163,6 @@ def check_new_value(run: str, new: RefValue) -> None:
 
 def run_lock_busy(run: str, timeout: float) -> str:
     return f"ref lock of run {run!r} busy for {timeout:.0f}s"
-
-
-class ReflogWarning(UserWarning):
-    """A generation was published but its reflog record could not be written.
-
-    The ref is the commit point, so the save stands; the next advance of the
-    run appends the missing record (action ``recovered``).
-    """
 
 
 def make_reflog_record(run: str, value: RefValue, *, parent: Digest | None, action: str) -> Record:

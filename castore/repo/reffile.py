@@ -19,7 +19,7 @@ from pathlib import Path
 
 import msgpack
 
-from castore.errors import CorruptRefError, FormatVersionError
+from castore.errors import CorruptRefError, DurabilityWarning, FormatVersionError
 from castore.format.hashing import DIGEST_SIZE, Digest, digest_bytes
 from castore.repo.records import RefValue, Writer
 from castore.support.safefs import (
@@ -120,10 +120,6 @@ def _writer(wire: object) -> Writer | None:
     if job is not None and not isinstance(job, str):
         raise TypeError("writer job is not a string")
     return Writer(host, pid, job)
-
-
-class DurabilityWarning(UserWarning):
-    """A ref or tag was replaced (readers see it) but its directory could not be synced."""
 
 
 def replace_file(path: Path, data: bytes, *, phase: str) -> None:

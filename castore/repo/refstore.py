@@ -18,7 +18,7 @@ from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from castore.errors import CastoreError
+from castore.errors import CastoreError, ReflogWarning
 from castore.format.hashing import Digest
 from castore.repo.base import (
     AroundSwap,
@@ -35,7 +35,6 @@ from castore.repo.records import (
     PublishedStream,
     Record,
     ReflogView,
-    ReflogWarning,
     RefValue,
     is_valid_name,
     make_reflog_record,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 import signal
 
-from castore.errors import CastoreError
+from castore.errors import InjectedFault
 
 POINTS = (
     "save.mid_chunks",
@@ -40,10 +40,6 @@ POINTS = (
     "copy.before_ref_advance",
     "copy.after_ref_advance",
 )
-
-
-class InjectedFault(CastoreError):
-    """Raised by a fault point switched to ``raise``."""
 
 
 def _parse(spec: str) -> dict[str, str]:

@@ -17,6 +17,7 @@ import pytest
 
 from castore.chunkstore.base import Namespace
 from castore.errors import (
+    FallbackWarning,
     GenerationNotFoundError,
     RefConflictError,
     StoreLockedError,
@@ -25,7 +26,7 @@ from castore.format.hashing import Digest
 from castore.gc import RetentionPolicy, collect_garbage, disk_usage, tag, untag
 from castore.repair import repair_store
 from castore.repo.records import RefValue
-from castore.store import FallbackWarning, Store
+from castore.store import Store
 from castore.verify import verify_store
 
 
