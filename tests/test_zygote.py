@@ -191,3 +191,19 @@ def test_a_zygote_that_is_gone_refuses_and_its_orphans_are_reported_killed(
     assert child.wait(30) == -signal.SIGKILL  # its status was lost with the zygote
     with pytest.raises(ZygoteMismatch, match="exited"):
         made.fork([sys.executable], env=env)
+
+
+def test_the_zygote_script_imports_nothing_of_castore() -> None:
+    """Its interpreter must not have read castore's import-time settings (CASTORE_FAULTS)."""
+    import ast
+
+    import castore.testing.zygote as module
+
+    tree = ast.parse(Path(module.__file__).read_text())
+    imported = [
+        alias.name if isinstance(node, ast.Import) else f"{node.module}"
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for alias in node.names
+    ]
+    assert imported and not [name for name in imported if name.startswith("castore")]
