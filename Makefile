@@ -25,8 +25,12 @@ demo: $(VENV)/.installed
 demo-s3: $(VENV)/.installed
 	$(PY) tools/demo_s3.py
 
+# One pytest-xdist worker per core; tests that share a costly module fixture
+# (a reference training run, a saved multi-rank store) stay on one worker.
+# PYTEST_ARGS="-n 0" runs the suite in one process.
+PYTEST_ARGS ?= -n auto --dist loadgroup
 test: $(VENV)/.installed
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check castore tests tools benchmarks

@@ -18,6 +18,12 @@ is retried with a fresh one.
 
 Children get the parent's environment minus ``CASTORE_*`` variables, plus
 ``env`` (all ranks) and ``rank_env[rank]`` (one rank), e.g. ``CASTORE_FAULTS``.
+
+A rank is forked from a zygote that has imported torch (castore.testing.zygote):
+it starts in milliseconds, not the seconds importing torch takes, and is
+otherwise what ``python tests/dist_harness.py SPEC_DIR RANK`` would be (its own
+session, environment, output file; castore imported fresh). ``CASTORE_ZYGOTE=0``
+starts fresh interpreters instead.
 """
 
 from __future__ import annotations
@@ -35,6 +41,9 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from castore.testing.zygote import TORCH_PRELOAD, ForkedProcess, ZygoteMismatch
+from castore.testing.zygote import shared as shared_zygote
 
 HERE = Path(__file__).resolve().parent
 RELEASE = "release"
@@ -90,7 +99,7 @@ class RankOutcome:
 @dataclass
 class _Child:
     rank: int
-    proc: subprocess.Popen[bytes]
+    proc: subprocess.Popen[bytes] | ForkedProcess
     log: Path
     result: Path
     killed: bool = False
@@ -246,16 +255,7 @@ def start_ranks(
         for rank in range(world_size):
             environment = child_env({**(env or {}), **((rank_env or {}).get(rank) or {})})
             log = workdir / f"rank{rank}.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, str(Path(__file__).resolve()), str(workdir), str(rank)],
-                    stdin=subprocess.DEVNULL,
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    env=environment,
-                    cwd=str(HERE.parent),
-                    start_new_session=True,  # its own process group: killpg takes all of it
-                )
+            proc = _launch(workdir, rank, environment, log)
             group.children.append(
                 _Child(rank=rank, proc=proc, log=log, result=workdir / f"rank{rank}.pkl")
             )
@@ -264,6 +264,29 @@ def start_ranks(
         tmp.cleanup()
         raise
     return group
+
+
+def _launch(
+    workdir: Path, rank: int, environment: dict[str, str], log: Path
+) -> subprocess.Popen[bytes] | ForkedProcess:
+    """Start one rank: forked from the zygote, or a fresh interpreter."""
+    argv = [str(Path(__file__).resolve()), str(workdir), str(rank)]
+    zygote = shared_zygote(TORCH_PRELOAD, child_env())
+    if zygote is not None:
+        try:
+            return zygote.fork(argv, env=environment, cwd=HERE.parent, stdout=log, stderr=log)
+        except ZygoteMismatch:
+            pass
+    with open(log, "wb") as out:
+        return subprocess.Popen(
+            [sys.executable, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=environment,
+            cwd=str(HERE.parent),
+            start_new_session=True,  # its own process group: killpg takes all of it
+        )
 
 
 def _lost_the_port(outcomes: Sequence[RankOutcome]) -> bool:

@@ -22,6 +22,9 @@ STAGGER_S = 2.0
 KILL_TIMEOUT = 20.0  # the save's collective timeout when a rank dies
 PHASES = ("held", "snapshot", "staging_wait", "write", "publish", "total")
 
+# One worker runs the module: its module-scoped fixtures are built once.
+pytestmark = pytest.mark.xdist_group("async_dist")
+
 
 def values(outcomes: list[RankOutcome]) -> list[Any]:
     assert all(o.ok for o in outcomes), describe(outcomes)

@@ -55,7 +55,18 @@ def start(path: Path, how: str, opts: dict[str, str]) -> subprocess.Popen[str]:
         text=True,
         cwd=REPO,
         env=env,
+        preexec_fn=_interruptible,
     )
+
+
+def _interruptible() -> None:
+    """In the worker before exec: SIGINT at its default, as at a terminal.
+
+    A suite started in the background (``nohup make test &``) ignores SIGINT, and
+    an ignored signal stays ignored across exec: Python would then install no
+    KeyboardInterrupt handler, and the Ctrl-C cases would test nothing.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def run_to_end(

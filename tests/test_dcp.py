@@ -49,7 +49,11 @@ from castore.errors import (
 from castore.format.tree import decode_tree
 from castore.verify import verify_store
 
-pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+# One worker runs the module: its module-scoped fixtures are built once.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning"),
+    pytest.mark.xdist_group("dcp"),
+]
 
 LAUNCH_TIMEOUT = 150.0
 

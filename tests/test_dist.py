@@ -41,7 +41,8 @@ import castore
 from castore.chunkstore.base import Namespace
 from castore.verify import verify_store
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its module-scoped fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dist")]
 
 LAUNCH_TIMEOUT = 150.0
 KILL_SAVE_TIMEOUT = 10.0  # the `timeout` given to saves that lose a rank

@@ -29,7 +29,8 @@ from s3_server import REGION, s3_client, store_arguments
 import castore
 from castore.verify import verify_store
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its module-scoped fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dist_blobs")]
 
 LAUNCH_TIMEOUT = 150.0
 ALL_NAMES = [*w.TENSORS, b.ALIGNED]

@@ -58,8 +58,11 @@ except pytest.skip.Exception:  # no boto3 or moto: the S3 cases skip, the rest r
 RUN = "run"
 CHUNK_SIZE = 1024
 # Seconds: a stalled holder is broken this long after its last renewal. Short,
-# so the stall cases take about a second; the other cases hold leases of LONG.
-LEASE = 1.0
+# so the stall cases take a few seconds; the other cases hold leases of LONG.
+# Not shorter: a node that is not frozen must renew within LEASE / 2 or its own
+# check stops it (LockLostError), and on a loaded 2-core machine a renewal (a
+# thread to schedule, a write and an fsync) has been seen to take a whole second.
+LEASE = 4.0
 LONG = 60.0
 WORKERS = Path(__file__).with_name("gc_lease_workers.py")
 

@@ -177,6 +177,12 @@ def test_errors_and_version_import_nothing_of_castore(edges: list[Edge]) -> None
     assert violations("errors.py or version.py imports castore", bad) == []
 
 
+# Modules that keep their own exception: castore.testing.zygote runs as a script
+# in an interpreter that must not have imported castore (castore reads settings such
+# as CASTORE_FAULTS at import), so it cannot import castore.errors.
+OWN_EXCEPTIONS = {PACKAGE / "testing" / "zygote.py"}
+
+
 def exception_classes_outside_errors() -> list[str]:
     """Public classes outside errors.py that derive from an exception or warning class."""
     errors = ast.parse((PACKAGE / "errors.py").read_text())
@@ -188,7 +194,7 @@ def exception_classes_outside_errors() -> list[str]:
     }
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
-        if path == PACKAGE / "errors.py":
+        if path == PACKAGE / "errors.py" or path in OWN_EXCEPTIONS:
             continue
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if not isinstance(node, ast.ClassDef) or node.name.startswith("_"):

@@ -32,7 +32,8 @@ TOOLS = Path(__file__).resolve().parents[1] / "tools"
 sys.path.insert(0, str(TOOLS))
 import resume_parity as parity  # noqa: E402
 
-pytestmark = pytest.mark.slow
+# One worker runs the module: its module-scoped fixtures are built once.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_resume")]
 
 RANKS = 4
 UPDATES = 10  # 8 updates make an epoch of 256 samples at 4 ranks: the run crosses one

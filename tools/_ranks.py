@@ -8,9 +8,11 @@ Two ways, as the tools need them:
   ``tcp://127.0.0.1:PORT`` (``join_tcp_group``) on one free port;
   ``stop_ranks`` waits for them, kills what outlives the wait and gives their
   exit codes (tools/demo_dist.py, tools/cadence.py).
-- ``start_workers(script, config, ...)`` starts ``world`` fresh interpreters
-  running ``script --worker SPEC RANK``; each joins the group through a
-  ``file://`` rendezvous and writes its result to ``WORKDIR/LABEL-RANK.json``
+- ``start_workers(script, config, ...)`` starts ``world`` processes running
+  ``script --worker SPEC RANK``, forked from a zygote that imported torch once
+  (castore.testing.zygote; ``CASTORE_ZYGOTE=0``: fresh interpreters); each
+  joins the group through a ``file://`` rendezvous and writes its result to
+  ``WORKDIR/LABEL-RANK.json``
   (``run_child`` is their side). The parent waits on the returned
   :class:`Workers`, SIGKILLs what is left and reads the results
   (tools/resume_parity.py, tools/crashdrill.py).
@@ -34,7 +36,10 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from castore.testing.zygote import ForkedProcess
 
 # -- multiprocessing children on a TCP rendezvous ---------------------------------
 
@@ -94,7 +99,7 @@ class Workers:
 
     workdir: Path
     label: str
-    procs: list[subprocess.Popen[bytes]]
+    procs: list[subprocess.Popen[bytes] | ForkedProcess]
 
     @property
     def logs(self) -> list[Path]:
@@ -169,21 +174,32 @@ def start_workers(
             }
         )
     )
-    procs = []
+    # Imported here: castore.testing brings pytest, which the other launchers never need.
+    from castore.testing.zygote import TORCH_PRELOAD, ZygoteMismatch
+    from castore.testing.zygote import shared as shared_zygote
+
+    procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
+    zygote = shared_zygote(TORCH_PRELOAD, env)
     for rank in range(world):
-        with (workdir / f"{label}-{rank}.log").open("wb") as log:
+        argv = [str(script), "--worker", str(spec_path), str(rank)]
+        log = workdir / f"{label}-{rank}.log"
+        log.write_bytes(b"")
+        if zygote is not None:
+            try:
+                procs.append(zygote.fork(argv, env=env, cwd=os.getcwd(), stderr=log))
+                continue
+            except ZygoteMismatch:
+                pass
+        with log.open("wb") as out:
             procs.append(
                 subprocess.Popen(
-                    [sys.executable, str(script), "--worker", str(spec_path), str(rank)],
-                    env=env,
-                    stdout=subprocess.DEVNULL,
-                    stderr=log,
+                    [sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=out
                 )
             )
     return Workers(workdir, label, procs)
 
 
-def kill_remaining(procs: list[subprocess.Popen[bytes]]) -> list[int]:
+def kill_remaining(procs: list[subprocess.Popen[bytes] | ForkedProcess]) -> list[int]:
     """SIGKILL every process still running and reap all; the indices of those killed.
 
     Every one is signalled before any is waited for: a rank must not outlive a
