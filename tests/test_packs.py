@@ -169,7 +169,7 @@ def test_read_follows_a_chunk_moved_by_a_reclaim_during_the_read(
     assert _read_across_a_reclaim(tmp_path / "b", monkeypatch, control=True) == [b"c" * 100, None]
 
 
-def _damaged_store(path: Path) -> tuple[Path, lmdb_backend.Location]:
+def _damaged_store(path: Path) -> tuple[Path, lmdb_backend.PackLocation]:
     with castore.open(path, chunk_size=CHUNK) as store:
         store.save(state(0, x_seed=5), run=RUN, step=1)
         backend = store.backend

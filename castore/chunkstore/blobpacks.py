@@ -89,7 +89,7 @@ MAX_INDEX_BLOB = 256 << 20  # 5.5 million entries: far past any pack's
 
 
 @dataclass(frozen=True)
-class Location:
+class BlobLocation:
     """Where one chunk's bytes lie: ``offset`` is that of its first byte in the pack."""
 
     pack: str
@@ -217,7 +217,7 @@ class BlobPackBackend(ChunkBackend):
         # their chunks count as absent (a save writes them again), and their pack is
         # never taken for an orphan (a collection must not delete what it cannot read).
         self.damaged: dict[str, str] = {}
-        self._where: dict[bytes, Location] = {}
+        self._where: dict[bytes, BlobLocation] = {}
         self._present: dict[str, list[tuple[bytes, int, int]]] = {}  # by pack
         self._closed = False
         self._cache_pruned = False
@@ -304,7 +304,7 @@ class BlobPackBackend(ChunkBackend):
         for parsed in self._indexes.values():
             if parsed.pack in self._packs:
                 by_pack[parsed.pack].append(parsed)
-        where: dict[bytes, Location] = {}
+        where: dict[bytes, BlobLocation] = {}
         present: dict[str, list[tuple[bytes, int, int]]] = {}
         for pack in sorted(by_pack):
             blobs = by_pack[pack]
@@ -313,7 +313,7 @@ class BlobPackBackend(ChunkBackend):
                 listed.intersection_update(other.entries)
             present[pack] = sorted(listed, key=lambda e: e[1])
             for digest, offset, length in present[pack]:
-                where.setdefault(digest, Location(pack, offset, length))
+                where.setdefault(digest, BlobLocation(pack, offset, length))
         self._where = where
         self._present = present
 
@@ -356,7 +356,7 @@ class BlobPackBackend(ChunkBackend):
         finally:
             values.close()
 
-    def locate(self, keys: Sequence[bytes]) -> list[Location | None]:
+    def locate(self, keys: Sequence[bytes]) -> list[BlobLocation | None]:
         """Where each chunk lies, as the index last read says (None: not known)."""
         with self._lock:
             where = self._where
@@ -622,7 +622,7 @@ class BlobPackBackend(ChunkBackend):
                 batch.append(item)
                 batch_bytes += item[1][2]
             if batch and (item is None or batch_bytes >= self.pack_bytes):
-                locations = [Location(pack, off, n) for pack, (_, off, n) in batch]
+                locations = [BlobLocation(pack, off, n) for pack, (_, off, n) in batch]
                 reader = _WindowedReader(self, locations)
                 try:
                     chunks = [
@@ -726,7 +726,7 @@ class _WindowedReader:
     def __init__(
         self,
         backend: BlobPackBackend,
-        locations: Sequence[Location | None],
+        locations: Sequence[BlobLocation | None],
         *,
         keys: Sequence[bytes] | None = None,
     ) -> None:
@@ -750,7 +750,7 @@ class _WindowedReader:
 
     def _submit(self, window: range) -> tuple[range, dict[int, Future[Any]]]:
         """Start the window's requests; map each position to its span's future and start."""
-        by_pack: dict[str, list[tuple[int, Location]]] = defaultdict(list)
+        by_pack: dict[str, list[tuple[int, BlobLocation]]] = defaultdict(list)
         for index in window:
             where = self.locations[index]
             if where is not None:
@@ -758,7 +758,7 @@ class _WindowedReader:
         futures: dict[int, Future[Any]] = {}
         for pack, placed in by_pack.items():
             placed.sort(key=lambda item: item[1].offset)
-            group: list[tuple[int, Location]] = []
+            group: list[tuple[int, BlobLocation]] = []
             for item in [*placed, None]:
                 if group:
                     first, end = group[0][1].offset, max(w.offset + w.length for _, w in group)

@@ -127,7 +127,9 @@ def cmd_show(args: argparse.Namespace) -> int:
             rows.append([name, first.dtype, shape, format_bytes(nbytes), len(boxes), chunks])
         print()
         print(tabulate(rows, headers=["tensor", "dtype", "shape", "size", "boxes", "chunks"]))
-        tree = decode_tree(root.state, lambda name, fw: _TensorMark(), lambda path: RankLocal())
+        tree = decode_tree(
+            root.state, lambda name, fw: _TensorMark(), lambda path: _RankLocalMark()
+        )
         values = _plain_values(tree, collapse=not args.all)
         if values:
             print()
@@ -147,7 +149,7 @@ class _TensorMark:
     """Stands in for a tensor when listing a state's non-tensor values."""
 
 
-class RankLocal:
+class _RankLocalMark:
     """Stands in for a RankLocal value (one per rank, in the shard manifests)."""
 
     def __repr__(self) -> str:
@@ -169,7 +171,7 @@ class _Value:
 
 
 def _is_plain(node: Any) -> bool:
-    return not isinstance(node, (_TensorMark, RankLocal, dict, list, tuple))
+    return not isinstance(node, (_TensorMark, _RankLocalMark, dict, list, tuple))
 
 
 def _shorten(text: str) -> str:

@@ -96,7 +96,7 @@ _IOV_MAX = 512  # pieces per writev call (two iovecs per record)
 
 
 @dataclass(frozen=True)
-class Location:
+class PackLocation:
     """Where one chunk's bytes lie."""
 
     length: int
@@ -107,7 +107,7 @@ class Location:
         return _LOCATION.pack(self.length, self.pack, self.offset)
 
     @classmethod
-    def decode(cls, value: bytes) -> Location:
+    def decode(cls, value: bytes) -> PackLocation:
         if len(value) != _LOCATION.size:
             raise IndexCorruptError(
                 f"a chunk_index value is {len(value)} bytes, not {_LOCATION.size}: the LMDB "
@@ -269,7 +269,7 @@ class LmdbBackend(ChunkBackend):
                         if found is None:
                             yield None
                             continue
-                        where = Location.decode(found)
+                        where = PackLocation.decode(found)
                         view = maps.get(where.pack)
                         if view is None:
                             # Moved by a reclaim since this snapshot began? Look again.
@@ -313,7 +313,7 @@ class LmdbBackend(ChunkBackend):
         """
         with self._lock:
             present = 0
-            written: dict[bytes, Location] = {}
+            written: dict[bytes, PackLocation] = {}
             writer: _PackWriter | None = None
             # One read transaction answers the presence of every chunk of the batch.
             snapshot = self._begin(write=False, buffers=True)
@@ -386,7 +386,7 @@ class LmdbBackend(ChunkBackend):
             txn = self._begin(write=False, buffers=True)
             try:
                 return [
-                    (bytes(k), Location.decode(v).length if chunks else len(v))
+                    (bytes(k), PackLocation.decode(v).length if chunks else len(v))
                     for k, v in txn.cursor(db=self._db(namespace))
                 ]
             finally:
@@ -400,7 +400,7 @@ class LmdbBackend(ChunkBackend):
     # -- packs ------------------------------------------------------------
 
     @lmdb_guarded("look up a chunk")
-    def locate(self, key: bytes) -> Location | None:
+    def locate(self, key: bytes) -> PackLocation | None:
         """Where the index says a chunk lies (None when it is not indexed)."""
         with self._lock:
             txn = self._begin(write=False)
@@ -408,7 +408,7 @@ class LmdbBackend(ChunkBackend):
                 found = txn.get(bytes(key), db=self._index)
             finally:
                 txn.abort()
-        return None if found is None else Location.decode(found)
+        return None if found is None else PackLocation.decode(found)
 
     def pack_path(self, pack: int) -> Path:
         return self.pack_dir / pack_name(pack)
@@ -450,9 +450,9 @@ class LmdbBackend(ChunkBackend):
         self._refuse_if_readonly("reclaiming pack space")
         with self._lock:
             self._check_usable()
-            live: dict[int, list[tuple[bytes, Location]]] = defaultdict(list)
+            live: dict[int, list[tuple[bytes, PackLocation]]] = defaultdict(list)
             for key, found in self._index_entries():
-                where = Location.decode(found)
+                where = PackLocation.decode(found)
                 live[where.pack].append((key, where))
             files = self.pack_files()
             dead = [pack for pack in files if pack not in live]
@@ -503,7 +503,7 @@ class LmdbBackend(ChunkBackend):
                     continue
                 for record in records:
                     value = txn.get(record.digest, db=self._index)
-                    if value is not None and Location.decode(value).pack == pack:
+                    if value is not None and PackLocation.decode(value).pack == pack:
                         raise IndexCorruptError(
                             f"reclaim refused, no pack deleted: chunk {record.digest.hex()[:16]} "
                             f"is indexed in pack {pack:016x}, but iterating the index does not "
@@ -550,7 +550,7 @@ class LmdbBackend(ChunkBackend):
             if len(value) != LOCATION_SIZE:
                 damaged.append(f"entry {bytes(key).hex()[:16]}: value is {len(value)} bytes")
                 continue
-            where = Location.decode(value)
+            where = PackLocation.decode(value)
             entries.append(IndexEntry(bytes(key), where.length, where.pack, where.offset))
         return entries, damaged
 
@@ -571,10 +571,10 @@ class LmdbBackend(ChunkBackend):
         finally:
             txn.abort()
 
-    def _rewrite(self, packs: list[int], live: dict[int, list[tuple[bytes, Location]]]) -> int:
+    def _rewrite(self, packs: list[int], live: dict[int, list[tuple[bytes, PackLocation]]]) -> int:
         maps = _PackMaps(self.pack_dir)
         writer = _PackWriter.create(self.pack_dir)
-        moves: list[tuple[bytes, Location, Location]] = []
+        moves: list[tuple[bytes, PackLocation, PackLocation]] = []
         try:
             for pack in packs:
                 view = maps.get(pack)
@@ -664,11 +664,11 @@ class _PackWriter:
             return cls(directory, pack, fd)
         raise StoreError("could not pick a new pack name", path=str(directory))
 
-    def add(self, key: bytes, value: Buffer) -> Location:
+    def add(self, key: bytes, value: Buffer) -> PackLocation:
         view = memoryview(value).cast("B")
         header = _RECORD_HEADER.pack(key, view.nbytes)
         _write_all(self.fd, [header, view])
-        where = Location(view.nbytes, self.pack, self.offset + len(header))
+        where = PackLocation(view.nbytes, self.pack, self.offset + len(header))
         self.offset = where.offset + where.length
         return where
 

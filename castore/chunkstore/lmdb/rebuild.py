@@ -28,7 +28,7 @@ import lmdb
 
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb import env as lmdb_env
-from castore.chunkstore.lmdb.backend import Location
+from castore.chunkstore.lmdb.backend import PackLocation
 from castore.chunkstore.lmdb.env import DEFAULT_MAP_SIZE, INDEX_DB
 from castore.chunkstore.lmdb.file import DATA_FILE, read_committed_meta
 from castore.chunkstore.packfile import PACK_DIR, pack_id, read_chunk, scan_pack
@@ -184,12 +184,12 @@ def _file_size(path: Path) -> int:
 
 def _index_from_packs(
     packs: list[tuple[int, Path]], sizes: dict[Path, int], report: RebuildReport, bar: Bar = NO_BAR
-) -> dict[bytes, Location]:
+) -> dict[bytes, PackLocation]:
     """Every intact record of every pack; the first copy of a digest wins.
 
     ``bar`` counts each pack's file size (``sizes``) as its records are read.
     """
-    index: dict[bytes, Location] = {}
+    index: dict[bytes, PackLocation] = {}
     for pack, path in packs:
         if path.is_symlink() or not path.is_file():
             report.lost.append(f"{path} is not a regular file: not read")
@@ -206,13 +206,13 @@ def _index_from_packs(
             if digest_bytes(read_chunk(path, record)) != record.digest:
                 report.records_damaged += 1
                 continue
-            index[record.digest] = Location(record.length, pack, record.offset)
+            index[record.digest] = PackLocation(record.length, pack, record.offset)
         bar.update(size - counted)  # what no record covers
     report.chunks_indexed = len(index)
     return index
 
 
-def _write_env(work: Path, objects: dict[bytes, bytes], index: dict[bytes, Location]) -> None:
+def _write_env(work: Path, objects: dict[bytes, bytes], index: dict[bytes, PackLocation]) -> None:
     payload = sum(len(v) + 64 for v in objects.values()) + 96 * len(index)
     env = lmdb.open(
         str(work),
