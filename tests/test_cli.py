@@ -149,8 +149,19 @@ def test_ctrl_c_at_the_gc_question_starts_the_error_on_its_own_line(tmp_path: Pa
         while b"[y/N]" not in output:
             assert select.select([master], [], [], 60)[0], output
             output += os.read(master, 4096)
-        process.send_signal(signal.SIGINT)  # Ctrl-C at the question
-        assert process.wait(timeout=60) == 130
+        code = None
+        for _ in range(6):
+            process.send_signal(signal.SIGINT)  # Ctrl-C at the question
+            try:
+                code = process.wait(timeout=10)
+                break
+            except subprocess.TimeoutExpired:
+                # It landed after readline wrote the prompt but before its select():
+                # Python noted it, and handles it when select next wakes, at the next
+                # signal. (A person is never that quick; a test sees the prompt and
+                # signals within microseconds.)
+                continue
+        assert code == 130
         while select.select([master], [], [], 1)[0]:
             try:
                 chunk = os.read(master, 4096)
