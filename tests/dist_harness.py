@@ -1,7 +1,8 @@
 """Run a function on N real processes joined in a gloo process group.
 
-``run_ranks(world_size, fn, *args)`` starts ``world_size`` fresh interpreters
-(``python tests/dist_harness.py SPEC_DIR RANK``), each of which:
+``run_ranks(world_size, fn, *args)`` starts ``world_size`` processes, each what
+``python tests/dist_harness.py SPEC_DIR RANK`` would be (forked from a zygote,
+below), each of which:
 
 1. imports ``fn`` by its module and qualified name (so ``fn`` must be a
    module-level function of an importable module, e.g. ``tests/dist_workers.py``),
