@@ -19,6 +19,7 @@ which imports torch only when it sees one.
 from __future__ import annotations
 
 import operator
+import reprlib
 import time
 import warnings
 import weakref
@@ -117,20 +118,24 @@ def check_step(step: Any) -> int:
     integer tensor: what a training loop's counter often is); bools, floats and
     arrays of more than one dimension are refused. Every save path calls this.
     """
-    refused = TypeError(
-        "step must be an integer (an int, a NumPy integer or a 0-d integer tensor), "
-        f"got {type(step).__name__} {step!r}"
-    )
     dtype, ndim = str(getattr(step, "dtype", "")), getattr(step, "ndim", 0)
     if isinstance(step, bool) or dtype in ("bool", "torch.bool") or ndim != 0:
-        raise refused  # True would pass operator.index as 1
+        raise _not_a_step(step)  # True would pass operator.index as 1
     try:
         value = operator.index(step)
     except TypeError:
-        raise refused from None
+        raise _not_a_step(step) from None
     if not 0 <= value <= MAX_STEP:
         raise ValueError(f"step must be a non-negative int64 (0 to 2**63-1), got {value}")
     return value
+
+
+def _not_a_step(step: Any) -> TypeError:
+    # Built only when refusing: the repr of a large array costs, and a save never needs it.
+    return TypeError(
+        "step must be an integer (an int, a NumPy integer or a 0-d integer tensor), "
+        f"got {type(step).__name__} {reprlib.repr(step)}"
+    )
 
 
 def digests_of(shard: ShardManifest) -> set[bytes]:
