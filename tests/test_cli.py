@@ -132,6 +132,16 @@ def test_messages_of_nothing_to_show_end_their_line(cli_store: Path, tmp_path: P
     assert again.stdout.endswith(f"nothing to copy: 2 generation(s) already in {copied}\n")
 
 
+def _sigint_at_its_default() -> None:
+    """In the child before exec: SIGINT as at a terminal.
+
+    A suite started in the background (``nohup make test &``) ignores SIGINT, an
+    ignored signal stays ignored across exec, and Python then installs no
+    KeyboardInterrupt handler: the Ctrl-C below would never land.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_ctrl_c_at_the_gc_question_starts_the_error_on_its_own_line(tmp_path: Path) -> None:
     path = tmp_path / "gc"
     with castore.open(path, chunk_size=1024) as store:
@@ -141,7 +151,7 @@ def test_ctrl_c_at_the_gc_question_starts_the_error_on_its_own_line(tmp_path: Pa
     master, slave = os.openpty()
     process = subprocess.Popen(
         [str(CLI), "gc", str(path), "--keep", "1"], stdin=slave, stdout=slave, stderr=slave,
-        env=env,
+        env=env, preexec_fn=_sigint_at_its_default,
     )  # fmt: skip
     os.close(slave)
     output = b""
