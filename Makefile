@@ -28,9 +28,11 @@ demo-s3: $(VENV)/.installed
 # One pytest-xdist worker per core; tests that share a costly module fixture
 # (a reference training run, a saved multi-rank store) stay on one worker.
 # PYTEST_ARGS="-n 0" runs the suite in one process.
+# The suite starts hundreds of interpreters: with PYTHONDONTWRITEBYTECODE set (as some
+# machines and CI images do) each would compile castore again; here they share the cache.
 PYTEST_ARGS ?= -n auto --dist loadgroup
 test: $(VENV)/.installed
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check castore tests tools benchmarks

@@ -8,29 +8,15 @@ import select
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import CLI, run_cli
 
 import castore
-
-CLI = Path(sys.executable).parent / "castore"
-
-
-def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    return subprocess.run(
-        [str(CLI), *map(str, args)],
-        stdin=subprocess.DEVNULL,  # not a terminal: gc must not ask
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
 
 
 def make_state() -> dict[str, object]:
@@ -123,7 +109,7 @@ def test_messages_of_nothing_to_show_end_their_line(cli_store: Path, tmp_path: P
     empty = tmp_path / "empty"
     castore.open(empty).close()
     assert run_cli("log", empty).stdout == "no generations\n"
-    assert run_cli("gc", empty, "--keep", "1").stdout.endswith(" in 0.00s\n")
+    assert re.search(r" in \d+\.\d\ds\n\Z", run_cli("gc", empty, "--keep", "1").stdout)
     assert run_cli("du", empty).stdout.endswith("\n")
     assert run_cli("verify", empty).stdout.endswith("structural\nOK\n")
     copied = tmp_path / "copied"

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cli_runner import clean_env, run_cli
 from test_progress import assert_reaches_100_once, bar_frames
 
 import castore
@@ -29,7 +30,6 @@ from castore.errors import (
 from castore.format.hashing import Digest
 from castore.verify import verify_store
 
-CLI = Path(sys.executable).parent / "castore"
 CHUNK = 1024
 
 
@@ -75,14 +75,7 @@ def chunk_lengths(store: Store, run: str, gen: int | str) -> dict[bytes, int]:
 
 
 def cli(*args: object, **env: str) -> subprocess.CompletedProcess[str]:
-    environ = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    return subprocess.run(
-        [str(CLI), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**environ, **env},
-    )
+    return run_cli(*args, env=clean_env(**env), timeout=120)
 
 
 @pytest.fixture

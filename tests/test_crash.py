@@ -9,7 +9,6 @@ never a reference to something missing, and the next save must just work.
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import subprocess
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from _helpers import assert_state_equal
+from cli_runner import clean_env, run_cli
 
 import castore
 from castore.chunkstore.base import Namespace
@@ -29,7 +29,6 @@ from castore.support.faults import POINTS, InjectedFault
 
 pytestmark = pytest.mark.slow
 
-CLI = Path(sys.executable).parent / "castore"
 RUN = "run"
 
 # Shared by the parent and the child so both build byte-identical states.
@@ -82,12 +81,6 @@ exec(STATE_SRC, _namespace)
 make_state = _namespace["make_state"]
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    env.update(extra)
-    return env
-
-
 def save_in_child(
     path: Path, seed: int, *, faults: str = "", batch: int = 0
 ) -> subprocess.CompletedProcess[str]:
@@ -102,13 +95,7 @@ def save_in_child(
 
 
 def cli_verify_deep(path: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(CLI), "verify", str(path), "--deep"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=clean_env(),
-    )
+    return run_cli("verify", path, "--deep")
 
 
 def snapshot(path: Path) -> dict[str, Any]:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import run_cli
 
 import castore
 from castore import gc
@@ -219,16 +218,7 @@ def test_resharded_tensor_is_named_resharded(tmp_path: Path) -> None:
 
 
 def run_diff(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    return subprocess.run(
-        [sys.executable, "-m", "castore.cli", "diff", *map(str, args)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    return run_cli("diff", *args)
 
 
 @pytest.fixture

@@ -17,11 +17,13 @@ import threading
 from pathlib import Path
 from typing import Any
 
+import cli_runner
 import export_workers
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from cli_runner import clean_env
 from dist_harness import describe, run_ranks
 from safetensors import safe_open
 from safetensors.numpy import load_file
@@ -437,16 +439,7 @@ def test_missing_run_is_an_error(store: Store, tmp_path: Path) -> None:
 
 
 def run_cli(*args: object, **extra_env: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")} | extra_env
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    return subprocess.run(
-        [sys.executable, "-m", "castore.cli", *map(str, args)],
-        stdin=subprocess.DEVNULL,
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-    )
+    return cli_runner.run_cli(*args, env=clean_env(**extra_env))
 
 
 def one_line_error(result: subprocess.CompletedProcess[str], code: int, *needles: str) -> None:

@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import math
-import os
 import re
 import shutil
-import subprocess
-import sys
 import tempfile
 import types
 from collections.abc import Iterator
@@ -24,6 +21,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cli_runner import run_cli
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -47,8 +45,6 @@ BACKBONE_CHUNKS = 90  # fine-tuning state: a frozen backbone, 90% of the bytes .
 HEAD_CHUNKS = 10  # ... and a head (10%) rewritten by every save
 STATE_BYTES = (BACKBONE_CHUNKS + HEAD_CHUNKS) * CHUNK
 HEAD_BYTES = HEAD_CHUNKS * CHUNK
-
-CLI = Path(sys.executable).parent / "castore"
 
 
 # -- helpers ------------------------------------------------------------------------
@@ -1002,18 +998,6 @@ def test_compact_is_refused_while_the_store_is_open(store: Store, store_path: Pa
 
 
 # -- 10. the castore command --------------------------------------------------------
-
-
-def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    return subprocess.run(
-        [str(CLI), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
-    )
 
 
 def table_rows(stdout: str) -> list[list[str]]:

@@ -12,7 +12,6 @@ is real and that the checks used here detect it.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import signal
@@ -27,6 +26,7 @@ import gc_workers
 import numpy as np
 import pytest
 from _helpers import assert_state_equal
+from cli_runner import CLI, clean_env, run_cli
 
 import castore
 import castore.core.commit
@@ -49,25 +49,11 @@ from castore.verify import verify_store
 
 pytestmark = pytest.mark.slow
 
-CLI = Path(sys.executable).parent / "castore"
 WORKERS = Path(__file__).with_name("gc_workers.py")
 
 
-def clean_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    env.update(extra)
-    return env
-
-
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(CLI), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=clean_env(**env),
-        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
-    )
+    return run_cli(*args, env=clean_env(**env), timeout=120)
 
 
 def keys(store: Store, namespace: Namespace) -> set[bytes]:

@@ -6,7 +6,6 @@ uninitialised memory, never a run lost to garbage collection."""
 from __future__ import annotations
 
 import math
-import os
 import subprocess
 import sys
 from collections import OrderedDict
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from cli_runner import run_cli
 from hostile import BAD_ENTRIES, forge_entry, forge_root, nested_tuple_payload
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -34,22 +34,9 @@ from castore.format.tree import MAX_DEPTH
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage
 from castore.verify import verify_store
 
-CLI = Path(sys.executable).parent / "castore"
 RUN = "hostile"
 TENSOR = "w"
 ORIGINAL = np.arange(24 * 16, dtype=np.float32).reshape(24, 16)
-
-
-def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    return subprocess.run(
-        [str(CLI), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env,
-        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
-    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess[str], *, code: int = 1) -> None:

@@ -20,9 +20,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import cli_runner
 import numpy as np
 import pytest
 from _helpers import assert_state_equal
+from cli_runner import clean_env
 
 import castore
 import castore.chunkstore.lmdb.backend as lmdb_backend
@@ -41,7 +43,6 @@ from castore.verify import verify_store
 
 RUN = "a"
 CHUNK = 1024
-CLI = Path(sys.executable).parent / "castore"
 
 
 def state(seed: int) -> dict[str, Any]:
@@ -236,23 +237,12 @@ def run_python(code: str, store_path: Path) -> subprocess.CompletedProcess[str]:
         "    sys.exit(1)\n"
     )
     return subprocess.run(
-        [sys.executable, "-c", program], capture_output=True, text=True, timeout=20, env=_env()
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=20, env=clean_env()
     )
 
 
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(CLI), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=20,
-        env=_env(),
-        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
-    )
-
-
-def _env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    return cli_runner.run_cli(*args, env=clean_env(), timeout=20)
 
 
 def swap_for_fifo(store_path: Path, entry: str) -> None:
@@ -524,7 +514,7 @@ def test_a_store_created_between_the_marker_check_and_the_listing_is_opened(
 
     def another_rank_wins(root: Path) -> bool:
         code = f"import castore; castore.open({str(root)!r}, chunk_size=512).close()"
-        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=_env())
+        subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=clean_env())
         return real_is_empty(root)
 
     monkeypatch.setattr(opening, "_is_empty", another_rank_wins)
@@ -547,7 +537,7 @@ def test_a_map_grown_by_another_process_during_open_is_adopted(
 
     def open_then_grow(*args: Any, **kwargs: Any) -> Any:
         env = real_open(*args, **kwargs)
-        subprocess.run([sys.executable, "-c", grow], check=True, timeout=60, env=_env())
+        subprocess.run([sys.executable, "-c", grow], check=True, timeout=60, env=clean_env())
         return env
 
     monkeypatch.setattr(lmdb_backend.lmdb, "open", open_then_grow)

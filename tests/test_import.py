@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
+import cli_runner
 import import_workers
 import numpy as np
 import pytest
@@ -267,13 +269,7 @@ def test_the_malicious_file_does_run_code_when_fully_unpickled(
 
 
 def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "castore.cli", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
-    )
+    return cli_runner.run_cli(*args, env=os.environ, timeout=120)
 
 
 def test_cli_imports_a_series_and_reports_dedup(tmp_path: Path) -> None:

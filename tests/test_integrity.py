@@ -7,9 +7,6 @@ manifest value, a deleted record, or a hand-made object stored under its own
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +15,7 @@ import msgpack
 import numpy as np
 import pytest
 from _helpers import assert_state_equal
+from cli_runner import run_cli
 
 import castore
 from castore import Store
@@ -36,7 +34,6 @@ from castore.format.tree import EXT_NUMPY_SCALAR
 from castore.repo.records import RefValue
 from castore.verify import verify_store
 
-CLI = Path(sys.executable).parent / "castore"
 RUN = "run"
 
 # w: 64x16 float32 = 4 KiB = four 1 KiB chunks of 16 rows each (the store fixture's
@@ -52,18 +49,6 @@ def make_state(seed: int = 0) -> dict[str, Any]:
         "b": rng.standard_normal(16, dtype=np.float32),
         "step": 3,
     }
-
-
-def run_cli(*args: object) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    return subprocess.run(
-        [str(CLI), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
-    )
 
 
 def flipped(data: bytes, at: int) -> bytes:

@@ -23,6 +23,7 @@ import lmdb
 import numpy as np
 import pytest
 from _helpers import assert_state_equal
+from cli_runner import run_cli
 
 import castore
 import castore.chunkstore.lmdb.backend as lmdb_backend
@@ -88,7 +89,7 @@ def python(code: str, *args: object) -> subprocess.CompletedProcess[str]:
 
 
 def cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return python("import sys; from castore.cli import main; sys.exit(main(sys.argv[1:]))", *args)
+    return run_cli(*args, timeout=120)
 
 
 @pytest.fixture(scope="module")

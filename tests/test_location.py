@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import numpy as np
 import pytest
+from cli_runner import run_cli
 
 import castore
 from castore.core.location import parse_location
 from castore.errors import StoreError, UnsupportedBackendError
-
-CLI = Path(sys.executable).parent / "castore"
 
 
 @pytest.mark.parametrize(
@@ -85,14 +83,7 @@ def test_a_marker_naming_another_backend_is_refused(tmp_path: Path) -> None:
 
 
 def test_the_cli_says_so_in_one_line(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [str(CLI), "log", "gs://bucket/ckpt"],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        cwd=tmp_path,
-        stdin=subprocess.DEVNULL,
-    )
+    result = run_cli("log", "gs://bucket/ckpt", env=os.environ, cwd=tmp_path)
     assert result.returncode == 1
     assert result.stderr.count("\n") == 1
     assert "UnsupportedBackendError" in result.stderr and "gs://" in result.stderr

@@ -19,8 +19,10 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import cli_runner
 import numpy as np
 import pytest
+from cli_runner import clean_env
 from tqdm import tqdm
 
 import castore
@@ -186,17 +188,8 @@ def test_save_and_load_count_the_state_tensor_bytes(
 
 
 def run_cli(*args: object, force: bool = True) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
-    if force:
-        env[progress.ENV_VAR] = "1"
-    return subprocess.run(
-        [str(CLI), *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=60,
-        env=env,
-        stdin=subprocess.DEVNULL,  # not a terminal: gc never asks
-    )
+    env = clean_env(**{progress.ENV_VAR: "1"}) if force else clean_env()
+    return cli_runner.run_cli(*args, env=env)
 
 
 @pytest.fixture

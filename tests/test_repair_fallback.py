@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from cli_runner import run_cli
 
 import castore
 import castore.dist
@@ -19,7 +20,6 @@ from castore.repair import repair_store
 from castore.store import FallbackWarning, Store
 from castore.verify import verify_store
 
-CLI = Path(sys.executable).parent / "castore"
 CHUNK = 256
 
 
@@ -60,7 +60,7 @@ def equal(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 
 def cli(*args: object) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(CLI), *map(str, args)], capture_output=True, text=True, timeout=60)
+    return run_cli(*args, env=os.environ)
 
 
 # -- fallback -------------------------------------------------------------------

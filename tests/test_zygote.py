@@ -207,3 +207,46 @@ def test_the_zygote_script_imports_nothing_of_castore() -> None:
         for alias in node.names
     ]
     assert imported and not [name for name in imported if name.startswith("castore")]
+
+
+def test_castore_faults_are_an_import_time_setting_only_where_castore_is_preloaded(
+    zygote: Zygote, tmp_path: Path
+) -> None:
+    """castore reads ``CASTORE_FAULTS`` at import: a zygote that imported castore has them fixed."""
+    armed = dict(os.environ, CASTORE_FAULTS="gc.mid_sweep")
+    code, printed = fork(
+        zygote,
+        script(tmp_path, "from castore.support import faults; print(sorted(faults._ARMED))"),
+        tmp_path=tmp_path,
+        CASTORE_FAULTS="gc.mid_sweep",
+    )
+    assert code == 0 and "gc.mid_sweep" in printed, printed  # imported fresh in the child
+    env = {k: v for k, v in os.environ.items() if not k.startswith("CASTORE_")}
+    with_castore = Zygote(("castore.support.faults",), env)
+    try:
+        with pytest.raises(ZygoteMismatch, match="import-time setting"):
+            with_castore.fork([str(script(tmp_path, "pass"))], env=armed)
+        child = with_castore.fork([str(script(tmp_path, "pass"))], env=env)
+        assert child.wait(60) == 0
+    finally:
+        with_castore.close()
+
+
+def test_the_cli_runner_gives_what_a_fresh_interpreter_gives(tmp_path: Path) -> None:
+    """tests/cli_runner.run_cli, forked or fresh: the same status, stdout and stderr."""
+    import numpy as np
+    from cli_runner import clean_env, run_cli
+
+    import castore
+
+    with castore.open(tmp_path / "store", chunk_size=1024) as store:
+        store.save({"w": np.arange(300, dtype=np.float32)}, run="r", step=1)
+    fresh_env = clean_env(CASTORE_ZYGOTE="0")
+    for args in (("verify", tmp_path / "store"), ("show", tmp_path / "store", "nope")):
+        forked, fresh = run_cli(*args), run_cli(*args, env=fresh_env)
+        assert (forked.returncode, forked.stdout, forked.stderr) == (
+            fresh.returncode,
+            fresh.stdout,
+            fresh.stderr,
+        )
+    assert forked.returncode == 1 and forked.stderr.startswith("castore: error:")

@@ -2,8 +2,7 @@
 
 A test suite or a drill that starts hundreds of rank processes pays, in each,
 the seconds that importing torch takes. A *zygote* pays it once: it is a
-process that imports the slow modules (``preload``; never castore, whose
-settings such as ``CASTORE_FAULTS`` are read at import) and then, on request,
+process that imports the slow modules (``preload``) and then, on request,
 forks a child that runs ``python SCRIPT ARGS...`` as a fresh interpreter would:
 
 - its own session and process group (``killpg`` and SIGKILL work as usual);
@@ -18,10 +17,12 @@ forks a child that runs ``python SCRIPT ARGS...`` as a fresh interpreter would:
   names and numpy's global generator reseed themselves after a fork
   (tests/test_zygote.py checks numpy's).
 
-What a fork cannot give: settings the preloaded modules read at import. A
-launch whose environment differs from the zygote's in one of those
-(``OMP_NUM_THREADS``, ``PYTHONHASHSEED``, ``TORCH_*``, ...) is refused with
-:class:`ZygoteMismatch`, and the caller starts a fresh interpreter instead.
+What a fork cannot give: settings the interpreter or the preloaded modules
+read at start-up. A launch whose environment differs from the zygote's in one
+of those (``OMP_NUM_THREADS``, ``PYTHONHASHSEED``, ``PYTHONWARNINGS``,
+``TORCH_*``, ...; and ``CASTORE_FAULTS`` where castore is preloaded, as the
+``castore`` command's zygote does) is refused with :class:`ZygoteMismatch`,
+and the caller starts a fresh interpreter instead.
 
 The parent side is :class:`Zygote` (``fork`` returns a :class:`ForkedProcess`
 with the part of ``subprocess.Popen``'s interface launchers use), or
@@ -52,8 +53,26 @@ from typing import Any
 
 # Environment variables a preloaded module may have read at import: a child must
 # match the zygote in these, or be started fresh.
-_IMPORT_TIME_EXACT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "LD_PRELOAD")
+# The interpreter reads the PYTHON* ones at start-up.
+_IMPORT_TIME_EXACT = (
+    "OMP_NUM_THREADS",
+    "MKL_NUM_THREADS",
+    "LD_PRELOAD",
+    "PYTHONHASHSEED",
+    "PYTHONWARNINGS",
+    "PYTHONUNBUFFERED",
+    "PYTHONIOENCODING",
+    "PYTHONUTF8",
+    "PYTHONOPTIMIZE",
+    "PYTHONDEVMODE",
+    "PYTHONFAULTHANDLER",
+    "PYTHONMALLOC",
+)
 _IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NCCL_", "KMP_", "GOMP_", "OPENBLAS_")
+# castore reads this one at import (castore.support.faults): a setting of a zygote
+# that preloads castore, and only of such a one, so that the rank launchers' zygote
+# (torch, no castore) forks ranks armed with different faults.
+_CASTORE_IMPORT_TIME = ("CASTORE_FAULTS",)
 _FORK_ANSWER_S = 120.0
 
 # What a torch rank imports anyway, and takes seconds: the preload of the suite's
@@ -73,11 +92,14 @@ class ZygoteMismatch(RuntimeError):
     """This launch needs a fresh interpreter (an import-time setting differs, or no zygote)."""
 
 
-def _import_time_settings(env: Mapping[str, str]) -> dict[str, str]:
+def _import_time_settings(env: Mapping[str, str], preload: Sequence[str]) -> dict[str, str]:
+    exact = _IMPORT_TIME_EXACT
+    if any(name == "castore" or name.startswith("castore.") for name in preload):
+        exact += _CASTORE_IMPORT_TIME
     return {
         key: value
         for key, value in env.items()
-        if key in _IMPORT_TIME_EXACT or key.startswith(_IMPORT_TIME_PREFIXES)
+        if key in exact or key.startswith(_IMPORT_TIME_PREFIXES)
     }
 
 
@@ -122,7 +144,8 @@ class Zygote:
 
     def __init__(self, preload: Sequence[str], env: Mapping[str, str]) -> None:
         environment = {k: v for k, v in env.items() if k != "PYTHONPATH"}
-        self.settings = _import_time_settings(environment)
+        self.preload = tuple(preload)
+        self.settings = _import_time_settings(environment, self.preload)
         self.proc = subprocess.Popen(
             [sys.executable, str(Path(__file__).resolve()), *preload],
             stdin=subprocess.PIPE,
@@ -173,7 +196,7 @@ class Zygote:
         for appending (truncate a log first); ``stderr`` may equal ``stdout``.
         Raises :class:`ZygoteMismatch` when the launch needs a fresh interpreter.
         """
-        if _import_time_settings(env) != self.settings:
+        if _import_time_settings(env, self.preload) != self.settings:
             raise ZygoteMismatch("an import-time setting differs from the zygote's")
         request: dict[str, Any] = {
             "argv": [str(a) for a in argv],
@@ -248,7 +271,7 @@ def shared(preload: Sequence[str], env: Mapping[str, str]) -> Zygote | None:
     """
     if os.environ.get("CASTORE_ZYGOTE") == "0":
         return None
-    key = (tuple(preload), tuple(sorted(_import_time_settings(env).items())))
+    key = (tuple(preload), tuple(sorted(_import_time_settings(env, preload).items())))
     with _shared_guard:
         zygote = _shared.get(key)
         if zygote is not None and not zygote.alive:
