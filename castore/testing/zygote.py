@@ -93,7 +93,7 @@ class ZygoteMismatch(RuntimeError):
 
 
 def _import_time_settings(env: Mapping[str, str], preload: Sequence[str]) -> dict[str, str]:
-    exact = _IMPORT_TIME_EXACT
+    exact: tuple[str, ...] = _IMPORT_TIME_EXACT
     if any(name == "castore" or name.startswith("castore.") for name in preload):
         exact += _CASTORE_IMPORT_TIME
     return {
