@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import multiprocessing.context
 from typing import Any
 
 import numpy as np
@@ -19,3 +21,21 @@ def assert_state_equal(actual: Any, expected: Any) -> None:
         np.testing.assert_array_equal(actual, expected)
     else:
         assert actual == expected
+
+
+# What the racing tests' processes import: their forkserver imports it once.
+PROCESS_PRELOAD = ["numpy", "castore", "castore.blob.s3", "castore.repo.blobs", "blob_workers"]
+
+
+def process_context() -> multiprocessing.context.BaseContext:
+    """``multiprocessing`` for tests that race real processes, started in milliseconds.
+
+    Each process is forked from a server process (the ``forkserver`` method) that
+    imported castore and its libraries once: a fresh process, with no thread or
+    open store of the test's, as ``spawn`` gives, without the second or so an
+    interpreter takes to import them. A target in a test module is imported by the
+    child.
+    """
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(PROCESS_PRELOAD)
+    return context

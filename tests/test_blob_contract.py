@@ -9,7 +9,6 @@ race tests fail a swap that does not re-read the version under its lock.
 from __future__ import annotations
 
 import errno
-import multiprocessing
 import os
 import signal
 import subprocess
@@ -22,6 +21,7 @@ from pathlib import Path
 import blake3
 import blob_workers
 import pytest
+from _helpers import process_context
 
 from castore.blob import MemoryBlobStore, PosixBlobStore, Version
 from castore.errors import (
@@ -233,10 +233,10 @@ ROUNDS = 50
 
 def _race_processes(root: Path, *, broken: bool = False) -> list[tuple[int, int, bool, bool, str]]:
     PosixBlobStore(root).swap("race/ref", b"start", None)
-    spawn = multiprocessing.get_context("spawn")
-    barrier, results = spawn.Barrier(PROCESSES), spawn.Queue()
+    processes = process_context()
+    barrier, results = processes.Barrier(PROCESSES), processes.Queue()
     racers = [
-        spawn.Process(
+        processes.Process(
             target=blob_workers.race, args=(str(root), i, ROUNDS, barrier, results, broken)
         )
         for i in range(PROCESSES)

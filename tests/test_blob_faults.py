@@ -9,7 +9,6 @@ previous generation intact and nothing new published.
 
 from __future__ import annotations
 
-import multiprocessing
 import socket
 import struct
 import time
@@ -19,6 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import requests
+from _helpers import process_context
 from blob_places import Place, s3_place, shared_place
 from s3_server import DUMMY_KEY, DUMMY_SECRET, REGION, SlowDown, store_arguments
 
@@ -291,7 +291,7 @@ def race_to_advance(address: str, options: dict[str, Any], barrier: Any, results
 
 def test_two_coordinators_racing_for_one_ref_exactly_one_wins(place: Place) -> None:
     saved(place)
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     barrier, results = context.Barrier(2), context.Queue()
     racers = [
         context.Process(

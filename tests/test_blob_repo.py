@@ -10,7 +10,6 @@ shows the race test fails an advance that overwrites instead of swapping.
 
 from __future__ import annotations
 
-import multiprocessing
 import threading
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from pathlib import Path
 import blob_repo_workers
 import numpy as np
 import pytest
+from _helpers import process_context
 
 from castore import Store
 from castore.blob import MemoryBlobStore, PosixBlobStore
@@ -325,11 +325,11 @@ def _race_threads(blobs: BlobStore, *, broken: bool) -> list[str]:
 
 
 def _race_processes(root: Path, *, broken: bool, leased: bool = False) -> list[str]:
-    spawn = multiprocessing.get_context("spawn")
-    barrier, results = spawn.Barrier(RACERS), spawn.Queue()
+    processes = process_context()
+    barrier, results = processes.Barrier(RACERS), processes.Queue()
     target = blob_repo_workers.race_leased if leased else blob_repo_workers.race
     racers = [
-        spawn.Process(target=target, args=(str(root), i, barrier, results, broken))
+        processes.Process(target=target, args=(str(root), i, barrier, results, broken))
         for i in range(RACERS)
     ]
     for racer in racers:

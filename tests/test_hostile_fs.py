@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import errno
 import json
-import multiprocessing
 import os
 import shutil
 import subprocess
@@ -23,7 +22,7 @@ from typing import Any
 import cli_runner
 import numpy as np
 import pytest
-from _helpers import assert_state_equal
+from _helpers import assert_state_equal, process_context
 from cli_runner import clean_env
 
 import castore
@@ -484,7 +483,7 @@ def _open_rounds(
 
 def test_ranks_creating_one_store_at_once_all_open_the_same_store(tmp_path: Path) -> None:
     ranks, rounds = 8, 30
-    context = multiprocessing.get_context("spawn")
+    context = process_context()
     barrier = context.Barrier(ranks)
     results = context.Queue()
     workers = [
