@@ -213,6 +213,10 @@ class Store:
             background.pool.clear()
             background.raise_unobserved()
 
+    def after_publish(self, run: str, generation: int, root: Digest) -> None:
+        """Called by the publish sequence once ``run@generation`` is published; nothing here
+        (castore.tiers.TieredStore promotes it)."""
+
     def __enter__(self) -> Store:
         return self
 

@@ -237,6 +237,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"verified {report.runs} run(s), {report.generations} generation(s), "
         f"{report.objects} object(s), {report.chunks} chunk(s): {mode}"
     )
+    if report.held_elsewhere:
+        print(
+            f"{len(report.held_elsewhere)} generation(s) listed here keep their chunks in "
+            "another tier (castore.tiers): chunks not looked for here"
+        )
     for problem in report.problems:
         print(f"PROBLEM {problem}")
     if report.problems:
