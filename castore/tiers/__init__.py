@@ -36,6 +36,7 @@ coordinator).
 
 from __future__ import annotations
 
+import fcntl
 import os
 import queue
 import threading
@@ -128,12 +129,9 @@ class TieredStore(Store):
         self._work: queue.Queue[_Work] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        self._pins_resumed = False
         if not self.readonly:
             self._take_durable_history()
-            for run in self.refs.ref_runs():
-                for name in self.refs.tags(run):
-                    if name.startswith(PIN_PREFIX):  # a promotion an earlier handle left
-                        self._submit(_Work("promote", run, self.refs.tags(run)[name].generation))
 
     def __repr__(self) -> str:
         fast, durable = str(self.fast.path), str(self.durable.path)
@@ -146,15 +144,32 @@ class TieredStore(Store):
     # -- history across the tiers -------------------------------------------------
 
     def _take_durable_history(self) -> None:
-        """Make each run's newest durable generation the fast tier's, where it is newer."""
-        for run in self.durable.refs.ref_runs():
-            newest = self.durable.refs.read(run)
-            mine = self.fast.refs.read(run)
-            if newest is None or (mine is not None and mine.generation >= newest.generation):
-                continue
-            root = self.durable.read_root(newest.root, run=run)
-            copy_generation(self.durable, self.fast, newest.root, root, chunks=False)
-            mark_elsewhere(Path(self.fast.path), run, root.generation, newest.root)
+        """Make each run's newest durable generation the fast tier's, where it is newer.
+
+        Under a lock of the fast directory's own: every process of the node opens
+        it at once, and one of them takes each run's history.
+        """
+        behind = [run for run in self.durable.refs.ref_runs() if self._behind(run)]
+        if not behind:
+            return
+        directory = Path(self.fast.path) / "tiers"
+        directory.mkdir(exist_ok=True)
+        fd = os.open(directory / "take-history.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            for run in behind:
+                newest = self.durable.refs.read(run)
+                if newest is None or not self._behind(run):
+                    continue  # another process of the node took it meanwhile
+                root = self.durable.read_root(newest.root, run=run)
+                copy_generation(self.durable, self.fast, newest.root, root, chunks=False)
+                mark_elsewhere(Path(self.fast.path), run, root.generation, newest.root)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _behind(self, run: str) -> bool:
+        newest, mine = self.durable.refs.read(run), self.fast.refs.read(run)
+        return newest is not None and (mine is None or mine.generation < newest.generation)
 
     def resolve_root(
         self, run: str, generation: GenerationSpec = "latest"
@@ -193,8 +208,23 @@ class TieredStore(Store):
 
     # -- promotion ----------------------------------------------------------------
 
+    def _resume_pins(self) -> None:
+        """Queue the promotions an earlier handle left pinned, once per handle.
+
+        Not at open: every process of a node opens the tiered store, and only the
+        one that publishes (a job's coordinator) or waits for promotions retries them.
+        """
+        if self._pins_resumed or self.readonly:
+            return
+        self._pins_resumed = True
+        for run in self.refs.ref_runs():
+            for name, value in sorted(self.refs.tags(run).items()):
+                if name.startswith(PIN_PREFIX):
+                    self._submit(_Work("promote", run, value.generation))
+
     def after_publish(self, run: str, generation: int, root: Digest) -> None:
         """Pin and queue the generation if the policy selects it; collect the fast tier."""
+        self._resume_pins()
         self._saved_runs.add(run)
         if self._selects(run, generation):
             self._pin(run, generation, root)
@@ -227,7 +257,11 @@ class TieredStore(Store):
         return next(p for p in reversed(self.promoted) if (p.run, p.generation) == (run, gen.id))
 
     def wait_promotions(self, timeout: float | None = None) -> list[Promoted]:
-        """Block until every queued promotion and collection ran; this handle's promotions."""
+        """Block until every queued promotion and collection ran; this handle's promotions.
+
+        Promotions an earlier handle left unfinished are retried first.
+        """
+        self._resume_pins()
         work = self._submit(_Work("collect", ""))
         if not work.done.wait(timeout):
             raise TimeoutError(f"promotions still running after {timeout}s")
@@ -299,6 +333,8 @@ class TieredStore(Store):
         self._closed = True
         super().close()
         try:
+            if self._thread is not None:
+                self._submit(_Work("collect", "")).done.wait()  # what is queued, first
             if self.policy.promote_on_exit and not self.readonly:
                 for run in sorted(self._saved_runs):
                     newest = self.refs.read(run)
