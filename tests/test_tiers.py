@@ -243,3 +243,31 @@ def test_a_shared_directory_as_the_durable_tier(tmp_path: Path) -> None:
         assert_state_equal(store.load("r"), state(2))
         sliced = store.read_slice("r", "latest", "weight", (slice(250, 260),))
         assert np.array_equal(sliced, state(2)["weight"][250:260])
+
+
+def test_train_state_and_dcp_work_unchanged_on_a_tiered_store(tmp_path: Path) -> None:
+    """TrainState.save/load and the DCP writer/reader, before and after the fast tier is lost."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from castore.dcp import CastoreReader, CastoreWriter
+    from castore.train import TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with open_pair(tmp_path) as store:
+        TrainState(model, optimizer).save(store, run="train")
+        dcp.save({"w": torch.arange(300.0)}, storage_writer=CastoreWriter(store, run="dcp", step=1),
+                 no_dist=True)  # fmt: skip
+    shutil.rmtree(tmp_path / "fast")
+    with open_pair(tmp_path) as store:
+        fresh = torch.nn.Linear(8, 4)
+        TrainState(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)).load(store, run="train")
+        for name, value in fresh.state_dict().items():
+            assert torch.equal(value, saved[name]), name
+        target = {"w": torch.zeros(300)}
+        dcp.load(target, storage_reader=CastoreReader(store, run="dcp"), no_dist=True)
+        assert torch.equal(target["w"], torch.arange(300.0))
+        assert store.served_bytes["durable"] > 0
