@@ -85,6 +85,11 @@ def stop_ranks(procs: list[Any], timeout: float) -> list[int | None]:
 
 # -- fresh interpreters on a file rendezvous --------------------------------------
 
+# The workers of these tools call torch.use_deterministic_algorithms(True), which
+# imports torch._inductor.config and with it torch._dynamo: seconds of CPU in
+# every rank (most of a crash drill rank's time), paid once in the zygote instead.
+DETERMINISM_PRELOAD = ("torch._inductor.config",)
+
 
 def worker_env(started_env: str, started: float) -> dict[str, str]:
     """The workers' environment: this one without armed fault points, plus the launch time."""
@@ -179,7 +184,7 @@ def start_workers(
     from castore.testing.zygote import shared as shared_zygote
 
     procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
-    zygote = shared_zygote(TORCH_PRELOAD, env)
+    zygote = shared_zygote((*TORCH_PRELOAD, *DETERMINISM_PRELOAD), env)
     for rank in range(world):
         argv = [str(script), "--worker", str(spec_path), str(rank)]
         log = workdir / f"{label}-{rank}.log"

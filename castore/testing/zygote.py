@@ -53,7 +53,17 @@ from typing import Any
 # Environment variables a preloaded module may have read at import: a child must
 # match the zygote in these, or be started fresh.
 _IMPORT_TIME_EXACT = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "PYTHONHASHSEED", "LD_PRELOAD")
-_IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NCCL_", "KMP_", "GOMP_", "OPENBLAS_")
+_IMPORT_TIME_PREFIXES = (
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+)
 _FORK_ANSWER_S = 120.0
 
 # What a torch rank imports anyway, and takes seconds: the preload of the suite's
