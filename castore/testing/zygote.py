@@ -38,6 +38,7 @@ Protocol, one JSON object per line: requests ``{"id", "argv", "env", "cwd",
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -291,6 +292,12 @@ def _serve(preload: Sequence[str]) -> int:
     if threading.active_count() != 1:  # forking a process with threads is not safe
         print(f"zygote: {threading.active_count()} threads after preloading", file=sys.stderr)
         return 2
+    # The preloaded modules' objects live as long as a child does: out of the
+    # collector's sight, a child's full collection does not walk them (torch's
+    # hundreds of thousands took half a second a collection) nor write to their
+    # pages, which then stay shared with the zygote.
+    gc.collect()
+    gc.freeze()
     site_paths = sys.path[1:]  # without this file's directory
 
     def send(message: dict[str, Any]) -> None:
