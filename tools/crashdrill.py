@@ -440,7 +440,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     }
 
 
-# -- fresh processes without torch: the reader and the collector -----------------
+# -- fresh processes that join no group: the reader and the collector -----------
 
 
 def _reader(path: str, plan_keep: int | None) -> int:
@@ -520,7 +520,7 @@ def _collector(path: str, keep: int, delete_batch: int) -> int:
 
 
 def _self_command(*args: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), *args]
+    return [str(Path(__file__).resolve()), *args]
 
 
 def read_store(path: str, *, plan_keep: int | None = None) -> dict[str, Any]:
@@ -528,7 +528,7 @@ def read_store(path: str, *, plan_keep: int | None = None) -> dict[str, Any]:
     if plan_keep is not None:
         command += ["--plan-keep", str(plan_keep)]
     env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    done = _ranks.run_script(command, env=env, timeout=120)
     if done.returncode != 0:
         return {"selected": None, "reader_error": done.stderr[-800:]}
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
@@ -539,7 +539,7 @@ def collect(path: str, *, fault: str | None) -> subprocess.CompletedProcess[str]
     if fault:
         env["CASTORE_FAULTS"] = f"{fault}=kill"
     command = _self_command("--collector", path, str(GC_KEEP), str(DELETE_BATCH))
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    return _ranks.run_script(command, env=env, timeout=120)
 
 
 # -- launching ranks ---------------------------------------------------------------
