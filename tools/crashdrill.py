@@ -80,7 +80,10 @@ defaults a shard or a sweep this small is one batch, and the "mid" points fire
 only after the last one. The row's evidence column shows how far the killed
 process got (bytes of its shard durable; objects and chunks swept).
 
-A GC row also checks that the run lists exactly U-1 and U, and runs the
+A GC row collects a byte-for-byte copy of one uninterrupted job's store
+(trained once per drill); a fresh reader's dry run on that store says what
+the collection frees, and the fresh reader after the kill how much of it was
+swept. A GC row also checks that the run lists exactly U-1 and U, and runs the
 collection again without the fault: it must finish the sweep (no garbage
 left, the store still verifies).
 
@@ -834,13 +837,24 @@ def run_save_scenario(
     return store
 
 
+@dataclass(frozen=True)
+class Trained:
+    """The uninterrupted job's store that every GC row collects a copy of."""
+
+    location: str
+    would_free: dict[str, int]  # what ``castore gc --keep GC_KEEP`` frees of it (a dry run)
+
+
 def run_gc_scenario(
-    scenario: Scenario, row: Row, scenario_dir: Path, trained: str, backend: DrillBackend
-) -> str:
+    scenario: Scenario, row: Row, scenario_dir: Path, trained: Trained, backend: DrillBackend
+) -> tuple[str, dict[str, Any]]:
+    """Collect a copy of the trained store with ``castore gc`` killed mid-sweep.
+
+    Returns the store and what a fresh reader saw there after the kill.
+    """
     store = backend.location(scenario_dir)
-    backend.copy(trained, store)
-    before = read_store(store, plan_keep=GC_KEEP)
-    would = before.get("would_free", {"objects": 0, "chunks": 0})
+    backend.copy(trained.location, store)  # byte for byte: the trained store's would_free
+    would = trained.would_free
     killed = collect(store, fault=scenario.point)
     row.exit_code = killed.returncode
     if killed.returncode != -signal.SIGKILL:
@@ -861,7 +875,7 @@ def run_gc_scenario(
         mid = swept["objects"] == would["objects"] and 0 < swept["chunks"] < would["chunks"]
     if not mid:
         row.failures.append(f"not killed mid-sweep at {scenario.point}: {row.evidence}")
-    return store
+    return store, after
 
 
 def _compare(
@@ -885,7 +899,7 @@ def run_scenario(
     config: dict[str, Any],
     scenario: Scenario,
     reference: list[dict[str, Any]],
-    trained: str | None,
+    trained: Trained | None,
     backend: DrillBackend,
 ) -> Row:
     clock = time.perf_counter()
@@ -906,11 +920,11 @@ def run_scenario(
     scenario_dir.mkdir(parents=True, exist_ok=True)
     if scenario.kind == "save":
         store = run_save_scenario(config, scenario, row, scenario_dir, backend)
+        seen = read_store(store)
     else:
         assert trained is not None
-        store = run_gc_scenario(scenario, row, scenario_dir, trained, backend)
+        store, seen = run_gc_scenario(scenario, row, scenario_dir, trained, backend)
 
-    seen = read_store(store)
     row.selected = seen.get("selected")
     row.verify = bool(seen.get("verify_ok"))
     row.listed = seen.get("listed", [])
@@ -1009,17 +1023,19 @@ def _run_rows(
         launch({**config, "workdir": str(ref_dir)}, "reference", "reference"), "reference"
     )
     timings["reference"] = time.perf_counter() - clock
-    trained: str | None = None
+    trained: Trained | None = None
     if any(s.kind == "gc" for s in scenarios):
         step = time.perf_counter()
         trained_dir = workdir / "trained"
         trained_dir.mkdir(exist_ok=True)
-        trained = backend.location(trained_dir)
-        _new_store(trained)
+        location = backend.location(trained_dir)
+        _new_store(location)
         _require_ok(
-            launch({**config, "store": trained, "workdir": str(trained_dir)}, "train", "train"),
+            launch({**config, "store": location, "workdir": str(trained_dir)}, "train", "train"),
             "uninterrupted training for the gc scenarios",
         )
+        plan = read_store(location, plan_keep=GC_KEEP)
+        trained = Trained(location, plan.get("would_free", {"objects": 0, "chunks": 0}))
         timings["train_for_gc"] = time.perf_counter() - step
     rows = []
     for scenario in scenarios:
