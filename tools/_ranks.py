@@ -90,10 +90,12 @@ def stop_ranks(procs: list[Any], timeout: float) -> list[int | None]:
 
 # -- fresh interpreters on a file rendezvous --------------------------------------
 
-# The workers of these tools call torch.use_deterministic_algorithms(True), which
-# imports torch._inductor.config and with it torch._dynamo: seconds of CPU in
-# every rank (most of a crash drill rank's time), paid once in the zygote instead.
-DETERMINISM_PRELOAD = ("torch._inductor.config",)
+# What the tools' processes import anyway, paid once in the zygote rather than in
+# each: their ranks call torch.use_deterministic_algorithms(True), which imports
+# torch._inductor.config and with it torch._dynamo (seconds of CPU, most of a
+# crash drill rank's time before); a store on S3 imports boto3 (a quarter of a
+# second). The zygote skips a module that is not installed.
+EXTRA_PRELOAD = ("torch._inductor.config", "boto3")
 
 
 def worker_env(started_env: str, started: float) -> dict[str, str]:
@@ -223,7 +225,7 @@ def _start(
     from castore.testing.zygote import TORCH_PRELOAD, ZygoteMismatch
     from castore.testing.zygote import shared as shared_zygote
 
-    zygote = shared_zygote((*TORCH_PRELOAD, *DETERMINISM_PRELOAD), env)
+    zygote = shared_zygote((*TORCH_PRELOAD, *EXTRA_PRELOAD), env)
     if zygote is not None:
         try:
             return zygote.fork(argv, env=env, cwd=os.getcwd(), stdout=stdout, stderr=stderr)
