@@ -88,7 +88,7 @@ collection again without the fault: it must finish the sweep (no garbage
 left, the store still verifies).
 
 The table has one row per scenario; the exit status is 1 if any row fails.
-``--quick`` (2 ranks, 3 updates, every scenario) takes about two minutes on a
+``--quick`` (2 ranks, 3 updates, every scenario) takes about 35 s on a
 2-core machine. ``--control skip-optimizer`` is a broken control: the resume
 restores only the weights (``castore.train.load_weights``) and the data
 position, so its rows must FAIL the bitwise comparison.
@@ -1142,7 +1142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + f" ({', '.join(sorted(S3_ONLY))}: s3 only)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="2 ranks, 3 updates, every scenario (~1 min)"
+        "--quick", action="store_true", help="2 ranks, 3 updates, every scenario (~35 s)"
     )
     parser.add_argument(
         "--control",
