@@ -6,7 +6,9 @@ racing conditional writes could both win, where S3 documents them as atomic.
 The server here handles one request at a time, which gives the emulator S3's
 atomicity; clients still race each other on the wire. It runs in a child
 process, so that its memory and CPU are not the client's (a test that
-measures the client's peak memory sees only the client).
+measures the client's peak memory sees only the client). It remembers which
+of moto's backends answers a host: moto works that out for every request,
+listing its package directory.
 """
 
 from __future__ import annotations

@@ -69,7 +69,17 @@ _IMPORT_TIME_EXACT = (
     "PYTHONFAULTHANDLER",
     "PYTHONMALLOC",
 )
-_IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NCCL_", "KMP_", "GOMP_", "OPENBLAS_")
+_IMPORT_TIME_PREFIXES = (
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+)
 # castore reads this one at import (castore.support.faults): a setting of a zygote
 # that preloads castore, and only of such a one, so that the rank launchers' zygote
 # (torch, no castore) forks ranks armed with different faults.
@@ -312,6 +322,12 @@ def _serve(preload: Sequence[str]) -> int:
     if threading.active_count() != 1:  # forking a process with threads is not safe
         print(f"zygote: {threading.active_count()} threads after preloading", file=sys.stderr)
         return 2
+    # The preloaded modules' objects live as long as a child does: out of the
+    # collector's sight, a child's full collection does not walk them (torch's
+    # hundreds of thousands took half a second a collection) nor write to their
+    # pages, which then stay shared with the zygote.
+    gc.collect()
+    gc.freeze()
     site_paths = sys.path[1:]  # without this file's directory
 
     def send(message: dict[str, Any]) -> None:
