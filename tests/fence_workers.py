@@ -1,7 +1,8 @@
 """One writer process for the fencing tests: it opens a store and obeys commands.
 
-Run as ``python fence_workers.py ADDRESS OPTIONS_JSON``; each line of stdin is a
-JSON command, and each answer is one JSON line on stdout:
+Run as ``python fence_workers.py ADDRESS OPTIONS_JSON [SOCKET]``; each line of
+stdin (or of the Unix socket it connects to) is a JSON command, and each
+answer is one JSON line on stdout (or the socket):
 
 * ``{"op": "save", "step": N, "mode": M}``: save a small state of run ``r`` at
   step N through ``M``: ``store`` (Store.save), ``async`` (Store.save with
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import tempfile
 import warnings
@@ -103,13 +105,18 @@ def obey(store: castore.Store, command: dict[str, Any]) -> dict[str, Any]:
 
 def main() -> None:
     address, options = sys.argv[1], json.loads(sys.argv[2])
+    commands, answers = sys.stdin, sys.stdout
+    if len(sys.argv) > 3:  # forked from the zygote: no pipes, a Unix socket instead
+        connection = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        connection.connect(sys.argv[3])
+        commands, answers = connection.makefile("r"), connection.makefile("w")
     store = castore.open(address, **options)
-    print(json.dumps({"ready": os.getpid()}), flush=True)
-    for line in sys.stdin:
+    print(json.dumps({"ready": os.getpid()}), file=answers, flush=True)
+    for line in commands:
         command = json.loads(line)
         if command["op"] == "quit":
             break
-        print(json.dumps(obey(store, command)), flush=True)
+        print(json.dumps(obey(store, command)), file=answers, flush=True)
     store.close()
 
 

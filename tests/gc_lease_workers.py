@@ -3,13 +3,16 @@
 Run as a script (each process opens the store with its own index cache, so it
 shares nothing with the test's process but the directory)::
 
-    python gc_lease_workers.py saver STORE CACHE LEASE NODE STOP_FILE MAX_SAVES
+    python gc_lease_workers.py saver STORE CACHE LEASE NODE STOP_FILE MAX_SAVES ROUND_FILE
     python gc_lease_workers.py collector STORE CACHE LEASE
 
 ``saver`` saves generations of run ``node<NODE>`` built by :func:`state`
 (each shares chunks with earlier generations of both nodes), a random
 moment apart, and prints one line ``saved <run> <generation> <new chunks>``
-per published generation. It stops once ``STOP_FILE`` exists, or after
+per published generation. It saves while a collection runs: it starts a
+save once ``ROUND_FILE`` names a round it has not seen (the test writes it as
+a collection starts), and goes on saving while ``ROUND_FILE.collecting``
+exists; otherwise it waits. It stops once ``STOP_FILE`` exists, or after
 ``MAX_SAVES``. A failed save ends it with a traceback and exit status 1.
 
 ``collector`` starts a collection (keep the last generation) and, once it
@@ -52,16 +55,45 @@ def open_node(store: str, cache: str, lease: float) -> castore.Store:
     )
 
 
-def saver(store: str, cache: str, lease: float, node: int, stop_file: str, most: int) -> None:
+def saver(
+    store: str, cache: str, lease: float, node: int, stop_file: str, most: int, round_file: str
+) -> None:
     rng = random.Random(node)
     run = f"node{node}"
+    rounds = RoundWatch(Path(round_file))
     with open_node(store, cache, lease) as handle:
         for generation in range(1, most + 1):
+            while not (Path(stop_file).exists() or rounds.save_now()):
+                time.sleep(0.001)
             if Path(stop_file).exists():
                 break
             saved = handle.save(state(node, generation), run=run, step=generation)
             print(f"saved {run} {saved.id} {saved.stats.new_chunks}", flush=True)
             time.sleep(rng.uniform(0, 0.01))
+
+
+class RoundWatch:
+    """When a saver saves: once per new round, and all along while a collection runs.
+
+    Saves between collections would overlap none: they only lengthen the
+    reflogs that every collection and verify reads whole (their cost grows with
+    every generation ever saved).
+    """
+
+    def __init__(self, round_file: Path) -> None:
+        self.round_file = round_file
+        self.collecting = round_file.with_name(round_file.name + ".collecting")
+        self.seen: str | None = None
+
+    def save_now(self) -> bool:
+        try:
+            current = self.round_file.read_text()
+        except FileNotFoundError:
+            current = ""  # before the first round: the first save
+        if current != self.seen:
+            self.seen = current
+            return True
+        return self.collecting.exists()
 
 
 def collector(store: str, cache: str, lease: float) -> None:
@@ -80,8 +112,8 @@ def collector(store: str, cache: str, lease: float) -> None:
 if __name__ == "__main__":
     command, *args = sys.argv[1:]
     if command == "saver":
-        path, cache, lease, node, stop, most = args
-        saver(path, cache, float(lease), int(node), stop, int(most))
+        path, cache, lease, node, stop, most, round_file = args
+        saver(path, cache, float(lease), int(node), stop, int(most), round_file)
     elif command == "collector":
         path, cache, lease = args
         collector(path, cache, float(lease))

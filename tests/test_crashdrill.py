@@ -50,7 +50,7 @@ ASYNC_PUBLISHED = "async_published"
 # On S3 (moto), the row only the blob backends have and the one that leaves a dead
 # collector's store lease behind. `tools/crashdrill.py --backend s3` (and `shared`)
 # also runs the coordinator's rows around the ref compare-and-swap; all pass there,
-# and the suite keeps to these two for its time (each S3 row costs about 25 s here).
+# and the suite keeps to these two for its time (each S3 row costs 7 to 15 s here).
 S3_EXPECTED = {
     "worker_mid_multipart": ("blob.mid_multipart", UPDATES - 1),
     "gc_mid_sweep": ("gc.mid_sweep", UPDATES),

@@ -9,12 +9,15 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import numpy as np
 import pytest
@@ -23,38 +26,84 @@ from blob_places import Place, s3_place, shared_place
 import castore
 from castore.repo.records import RefValue
 from castore.repo.reffile import encode_ref, replace_file
+from castore.testing.zygote import TORCH_PRELOAD, ForkedProcess, ZygoteMismatch
+from castore.testing.zygote import shared as shared_zygote
 
 pytestmark = pytest.mark.slow
 
-WORKER = Path(__file__).with_name("fence_workers.py")
+HERE = Path(__file__).parent
+WORKER = HERE / "fence_workers.py"
 RUN = "r"
 
 
 class Writer:
-    """A writer process on one store, obeying one command at a time."""
+    """A writer process on one store, obeying one command at a time.
+
+    Forked from the zygote (torch imported once: the dist, train and dcp saves
+    need it) and driven over a Unix socket; a fresh interpreter on pipes where
+    there is no zygote.
+    """
 
     def __init__(self, place: Place, job: str) -> None:
         env = {**os.environ, **place.env, "CASTORE_JOB_ID": job}
-        self.process = subprocess.Popen(
-            [sys.executable, str(WORKER), place.address, json.dumps(place.options)],
+        argv = [str(WORKER), place.address, json.dumps(place.options)]
+        self.process: subprocess.Popen[str] | ForkedProcess
+        self._folder = tempfile.TemporaryDirectory(prefix="fence-")  # a short socket path
+        self.log = Path(self._folder.name, "stderr")
+        self.process, (self._in, self._out) = self._forked(argv, env) or self._fresh(argv, env)
+        self.pid = json.loads(self._line())["ready"]
+
+    def _forked(
+        self, argv: list[str], env: dict[str, str]
+    ) -> tuple[ForkedProcess, tuple[IO[str], IO[str]]] | None:
+        zygote = shared_zygote(TORCH_PRELOAD, env)
+        if zygote is None:
+            return None
+        where = str(Path(self._folder.name, "socket"))
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+            listener.bind(where)
+            listener.listen(1)
+            try:
+                process = zygote.fork([*argv, where], env=env, cwd=HERE, stderr=self.log)
+            except ZygoteMismatch:
+                return None
+            listener.settimeout(1.0)
+            deadline = time.monotonic() + 120
+            while True:
+                try:
+                    connection, _ = listener.accept()
+                    break
+                except TimeoutError:
+                    assert process.poll() is None, f"writer exited: {self._log_tail()}"
+                    assert time.monotonic() < deadline, "writer did not connect in 120 s"
+        connection.settimeout(None)
+        return process, (connection.makefile("w"), connection.makefile("r"))
+
+    def _fresh(
+        self, argv: list[str], env: dict[str, str]
+    ) -> tuple[subprocess.Popen[str], tuple[IO[str], IO[str]]]:
+        process = subprocess.Popen(
+            [sys.executable, *argv],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=env,
-            cwd=Path(__file__).parent,
+            cwd=HERE,
         )
-        self.pid = json.loads(self._line())["ready"]
+        assert process.stdin is not None and process.stdout is not None
+        return process, (process.stdin, process.stdout)
+
+    def _log_tail(self) -> str:
+        return self.log.read_text()[-2000:] if self.log.exists() else ""
 
     def _line(self) -> str:
-        assert self.process.stdout is not None
-        line = self.process.stdout.readline()
-        assert line, f"writer exited with {self.process.wait(timeout=30)}"
+        line = self._out.readline()
+        assert line, f"writer exited with {self.process.wait(timeout=30)}: {self._log_tail()}"
         return line
 
     def __call__(self, op: str, **fields: Any) -> dict[str, Any]:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": op, **fields}) + "\n")
-        self.process.stdin.flush()
+        self._in.write(json.dumps({"op": op, **fields}) + "\n")
+        self._in.flush()
         answer: dict[str, Any] = json.loads(self._line())
         return answer
 
@@ -62,10 +111,10 @@ class Writer:
         return self("save", step=step, mode=mode)
 
     def close(self) -> None:
-        assert self.process.stdin is not None
-        self.process.stdin.write(json.dumps({"op": "quit"}) + "\n")
-        self.process.stdin.close()
+        self._in.write(json.dumps({"op": "quit"}) + "\n")
+        self._in.close()
         assert self.process.wait(timeout=60) == 0
+        self._folder.cleanup()
 
 
 @contextmanager

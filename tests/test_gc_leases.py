@@ -514,10 +514,13 @@ def test_collections_concurrent_with_two_nodes_saving_never_lose_a_chunk(
     quick_dir: Path,
 ) -> None:
     """GC_ROUNDS collections (keep 1) while two other processes save; verify after each."""
-    path, stop_file = quick_dir / "store", quick_dir / "stop"
+    path, stop_file, round_file = quick_dir / "store", quick_dir / "stop", quick_dir / "round"
+    collecting = round_file.with_name("round.collecting")
     store = gc_lease_workers.open_node(str(path), str(quick_dir / "cache" / "gc"), LONG)
     savers = [
-        start_worker("saver", path, quick_dir / "cache" / str(n), LONG, n, stop_file, 100_000)
+        start_worker(
+            "saver", path, quick_dir / "cache" / str(n), LONG, n, stop_file, 100_000, round_file
+        )
         for n in (0, 1)
     ]
     runs = ["node0", "node1"]
@@ -525,10 +528,18 @@ def test_collections_concurrent_with_two_nodes_saving_never_lose_a_chunk(
     rounds: list[tuple[int, bool]] = []  # chunks freed, both nodes still saving
     try:
         while len(rounds) < GC_ROUNDS:
-            # A round starts once each node has published since the last: every
-            # collection overlaps the saves that follow, and a node never idles.
+            # A round starts once each node has published since the last. Both
+            # nodes start a save as the collection starts and save on until it
+            # ends (gc_lease_workers.RoundWatch): every collection overlaps saves
+            # of both, and no save between collections lengthens the reflogs
+            # that each collection and verify read whole.
             published = wait_for_new_generations(store, savers, published)
+            next_round = quick_dir / "round.next"
+            next_round.write_text(str(len(rounds)))
+            os.replace(next_round, round_file)
+            collecting.touch()
             report = keep_last_one(store, lock_timeout=60)
+            collecting.unlink()
             problems = verify_store(store, deep=False).problems
             assert problems == [], (len(rounds), problems[:3])
             rounds.append((report.chunks_freed, all(p.poll() is None for p in savers)))

@@ -1,13 +1,15 @@
 """Every ```python and ```sh block of README.md and docs/*.md runs as written.
 
-The blocks of one file run in order, in one fresh process, in an empty
-directory, sharing one namespace (sh blocks run with bash, ``set -e``, with
-``castore`` on PATH). Names a block uses but does not define (``state``,
-``weights``, ``dataset``, ``ddp_model``...) come from PRELUDE below, never from
-editing the document. The process is a gloo group of one, so the multi-rank
-examples run their collective code paths. A block that cannot run here is
-skipped only by an HTML comment right before its fence, visible in the raw
-file: ``<!-- readme-test: skip (why) -->``.
+The blocks of one file run in order, in one fresh process (forked from the
+suite's zygote, which imported torch once: castore.testing.zygote; a fresh
+interpreter where there is none), in an empty directory, sharing one namespace
+(sh blocks run with bash, ``set -e``, with ``castore`` on PATH). Names a block
+uses but does not define (``state``, ``weights``, ``dataset``,
+``ddp_model``...) come from PRELUDE below, never from editing the document. The
+process is a gloo group of one, so the multi-rank examples run their collective
+code paths. A block that cannot run here is skipped only by an HTML comment
+right before its fence, visible in the raw file:
+``<!-- readme-test: skip (why) -->``.
 
 A ``castore.train.DataCursorWarning`` is an error here: the training example
 must count its examples correctly.
@@ -28,6 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from castore.testing.zygote import TORCH_PRELOAD, ZygoteMismatch
+from castore.testing.zygote import shared as shared_zygote
 
 try:
     import s3_server
@@ -75,6 +80,7 @@ loss_fn = nn.functional.mse_loss
 # Runs in the child: the group of one, warnings as errors, then each block.
 RUNNER = """
 import os, subprocess, sys, warnings
+sys.path[0] = ""  # the working directory first, as for python -c, also when run as a file
 import torch.distributed as dist
 from castore.train import DataCursorWarning
 
@@ -176,17 +182,43 @@ def test_every_code_block_runs_as_written(
         "PATH": os.pathsep.join([str(tmp_path / "bin"), os.environ.get("PATH", "")]),
     }
     listed = repr([(b.path, b.line, b.lang, b.source) for b in runnable])
+    code, stdout, stderr = run_runner(tmp_path, work, env, [PRELUDE, listed], timeout=120)
+    assert code == 0 and "--- all blocks ran" in stdout, f"{stdout[-3000:]}\n{stderr[-5000:]}"
+
+
+def run_runner(
+    tmp_path: Path, work: Path, env: dict[str, str], args: list[str], *, timeout: float
+) -> tuple[int, str, str]:
+    """``python RUNNER ARGS...`` in ``work``: its exit status, stdout and stderr.
+
+    Forked from the zygote where there is one: importing torch (PRELUDE) is
+    most of a document's CPU time otherwise.
+    """
+    script, out, err = tmp_path / "runner.py", tmp_path / "stdout", tmp_path / "stderr"
+    script.write_text(RUNNER)
+    zygote = shared_zygote(TORCH_PRELOAD, env)
+    if zygote is not None:
+        try:
+            child = zygote.fork([str(script), *args], env=env, cwd=work, stdout=out, stderr=err)
+        except ZygoteMismatch:
+            pass
+        else:
+            try:
+                code = child.wait(timeout)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
+            return code, out.read_text(), err.read_text()
     done = subprocess.run(
-        [sys.executable, "-c", RUNNER, PRELUDE, listed],
+        [sys.executable, str(script), *args],
         cwd=work,
         env=env,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=timeout,
     )
-    assert done.returncode == 0 and "--- all blocks ran" in done.stdout, (
-        f"{done.stdout[-3000:]}\n{done.stderr[-5000:]}"
-    )
+    return done.returncode, done.stdout, done.stderr
 
 
 def test_skip_markers_say_why_and_stay_few() -> None:

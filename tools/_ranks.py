@@ -17,14 +17,18 @@ Two ways, as the tools need them:
   :class:`Workers`, SIGKILLs what is left and reads the results
   (tools/resume_parity.py, tools/crashdrill.py).
 
-torch is imported only inside the functions that join a group, so a tool's
-processes that never do (crashdrill's reader and collector) stay without it.
+``run_script(argv, ...)`` runs one more process of a tool to its end, forked
+from the same zygote, with its output captured (crashdrill's fresh reader and
+its collector).
+
+This module imports torch only inside the functions that join a group.
 tests/dist_harness.py is the test suite's own launcher (pickled values and
 outcomes per rank, a retry when the port is lost); the tools keep to this one.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import os
@@ -32,6 +36,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -84,6 +89,13 @@ def stop_ranks(procs: list[Any], timeout: float) -> list[int | None]:
 
 
 # -- fresh interpreters on a file rendezvous --------------------------------------
+
+# What the tools' processes import anyway, paid once in the zygote rather than in
+# each: their ranks call torch.use_deterministic_algorithms(True), which imports
+# torch._inductor.config and with it torch._dynamo (seconds of CPU, most of a
+# crash drill rank's time before); a store on S3 imports boto3 (a quarter of a
+# second). The zygote skips a module that is not installed.
+EXTRA_PRELOAD = ("torch._inductor.config", "boto3")
 
 
 def worker_env(started_env: str, started: float) -> dict[str, str]:
@@ -174,29 +186,55 @@ def start_workers(
             }
         )
     )
-    # Imported here: castore.testing brings pytest, which the other launchers never need.
-    from castore.testing.zygote import TORCH_PRELOAD, ZygoteMismatch
-    from castore.testing.zygote import shared as shared_zygote
-
     procs: list[subprocess.Popen[bytes] | ForkedProcess] = []
-    zygote = shared_zygote(TORCH_PRELOAD, env)
     for rank in range(world):
         argv = [str(script), "--worker", str(spec_path), str(rank)]
         log = workdir / f"{label}-{rank}.log"
         log.write_bytes(b"")
-        if zygote is not None:
-            try:
-                procs.append(zygote.fork(argv, env=env, cwd=os.getcwd(), stderr=log))
-                continue
-            except ZygoteMismatch:
-                pass
-        with log.open("wb") as out:
-            procs.append(
-                subprocess.Popen(
-                    [sys.executable, *argv], env=env, stdout=subprocess.DEVNULL, stderr=out
-                )
-            )
+        procs.append(_start(argv, env, stdout=None, stderr=log))
     return Workers(workdir, label, procs)
+
+
+def run_script(
+    argv: list[str], *, env: dict[str, str], timeout: float
+) -> subprocess.CompletedProcess[str]:
+    """``python *argv`` to its end, as ``subprocess.run`` with its output captured would.
+
+    Forked from the workers' zygote like them (a fresh interpreter without
+    one): a new process that imports castore afresh, in milliseconds rather
+    than an interpreter's start. On ``timeout`` it is killed and
+    ``subprocess.TimeoutExpired`` raised.
+    """
+    with tempfile.TemporaryDirectory(prefix="castore-run-") as tmp:
+        stdout, stderr = Path(tmp, "stdout"), Path(tmp, "stderr")
+        proc = _start(argv, env, stdout=stdout, stderr=stderr)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            kill_remaining([proc])
+            raise
+        out, err = (p.read_text(errors="replace") if p.exists() else "" for p in (stdout, stderr))
+    return subprocess.CompletedProcess(argv, code, out, err)
+
+
+def _start(
+    argv: list[str], env: dict[str, str], *, stdout: Path | None, stderr: Path
+) -> subprocess.Popen[bytes] | ForkedProcess:
+    """``python *argv`` forked from the zygote, or a fresh interpreter if it refuses."""
+    # Imported here: castore.testing brings pytest, which the other launchers never need.
+    from castore.testing.zygote import TORCH_PRELOAD, ZygoteMismatch
+    from castore.testing.zygote import shared as shared_zygote
+
+    zygote = shared_zygote((*TORCH_PRELOAD, *EXTRA_PRELOAD), env)
+    if zygote is not None:
+        try:
+            return zygote.fork(argv, env=env, cwd=os.getcwd(), stdout=stdout, stderr=stderr)
+        except ZygoteMismatch:
+            pass
+    with contextlib.ExitStack() as files:
+        out = files.enter_context(stdout.open("wb")) if stdout else subprocess.DEVNULL
+        err = files.enter_context(stderr.open("wb"))
+        return subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=err)
 
 
 def kill_remaining(procs: list[subprocess.Popen[bytes] | ForkedProcess]) -> list[int]:

@@ -80,12 +80,15 @@ defaults a shard or a sweep this small is one batch, and the "mid" points fire
 only after the last one. The row's evidence column shows how far the killed
 process got (bytes of its shard durable; objects and chunks swept).
 
-A GC row also checks that the run lists exactly U-1 and U, and runs the
+A GC row collects a byte-for-byte copy of one uninterrupted job's store
+(trained once per drill); a fresh reader's dry run on that store says what
+the collection frees, and the fresh reader after the kill how much of it was
+swept. A GC row also checks that the run lists exactly U-1 and U, and runs the
 collection again without the fault: it must finish the sweep (no garbage
 left, the store still verifies).
 
 The table has one row per scenario; the exit status is 1 if any row fails.
-``--quick`` (2 ranks, 3 updates, every scenario) takes about two minutes on a
+``--quick`` (2 ranks, 3 updates, every scenario) takes about 35 s on a
 2-core machine. ``--control skip-optimizer`` is a broken control: the resume
 restores only the weights (``castore.train.load_weights``) and the data
 position, so its rows must FAIL the bitwise comparison.
@@ -440,7 +443,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     }
 
 
-# -- fresh processes without torch: the reader and the collector -----------------
+# -- fresh processes that join no group: the reader and the collector -----------
 
 
 def _reader(path: str, plan_keep: int | None) -> int:
@@ -520,7 +523,7 @@ def _collector(path: str, keep: int, delete_batch: int) -> int:
 
 
 def _self_command(*args: str) -> list[str]:
-    return [sys.executable, str(Path(__file__).resolve()), *args]
+    return [str(Path(__file__).resolve()), *args]
 
 
 def read_store(path: str, *, plan_keep: int | None = None) -> dict[str, Any]:
@@ -528,7 +531,7 @@ def read_store(path: str, *, plan_keep: int | None = None) -> dict[str, Any]:
     if plan_keep is not None:
         command += ["--plan-keep", str(plan_keep)]
     env = {k: v for k, v in os.environ.items() if k != "CASTORE_FAULTS"}
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    done = _ranks.run_script(command, env=env, timeout=120)
     if done.returncode != 0:
         return {"selected": None, "reader_error": done.stderr[-800:]}
     return json.loads(done.stdout.splitlines()[-1])  # type: ignore[no-any-return]
@@ -539,7 +542,7 @@ def collect(path: str, *, fault: str | None) -> subprocess.CompletedProcess[str]
     if fault:
         env["CASTORE_FAULTS"] = f"{fault}=kill"
     command = _self_command("--collector", path, str(GC_KEEP), str(DELETE_BATCH))
-    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=120)
+    return _ranks.run_script(command, env=env, timeout=120)
 
 
 # -- launching ranks ---------------------------------------------------------------
@@ -834,13 +837,24 @@ def run_save_scenario(
     return store
 
 
+@dataclass(frozen=True)
+class Trained:
+    """The uninterrupted job's store that every GC row collects a copy of."""
+
+    location: str
+    would_free: dict[str, int]  # what ``castore gc --keep GC_KEEP`` frees of it (a dry run)
+
+
 def run_gc_scenario(
-    scenario: Scenario, row: Row, scenario_dir: Path, trained: str, backend: DrillBackend
-) -> str:
+    scenario: Scenario, row: Row, scenario_dir: Path, trained: Trained, backend: DrillBackend
+) -> tuple[str, dict[str, Any]]:
+    """Collect a copy of the trained store with ``castore gc`` killed mid-sweep.
+
+    Returns the store and what a fresh reader saw there after the kill.
+    """
     store = backend.location(scenario_dir)
-    backend.copy(trained, store)
-    before = read_store(store, plan_keep=GC_KEEP)
-    would = before.get("would_free", {"objects": 0, "chunks": 0})
+    backend.copy(trained.location, store)  # byte for byte: the trained store's would_free
+    would = trained.would_free
     killed = collect(store, fault=scenario.point)
     row.exit_code = killed.returncode
     if killed.returncode != -signal.SIGKILL:
@@ -861,7 +875,7 @@ def run_gc_scenario(
         mid = swept["objects"] == would["objects"] and 0 < swept["chunks"] < would["chunks"]
     if not mid:
         row.failures.append(f"not killed mid-sweep at {scenario.point}: {row.evidence}")
-    return store
+    return store, after
 
 
 def _compare(
@@ -885,7 +899,7 @@ def run_scenario(
     config: dict[str, Any],
     scenario: Scenario,
     reference: list[dict[str, Any]],
-    trained: str | None,
+    trained: Trained | None,
     backend: DrillBackend,
 ) -> Row:
     clock = time.perf_counter()
@@ -906,11 +920,11 @@ def run_scenario(
     scenario_dir.mkdir(parents=True, exist_ok=True)
     if scenario.kind == "save":
         store = run_save_scenario(config, scenario, row, scenario_dir, backend)
+        seen = read_store(store)
     else:
         assert trained is not None
-        store = run_gc_scenario(scenario, row, scenario_dir, trained, backend)
+        store, seen = run_gc_scenario(scenario, row, scenario_dir, trained, backend)
 
-    seen = read_store(store)
     row.selected = seen.get("selected")
     row.verify = bool(seen.get("verify_ok"))
     row.listed = seen.get("listed", [])
@@ -1009,17 +1023,19 @@ def _run_rows(
         launch({**config, "workdir": str(ref_dir)}, "reference", "reference"), "reference"
     )
     timings["reference"] = time.perf_counter() - clock
-    trained: str | None = None
+    trained: Trained | None = None
     if any(s.kind == "gc" for s in scenarios):
         step = time.perf_counter()
         trained_dir = workdir / "trained"
         trained_dir.mkdir(exist_ok=True)
-        trained = backend.location(trained_dir)
-        _new_store(trained)
+        location = backend.location(trained_dir)
+        _new_store(location)
         _require_ok(
-            launch({**config, "store": trained, "workdir": str(trained_dir)}, "train", "train"),
+            launch({**config, "store": location, "workdir": str(trained_dir)}, "train", "train"),
             "uninterrupted training for the gc scenarios",
         )
+        plan = read_store(location, plan_keep=GC_KEEP)
+        trained = Trained(location, plan.get("would_free", {"objects": 0, "chunks": 0}))
         timings["train_for_gc"] = time.perf_counter() - step
     rows = []
     for scenario in scenarios:
@@ -1126,7 +1142,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         + f" ({', '.join(sorted(S3_ONLY))}: s3 only)",
     )
     parser.add_argument(
-        "--quick", action="store_true", help="2 ranks, 3 updates, every scenario (~1 min)"
+        "--quick", action="store_true", help="2 ranks, 3 updates, every scenario (~35 s)"
     )
     parser.add_argument(
         "--control",

@@ -22,8 +22,6 @@ from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
-from castore.testing.moto import moto_server
-
 BACKENDS = ("local", "shared", "s3")
 OPEN_ENV = "CRASHDRILL_OPEN"
 STORE_LEASE = 2.0  # seconds before a dead holder's store lease is broken
@@ -75,6 +73,10 @@ class DrillBackend:
             self._server = None
 
     def _start_server(self) -> None:
+        # Imported here: castore.testing brings pytest and the contract suites, and
+        # every process of the drill (each rank, reader, collector) imports this module.
+        from castore.testing.moto import moto_server
+
         self._server = moto_server(min_part_size=PART_BYTES)
         try:
             self.endpoint = self._server.__enter__()

@@ -6,7 +6,9 @@ racing conditional writes could both win, where S3 documents them as atomic.
 The server here handles one request at a time, which gives the emulator S3's
 atomicity; clients still race each other on the wire. It runs in a child
 process, so that its memory and CPU are not the client's (a test that
-measures the client's peak memory sees only the client).
+measures the client's peak memory sees only the client). It remembers which
+of moto's backends answers a host: moto works that out for every request,
+listing its package directory.
 """
 
 from __future__ import annotations
@@ -22,11 +24,20 @@ import sys, threading
 from moto.moto_server import threaded_moto_server
 
 one_at_a_time = threading.Lock()
+backends_by_host = {}
 
 class Atomic(threaded_moto_server.DomainDispatcherApplication):
     def __call__(self, environ, start_response):
         with one_at_a_time:
             return super().__call__(environ, start_response)
+
+    def get_backend_for_host(self, host):
+        # moto routes each request anew: it lists its own package directory (an
+        # isdir per service) and tries every service's URL patterns, a third of
+        # the server's time per request. The answer for a host never changes.
+        if host not in backends_by_host:
+            backends_by_host[host] = super().get_backend_for_host(host)
+        return backends_by_host[host]
 
 threaded_moto_server.DomainDispatcherApplication = Atomic
 server = threaded_moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)

@@ -39,6 +39,7 @@ Protocol, one JSON object per line: requests ``{"id", "argv", "env", "cwd",
 from __future__ import annotations
 
 import atexit
+import gc
 import json
 import os
 import select
@@ -68,7 +69,17 @@ _IMPORT_TIME_EXACT = (
     "PYTHONFAULTHANDLER",
     "PYTHONMALLOC",
 )
-_IMPORT_TIME_PREFIXES = ("TORCH_", "PYTORCH_", "CUDA_", "NCCL_", "KMP_", "GOMP_", "OPENBLAS_")
+_IMPORT_TIME_PREFIXES = (
+    "TORCH_",
+    "TORCHINDUCTOR_",
+    "TORCHDYNAMO_",
+    "PYTORCH_",
+    "CUDA_",
+    "NCCL_",
+    "KMP_",
+    "GOMP_",
+    "OPENBLAS_",
+)
 # castore reads this one at import (castore.support.faults): a setting of a zygote
 # that preloads castore, and only of such a one, so that the rank launchers' zygote
 # (torch, no castore) forks ranks armed with different faults.
@@ -85,6 +96,9 @@ TORCH_PRELOAD = (
     "torch.distributed.checkpoint",
     "torch.nn",
     "torch.optim",
+    # torch.use_deterministic_algorithms imports it at its first call (1.3 s of
+    # CPU in every rank of tools/resume_parity.py and tools/crashdrill.py).
+    "torch._dynamo",
 )  # the first fork waits for the zygote's imports
 
 
@@ -301,9 +315,19 @@ def _serve(preload: Sequence[str]) -> int:
             importlib.import_module(name)
         except ImportError:
             pass
+    # What the imports made lives as long as the child: the child's collections
+    # (run_child's gc.collect(), each automatic full one) need not walk it again
+    # (0.4 s each with torch), nor touch its pages (copy-on-write).
+    gc.freeze()
     if threading.active_count() != 1:  # forking a process with threads is not safe
         print(f"zygote: {threading.active_count()} threads after preloading", file=sys.stderr)
         return 2
+    # The preloaded modules' objects live as long as a child does: out of the
+    # collector's sight, a child's full collection does not walk them (torch's
+    # hundreds of thousands took half a second a collection) nor write to their
+    # pages, which then stay shared with the zygote.
+    gc.collect()
+    gc.freeze()
     site_paths = sys.path[1:]  # without this file's directory
 
     def send(message: dict[str, Any]) -> None:
