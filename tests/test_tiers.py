@@ -125,16 +125,21 @@ def test_a_wiped_fast_tier_restores_from_the_durable_one_and_saves_on(tmp_path: 
     shutil.rmtree(tmp_path / "fast")  # the node is replaced
     with open_pair(tmp_path) as store:
         assert store.resolve("r").id == 3
-        assert_state_equal(store.load("r"), state(3))
-        assert store.served_bytes.get("durable", 0) == 12 * CHUNK
+        restored = store.restore("r")
+        assert_state_equal(restored.state, state(3))
+        assert restored.sources["durable"] == 12 * CHUNK == store.served_bytes["durable"]
         newest = store.fast.resolve("r")
         assert held_elsewhere(Path(store.fast.path), "r", 3, Digest.from_hex(newest.root))
         report = verify_store(store.fast, deep=True)
         assert report.ok and report.held_elsewhere == [("r", 3)], report.problems
         store.save(state(4), run="r", step=4)  # follows the durable history: id 4
         assert [(p.generation, p.error) for p in store.wait_promotions()] == [(4, None)]
+        store.save(state(5), run="r", step=5)
+        store.wait_promotions()  # fast retention (keep 2) dropped 3, and its record
+        assert verify_store(store.fast).held_elsewhere == []
+        assert not (tmp_path / "fast" / "tiers" / "elsewhere" / "r" / f"{3:012d}").exists()
     with castore.open(tmp_path / "durable") as durable:
-        assert ids(durable) == [1, 2, 3, 4]
+        assert ids(durable) == [1, 2, 3, 4, 5]
         assert verify_store(durable, deep=True).ok
 
 
@@ -271,3 +276,28 @@ def test_train_state_and_dcp_work_unchanged_on_a_tiered_store(tmp_path: Path) ->
         dcp.load(target, storage_reader=CastoreReader(store, run="dcp"), no_dist=True)
         assert torch.equal(target["w"], torch.arange(300.0))
         assert store.served_bytes["durable"] > 0
+
+
+def test_the_tiers_command_says_where_each_generation_is(tmp_path: Path) -> None:
+    from cli_runner import run_cli
+
+    with open_pair(tmp_path, durable_every=2, fast_keep=2, promote_on_exit=False) as store:
+        for step in range(1, 4):
+            store.save(state(step), run="r", step=step)
+        store.wait_promotions()
+        store.refs.write_tag("r", f"{PIN_PREFIX}3", store.refs.read("r"))  # as mid-promotion
+        ages = store.recovery_points()["r"]
+        assert set(ages) == {"fast", "durable"} and 0 <= ages["fast"] <= ages["durable"]
+    before = run_cli("tiers", tmp_path / "fast", tmp_path / "durable").stdout.splitlines()
+    assert [line.split()[5:7] for line in before[2:-1]] == [["held", "yes"], ["held", "pending"]]
+    shutil.rmtree(tmp_path / "fast")
+    open_pair(tmp_path, promote_on_exit=False).close()  # a new node: takes 2 as elsewhere
+    result = run_cli("tiers", tmp_path / "fast", tmp_path / "durable")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["run", "id", "step", "time", "fast", "durable", "root"]
+    assert [line.split()[5:7] for line in lines[2:-1]] == [["elsewhere", "yes"]]
+    assert lines[-1].startswith("r: newest generation per tier: durable ")
+    missing = run_cli("tiers", tmp_path / "fast", tmp_path / "nowhere")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1
+    assert "Traceback" not in missing.stderr

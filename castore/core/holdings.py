@@ -19,6 +19,7 @@ generation's is ignored (the id was reused by another history).
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 from castore.errors import CorruptObjectError
@@ -75,9 +76,19 @@ def held_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> 
     return record.get("root") == root.hex
 
 
-def forget_elsewhere(store_dir: Path, run: str, generation: int) -> None:
-    """Remove the record of ``run@generation`` (its generation was collected)."""
+def forget_elsewhere(store_dir: Path, run: str, keep: set[int]) -> list[int]:
+    """Remove the records of ``run`` whose generation is not in ``keep`` (collected ones).
+
+    Returns the ids whose records were removed.
+    """
+    directory = store_dir.joinpath(*DIRECTORY, run)
     try:
-        _path(store_dir, run, generation).unlink()
-    except FileNotFoundError:
-        pass
+        names = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        if len(name) == 12 and name.isdigit() and int(name) not in keep:
+            (directory / name).unlink(missing_ok=True)
+            removed.append(int(name))
+    return removed

@@ -51,7 +51,7 @@ from castore.chunkstore.tiered import TieredChunkBackend
 from castore.copying import CopiedGeneration, copy_generation
 from castore.core.background import Throttle
 from castore.core.history import Generation, GenerationSpec
-from castore.core.holdings import mark_elsewhere
+from castore.core.holdings import forget_elsewhere, held_elsewhere, mark_elsewhere
 from castore.core.location import parse_location
 from castore.core.opening import open_address
 from castore.errors import CastoreError, CastoreWarning, GenerationNotFoundError
@@ -59,7 +59,7 @@ from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot
 from castore.gc import RetentionPolicy, collect_garbage
 from castore.repo.records import RefValue
-from castore.store import Store
+from castore.store import Restored, Store
 
 PIN_PREFIX = "promoting-"
 
@@ -203,8 +203,36 @@ class TieredStore(Store):
                 merged.update(Store.candidates(store, run, below))
         return sorted(merged.items(), key=lambda item: -item[0])
 
+    def restore(
+        self,
+        run: str,
+        generation: GenerationSpec = "latest",
+        *,
+        framework: str = "numpy",
+        fallback: str | None = None,
+        progress: bool = False,
+    ) -> Restored:
+        """:meth:`Store.restore`; ``sources`` says how many bytes each tier served."""
+        before = self.served_bytes
+        restored = super().restore(
+            run, generation, framework=framework, fallback=fallback, progress=progress
+        )
+        after = self.served_bytes
+        restored.sources = {
+            k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)
+        }
+        return restored
+
     def runs(self) -> list[str]:
         return sorted(set(self.fast.runs()) | set(self.durable.runs()))
+
+    def tiers(self, runs: list[str] | None = None) -> list[TierRow]:
+        """Per generation, which tier has it (:func:`tier_report` of the two tiers)."""
+        return tier_report(self.fast, self.durable, runs)
+
+    def recovery_points(self) -> dict[str, dict[str, float]]:
+        """Per run, seconds since its newest generation in each tier (the RPO per tier now)."""
+        return recovery_points(self.tiers())
 
     # -- promotion ----------------------------------------------------------------
 
@@ -323,6 +351,8 @@ class TieredStore(Store):
 
     def _collect_fast(self, run: str) -> None:
         collect_garbage(self.fast, RetentionPolicy(keep_last=self.policy.fast_keep), runs=[run])
+        # Records of generations the collection dropped: the record says nothing any more.
+        forget_elsewhere(Path(self.fast.path), run, set(self.fast.published(run).values()))
 
     # -- lifecycle --------------------------------------------------------------
 
@@ -352,6 +382,74 @@ class TieredStore(Store):
         if run not in self.durable.runs():
             return {}
         return self.durable.published(run, tolerate_bad_ref=True)
+
+
+@dataclass(frozen=True)
+class TierRow:
+    """Where one generation is: ``fast`` is "held", "elsewhere" (listed, chunks in
+    another tier) or "" (not listed); ``durable`` whether the durable tier has it."""
+
+    run: str
+    id: int
+    step: int
+    time: float
+    root: str
+    fast: str
+    durable: bool
+    pinned: bool  # pinned in the fast tier for a promotion not finished yet
+
+
+def tier_report(fast: Store, durable: Store, runs: list[str] | None = None) -> list[TierRow]:
+    """Per generation of ``runs`` (default: every run of either store), which tier has it.
+
+    Reads only: neither store is changed. Ordered by run, then id.
+    """
+    rows = []
+    names = runs if runs is not None else sorted(set(fast.runs()) | set(durable.runs()))
+    fast_dir = Path(fast.path) if isinstance(fast.path, Path) else None
+    for run in names:
+        in_fast = {g.id: g for g in fast.generations(run)} if run in fast.runs() else {}
+        in_durable = {g.id: g for g in durable.generations(run)} if run in durable.runs() else {}
+        pins = {
+            value.generation
+            for name, value in (fast.refs.tags(run) if run in fast.runs() else {}).items()
+            if name.startswith(PIN_PREFIX)
+        }
+        for gen_id in sorted(set(in_fast) | set(in_durable)):
+            gen = in_fast.get(gen_id) or in_durable[gen_id]
+            where = ""
+            if gen_id in in_fast:
+                elsewhere = fast_dir is not None and held_elsewhere(
+                    fast_dir, run, gen_id, Digest.from_hex(gen.root)
+                )
+                where = "elsewhere" if elsewhere else "held"
+            rows.append(
+                TierRow(
+                    run,
+                    gen_id,
+                    gen.step,
+                    gen.time,
+                    gen.root,
+                    where,
+                    gen_id in in_durable,
+                    gen_id in pins,
+                )  # fmt: skip
+            )
+    return rows
+
+
+def recovery_points(rows: list[TierRow], now: float | None = None) -> dict[str, dict[str, float]]:
+    """Per run, seconds since the newest generation each tier holds whole (its RPO now):
+    ``{"fast": ..., "durable": ...}``; a tier with none of the run's generations is absent."""
+    now = time.time() if now is None else now
+    points: dict[str, dict[str, float]] = {}
+    for row in rows:
+        ages = points.setdefault(row.run, {})
+        if row.fast == "held":
+            ages["fast"] = min(ages.get("fast", float("inf")), now - row.time)
+        if row.durable:
+            ages["durable"] = min(ages.get("durable", float("inf")), now - row.time)
+    return points
 
 
 def open_tiered(
@@ -409,4 +507,12 @@ def open_tiered(
         raise
 
 
-__all__ = ["Promoted", "TierPolicy", "TieredStore", "open_tiered"]
+__all__ = [
+    "Promoted",
+    "TierPolicy",
+    "TierRow",
+    "TieredStore",
+    "open_tiered",
+    "recovery_points",
+    "tier_report",
+]
