@@ -30,6 +30,7 @@ from castore.errors import (
 )
 from castore.format.shard import NotLoaded, RankLocal, Shard
 from castore.store import Store
+from castore.tiers import TieredStore, open_tiered
 from castore.version import __version__
 
 __all__ = [
@@ -52,11 +53,13 @@ __all__ = [
     "Shard",
     "Store",
     "StoreError",
+    "TieredStore",
     "UnsupportedValueError",
     "__version__",
     "copy",
     "errors",
     "open",
+    "open_tiered",
 ]
 
 

@@ -32,7 +32,7 @@ The module is ``copying``, not ``copy``: ``castore.copy`` is the function.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -232,9 +232,23 @@ def _plan(
 
 
 def copy_generation(
-    source: Store, target: Store, digest: Digest, root: GenerationRoot, *, progress: bool = False
+    source: Store,
+    target: Store,
+    digest: Digest,
+    root: GenerationRoot,
+    *,
+    progress: bool = False,
+    throttle: Callable[[int], None] | None = None,
+    chunks: bool = True,
 ) -> CopiedGeneration:
-    """Copy one generation whose id is newer than DST's latest of its run, and publish it."""
+    """Copy one generation whose id is newer than DST's latest of its run, and publish it.
+
+    ``throttle(nbytes)`` is called before each batch of chunk bytes is read (a
+    rate cap sleeps there). ``chunks=False`` copies the root and manifests
+    only and publishes them without checking that DST holds the chunks: a
+    tier that records the generation as held elsewhere (castore.tiers) seeds
+    its history so; anything else needs the chunks.
+    """
     run, gen = root.run, root.generation
     where = {"run": run, "generation": gen}
     root_bytes, _ = _verified_object(source, digest.raw, TYPE_ROOT, where)
@@ -252,19 +266,24 @@ def copy_generation(
     # The shared store lock, as a save holds it: a collection at DST cannot
     # delete a chunk this copy found present before the generation is published.
     with target.save_lock():
-        present = target.backend.has_many(Namespace.CHUNKS, list(named))
-        missing = [key for key, found in zip(named, present, strict=True) if not found]
+        missing: list[bytes] = []
+        if chunks:
+            present = target.backend.has_many(Namespace.CHUNKS, list(named))
+            missing = [key for key, found in zip(named, present, strict=True) if not found]
         total = sum(expected_length(*named[key]) for key in missing)
         with progress_bar(progress, f"copy {run}@{gen}", total) as bar:
             for batch in _batches(missing, named):
+                if throttle is not None:
+                    throttle(sum(expected_length(*named[key]) for key in batch))
                 _copy_chunks(source, target, batch, named, where, bar)
                 fault_point("copy.mid_chunks")
         target.backend.put_many(Namespace.OBJECTS, list(zip(root.shards, shards, strict=True)))
         marked = _mark_parent_absent(source, target, root)
         parent = target.refs.read(run)
-        # DST's own checks before its commit point: they re-read the manifests
-        # just written and find every chunk they name present (has_many).
-        check_shards(target, list(root.shards), run=run, generation=gen, skeleton=root.state)
+        if chunks:
+            # DST's own checks before its commit point: they re-read the manifests
+            # just written and find every chunk they name present (has_many).
+            check_shards(target, list(root.shards), run=run, generation=gen, skeleton=root.state)
         publish(target, parent=parent, root=root, faults=COPY_FAULTS)
     return CopiedGeneration(
         run,
@@ -272,7 +291,7 @@ def copy_generation(
         digest.hex,
         copied=True,
         chunks_copied=len(missing),
-        chunks_skipped=len(named) - len(missing),
+        chunks_skipped=len(named) - len(missing) if chunks else 0,
         bytes_copied=total,
         logical_bytes=sum(expected_length(*named[key]) for key in named),
         objects_copied=len(shards) + 1,

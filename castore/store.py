@@ -24,7 +24,7 @@ import time
 import warnings
 import weakref
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, SupportsIndex, overload
 
@@ -96,6 +96,8 @@ class Restored:
     generation: Generation
     skipped: list[Skipped]
     timings: dict[str, float]
+    # Bytes each tier served this restore (castore.tiers: "primary" is the fast tier).
+    sources: dict[str, int] = field(default_factory=dict)
 
 
 def annotate_interrupt(interrupt: KeyboardInterrupt, note: str) -> None:
@@ -212,6 +214,10 @@ class Store:
             background.stop_writer()
             background.pool.clear()
             background.raise_unobserved()
+
+    def after_publish(self, run: str, generation: int, root: Digest) -> None:
+        """Called by the publish sequence once ``run@generation`` is published; nothing here
+        (castore.tiers.TieredStore promotes it)."""
 
     def __enter__(self) -> Store:
         return self

@@ -17,10 +17,12 @@ import random
 from collections.abc import Iterator
 from concurrent.futures import wait
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from castore.chunkstore.base import Namespace
 from castore.core.chunkio import expected_length, shared_pool
+from castore.core.holdings import held_elsewhere
 from castore.core.reading import check_coverage, check_rank_local
 from castore.errors import CastoreError, GenerationNotFoundError
 from castore.format.hashing import Digest, digest_bytes
@@ -63,6 +65,9 @@ class VerifyReport:
     deep: bool = False
     sample: float | None = None  # the fraction of chunks re-hashed, when sampling
     problems: list[Problem] = field(default_factory=list)
+    # Generations a fast tier lists with their chunks in another tier (castore.tiers):
+    # their manifests are checked, their chunks are not looked for here.
+    held_elsewhere: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -200,11 +205,27 @@ def _check_structures(
     for name in [run] if run is not None else store.runs():
         report.runs += 1
         _check_reflog(store, name, report)
-        for _, root in _roots(store, name, generation, report):
+        for digest, root in _roots(store, name, generation, report):
             users = _check_structure(store, root, report)
+            if users is not None and _held_elsewhere(store, root, digest, report):
+                report.held_elsewhere.append((root.run, root.generation))
+                continue
             if users is not None:
                 planned.append((root, users, len(report.problems)))
     return planned
+
+
+def _held_elsewhere(
+    store: Store, root: GenerationRoot, digest: Digest, report: VerifyReport
+) -> bool:
+    """Whether the store records this generation's chunks as held in another tier."""
+    if not isinstance(store.path, Path):
+        return False  # a store on blobs is never a fast tier
+    try:
+        return held_elsewhere(store.path, root.run, root.generation, digest)
+    except CastoreError as exc:
+        report.problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
+        return False
 
 
 def _check_reflog(store: Store, run: str, report: VerifyReport) -> None:

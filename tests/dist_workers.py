@@ -409,7 +409,9 @@ def _load(
     return out
 
 
-def run_script(rank: int, world_size: int, path: str, ops: list[dict[str, Any]]) -> list[Any]:
+def run_script(
+    rank: int, world_size: int, path: str | dict[str, Any], ops: list[dict[str, Any]]
+) -> list[Any]:
     """Run ``ops`` in order on one store handle; one result per op (errors caught).
 
     Ops:
@@ -428,7 +430,9 @@ def run_script(rank: int, world_size: int, path: str, ops: list[dict[str, Any]])
     import castore.support.faults
 
     results: list[Any] = []
-    with castore.open(path) as store:
+    # ``path``: a store's path, or the keyword arguments of castore.open_tiered.
+    opened = castore.open_tiered(**path) if isinstance(path, dict) else castore.open(path)
+    with opened as store:
         for op in ops:
             kind = op["op"]
             if kind in ("save", "load"):

@@ -32,11 +32,13 @@ def test_public_names_are_pinned() -> None:
             "Shard",
             "Store",
             "StoreError",
+            "TieredStore",
             "UnsupportedValueError",
             "__version__",
             "copy",
             "errors",
             "open",
+            "open_tiered",
         ]
     )
     for name in castore.__all__:

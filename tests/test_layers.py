@@ -8,7 +8,7 @@ in a function is still a dependency. Layers, top to bottom:
   (``errors`` and ``version`` stand under every layer: they import nothing of castore)
 - operations: ``gc`` (``retention``), ``verify``, ``repair``, ``copying``,
   ``diffing``, ``export``, ``importer``, ``importdcp``
-- integrations: ``dist/``, ``dcp/``, ``train/``, ``cli/``, ``data``
+- integrations: ``dist/``, ``dcp/``, ``train/``, ``tiers/``, ``cli/``, ``data``
 - the engine: ``core/``
 - format: ``format/`` (what the bytes mean, no I/O)
 - storage parts: ``blob/``, ``chunkstore/``, ``repo/``
@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "castore"
 
 OPERATIONS = {"gc", "retention", "verify", "repair", "copying", "diffing", "export", "importer"}
 OPERATIONS |= {"importdcp"}
-INTEGRATIONS = {"dist", "dcp", "train", "cli", "data"}
+INTEGRATIONS = {"dist", "dcp", "train", "cli", "data", "tiers"}
 
 # Edges that break a rule below and stay for now, each with its reason.
 ALLOWED = {

@@ -30,6 +30,7 @@ from castore.importer import check_source, import_checkpoint
 from castore.repair import rebuild_index, repair_store
 from castore.store import Store
 from castore.support.progress import format_size as format_bytes
+from castore.tiers import recovery_points, tier_report
 
 EXIT_PROBLEMS = 1
 # A closed stdout (`castore log ... | head -1`): what a shell reports for a tool SIGPIPE
@@ -237,6 +238,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
         f"verified {report.runs} run(s), {report.generations} generation(s), "
         f"{report.objects} object(s), {report.chunks} chunk(s): {mode}"
     )
+    if report.held_elsewhere:
+        print(
+            f"{len(report.held_elsewhere)} generation(s) listed here keep their chunks in "
+            "another tier (castore.tiers): chunks not looked for here"
+        )
     for problem in report.problems:
         print(f"PROBLEM {problem}")
     if report.problems:
@@ -394,6 +400,40 @@ def _print_gc_summary(report: gc.GcReport) -> None:
             else ""
         )
     )
+
+
+def cmd_tiers(args: argparse.Namespace) -> int:
+    with _open(args.store) as fast, _open(args.durable) as durable:
+        rows = tier_report(fast, durable, [args.run] if args.run else None)
+    if not rows:
+        print("no generations")
+        return 0
+    table = [
+        [
+            row.run,
+            row.id,
+            row.step,
+            _format_time(row.time),
+            row.fast or "-",
+            "yes" if row.durable else ("pending" if row.pinned else "-"),
+            row.root[:12],
+        ]
+        for row in rows
+    ]
+    print(text_table(table, ["run", "id", "step", "time", "fast", "durable", "root"],
+                     text=("run", "root")))  # fmt: skip
+    for run, ages in recovery_points(rows).items():
+        said = ", ".join(f"{tier} {_format_age(seconds)}" for tier, seconds in ages.items())
+        print(f"{run}: newest generation per tier: {said or 'none held whole'}")
+    return 0
+
+
+def _format_age(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s ago"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min ago"
+    return f"{seconds / 3600:.1f} h ago"
 
 
 def cmd_du(args: argparse.Namespace) -> int:
@@ -640,6 +680,7 @@ COMMANDS = {
     "show": cmd_show,
     "verify": cmd_verify,
     "du": cmd_du,
+    "tiers": cmd_tiers,
     "tag": cmd_tag,
     "untag": cmd_untag,
     "gc": cmd_gc,

@@ -338,6 +338,19 @@ def _add_collection(commands: Any) -> None:
         "castore du ./ckpt\ncastore du ./ckpt --run exp1",
     )
     du.add_argument("--run", help="only this run's generations")
+    tiers = _command(
+        commands,
+        "tiers",
+        "which generations the fast and the durable tier hold",
+        "For a tiered store (castore.open_tiered): per generation, whether the fast tier\n"
+        "STORE holds it (held), lists it with its chunks in the durable tier (elsewhere)\n"
+        "or not at all (-), whether DURABLE has it, and whether a promotion to DURABLE\n"
+        "is pending; then, per run, how old its newest generation in each tier is (the\n"
+        "recovery point if that tier were all that is left). Reads only.",
+        "castore tiers /dev/shm/ckpt s3://bucket/ckpt\ncastore tiers ./fast ./durable --run exp1",
+    )
+    tiers.add_argument("durable", metavar="DURABLE", help="the durable tier's store")
+    tiers.add_argument("--run", help="only this run's generations")
 
 
 def _add_maintenance(commands: Any) -> None:

@@ -78,6 +78,10 @@ class StoreParts(Protocol):
     @property
     def refs(self) -> ComposedRefStore: ...
 
+    def after_publish(self, run: str, generation: int, root: Digest) -> None:
+        """Called once a generation is published (its ref advanced); a tiered store
+        schedules its promotion here."""
+
 
 @dataclass(frozen=True)
 class ShardWrite:
@@ -203,6 +207,7 @@ def publish(
     store.refs.advance(root.run, expected=parent.root if parent else None, new=new)
     record_published(store.refs, root.run, new)
     fault_point(faults.after_ref_advance)
+    store.after_publish(root.run, root.generation, root_digest)
     return root_digest
 
 

@@ -1,0 +1,94 @@
+"""Which generations a fast tier lists but does not hold the chunks of ("held elsewhere").
+
+A fast tier (castore.tiers) lists every generation of its runs, so that
+history, ids and restores work from it alone. When it takes a generation's
+history from another tier (a new or wiped node takes the durable tier's
+newest, so that its next save follows it), it copies the root and the shard
+manifests only: the chunks stay where they are, and a read finds them there.
+This record says so, so that ``verify`` reports those chunks as held
+elsewhere, not missing. It is a claim about where to look, never evidence:
+every byte read from anywhere is still verified against its name.
+
+One file per generation, ``tiers/elsewhere/RUN/<12-digit id>`` in the store
+directory: one line of JSON ``{"v": 1, "run", "generation", "root"}``, then a
+tab and the blake3 hex (32 digits) of the JSON. Written to a temporary file,
+fsynced, renamed, the directory fsynced. A record whose root is not the
+generation's is ignored (the id was reused by another history).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from castore.errors import CorruptObjectError
+from castore.format.hashing import Digest, digest_bytes
+from castore.repo.reffile import replace_file
+from castore.support.safefs import read_store_file
+
+DIRECTORY = ("tiers", "elsewhere")
+
+
+def _path(store_dir: Path, run: str, generation: int) -> Path:
+    return store_dir.joinpath(*DIRECTORY, run, f"{generation:012d}")
+
+
+def _checksum(text: str) -> str:
+    return digest_bytes(text.encode()).hex()[:32]
+
+
+def mark_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> None:
+    """Record that ``run@generation`` (root ``root``) has its chunks in another tier."""
+    text = json.dumps(
+        {"v": 1, "run": run, "generation": generation, "root": root.hex}, sort_keys=True
+    )
+    path = _path(store_dir, run, generation)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    replace_file(
+        path, f"{text}\t{_checksum(text)}\n".encode(), phase="recording a generation held elsewhere"
+    )
+
+
+def held_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> bool:
+    """Whether the store at ``store_dir`` records ``run@generation`` as held elsewhere.
+
+    Raises CorruptObjectError for a record that is not what this module writes.
+    """
+    path = _path(store_dir, run, generation)
+    try:
+        data = read_store_file(path, limit=4096)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    where = {"run": run, "generation": generation, "path": str(path)}
+    try:
+        text, _, checksum = data.decode().rstrip("\n").partition("\t")
+        if checksum != _checksum(text):
+            raise ValueError("its checksum does not match")
+        record = json.loads(text)
+        if not isinstance(record, dict) or record.get("v") != 1:
+            raise ValueError("it is not a version 1 record")
+        named = (record.get("run"), record.get("generation"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CorruptObjectError(f"the held-elsewhere record is damaged: {exc}", **where) from exc
+    if named != (run, generation):
+        raise CorruptObjectError("the held-elsewhere record names another generation", **where)
+    return record.get("root") == root.hex
+
+
+def forget_elsewhere(store_dir: Path, run: str, keep: set[int]) -> list[int]:
+    """Remove the records of ``run`` whose generation is not in ``keep`` (collected ones).
+
+    Returns the ids whose records were removed.
+    """
+    directory = store_dir.joinpath(*DIRECTORY, run)
+    try:
+        names = sorted(os.listdir(directory))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    removed = []
+    for name in names:
+        if len(name) == 12 and name.isdigit() and int(name) not in keep:
+            (directory / name).unlink(missing_ok=True)
+            removed.append(int(name))
+    return removed

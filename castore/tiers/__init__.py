@@ -1,0 +1,518 @@
+"""Tiers: a fast node-local store in front of a durable one, with the Store API.
+
+``castore.open_tiered(fast=PATH, durable=STORE_OR_ADDRESS, ...)`` returns a
+:class:`TieredStore`. Saves (``save``, ``castore.dist.save``,
+``TrainState.save``, the DCP writer) publish in the fast tier, a local store
+(``/dev/shm`` or NVMe), and never wait for the durable one. A generation the
+policy selects (``durable_every`` generations, ``durable_every_s`` seconds, or
+``promote(run, generation)``) is pinned in the fast tier and copied to the
+durable tier on a background thread, within ``durable_rate`` bytes per
+second: only the chunks the durable store lacks, each verified as it is read,
+and published there with the same root digest through the durable store's
+own publish sequence (castore.copying.copy_generation). A promotion that fails
+or is cut off leaves the durable store's previous generation as it was; its
+pin stays, and the next handle (or the next save) retries it, sending only
+what is still missing.
+
+Retention is per tier and never crosses: the fast tier keeps its last
+``fast_keep`` generations plus the pinned ones (collected on the background
+thread after each save), the durable tier what ``durable_retention`` keeps
+(after each promotion; None: never collected here). Each is its own store,
+so a collection of one deletes nothing of the other.
+
+Reads (``load``, ``restore``, ``read_slice``, ``castore.dist.load``) take
+each chunk from the fast tier when it holds an intact copy and from the
+durable tier otherwise (castore.chunkstore.tiered): a wiped or damaged fast
+tier costs bandwidth, not the restore. A generation is looked up in the fast
+tier's history, then in the durable one's. A fast tier behind the durable
+one (a new node) takes the durable tier's newest generation of each run as
+its own at open, root and manifests only, recorded as held elsewhere
+(castore.core.holdings), so that the next save follows it and promotes.
+
+This is one node's view: every process of a job on the node opens the same
+``fast`` path; promotions run in the process that publishes (a dist job's
+coordinator).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import queue
+import threading
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from castore.chunkstore.tiered import TieredChunkBackend
+from castore.copying import CopiedGeneration, copy_generation
+from castore.core.background import Throttle
+from castore.core.history import Generation, GenerationSpec
+from castore.core.holdings import forget_elsewhere, held_elsewhere, mark_elsewhere
+from castore.core.location import parse_location
+from castore.core.opening import open_address
+from castore.errors import CastoreError, CastoreWarning, GenerationNotFoundError
+from castore.format.hashing import Digest
+from castore.format.objects import GenerationRoot
+from castore.gc import RetentionPolicy, collect_garbage
+from castore.repo.records import RefValue
+from castore.store import Restored, Store
+
+PIN_PREFIX = "promoting-"
+
+
+@dataclass(frozen=True)
+class TierPolicy:
+    """Which generations go to the durable tier, and what each tier keeps."""
+
+    durable_every: int | None = None  # every Nth generation id (id % N == 0)
+    durable_every_s: float | None = None  # a generation once this long after the last promoted
+    promote: Callable[[str, int], bool] | None = None  # overrides both
+    fast_keep: int = 2
+    durable_retention: RetentionPolicy | None = None
+    durable_rate: float | None = None  # bytes per second, for this process's promotions
+    promote_on_exit: bool = True
+
+    def __post_init__(self) -> None:
+        if self.durable_every is not None and self.durable_every < 1:
+            raise ValueError(f"durable_every must be at least 1, got {self.durable_every!r}")
+        if self.durable_every_s is not None and not self.durable_every_s >= 0:
+            raise ValueError(f"durable_every_s must be >= 0, got {self.durable_every_s!r}")
+        if not isinstance(self.fast_keep, int) or self.fast_keep < 1:
+            raise ValueError(f"fast_keep must be at least 1, got {self.fast_keep!r}")
+        if self.durable_rate is not None and not self.durable_rate > 0:
+            raise ValueError(f"durable_rate must be positive, got {self.durable_rate!r}")
+
+
+@dataclass
+class Promoted:
+    """One promotion's outcome: the copy's report, or the error that stopped it."""
+
+    run: str
+    generation: int
+    copied: CopiedGeneration | None = None
+    error: BaseException | None = None
+    seconds: float = 0.0
+
+
+@dataclass
+class _Work:
+    kind: str  # "promote", "collect" or "stop"
+    run: str = ""
+    generation: int = 0
+    done: threading.Event = field(default_factory=threading.Event)
+
+
+class TieredStore(Store):
+    """A fast store in front of a durable one (see the module docstring).
+
+    ``fast`` and ``durable`` are the two Stores; ``promoted`` lists this
+    handle's promotions in order; ``served_bytes`` counts the bytes each tier
+    served to reads ("primary" is the fast tier).
+    """
+
+    def __init__(self, fast: Store, durable: Store, policy: TierPolicy) -> None:
+        backend = TieredChunkBackend(fast.backend, [("durable", durable.backend)])
+        super().__init__(
+            fast.path, backend, fast.chunk_size, refs=fast.refs, readonly=fast.readonly_reason
+        )
+        self.fast = fast
+        self.durable = durable
+        self.policy = policy
+        self.tiered_backend = backend
+        self.promoted: list[Promoted] = []
+        self._last_promoted_at = time.monotonic()
+        self._saved_runs: set[str] = set()
+        self._work: queue.Queue[_Work] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._pins_resumed = False
+        if not self.readonly:
+            self._take_durable_history()
+
+    def __repr__(self) -> str:
+        fast, durable = str(self.fast.path), str(self.durable.path)
+        return f"<castore.TieredStore fast={fast!r} durable={durable!r}>"
+
+    @property
+    def served_bytes(self) -> dict[str, int]:
+        return dict(self.tiered_backend.served_bytes)
+
+    # -- history across the tiers -------------------------------------------------
+
+    def _take_durable_history(self) -> None:
+        """Make each run's newest durable generation the fast tier's, where it is newer.
+
+        Under a lock of the fast directory's own: every process of the node opens
+        it at once, and one of them takes each run's history.
+        """
+        behind = [run for run in self.durable.refs.ref_runs() if self._behind(run)]
+        if not behind:
+            return
+        directory = Path(self.fast.path) / "tiers"
+        directory.mkdir(exist_ok=True)
+        fd = os.open(directory / "take-history.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            for run in behind:
+                newest = self.durable.refs.read(run)
+                if newest is None or not self._behind(run):
+                    continue  # another process of the node took it meanwhile
+                root = self.durable.read_root(newest.root, run=run)
+                copy_generation(self.durable, self.fast, newest.root, root, chunks=False)
+                mark_elsewhere(Path(self.fast.path), run, root.generation, newest.root)
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _behind(self, run: str) -> bool:
+        newest, mine = self.durable.refs.read(run), self.fast.refs.read(run)
+        return newest is not None and (mine is None or mine.generation < newest.generation)
+
+    def resolve_root(
+        self, run: str, generation: GenerationSpec = "latest"
+    ) -> tuple[Digest, GenerationRoot]:
+        try:
+            return super().resolve_root(run, generation)
+        except GenerationNotFoundError:
+            return self.durable.resolve_root(run, generation)
+
+    def resolve(self, run: str, generation: GenerationSpec = "latest") -> Generation:
+        try:
+            return super().resolve(run, generation)
+        except GenerationNotFoundError:
+            return self.durable.resolve(run, generation)
+
+    def generations(self, run: str, *, last: int | None = None) -> list[Generation]:
+        """The run's generations in either tier, oldest first; ``last=N``: the newest N."""
+        merged: dict[int, Generation] = {}
+        for store in (self.durable, self.fast):  # the fast tier's entry where both have one
+            if run in store.runs():
+                merged.update((g.id, g) for g in Store.generations(store, run, last=last))
+        if not merged:
+            raise GenerationNotFoundError(f"run {run!r} has no generations", run=run)
+        found = sorted(merged.values(), key=lambda g: g.id)
+        return found if last is None else found[-last:]
+
+    def candidates(self, run: str, below: int | None = None) -> list[tuple[int, Digest]]:
+        merged: dict[int, Digest] = {}
+        for store in (self.durable, self.fast):
+            if run in store.runs():
+                merged.update(Store.candidates(store, run, below))
+        return sorted(merged.items(), key=lambda item: -item[0])
+
+    def restore(
+        self,
+        run: str,
+        generation: GenerationSpec = "latest",
+        *,
+        framework: str = "numpy",
+        fallback: str | None = None,
+        progress: bool = False,
+    ) -> Restored:
+        """:meth:`Store.restore`; ``sources`` says how many bytes each tier served."""
+        before = self.served_bytes
+        restored = super().restore(
+            run, generation, framework=framework, fallback=fallback, progress=progress
+        )
+        after = self.served_bytes
+        restored.sources = {
+            k: after[k] - before.get(k, 0) for k in after if after[k] > before.get(k, 0)
+        }
+        return restored
+
+    def runs(self) -> list[str]:
+        return sorted(set(self.fast.runs()) | set(self.durable.runs()))
+
+    def tiers(self, runs: list[str] | None = None) -> list[TierRow]:
+        """Per generation, which tier has it (:func:`tier_report` of the two tiers)."""
+        return tier_report(self.fast, self.durable, runs)
+
+    def recovery_points(self) -> dict[str, dict[str, float]]:
+        """Per run, seconds since its newest generation in each tier (the RPO per tier now)."""
+        return recovery_points(self.tiers())
+
+    # -- promotion ----------------------------------------------------------------
+
+    def _resume_pins(self) -> None:
+        """Queue the promotions an earlier handle left pinned, once per handle.
+
+        Not at open: every process of a node opens the tiered store, and only the
+        one that publishes (a job's coordinator) or waits for promotions retries them.
+        """
+        if self._pins_resumed or self.readonly:
+            return
+        self._pins_resumed = True
+        for run in self.refs.ref_runs():
+            for name, value in sorted(self.refs.tags(run).items()):
+                if name.startswith(PIN_PREFIX):
+                    self._submit(_Work("promote", run, value.generation))
+
+    def after_publish(self, run: str, generation: int, root: Digest) -> None:
+        """Pin and queue the generation if the policy selects it; collect the fast tier."""
+        self._resume_pins()
+        self._saved_runs.add(run)
+        if self._selects(run, generation):
+            self._pin(run, generation, root)
+            self._submit(_Work("promote", run, generation))
+        self._submit(_Work("collect", run))
+
+    def _selects(self, run: str, generation: int) -> bool:
+        policy = self.policy
+        if policy.promote is not None:
+            return bool(policy.promote(run, generation))
+        if policy.durable_every_s is not None:
+            if time.monotonic() - self._last_promoted_at >= policy.durable_every_s:
+                self._last_promoted_at = time.monotonic()
+                return True
+            return policy.durable_every is not None and generation % policy.durable_every == 0
+        return generation % (policy.durable_every or 1) == 0
+
+    def _pin(self, run: str, generation: int, root: Digest) -> None:
+        # Right after the ref advance: the generation is the newest, which fast
+        # retention keeps, until this tag keeps it through the promotion.
+        value = RefValue(run, generation, root, time.time())
+        self.refs.write_tag(run, f"{PIN_PREFIX}{generation}", value)
+
+    def promote(self, run: str, generation: GenerationSpec = "latest") -> Promoted:
+        """Copy one fast-tier generation to the durable tier now; its outcome."""
+        gen = Store.resolve(self, run, generation)
+        self._pin(run, gen.id, Digest.from_hex(gen.root))
+        work = self._submit(_Work("promote", run, gen.id))
+        work.done.wait()
+        return next(p for p in reversed(self.promoted) if (p.run, p.generation) == (run, gen.id))
+
+    def wait_promotions(self, timeout: float | None = None) -> list[Promoted]:
+        """Block until every queued promotion and collection ran; this handle's promotions.
+
+        Promotions an earlier handle left unfinished are retried first.
+        """
+        self._resume_pins()
+        work = self._submit(_Work("collect", ""))
+        if not work.done.wait(timeout):
+            raise TimeoutError(f"promotions still running after {timeout}s")
+        return list(self.promoted)
+
+    def _submit(self, work: _Work) -> _Work:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._serve, name="castore-promote", daemon=True)
+            self._thread.start()
+        self._work.put(work)
+        return work
+
+    def _serve(self) -> None:
+        while True:
+            work = self._work.get()
+            try:
+                if work.kind == "stop":
+                    return
+                if work.kind == "promote":
+                    self._promote(work.run, work.generation)
+                elif work.kind == "collect" and work.run:
+                    self._collect_fast(work.run)
+            except BaseException as exc:  # noqa: BLE001 - reported, the thread goes on
+                warnings.warn(
+                    f"castore tiers: {work.kind} of {work.run} failed: {type(exc).__name__}: {exc}",
+                    CastoreWarning,
+                    stacklevel=1,
+                )
+            finally:
+                work.done.set()
+
+    def _promote(self, run: str, generation: int) -> None:
+        pin = f"{PIN_PREFIX}{generation}"
+        outcome = Promoted(run, generation)
+        started = time.perf_counter()
+        try:
+            held = self._durable_roots(run)
+            digest, root = Store.resolve_root(self, run, generation)
+            if digest.hex not in held:
+                latest = self.durable.refs.read(run)
+                if latest is not None and latest.generation >= generation:
+                    raise CastoreError(
+                        f"the durable tier {self.durable.path} already has {run}@"
+                        f"{latest.generation}: {run}@{generation} is not promoted"
+                    )
+                throttle = Throttle(self.policy.durable_rate)
+                outcome.copied = copy_generation(
+                    self.fast, self.durable, digest, root, throttle=throttle.take
+                )
+                if self.policy.durable_retention is not None:
+                    collect_garbage(self.durable, self.policy.durable_retention, runs=[run])
+            self.refs.delete_tag(run, pin)
+        except BaseException as exc:
+            outcome.error = exc
+            raise
+        finally:
+            outcome.seconds = time.perf_counter() - started
+            self.promoted.append(outcome)
+
+    def _collect_fast(self, run: str) -> None:
+        collect_garbage(self.fast, RetentionPolicy(keep_last=self.policy.fast_keep), runs=[run])
+        # Records of generations the collection dropped: the record says nothing any more.
+        forget_elsewhere(Path(self.fast.path), run, set(self.fast.published(run).values()))
+
+    # -- lifecycle --------------------------------------------------------------
+
+    def close(self) -> None:
+        """Wait for saves in flight, promote what ``promote_on_exit`` asks, close both tiers."""
+        if self._closed:
+            return
+        self._closed = True
+        super().close()
+        try:
+            if self._thread is not None:
+                self._submit(_Work("collect", "")).done.wait()  # what is queued, first
+            if self.policy.promote_on_exit and not self.readonly:
+                for run in sorted(self._saved_runs):
+                    newest = self.refs.read(run)
+                    if newest is not None and newest.root.hex not in self._durable_roots(run):
+                        self._pin(run, newest.generation, newest.root)
+                        self._submit(_Work("promote", run, newest.generation))
+            if self._thread is not None:
+                self._submit(_Work("stop")).done.wait()
+                self._thread.join()
+        finally:
+            self.fast.close()
+            self.durable.close()
+
+    def _durable_roots(self, run: str) -> dict[str, int]:
+        if run not in self.durable.runs():
+            return {}
+        return self.durable.published(run, tolerate_bad_ref=True)
+
+
+@dataclass(frozen=True)
+class TierRow:
+    """Where one generation is: ``fast`` is "held", "elsewhere" (listed, chunks in
+    another tier) or "" (not listed); ``durable`` whether the durable tier has it."""
+
+    run: str
+    id: int
+    step: int
+    time: float
+    root: str
+    fast: str
+    durable: bool
+    pinned: bool  # pinned in the fast tier for a promotion not finished yet
+
+
+def tier_report(fast: Store, durable: Store, runs: list[str] | None = None) -> list[TierRow]:
+    """Per generation of ``runs`` (default: every run of either store), which tier has it.
+
+    Reads only: neither store is changed. Ordered by run, then id.
+    """
+    rows = []
+    names = runs if runs is not None else sorted(set(fast.runs()) | set(durable.runs()))
+    fast_dir = Path(fast.path) if isinstance(fast.path, Path) else None
+    for run in names:
+        in_fast = {g.id: g for g in fast.generations(run)} if run in fast.runs() else {}
+        in_durable = {g.id: g for g in durable.generations(run)} if run in durable.runs() else {}
+        pins = {
+            value.generation
+            for name, value in (fast.refs.tags(run) if run in fast.runs() else {}).items()
+            if name.startswith(PIN_PREFIX)
+        }
+        for gen_id in sorted(set(in_fast) | set(in_durable)):
+            gen = in_fast.get(gen_id) or in_durable[gen_id]
+            where = ""
+            if gen_id in in_fast:
+                elsewhere = fast_dir is not None and held_elsewhere(
+                    fast_dir, run, gen_id, Digest.from_hex(gen.root)
+                )
+                where = "elsewhere" if elsewhere else "held"
+            rows.append(
+                TierRow(
+                    run,
+                    gen_id,
+                    gen.step,
+                    gen.time,
+                    gen.root,
+                    where,
+                    gen_id in in_durable,
+                    gen_id in pins,
+                )  # fmt: skip
+            )
+    return rows
+
+
+def recovery_points(rows: list[TierRow], now: float | None = None) -> dict[str, dict[str, float]]:
+    """Per run, seconds since the newest generation each tier holds whole (its RPO now):
+    ``{"fast": ..., "durable": ...}``; a tier with none of the run's generations is absent."""
+    now = time.time() if now is None else now
+    points: dict[str, dict[str, float]] = {}
+    for row in rows:
+        ages = points.setdefault(row.run, {})
+        if row.fast == "held":
+            ages["fast"] = min(ages.get("fast", float("inf")), now - row.time)
+        if row.durable:
+            ages["durable"] = min(ages.get("durable", float("inf")), now - row.time)
+    return points
+
+
+def open_tiered(
+    fast: str | os.PathLike[str],
+    durable: str | os.PathLike[str] | Store,
+    *,
+    durable_every: int | None = None,
+    durable_every_s: float | None = None,
+    promote: Callable[[str, int], bool] | None = None,
+    fast_keep: int = 2,
+    durable_retention: RetentionPolicy | None = None,
+    durable_rate: float | None = None,
+    promote_on_exit: bool = True,
+    chunk_size: int | None = None,
+    **durable_options: Any,
+) -> TieredStore:
+    """A :class:`TieredStore`: ``fast`` (a local directory) in front of ``durable``.
+
+    ``durable`` is anything :func:`castore.open` takes (options in
+    ``durable_options``) or an open Store (closed with the tiered store).
+    Every generation is promoted unless ``durable_every`` (ids divisible by
+    it), ``durable_every_s`` (the first generation that long after the last
+    promotion, or one ``durable_every`` also selects) or ``promote`` says
+    otherwise. ``durable_rate``: bytes per second for uploads.
+    """
+    policy = TierPolicy(
+        durable_every=durable_every,
+        durable_every_s=durable_every_s,
+        promote=promote,
+        fast_keep=fast_keep,
+        durable_retention=durable_retention,
+        durable_rate=durable_rate,
+        promote_on_exit=promote_on_exit,
+    )
+    location = parse_location(os.fspath(fast))
+    if location.scheme != "file":
+        raise ValueError(f"the fast tier is a local directory, not {os.fspath(fast)!r}")
+    durable_store = (
+        durable
+        if isinstance(durable, Store)
+        else open_address(durable, chunk_size=chunk_size, **durable_options)
+    )
+    try:
+        fast_store = open_address(fast, chunk_size=chunk_size)
+    except BaseException:
+        if not isinstance(durable, Store):
+            durable_store.close()
+        raise
+    try:
+        return TieredStore(fast_store, durable_store, policy)
+    except BaseException:
+        fast_store.close()
+        if not isinstance(durable, Store):
+            durable_store.close()
+        raise
+
+
+__all__ = [
+    "Promoted",
+    "TierPolicy",
+    "TierRow",
+    "TieredStore",
+    "open_tiered",
+    "recovery_points",
+    "tier_report",
+]

@@ -1,0 +1,303 @@
+"""Tiers on one node: a fast local store in front of a durable one (castore.tiers).
+
+Real stores on disk: the fast tier a local LMDB store, the durable tier a
+local store or a shared directory. Promotions run on the tiered store's
+background thread; each test waits for them before it looks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from _helpers import assert_state_equal
+
+import castore
+import castore.chunkstore.tiered as tiered_module
+from castore.chunkstore.base import Namespace
+from castore.core.holdings import held_elsewhere
+from castore.errors import ChecksumMismatchError, CorruptObjectError
+from castore.format.hashing import Digest
+from castore.gc import RetentionPolicy
+from castore.testing.corrupt import flipped, raw_put
+from castore.tiers import PIN_PREFIX, TieredStore, open_tiered
+from castore.verify import verify_store
+
+CHUNK = 1024
+
+
+def state(step: int) -> dict[str, Any]:
+    """A weight that changes every step (1 KiB of its 8 KiB) and one that never does.
+
+    Every chunk differs from every other: 12 distinct chunks of 1 KiB."""
+    weight = np.arange(2048, dtype=np.float32) + 0.5
+    weight[:256] = step
+    return {"weight": weight, "frozen": np.arange(1024, dtype=np.float32)}
+
+
+def open_pair(tmp_path: Path, **options: Any) -> TieredStore:
+    options.setdefault("chunk_size", CHUNK)
+    return open_tiered(tmp_path / "fast", tmp_path / "durable", **options)
+
+
+def ids(store: castore.Store, run: str = "r") -> list[int]:
+    return [g.id for g in store.generations(run)] if run in store.runs() else []
+
+
+def test_selected_generations_reach_the_durable_tier_with_the_same_root(tmp_path: Path) -> None:
+    with open_pair(tmp_path, durable_every=2, fast_keep=5, promote_on_exit=False) as store:
+        for step in range(1, 6):
+            store.save(state(step), run="r", step=step)
+        promoted = store.wait_promotions()
+        assert [(p.generation, p.error) for p in promoted] == [(2, None), (4, None)]
+        assert ids(store.durable) == [2, 4]
+        for gen in (2, 4):
+            assert store.durable.resolve("r", gen).root == store.fast.resolve("r", gen).root
+        # The second promotion sent only what the durable tier lacked: the changed chunk.
+        second = promoted[1].copied
+        assert second is not None and second.bytes_copied == CHUNK
+        assert second.logical_bytes == 12 * CHUNK
+        assert store.fast.refs.tags("r") == {}  # pins are gone once promoted
+        assert verify_store(store.durable, deep=True).ok
+        assert_state_equal(store.durable.load("r", 4), state(4))
+
+
+def test_the_newest_generation_is_promoted_at_close(tmp_path: Path) -> None:
+    with open_pair(tmp_path, durable_every=10) as store:
+        for step in range(1, 4):
+            store.save(state(step), run="r", step=step)
+    with castore.open(tmp_path / "durable") as durable:
+        assert ids(durable) == [3]
+        assert_state_equal(durable.load("r"), state(3))
+
+
+def test_each_tier_keeps_what_its_own_policy_keeps(tmp_path: Path) -> None:
+    with open_pair(tmp_path, fast_keep=1, durable_retention=RetentionPolicy(keep_last=2)) as store:
+        for step in range(1, 6):
+            store.save(state(step), run="r", step=step)
+        store.wait_promotions()
+        assert ids(store.fast) == [5]
+        assert ids(store.durable) == [4, 5]
+        assert ids(store) == [4, 5]  # the tiered view lists both tiers
+        assert verify_store(store.fast, deep=True).ok
+        assert verify_store(store.durable, deep=True).ok
+
+
+def test_collecting_one_tier_deletes_nothing_of_the_other(tmp_path: Path) -> None:
+    with open_pair(tmp_path, promote_on_exit=False) as store:
+        for step in range(1, 4):
+            store.save(state(step), run="r", step=step)
+        store.wait_promotions()
+        durable_chunks = sorted(store.durable.backend.iter_keys(Namespace.CHUNKS))
+        castore.gc.collect_garbage(store.fast, RetentionPolicy(keep_last=1))
+        assert sorted(store.durable.backend.iter_keys(Namespace.CHUNKS)) == durable_chunks
+        fast_chunks = sorted(store.fast.backend.iter_keys(Namespace.CHUNKS))
+        castore.gc.collect_garbage(store.durable, RetentionPolicy(keep_last=1))
+        assert sorted(store.fast.backend.iter_keys(Namespace.CHUNKS)) == fast_chunks
+        assert ids(store.durable) == [3]
+
+
+def test_a_pinned_generation_outlives_fast_retention_until_promoted(tmp_path: Path) -> None:
+    with open_pair(tmp_path, fast_keep=1, promote_on_exit=False, durable_every=100) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        gen = store.resolve("r")
+        store.refs.write_tag("r", f"{PIN_PREFIX}1", store.refs.read("r"))  # as after_publish
+        for step in range(2, 4):
+            store.save(state(step), run="r", step=step)
+        store.wait_promotions()
+        assert ids(store.fast) == [1, 3]  # 1 pinned, 3 the newest
+        promoted = store.promote("r", 1)
+        assert promoted.error is None and store.durable.resolve("r", 1).root == gen.root
+        store.save(state(4), run="r", step=4)
+        store.wait_promotions()
+        assert 1 not in ids(store.fast)
+
+
+def test_a_wiped_fast_tier_restores_from_the_durable_one_and_saves_on(tmp_path: Path) -> None:
+    with open_pair(tmp_path) as store:
+        for step in range(1, 4):
+            store.save(state(step), run="r", step=step)
+    shutil.rmtree(tmp_path / "fast")  # the node is replaced
+    with open_pair(tmp_path) as store:
+        assert store.resolve("r").id == 3
+        restored = store.restore("r")
+        assert_state_equal(restored.state, state(3))
+        assert restored.sources["durable"] == 12 * CHUNK == store.served_bytes["durable"]
+        newest = store.fast.resolve("r")
+        assert held_elsewhere(Path(store.fast.path), "r", 3, Digest.from_hex(newest.root))
+        report = verify_store(store.fast, deep=True)
+        assert report.ok and report.held_elsewhere == [("r", 3)], report.problems
+        store.save(state(4), run="r", step=4)  # follows the durable history: id 4
+        assert [(p.generation, p.error) for p in store.wait_promotions()] == [(4, None)]
+        store.save(state(5), run="r", step=5)
+        store.wait_promotions()  # fast retention (keep 2) dropped 3, and its record
+        assert verify_store(store.fast).held_elsewhere == []
+        assert not (tmp_path / "fast" / "tiers" / "elsewhere" / "r" / f"{3:012d}").exists()
+    with castore.open(tmp_path / "durable") as durable:
+        assert ids(durable) == [1, 2, 3, 4, 5]
+        assert verify_store(durable, deep=True).ok
+
+
+def test_a_damaged_fast_chunk_is_read_from_the_durable_tier(tmp_path: Path) -> None:
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        entry = store.fast.tensor_entries(store.fast.resolve_root("r")[1])["weight"][0]
+        key = entry.chunks[0]
+        value = store.fast.backend.get(Namespace.CHUNKS, key)
+        assert value is not None
+        raw_put(store.fast, Namespace.CHUNKS, key, flipped(value, 17))
+        assert_state_equal(store.load("r"), state(1))
+        assert store.served_bytes["durable"] == CHUNK
+        assert store.tiered_backend.damaged["primary"] == 1
+
+
+def test_broken_control_without_the_check_a_damaged_fast_chunk_is_served(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the tiers took a copy without checking it, the load's own check would refuse it."""
+    monkeypatch.setattr(tiered_module, "_intact", lambda key, value: True)
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        entry = store.fast.tensor_entries(store.fast.resolve_root("r")[1])["weight"][0]
+        value = store.fast.backend.get(Namespace.CHUNKS, entry.chunks[0])
+        assert value is not None
+        raw_put(store.fast, Namespace.CHUNKS, entry.chunks[0], flipped(value, 17))
+        with pytest.raises(ChecksumMismatchError):
+            store.load("r")
+
+
+def test_a_chunk_damaged_in_every_tier_fails_the_generation_and_restore_falls_back(
+    tmp_path: Path,
+) -> None:
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.save(state(2), run="r", step=2)
+        store.wait_promotions()
+        entry = store.fast.tensor_entries(store.fast.resolve_root("r")[1])["weight"][0]
+        key = entry.chunks[0]  # generation 2's own chunk: 1's first chunk differs
+        for tier in (store.fast, store.durable):
+            value = tier.backend.get(Namespace.CHUNKS, key)
+            assert value is not None
+            raw_put(tier, Namespace.CHUNKS, key, flipped(value, 3))
+        with pytest.raises(ChecksumMismatchError):
+            store.load("r")
+        restored = store.restore("r", fallback="previous")
+        assert restored.generation.id == 1 and len(restored.skipped) == 1
+        assert_state_equal(restored.state, state(1))
+
+
+def test_a_cut_off_promotion_leaves_the_durable_tier_as_it_was_and_is_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with open_pair(tmp_path, durable_every=2, promote_on_exit=False) as store:
+        store.save(state(1), run="r", step=1)
+        store.save(state(2), run="r", step=2)
+        store.wait_promotions()
+        assert ids(store.durable) == [2]
+
+        def cut(nbytes: int) -> None:
+            raise ConnectionError("the uplink went away")
+
+        monkeypatch.setattr("castore.core.background.Throttle.take", lambda self, n: cut(n))
+        store.save(state(3), run="r", step=3)
+        store.save(state(4), run="r", step=4)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            promoted = store.wait_promotions()
+        assert isinstance(promoted[-1].error, ConnectionError)
+        assert any("ConnectionError" in str(w.message) for w in caught)
+        assert ids(store.durable) == [2] and verify_store(store.durable, deep=True).ok
+        assert f"{PIN_PREFIX}4" in store.fast.refs.tags("r")  # kept for the retry
+        monkeypatch.undo()
+    with open_pair(tmp_path, durable_every=2, promote_on_exit=False) as store:
+        promoted = store.wait_promotions()  # the new handle retries the pinned promotion
+        assert [(p.generation, p.error) for p in promoted] == [(4, None)]
+        assert ids(store.durable) == [2, 4]
+        assert_state_equal(store.durable.load("r"), state(4))
+
+
+def test_a_damaged_held_elsewhere_record_is_a_problem_verify_reports(tmp_path: Path) -> None:
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+    shutil.rmtree(tmp_path / "fast")
+    open_pair(tmp_path).close()
+    record = tmp_path / "fast" / "tiers" / "elsewhere" / "r" / f"{1:012d}"
+    record.write_bytes(record.read_bytes().replace(b'"r"', b'"x"'))
+    with castore.open(tmp_path / "fast") as fast:
+        report = verify_store(fast)
+        assert not report.ok and "held-elsewhere record is damaged" in str(report.problems[0])
+        with pytest.raises(CorruptObjectError):
+            held_elsewhere(tmp_path / "fast", "r", 1, Digest.from_hex(fast.resolve("r").root))
+
+
+def test_a_shared_directory_as_the_durable_tier(tmp_path: Path) -> None:
+    castore.open(tmp_path / "durable", shared=True).close()
+    with open_pair(tmp_path, durable_every=1) as store:
+        for step in range(1, 3):
+            store.save(state(step), run="r", step=step)
+        assert [p.error for p in store.wait_promotions()] == [None, None]
+    shutil.rmtree(tmp_path / "fast")
+    with open_pair(tmp_path) as store:
+        assert_state_equal(store.load("r"), state(2))
+        sliced = store.read_slice("r", "latest", "weight", (slice(250, 260),))
+        assert np.array_equal(sliced, state(2)["weight"][250:260])
+
+
+def test_train_state_and_dcp_work_unchanged_on_a_tiered_store(tmp_path: Path) -> None:
+    """TrainState.save/load and the DCP writer/reader, before and after the fast tier is lost."""
+    torch = pytest.importorskip("torch")
+    import torch.distributed.checkpoint as dcp
+
+    from castore.dcp import CastoreReader, CastoreWriter
+    from castore.train import TrainState
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    with open_pair(tmp_path) as store:
+        TrainState(model, optimizer).save(store, run="train")
+        dcp.save({"w": torch.arange(300.0)}, storage_writer=CastoreWriter(store, run="dcp", step=1),
+                 no_dist=True)  # fmt: skip
+    shutil.rmtree(tmp_path / "fast")
+    with open_pair(tmp_path) as store:
+        fresh = torch.nn.Linear(8, 4)
+        TrainState(fresh, torch.optim.SGD(fresh.parameters(), lr=0.1)).load(store, run="train")
+        for name, value in fresh.state_dict().items():
+            assert torch.equal(value, saved[name]), name
+        target = {"w": torch.zeros(300)}
+        dcp.load(target, storage_reader=CastoreReader(store, run="dcp"), no_dist=True)
+        assert torch.equal(target["w"], torch.arange(300.0))
+        assert store.served_bytes["durable"] > 0
+
+
+def test_the_tiers_command_says_where_each_generation_is(tmp_path: Path) -> None:
+    from cli_runner import run_cli
+
+    with open_pair(tmp_path, durable_every=2, fast_keep=2, promote_on_exit=False) as store:
+        for step in range(1, 4):
+            store.save(state(step), run="r", step=step)
+        store.wait_promotions()
+        store.refs.write_tag("r", f"{PIN_PREFIX}3", store.refs.read("r"))  # as mid-promotion
+        ages = store.recovery_points()["r"]
+        assert set(ages) == {"fast", "durable"} and 0 <= ages["fast"] <= ages["durable"]
+    before = run_cli("tiers", tmp_path / "fast", tmp_path / "durable").stdout.splitlines()
+    assert [line.split()[5:7] for line in before[2:-1]] == [["held", "yes"], ["held", "pending"]]
+    shutil.rmtree(tmp_path / "fast")
+    open_pair(tmp_path, promote_on_exit=False).close()  # a new node: takes 2 as elsewhere
+    result = run_cli("tiers", tmp_path / "fast", tmp_path / "durable")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["run", "id", "step", "time", "fast", "durable", "root"]
+    assert [line.split()[5:7] for line in lines[2:-1]] == [["elsewhere", "yes"]]
+    assert lines[-1].startswith("r: newest generation per tier: durable ")
+    missing = run_cli("tiers", tmp_path / "fast", tmp_path / "nowhere")
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1
+    assert "Traceback" not in missing.stderr
