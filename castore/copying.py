@@ -240,11 +240,13 @@ def copy_generation(
     progress: bool = False,
     throttle: Callable[[int], None] | None = None,
     chunks: bool = True,
+    batch_bytes: int | None = None,
 ) -> CopiedGeneration:
     """Copy one generation whose id is newer than DST's latest of its run, and publish it.
 
     ``throttle(nbytes)`` is called before each batch of chunk bytes is read (a
-    rate cap sleeps there). ``chunks=False`` copies the root and manifests
+    rate cap sleeps there; ``batch_bytes`` smaller than BATCH_BYTES spreads a capped
+    copy's reads, hashing and writes more evenly). ``chunks=False`` copies the root and manifests
     only and publishes them without checking that DST holds the chunks: a
     tier that records the generation as held elsewhere (castore.tiers) seeds
     its history so; anything else needs the chunks.
@@ -272,7 +274,7 @@ def copy_generation(
             missing = [key for key, found in zip(named, present, strict=True) if not found]
         total = sum(expected_length(*named[key]) for key in missing)
         with progress_bar(progress, f"copy {run}@{gen}", total) as bar:
-            for batch in _batches(missing, named):
+            for batch in _batches(missing, named, batch_bytes or BATCH_BYTES):
                 if throttle is not None:
                     throttle(sum(expected_length(*named[key]) for key in batch))
                 _copy_chunks(source, target, batch, named, where, bar)
@@ -328,14 +330,14 @@ def _named_chunks(manifests: Sequence[ShardManifest]) -> dict[bytes, tuple[Tenso
 
 
 def _batches(
-    keys: list[bytes], named: dict[bytes, tuple[TensorEntry, int]]
+    keys: list[bytes], named: dict[bytes, tuple[TensorEntry, int]], limit: int
 ) -> Iterator[list[bytes]]:
     batch: list[bytes] = []
     size = 0
     for key in keys:
         batch.append(key)
         size += expected_length(*named[key])
-        if size >= BATCH_BYTES:
+        if size >= limit:
             yield batch
             batch, size = [], 0
     if batch:

@@ -301,3 +301,13 @@ def test_the_tiers_command_says_where_each_generation_is(tmp_path: Path) -> None
     missing = run_cli("tiers", tmp_path / "fast", tmp_path / "nowhere")
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1
     assert "Traceback" not in missing.stderr
+
+
+def test_a_capped_promotion_takes_at_least_its_bytes_over_the_rate(tmp_path: Path) -> None:
+    """12 KiB at 24 KiB/s: half a second at least, in batches of a tenth of a second's bytes."""
+    with open_pair(tmp_path, durable_rate=24 * 1024, promote_on_exit=False) as store:
+        store.save(state(1), run="r", step=1)
+        [promoted] = store.wait_promotions()
+    assert promoted.error is None and promoted.copied is not None
+    assert promoted.copied.bytes_copied == 12 * CHUNK
+    assert promoted.seconds >= 0.4  # the bucket lends 50 ms of bytes up front

@@ -335,9 +335,16 @@ class TieredStore(Store):
                         f"the durable tier {self.durable.path} already has {run}@"
                         f"{latest.generation}: {run}@{generation} is not promoted"
                     )
-                throttle = Throttle(self.policy.durable_rate)
+                rate = self.policy.durable_rate
                 outcome.copied = copy_generation(
-                    self.fast, self.durable, digest, root, throttle=throttle.take
+                    self.fast,
+                    self.durable,
+                    digest,
+                    root,
+                    throttle=Throttle(rate).take,
+                    # Capped: batches of a tenth of a second's bytes, so the reads,
+                    # hashing and writes spread over the interval, not one burst.
+                    batch_bytes=None if rate is None else max(1, int(rate / 10)),
                 )
                 if self.policy.durable_retention is not None:
                     collect_garbage(self.durable, self.policy.durable_retention, runs=[run])
