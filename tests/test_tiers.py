@@ -196,7 +196,9 @@ def test_a_chunk_damaged_in_every_tier_fails_the_generation_and_restore_falls_ba
 def test_a_cut_off_promotion_leaves_the_durable_tier_as_it_was_and_is_retried(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with open_pair(tmp_path, durable_every=2, promote_on_exit=False) as store:
+    # On this process's thread, where the test can cut the copy off (the uploader
+    # process's deaths are tests/test_tiers_crash.py's).
+    with open_pair(tmp_path, durable_every=2, promote_on_exit=False, uploader="thread") as store:
         store.save(state(1), run="r", step=1)
         store.save(state(2), run="r", step=2)
         store.wait_promotions()

@@ -1,7 +1,8 @@
 """A process that saves through a tiered store, for the crash tests (tests/test_tiers_crash.py).
 
-``python tests/tier_workers.py FAST DURABLE FIRST LAST``: opens
-``castore.open_tiered(FAST, DURABLE, durable_every=2, fast_keep=2, chunk_size=1024)``,
+``python tests/tier_workers.py FAST DURABLE FIRST LAST UPLOADER``: opens
+``castore.open_tiered(FAST, DURABLE, durable_every=2, fast_keep=2, chunk_size=1024,
+uploader=UPLOADER)``,
 saves ``state(step)`` for steps FIRST..LAST (generation ids follow the run's), waits
 for the promotions and closes. ``CASTORE_FAULTS`` kills it where the test says.
 """
@@ -22,8 +23,9 @@ def state(step: int) -> dict[str, np.ndarray]:
     return {"weight": weight, "frozen": np.arange(4096, dtype=np.float32)}
 
 
-def main(fast: str, durable: str, first: int, last: int) -> int:
-    with castore.open_tiered(fast, durable, durable_every=2, fast_keep=2, chunk_size=1024) as store:
+def main(fast: str, durable: str, first: int, last: int, uploader: str) -> int:
+    options = {"durable_every": 2, "fast_keep": 2, "chunk_size": 1024, "uploader": uploader}
+    with castore.open_tiered(fast, durable, **options) as store:
         for step in range(first, last + 1):
             store.save(state(step), run="r", step=step)
         store.wait_promotions()
@@ -31,4 +33,4 @@ def main(fast: str, durable: str, first: int, last: int) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])))
+    sys.exit(main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]))

@@ -6,8 +6,8 @@
 (``/dev/shm`` or NVMe), and never wait for the durable one. A generation the
 policy selects (``durable_every`` generations, ``durable_every_s`` seconds, or
 ``promote(run, generation)``) is pinned in the fast tier and copied to the
-durable tier on a background thread, within ``durable_rate`` bytes per
-second: only the chunks the durable store lacks, each verified as it is read,
+durable tier in the background (by the uploader process, castore.tiers.uploader,
+or on a thread), within ``durable_rate`` bytes per second: only the chunks the durable store lacks, each verified as it is read,
 and published there with the same root digest through the durable store's
 own publish sequence (castore.copying.copy_generation). A promotion that fails
 or is cut off leaves the durable store's previous generation as it was; its
@@ -37,13 +37,16 @@ coordinator).
 from __future__ import annotations
 
 import fcntl
+import json
 import os
 import queue
+import subprocess
+import sys
 import threading
 import time
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -114,7 +117,13 @@ class TieredStore(Store):
     served to reads ("primary" is the fast tier).
     """
 
-    def __init__(self, fast: Store, durable: Store, policy: TierPolicy) -> None:
+    def __init__(
+        self,
+        fast: Store,
+        durable: Store,
+        policy: TierPolicy,
+        uploader: dict[str, Any] | None = None,
+    ) -> None:
         backend = TieredChunkBackend(fast.backend, [("durable", durable.backend)])
         super().__init__(
             fast.path, backend, fast.chunk_size, refs=fast.refs, readonly=fast.readonly_reason
@@ -129,6 +138,10 @@ class TieredStore(Store):
         self._work: queue.Queue[_Work] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closed = False
+        # Promotions run in castore.tiers.uploader when the durable tier can be opened
+        # again there by its address (None: on this process's promotion thread).
+        self._uploader_spec = uploader
+        self._uploader: subprocess.Popen[str] | None = None
         self._pins_resumed = False
         if not self.readonly:
             self._take_durable_history()
@@ -326,28 +339,17 @@ class TieredStore(Store):
         outcome = Promoted(run, generation)
         started = time.perf_counter()
         try:
-            held = self._durable_roots(run)
-            digest, root = Store.resolve_root(self, run, generation)
-            if digest.hex not in held:
-                latest = self.durable.refs.read(run)
-                if latest is not None and latest.generation >= generation:
-                    raise CastoreError(
-                        f"the durable tier {self.durable.path} already has {run}@"
-                        f"{latest.generation}: {run}@{generation} is not promoted"
-                    )
-                rate = self.policy.durable_rate
-                outcome.copied = copy_generation(
+            if self._uploader_spec is not None:
+                outcome.copied = self._upload(run, generation)
+            else:
+                outcome.copied = promote_generation(
                     self.fast,
                     self.durable,
-                    digest,
-                    root,
-                    throttle=Throttle(rate).take,
-                    # Capped: batches of a tenth of a second's bytes, so the reads,
-                    # hashing and writes spread over the interval, not one burst.
-                    batch_bytes=None if rate is None else max(1, int(rate / 10)),
+                    run,
+                    generation,
+                    rate=self.policy.durable_rate,
+                    retention=self.policy.durable_retention,
                 )
-                if self.policy.durable_retention is not None:
-                    collect_garbage(self.durable, self.policy.durable_retention, runs=[run])
             self.refs.delete_tag(run, pin)
         except BaseException as exc:
             outcome.error = exc
@@ -355,6 +357,56 @@ class TieredStore(Store):
         finally:
             outcome.seconds = time.perf_counter() - started
             self.promoted.append(outcome)
+
+    def _upload(self, run: str, generation: int) -> CopiedGeneration | None:
+        """One promotion in the uploader process (castore.tiers.uploader), started if need be."""
+        process = self._uploader
+        if process is None or process.poll() is not None:
+            process = self._uploader = subprocess.Popen(
+                [sys.executable, "-m", "castore.tiers.uploader"],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            assert process.stdin is not None
+            process.stdin.write(json.dumps(self._uploader_spec) + "\n")
+        retention = self.policy.durable_retention
+        job = {
+            "run": run,
+            "generation": generation,
+            "rate": self.policy.durable_rate,
+            "retention": None if retention is None else asdict(retention),
+        }
+        assert process.stdin is not None and process.stdout is not None
+        try:
+            process.stdin.write(json.dumps(job) + "\n")
+            process.stdin.flush()
+            line = process.stdout.readline()
+        except (BrokenPipeError, OSError):
+            line = ""
+        if not line:
+            code = process.wait()
+            raise CastoreError(
+                f"the uploader process died (exit status {code}) promoting {run}@{generation}; "
+                "the durable tier keeps its previous generation, and the promotion is retried"
+            )
+        reply = json.loads(line)
+        if "error" in reply:
+            raise CastoreError(f"promoting {run}@{generation}: {reply['error']}")
+        copied = reply.get("copied")
+        return None if copied is None else CopiedGeneration(**copied)
+
+    def _stop_uploader(self) -> None:
+        process, self._uploader = self._uploader, None
+        if process is None:
+            return
+        try:
+            assert process.stdin is not None
+            process.stdin.close()
+            process.wait(timeout=60)
+        except (OSError, subprocess.TimeoutExpired):
+            process.kill()
+            process.wait()
 
     def _collect_fast(self, run: str) -> None:
         collect_garbage(self.fast, RetentionPolicy(keep_last=self.policy.fast_keep), runs=[run])
@@ -382,6 +434,7 @@ class TieredStore(Store):
                 self._submit(_Work("stop")).done.wait()
                 self._thread.join()
         finally:
+            self._stop_uploader()
             self.fast.close()
             self.durable.close()
 
@@ -389,6 +442,45 @@ class TieredStore(Store):
         if run not in self.durable.runs():
             return {}
         return self.durable.published(run, tolerate_bad_ref=True)
+
+
+def promote_generation(
+    fast: Store,
+    durable: Store,
+    run: str,
+    generation: int,
+    *,
+    rate: float | None = None,
+    retention: RetentionPolicy | None = None,
+) -> CopiedGeneration | None:
+    """Copy ``run@generation`` from ``fast`` to ``durable`` (None: it is there already).
+
+    Only the chunks ``durable`` lacks, each verified as read, at most ``rate``
+    bytes per second in batches of a tenth of a second's bytes (so the reads,
+    hashing and writes spread out, not one burst); then ``retention`` collects
+    the durable tier's run.
+    """
+    held = durable.published(run, tolerate_bad_ref=True) if run in durable.runs() else {}
+    digest, root = fast.resolve_root(run, generation)
+    if digest.hex in held:
+        return None
+    latest = durable.refs.read(run)
+    if latest is not None and latest.generation >= generation:
+        raise CastoreError(
+            f"the durable tier {durable.path} already has {run}@{latest.generation}: "
+            f"{run}@{generation} is not promoted"
+        )
+    copied = copy_generation(
+        fast,
+        durable,
+        digest,
+        root,
+        throttle=Throttle(rate).take,
+        batch_bytes=None if rate is None else max(1, int(rate / 10)),
+    )
+    if retention is not None:
+        collect_garbage(durable, retention, runs=[run])
+    return copied
 
 
 @dataclass(frozen=True)
@@ -470,6 +562,7 @@ def open_tiered(
     durable_retention: RetentionPolicy | None = None,
     durable_rate: float | None = None,
     promote_on_exit: bool = True,
+    uploader: str = "process",
     chunk_size: int | None = None,
     **durable_options: Any,
 ) -> TieredStore:
@@ -481,7 +574,15 @@ def open_tiered(
     it), ``durable_every_s`` (the first generation that long after the last
     promotion, or one ``durable_every`` also selects) or ``promote`` says
     otherwise. ``durable_rate``: bytes per second for uploads.
+
+    ``uploader="process"`` (the default) promotes in a process of its own
+    (castore.tiers.uploader), so that the copy does not compete with training
+    for this process's GIL; where the durable tier cannot be opened again by
+    address there (an open Store, options that are not plain values), and with
+    ``uploader="thread"``, on a thread of this process.
     """
+    if uploader not in ("process", "thread"):
+        raise ValueError(f"uploader must be 'process' or 'thread', got {uploader!r}")
     policy = TierPolicy(
         durable_every=durable_every,
         durable_every_s=durable_every_s,
@@ -505,8 +606,20 @@ def open_tiered(
         if not isinstance(durable, Store):
             durable_store.close()
         raise
+    spec: dict[str, Any] | None = None
+    if uploader == "process" and not isinstance(durable, Store):
+        spec = {
+            "fast": os.fspath(fast),
+            "durable": os.fspath(durable),
+            "options": durable_options,
+            "chunk_size": chunk_size,
+        }
+        try:
+            json.dumps(spec)
+        except (TypeError, ValueError):
+            spec = None  # options that are objects: promote on a thread here
     try:
-        return TieredStore(fast_store, durable_store, policy)
+        return TieredStore(fast_store, durable_store, policy, uploader=spec)
     except BaseException:
         fast_store.close()
         if not isinstance(durable, Store):
@@ -516,6 +629,7 @@ def open_tiered(
 
 __all__ = [
     "Promoted",
+    "promote_generation",
     "TierPolicy",
     "TierRow",
     "TieredStore",
