@@ -8,8 +8,9 @@ policy selects (``durable_every`` generations, ``durable_every_s`` seconds, or
 ``promote(run, generation)``) is pinned in the fast tier and copied to the
 durable tier in the background (by the uploader process, castore.tiers.uploader,
 or on a thread), within ``durable_rate`` bytes per second: only the chunks
-the durable store lacks, each verified as it is read, and published there with the same root digest through the durable store's
-own publish sequence (castore.copying.copy_generation). A promotion that fails
+the durable store lacks, each verified as it is read, and published there
+with the same root digest through the durable store's own publish sequence
+(castore.copying.copy_generation). A promotion that fails
 or is cut off leaves the durable store's previous generation as it was; its
 pin stays, and the next handle (or the next save) retries it, sending only
 what is still missing.
