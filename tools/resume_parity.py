@@ -228,7 +228,15 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         return {"records": records, "final": _final(job)}
     store = castore.open(config["store"], create=True)
     if phase == "interrupted":
-        _train(job, config, rank, until=None, store=store)
+        try:
+            _train(job, config, rank, until=None, store=store)
+        except Exception:
+            if Path(config["workdir"], f"saved-{rank}").exists():
+                # Saved, then a peer's collective broke: the parent's SIGKILLs reach the
+                # ranks one after another, and this one noticed a killed peer first.
+                # Wait for its own kill, as a rank that trained past the save does.
+                time.sleep(KILL_WAIT)
+            raise
         raise RuntimeError("the interrupted run was not killed")
     # phase == "resume"
     started = float(os.environ["PARITY_STARTED"])
