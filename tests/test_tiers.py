@@ -313,3 +313,26 @@ def test_a_capped_promotion_takes_at_least_its_bytes_over_the_rate(tmp_path: Pat
     assert promoted.error is None and promoted.copied is not None
     assert promoted.copied.bytes_copied == 12 * CHUNK
     assert promoted.seconds >= 0.4  # the bucket lends 50 ms of bytes up front
+
+
+def test_a_symlinked_record_directory_is_refused_and_nothing_outside_is_touched(
+    tmp_path: Path,
+) -> None:
+    from castore.core.holdings import forget_elsewhere, mark_elsewhere
+    from castore.errors import UnsafeStoreFileError
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / f"{7:012d}").write_text("not castore's")
+    fast = tmp_path / "fast"
+    castore.open(fast).close()
+    (fast / "tiers" / "elsewhere").mkdir(parents=True)
+    (fast / "tiers" / "elsewhere" / "r").symlink_to(outside)
+    digest = Digest(bytes(32))
+    with pytest.raises(UnsafeStoreFileError):
+        forget_elsewhere(fast, "r", keep=set())
+    with pytest.raises(UnsafeStoreFileError):
+        mark_elsewhere(fast, "r", 1, digest)
+    with pytest.raises(UnsafeStoreFileError):
+        held_elsewhere(fast, "r", 7, digest)
+    assert sorted(p.name for p in outside.iterdir()) == [f"{7:012d}"]

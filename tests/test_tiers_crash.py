@@ -102,3 +102,26 @@ def test_broken_control_a_published_generation_missing_a_chunk_fails_the_checks(
         assert not verify_store(durable, deep=True).ok
         with pytest.raises(ChunkMissingError):
             durable.load("r")
+
+
+UNCLOSED = """
+import sys, numpy as np, castore
+store = castore.open_tiered(sys.argv[1], sys.argv[2], durable_rate=4096, chunk_size=1024)
+store.save({"w": np.arange(8192, dtype=np.float32)}, run="r", step=1)  # 32 KiB: 8 s at the cap
+"""
+
+
+def test_a_job_that_exits_without_closing_says_which_promotions_are_owed(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", UNCLOSED, str(tmp_path / "fast"), str(tmp_path / "durable")],
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "1 promotion(s) to" in done.stderr and "(r@1;" in done.stderr, done.stderr
+    assert "the next castore.open_tiered" in done.stderr
+    with open_tiered(tmp_path / "fast", tmp_path / "durable") as store:  # retried
+        assert [(p.generation, p.error) for p in store.wait_promotions()] == [(1, None)]
+        assert store.durable.resolve("r").id == 1 and store.fast.refs.tags("r") == {}

@@ -24,14 +24,31 @@ from pathlib import Path
 
 from castore.errors import CorruptObjectError
 from castore.format.hashing import Digest, digest_bytes
+from castore.repo.records import validate_run_name
 from castore.repo.reffile import replace_file
-from castore.support.safefs import read_store_file
+from castore.support.safefs import is_store_dir, make_store_dir, read_store_file
 
 DIRECTORY = ("tiers", "elsewhere")
 
 
 def _path(store_dir: Path, run: str, generation: int) -> Path:
     return store_dir.joinpath(*DIRECTORY, run, f"{generation:012d}")
+
+
+def record_dir(store_dir: Path, run: str, *, create: bool) -> Path | None:
+    """``tiers/elsewhere/RUN`` in ``store_dir`` (None if absent and not ``create``).
+
+    Every level must be a real directory: a symlink or other file there raises
+    UnsafeStoreFileError, so nothing is read, written or deleted outside the store.
+    """
+    path = store_dir
+    for part in (*DIRECTORY, validate_run_name(run)):
+        path = path / part
+        if create:
+            make_store_dir(path)
+        elif not is_store_dir(path):
+            return None
+    return path
 
 
 def _checksum(text: str) -> str:
@@ -43,8 +60,8 @@ def mark_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> 
     text = json.dumps(
         {"v": 1, "run": run, "generation": generation, "root": root.hex}, sort_keys=True
     )
+    record_dir(store_dir, run, create=True)
     path = _path(store_dir, run, generation)
-    path.parent.mkdir(parents=True, exist_ok=True)
     replace_file(
         path, f"{text}\t{_checksum(text)}\n".encode(), phase="recording a generation held elsewhere"
     )
@@ -55,6 +72,8 @@ def held_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> 
 
     Raises CorruptObjectError for a record that is not what this module writes.
     """
+    if record_dir(store_dir, run, create=False) is None:
+        return False
     path = _path(store_dir, run, generation)
     try:
         data = read_store_file(path, limit=4096)
@@ -81,11 +100,10 @@ def forget_elsewhere(store_dir: Path, run: str, keep: set[int]) -> list[int]:
 
     Returns the ids whose records were removed.
     """
-    directory = store_dir.joinpath(*DIRECTORY, run)
-    try:
-        names = sorted(os.listdir(directory))
-    except (FileNotFoundError, NotADirectoryError):
+    directory = record_dir(store_dir, run, create=False)
+    if directory is None:
         return []
+    names = sorted(os.listdir(directory))
     removed = []
     for name in names:
         if len(name) == 12 and name.isdigit() and int(name) not in keep:

@@ -37,6 +37,7 @@ job's coordinator).
 
 from __future__ import annotations
 
+import atexit
 import fcntl
 import json
 import os
@@ -46,6 +47,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -64,6 +66,7 @@ from castore.format.objects import GenerationRoot
 from castore.gc import RetentionPolicy, collect_garbage
 from castore.repo.records import RefValue
 from castore.store import Restored, Store
+from castore.support.safefs import make_store_dir, open_store_file
 
 PIN_PREFIX = "promoting-"
 
@@ -146,6 +149,7 @@ class TieredStore(Store):
         self._pins_resumed = False
         if not self.readonly:
             self._take_durable_history()
+        atexit.register(_say_unfinished, weakref.ref(self))
 
     def __repr__(self) -> str:
         fast, durable = str(self.fast.path), str(self.durable.path)
@@ -166,9 +170,8 @@ class TieredStore(Store):
         behind = [run for run in self.durable.refs.ref_runs() if self._behind(run)]
         if not behind:
             return
-        directory = Path(self.fast.path) / "tiers"
-        directory.mkdir(exist_ok=True)
-        fd = os.open(directory / "take-history.lock", os.O_RDWR | os.O_CREAT, 0o644)
+        directory = make_store_dir(Path(self.fast.path) / "tiers")
+        fd = open_store_file(directory / "take-history.lock", os.O_RDWR | os.O_CREAT)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)
             for run in behind:
@@ -443,6 +446,29 @@ class TieredStore(Store):
         if run not in self.durable.runs():
             return {}
         return self.durable.published(run, tolerate_bad_ref=True)
+
+
+def _say_unfinished(ref: weakref.ref[TieredStore]) -> None:
+    """At exit: a tiered store that queued promotions and was not closed says what is owed."""
+    store = ref()
+    if store is None or store._closed or store._thread is None or store.readonly:
+        return
+    try:
+        owed = sorted(
+            f"{run}@{value.generation}"
+            for run in store.refs.ref_runs()
+            for name, value in store.refs.tags(run).items()
+            if name.startswith(PIN_PREFIX)
+        )
+    except CastoreError:
+        return
+    if owed:
+        print(
+            f"castore: {len(owed)} promotion(s) to {store.durable.path} unfinished at exit "
+            f"({', '.join(owed)}; the tiered store was not closed): the next "
+            f"castore.open_tiered on {store.fast.path} retries them",
+            file=sys.stderr,
+        )
 
 
 def promote_generation(
