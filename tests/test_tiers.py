@@ -252,6 +252,7 @@ def test_a_shared_directory_as_the_durable_tier(tmp_path: Path) -> None:
         assert np.array_equal(sliced, state(2)["weight"][250:260])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
 def test_train_state_and_dcp_work_unchanged_on_a_tiered_store(tmp_path: Path) -> None:
     """TrainState.save/load and the DCP writer/reader, before and after the fast tier is lost."""
     torch = pytest.importorskip("torch")
