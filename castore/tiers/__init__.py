@@ -107,7 +107,7 @@ class Promoted:
 
 @dataclass
 class _Work:
-    kind: str  # "promote", "collect" or "stop"
+    kind: str  # "promote", "collect", "barrier" (done once all before it are) or "stop"
     run: str = ""
     generation: int = 0
     done: threading.Event = field(default_factory=threading.Event)
@@ -307,7 +307,7 @@ class TieredStore(Store):
         Promotions an earlier handle left unfinished are retried first.
         """
         self._resume_pins()
-        work = self._submit(_Work("collect", ""))
+        work = self._submit(_Work("barrier"))
         if not work.done.wait(timeout):
             raise TimeoutError(f"promotions still running after {timeout}s")
         return list(self.promoted)
@@ -327,7 +327,7 @@ class TieredStore(Store):
                     return
                 if work.kind == "promote":
                     self._promote(work.run, work.generation)
-                elif work.kind == "collect" and work.run:
+                elif work.kind == "collect":
                     self._collect_fast(work.run)
             except BaseException as exc:  # noqa: BLE001 - reported, the thread goes on
                 warnings.warn(
@@ -427,7 +427,7 @@ class TieredStore(Store):
         super().close()
         try:
             if self._thread is not None:
-                self._submit(_Work("collect", "")).done.wait()  # what is queued, first
+                self._submit(_Work("barrier")).done.wait()  # what is queued, first
             if self.policy.promote_on_exit and not self.readonly:
                 for run in sorted(self._saved_runs):
                     newest = self.refs.read(run)
