@@ -367,6 +367,49 @@ def _copy_chunks(
     target.backend.put_many(Namespace.CHUNKS, verified)
 
 
+def copy_shard_chunks(
+    source: Store,
+    target: Store,
+    root: GenerationRoot,
+    shards: Sequence[int],
+    *,
+    throttle: Callable[[int], None] | None = None,
+    batch_bytes: int | None = None,
+) -> int:
+    """Copy the chunks of some shards of ``root`` that DST lacks, and their manifests;
+    the chunk bytes sent. Publishes nothing.
+
+    Part of a generation several sources hold: each copies the shards it
+    holds (castore.tiers: a node uploads its own ranks' shards), and then one
+    publishes the whole with :func:`copy_generation`, which finds every chunk
+    present and checks the shards at DST before its commit point. Each chunk
+    is verified as read; a copy cut off is resumed by copying again (what DST
+    has is skipped).
+    """
+    where = {"run": root.run, "generation": root.generation}
+    read = [
+        _verified_object(source, root.shards[index], TYPE_SHARD, {**where, "shard": index})
+        for index in shards
+    ]
+    named = _named_chunks([manifest for _, manifest in read])
+    sent = 0
+    with target.save_lock():
+        present = target.backend.has_many(Namespace.CHUNKS, list(named))
+        missing = [key for key, found in zip(named, present, strict=True) if not found]
+        for batch in _batches(missing, named, batch_bytes or BATCH_BYTES):
+            size = sum(expected_length(*named[key]) for key in batch)
+            if throttle is not None:
+                throttle(size)
+            _copy_chunks(source, target, batch, named, where)
+            sent += size
+            fault_point("copy.mid_chunks")
+        target.backend.put_many(
+            Namespace.OBJECTS,
+            [(root.shards[index], data) for index, (data, _) in zip(shards, read, strict=True)],
+        )
+    return sent
+
+
 def _mark_parent_absent(source: Store, target: Store, root: GenerationRoot) -> bool:
     """Log the parent of ``root`` as collected at DST when DST does not hold it.
 
@@ -397,4 +440,11 @@ def _logged_generation(source: Store, run: str, root: Digest) -> int | None:
     return None
 
 
-__all__ = ["BATCH_BYTES", "CopiedGeneration", "CopyReport", "copy", "copy_generation"]
+__all__ = [
+    "BATCH_BYTES",
+    "CopiedGeneration",
+    "CopyReport",
+    "copy",
+    "copy_generation",
+    "copy_shard_chunks",
+]

@@ -219,6 +219,15 @@ class Store:
         """Called by the publish sequence once ``run@generation`` is published; nothing here
         (castore.tiers.TieredStore promotes it)."""
 
+    def node_session(self, comm: Any, run: str) -> Any:
+        """What a collective save or load of ``run`` needs when its ranks' stores are on
+        several nodes (castore.tiers.TieredStore; a collective call there); None here."""
+        return None
+
+    def selects_for_durable(self, run: str, generation: int) -> bool:
+        """Whether ``run@generation`` goes on to a durable tier; never here."""
+        return False
+
     def __enter__(self) -> Store:
         return self
 

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from castore.chunkstore.base import Namespace
 from castore.core.chunkio import expected_length, shared_pool
-from castore.core.holdings import held_elsewhere
+from castore.core.holdings import held_shards
 from castore.core.reading import check_coverage, check_rank_local
 from castore.errors import CastoreError, GenerationNotFoundError
 from castore.format.hashing import Digest, digest_bytes
@@ -207,25 +207,48 @@ def _check_structures(
         _check_reflog(store, name, report)
         for digest, root in _roots(store, name, generation, report):
             users = _check_structure(store, root, report)
-            if users is not None and _held_elsewhere(store, root, digest, report):
-                report.held_elsewhere.append((root.run, root.generation))
+            if users is None:
                 continue
-            if users is not None:
-                planned.append((root, users, len(report.problems)))
+            held = _held_shards(store, root, digest, report)
+            if held is not None:
+                report.held_elsewhere.append((root.run, root.generation))
+                users = _users_of_shards(store, root, users, held)
+                if not users:
+                    continue
+            planned.append((root, users, len(report.problems)))
     return planned
 
 
-def _held_elsewhere(
+def _held_shards(
     store: Store, root: GenerationRoot, digest: Digest, report: VerifyReport
-) -> bool:
-    """Whether the store records this generation's chunks as held in another tier."""
+) -> set[int] | None:
+    """The shards this store holds of a generation whose chunks are partly or wholly in
+    another tier or on other nodes, by its record (None: held whole, no record)."""
     if not isinstance(store.path, Path):
-        return False  # a store on blobs is never a fast tier
+        return None  # a store on blobs is never a fast tier
     try:
-        return held_elsewhere(store.path, root.run, root.generation, digest)
+        held = held_shards(store.path, root.run, root.generation, digest)
     except CastoreError as exc:
         report.problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
-        return False
+        return None
+    if held is not None and held >= set(range(len(root.shards))):
+        return None  # every shard: nothing is elsewhere
+    return held
+
+
+def _users_of_shards(store: Store, root: GenerationRoot, users: Users, held: set[int]) -> Users:
+    """The chunks of ``users`` that the shards ``held`` name: what this store must hold."""
+    if not held:
+        return {}
+    shards = store.read_shards(root)
+    named = {
+        chunk
+        for index in held
+        if index < len(shards)
+        for entry in shards[index].tensors + shards[index].local_tensors
+        for chunk in entry.chunks
+    }
+    return {chunk: use for chunk, use in users.items() if chunk in named}
 
 
 def _check_reflog(store: Store, run: str, report: VerifyReport) -> None:

@@ -367,6 +367,8 @@ def _load(
     }
     if "timeout" in op:
         kwargs["timeout"] = op["timeout"]
+    if "fallback" in op:
+        kwargs["fallback"] = op["fallback"]
     other = None
     if "path" in op:  # load from another store than the script's
         other = store = castore.open(op["path"])
@@ -391,6 +393,8 @@ def _load(
                 "bytes_needed": report.bytes_needed,
                 "chunks_read": report.chunks_read,
                 "timings": dict(report.timings),
+                "bytes_by_source": dict(report.bytes_by_source),
+                "skipped": [s.generation for s in report.skipped],
             },
         }
     finally:
@@ -430,7 +434,12 @@ def run_script(
     import castore.support.faults
 
     results: list[Any] = []
-    # ``path``: a store's path, or the keyword arguments of castore.open_tiered.
+    # ``path``: a store's path, or the keyword arguments of castore.open_tiered, where
+    # "nodes" (fast directories, one per node) splits the ranks evenly over nodes.
+    if isinstance(path, dict) and "nodes" in path:
+        path = dict(path)
+        nodes = path.pop("nodes")
+        path["fast"] = nodes[rank * len(nodes) // world_size]
     opened = castore.open_tiered(**path) if isinstance(path, dict) else castore.open(path)
     with opened as store:
         for op in ops:

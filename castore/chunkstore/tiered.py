@@ -35,13 +35,21 @@ from castore.format.hashing import Buffer, digest_bytes
 class TieredChunkBackend(ChunkBackend):
     """``primary`` for everything, ``fallbacks`` (name, backend) for reads it cannot serve.
 
+    ``distrust``: keys read from the fallbacks only (their primary copy was
+    found damaged by an earlier read).
+
     The backends are not owned: :meth:`close` leaves them open.
     """
 
     def __init__(
-        self, primary: ChunkBackend, fallbacks: Sequence[tuple[str, ChunkBackend]]
+        self,
+        primary: ChunkBackend,
+        fallbacks: Sequence[tuple[str, ChunkBackend]],
+        *,
+        distrust: set[bytes] | None = None,
     ) -> None:
         self.primary = primary
+        self.distrust = set(distrust or ())  # keys whose primary copy was found damaged
         self.fallbacks = list(fallbacks)
         self.supports_writes = primary.supports_writes
         self.supports_deletes = primary.supports_deletes
@@ -50,12 +58,15 @@ class TieredChunkBackend(ChunkBackend):
         self.served_values: Counter[str] = Counter()
         self.served_bytes: Counter[str] = Counter()
         self.damaged: Counter[str] = Counter()  # values a source held that did not verify
+        self.damaged_keys: dict[str, set[bytes]] = {}  # which, per source
 
     # -- reads: the fastest intact copy --------------------------------------
 
     def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
         keys = [bytes(key) for key in keys]
         held = self.primary.has_many(namespace, keys) if keys else []
+        if self.distrust:
+            held = [here and key not in self.distrust for key, here in zip(keys, held, strict=True)]
         local = [key for key, here in zip(keys, held, strict=True) if here]
         elsewhere = [key for key, here in zip(keys, held, strict=True) if not here]
 
@@ -71,7 +82,7 @@ class TieredChunkBackend(ChunkBackend):
                             yield value
                             continue
                         if value is not None:
-                            self._damaged("primary")
+                            self._damaged("primary", key)
                         yield self._fallback_one(namespace, key, value)
                     else:
                         yield found.get(key)
@@ -115,7 +126,7 @@ class TieredChunkBackend(ChunkBackend):
                     found[key] = memoryview(data)
                     continue
                 if data is not None:
-                    self._damaged(name)
+                    self._damaged(name, key)
                     found[key] = memoryview(data)  # handed on if nothing better turns up
                 left.append(key)
             wanted = left
@@ -135,9 +146,10 @@ class TieredChunkBackend(ChunkBackend):
             self.served_values[source] += 1
             self.served_bytes[source] += memoryview(value).nbytes
 
-    def _damaged(self, source: str) -> None:
+    def _damaged(self, source: str, key: bytes) -> None:
         with self._lock:
             self.damaged[source] += 1
+            self.damaged_keys.setdefault(source, set()).add(key)
 
     # -- everything else: the primary's ---------------------------------------
 

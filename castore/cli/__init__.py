@@ -240,8 +240,9 @@ def cmd_verify(args: argparse.Namespace) -> int:
     )
     if report.held_elsewhere:
         print(
-            f"{len(report.held_elsewhere)} generation(s) listed here keep their chunks in "
-            "another tier (castore.tiers): chunks not looked for here"
+            f"{len(report.held_elsewhere)} generation(s) listed here keep some or all of "
+            "their chunks on other nodes or in another tier (castore.tiers): those chunks "
+            "were not looked for here"
         )
     for problem in report.problems:
         print(f"PROBLEM {problem}")

@@ -191,12 +191,14 @@ def publish(
     root: GenerationRoot,
     faults: PublishFaults,
     extra_objects: tuple[tuple[bytes, bytes], ...] = (),
+    notify: bool = True,
 ) -> Digest:
     """Commit the root (with any objects not yet committed), then advance the ref.
 
     The last step of every publish: the ref's compare-and-swap is the commit
     point, and the ref store logs it. Callers with shards from other writers
-    use :func:`publish_shards`, which checks them first.
+    use :func:`publish_shards`, which checks them first. ``notify=False``:
+    the caller tells the store itself (``after_publish``).
     """
     root_bytes = encode_object(root)
     root_digest = Digest(digest_bytes(root_bytes))
@@ -207,7 +209,8 @@ def publish(
     store.refs.advance(root.run, expected=parent.root if parent else None, new=new)
     record_published(store.refs, root.run, new)
     fault_point(faults.after_ref_advance)
-    store.after_publish(root.run, root.generation, root_digest)
+    if notify:
+        store.after_publish(root.run, root.generation, root_digest)
     return root_digest
 
 
@@ -435,6 +438,7 @@ def check_shards(
     generation: int,
     skeleton: bytes | None = None,
     hint: str = "",
+    chunks_attested: bool = False,
 ) -> CheckedShards:
     """The coordinator's checks before a root may name these shards.
 
@@ -450,7 +454,8 @@ def check_shards(
         check_coverage(boxes, where)
     if skeleton is not None:
         check_names(skeleton, entries, where)
-    check_chunks_present(store, manifests, where)
+    if not chunks_attested:  # else each writer checked its own, in the store that holds them
+        check_chunks_present(store, manifests, where)
     return CheckedShards(list(digests), manifests, entries)
 
 

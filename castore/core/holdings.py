@@ -9,11 +9,18 @@ This record says so, so that ``verify`` reports those chunks as held
 elsewhere, not missing. It is a claim about where to look, never evidence:
 every byte read from anywhere is still verified against its name.
 
+A job on several nodes (each node its own fast tier) writes such a record
+on every node for every generation it saves, naming the shards (saved ranks)
+the node holds: its own ranks' and, with peer copies, its peers'. The rest
+of the generation's chunks are on other nodes or in the durable tier.
+
 One file per generation, ``tiers/elsewhere/RUN/<12-digit id>`` in the store
-directory: one line of JSON ``{"v": 1, "run", "generation", "root"}``, then a
-tab and the blake3 hex (32 digits) of the JSON. Written to a temporary file,
-fsynced, renamed, the directory fsynced. A record whose root is not the
-generation's is ignored (the id was reused by another history).
+directory: one line of JSON ``{"v": 1, "run", "generation", "root"}`` (and
+``"held": [shard indices]`` when the node holds some shards; absent: none),
+then a tab and the blake3 hex (32 digits) of the JSON. Written to a temporary
+file, fsynced, renamed, the directory fsynced. A record whose root is not the
+generation's is ignored (the id was reused by another history). A generation
+without a record is held whole.
 """
 
 from __future__ import annotations
@@ -55,11 +62,15 @@ def _checksum(text: str) -> str:
     return digest_bytes(text.encode()).hex()[:32]
 
 
-def mark_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> None:
-    """Record that ``run@generation`` (root ``root``) has its chunks in another tier."""
-    text = json.dumps(
-        {"v": 1, "run": run, "generation": generation, "root": root.hex}, sort_keys=True
-    )
+def mark_elsewhere(
+    store_dir: Path, run: str, generation: int, root: Digest, held: list[int] | None = None
+) -> None:
+    """Record that ``run@generation`` (root ``root``) has its chunks in another tier,
+    but for those of the shards ``held`` (saved rank indices; None: none)."""
+    record: dict[str, object] = {"v": 1, "run": run, "generation": generation, "root": root.hex}
+    if held:
+        record["held"] = sorted(set(held))
+    text = json.dumps(record, sort_keys=True)
     record_dir(store_dir, run, create=True)
     path = _path(store_dir, run, generation)
     replace_file(
@@ -68,17 +79,27 @@ def mark_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> 
 
 
 def held_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> bool:
-    """Whether the store at ``store_dir`` records ``run@generation`` as held elsewhere.
+    """Whether the store at ``store_dir`` records ``run@generation`` as held elsewhere
+    (some or all of its shards).
+
+    Raises CorruptObjectError for a record that is not what this module writes.
+    """
+    return held_shards(store_dir, run, generation, root) is not None
+
+
+def held_shards(store_dir: Path, run: str, generation: int, root: Digest) -> set[int] | None:
+    """The shards of ``run@generation`` the store holds, by its record; None: no record
+    (the generation is held whole).
 
     Raises CorruptObjectError for a record that is not what this module writes.
     """
     if record_dir(store_dir, run, create=False) is None:
-        return False
+        return None
     path = _path(store_dir, run, generation)
     try:
-        data = read_store_file(path, limit=4096)
+        data = read_store_file(path, limit=1 << 20)
     except (FileNotFoundError, NotADirectoryError):
-        return False
+        return None
     where = {"run": run, "generation": generation, "path": str(path)}
     try:
         text, _, checksum = data.decode().rstrip("\n").partition("\t")
@@ -92,7 +113,14 @@ def held_elsewhere(store_dir: Path, run: str, generation: int, root: Digest) -> 
         raise CorruptObjectError(f"the held-elsewhere record is damaged: {exc}", **where) from exc
     if named != (run, generation):
         raise CorruptObjectError("the held-elsewhere record names another generation", **where)
-    return record.get("root") == root.hex
+    held = record.get("held", [])
+    if not isinstance(held, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 20 for i in held
+    ):
+        raise CorruptObjectError("the held-elsewhere record's shard list is not one", **where)
+    if record.get("root") != root.hex:
+        return None
+    return set(held)
 
 
 def forget_elsewhere(store_dir: Path, run: str, keep: set[int]) -> list[int]:

@@ -44,15 +44,18 @@ from castore.core.background import (
 )
 from castore.core.chunkio import WriteStats
 from castore.core.commit import (
+    COORDINATOR_FAULTS,
     CheckedShards,
     ShardWrite,
     build_shard,
     check_data_order,
+    check_shards,
     claim_writer,
     commit_objects,
     encode_metadata,
     framework_versions,
     make_root,
+    publish,
     publish_shards,
     root_stats,
     write_shard,
@@ -63,7 +66,7 @@ from castore.errors import (
     LayoutMismatchError,
 )
 from castore.format.hashing import Digest, digest_bytes
-from castore.format.objects import GenerationRoot
+from castore.format.objects import GenerationRoot, encode_object
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 from castore.repo.records import RefValue, validate_run_name
 from castore.dist.restore import LoadReport, LoadResult, load
@@ -330,6 +333,10 @@ def _commit_in_group(
     tensors ``names`` (and its rank-local values) and its shard manifest, and
     returns its ack. Returns the published root's digest on every rank.
     """
+    # A tiered store whose ranks span several nodes (castore.tiers.nodes): None otherwise.
+    session = store.node_session(comm, run)
+    if session is not None:
+        session.catch_up(run)
     infos = comm.all_gather(
         {
             "error": describe(failure),
@@ -356,22 +363,32 @@ def _commit_in_group(
 
     def locked_write() -> dict[str, Any]:
         lock.enter_context(store.save_lock())
-        return write(generation, mine)
+        ack = write(generation, mine)
+        if session is not None:  # this rank's node holds its chunks; its manifest travels
+            ack["manifest"] = session.attest(ack["shard"])
+        return ack
 
     with lock:
         ack, failure = attempt(locked_write)
         acks = comm.all_gather({"error": describe(failure), **(ack or {})}, "save: write shards")
         raise_failures(acks, comm, failure)
+        if session is not None:
+            session.replicate(acks)
 
         outcome: dict[str, Any] = {}
         if comm.is_coordinator:
             published, failure = attempt(
                 lambda: _validate_and_publish(
-                    store, prepared, acks, proposal, run, step, comm, started
+                    store, prepared, acks, proposal, run, step, comm, started, session
                 )
             )
-            outcome = {"error": describe(failure), "root": published}
+            outcome = {"error": describe(failure), "root": None}
+            if published is not None:
+                outcome.update(published)
         outcome = comm.broadcast(outcome, "save: publish")
+        if session is not None and not outcome.get("error"):
+            session.publish_on_node(run, outcome["root_bytes"], acks, proposal["parent"])
+            session.after_save(run, generation, Digest(outcome["root"]), outcome["promote"])
     if outcome.get("error"):
         if comm.is_coordinator and failure is not None:
             raise failure
@@ -549,7 +566,9 @@ def _validate_and_publish(
     step: int,
     comm: Group,
     started: float,
-) -> bytes:
+    session: Any = None,
+) -> dict[str, Any]:
+    """Check the shards, build the root and publish it; the outcome every rank is sent."""
     generation = proposal["generation"]
     parent = proposal["parent"]
     parent_ref = None if parent is None else RefValue(run, parent[0], Digest(parent[1]), parent[2])
@@ -582,13 +601,33 @@ def _validate_and_publish(
             writer=proposal["writer"],
         )
 
-    digest, _ = publish_shards(
+    shards = [ack["shard"] for ack in acks]
+    if session is None:
+        digest, _ = publish_shards(
+            store,
+            run=run,
+            generation=generation,
+            parent=parent_ref,
+            shards=shards,
+            build_root=build_root,
+            skeleton=prepared.encoded.skeleton,
+        )
+        return {"root": digest.raw}
+    # Several nodes: the manifests came in the acks, and each rank checked its node holds
+    # its chunks (the coordinator cannot see other nodes' stores).
+    commit_objects(store, [(ack["shard"], ack["manifest"]) for ack in acks])
+    checked = check_shards(
         store,
+        shards,
         run=run,
         generation=generation,
-        parent=parent_ref,
-        shards=[ack["shard"] for ack in acks],
-        build_root=build_root,
         skeleton=prepared.encoded.skeleton,
+        chunks_attested=True,
     )
-    return digest.raw
+    root = build_root(checked)
+    root_bytes = encode_object(root)
+    digest = Digest(digest_bytes(root_bytes))
+    session.record_holdings(run, generation, digest)
+    publish(store, parent=parent_ref, root=root, faults=COORDINATOR_FAULTS, notify=False)
+    promote = store.selects_for_durable(run, generation)
+    return {"root": digest.raw, "root_bytes": root_bytes, "promote": promote}

@@ -89,23 +89,56 @@ class Group:
             for g, n in zip(gathered, lengths, strict=True)
         ]
 
-    def broadcast(self, message: Any, phase: str) -> Any:
-        """The coordinator's ``message`` on every rank (others pass anything)."""
-        data = msgpack.packb(message, use_bin_type=True) if self.is_coordinator else b""
+    def broadcast(self, message: Any, phase: str, *, source: int | None = None) -> Any:
+        """The coordinator's (or rank ``source``'s) ``message`` on every rank (others pass
+        anything)."""
+        source = self.coordinator if source is None else source
+        data = msgpack.packb(message, use_bin_type=True) if self.rank == source else b""
         if self.solo:
             return msgpack.unpackb(data, raw=False, strict_map_key=False)
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self._wait(
-            dist.broadcast(size, group=self.group, group_src=self.coordinator, async_op=True), phase
-        )
+        self._wait(dist.broadcast(size, group=self.group, group_src=source, async_op=True), phase)
         buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
-        if self.is_coordinator and data:
+        if self.rank == source and data:
             buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         self._wait(
-            dist.broadcast(buffer, group=self.group, group_src=self.coordinator, async_op=True),
-            phase,
+            dist.broadcast(buffer, group=self.group, group_src=source, async_op=True), phase
         )
         return msgpack.unpackb(bytes(buffer.cpu().numpy()), raw=False, strict_map_key=False)
+
+    def exchange(self, outgoing: dict[int, bytes], phase: str) -> dict[int, bytes]:
+        """Send ``outgoing[rank]`` to each rank named, point to point; what each rank sent
+        this one (ranks that sent nothing are absent). A collective call.
+
+        One all_gather of the sizes, then every send and receive is posted before
+        any is waited on, so no order of ranks can deadlock; each wait is bounded
+        by the timeout. Bulk bytes go straight between the two ranks: no rank
+        sees another pair's.
+        """
+        if self.solo:
+            return {0: outgoing[0]} if outgoing.get(0) else {}
+        sizes = self.all_gather(
+            {int(peer): len(data) for peer, data in outgoing.items() if data}, phase
+        )
+        sends, receives = [], {}
+        for peer, data in sorted(outgoing.items()):
+            if data and peer != self.rank:
+                tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                sends.append((tensor, dist.isend(tensor, group=self.group, group_dst=peer)))
+        for peer, table in enumerate(sizes):
+            size = table.get(self.rank, 0)
+            if size and peer != self.rank:
+                tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
+                receives[peer] = (tensor, dist.irecv(tensor, group=self.group, group_src=peer))
+        for _, work in sends:
+            self._wait(work, phase)
+        received = {}
+        for peer, (tensor, work) in receives.items():
+            self._wait(work, phase)
+            received[peer] = bytes(tensor.cpu().numpy())
+        if outgoing.get(self.rank):
+            received[self.rank] = bytes(outgoing[self.rank])
+        return received
 
 
 def collective_failure(exc: RuntimeError, phase: str, rank: int, timeout: float) -> CollectiveError:

@@ -18,7 +18,7 @@ import numpy as np
 
 from castore import errors
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
-from castore.core import fencing
+from castore.core import fencing, reading
 from castore.core.chunkio import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation, Skipped
 from castore.core.reading import (
@@ -57,6 +57,8 @@ class LoadReport:
     chunks_read: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     skipped: list[Skipped] = field(default_factory=list)  # generations a fallback passed over
+    # Tiered stores on several nodes: the bytes each source gave ("local", "peer", "durable").
+    bytes_by_source: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -116,6 +118,10 @@ def load(
     if fallback not in (None, "previous"):
         raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
     options = _Options(targets, rank_local, framework, load_rest)
+    # A tiered store whose ranks span several nodes (castore.tiers.nodes): None otherwise.
+    session = store.node_session(comm, run)
+    if session is not None:
+        return _load_from_nodes(store, run, generation, comm, options, fallback, session)
     if fallback is None:
         digest = agree_on_root(store, run, generation, comm)
         return _load_root(store, run, digest, None, comm, options, [], _Outcome())
@@ -128,6 +134,66 @@ def load(
             if not outcome.every_failure_is_integrity:
                 raise
             skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
+    listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
+    raise NoValidGenerationError(
+        f"no generation of run {run!r} validates on every rank (skipped {listed})", run=run
+    )
+
+
+def _load_from_nodes(
+    store: Store,
+    run: str,
+    generation: int | str,
+    comm: Group,
+    options: _Options,
+    fallback: str | None,
+    session: Any,
+) -> LoadResult:
+    """A restore from the nodes' fast tiers and the durable tier (castore.tiers.nodes).
+
+    The newest generation complete somewhere; a generation that fails only
+    for damage is tried once more with this rank's damaged chunks fetched
+    from elsewhere, then (``fallback="previous"``) the one before it.
+    """
+    below = None
+    if generation != "latest":
+        found, failure = None, None
+        if comm.is_coordinator:
+            found, failure = attempt(lambda: store.resolve(run, generation).id)
+        outcomes = comm.all_gather({"error": describe(failure), "id": found}, "load: resolve")
+        raise_failures(outcomes, comm, failure)
+        below = outcomes[comm.coordinator]["id"]
+    candidates = session.agree_candidates(run, below)
+    if generation != "latest":
+        candidates = [(g, d) for g, d in candidates if g == below][:1]
+    if not candidates:
+        raise NoValidGenerationError(
+            f"no generation of run {run!r} is complete in the fast tiers of the live nodes "
+            "or in the durable tier",
+            run=run,
+        )
+    if fallback is None:
+        candidates = candidates[:1]
+    skipped: list[Skipped] = []
+    last: Exception | None = None
+    for gen_id, digest in candidates:
+        for recheck in (False, True):
+            outcome = _Outcome()
+            try:
+                session.seed(run, digest)
+                return _load_root(
+                    store, run, digest, gen_id, comm, options, skipped, outcome,
+                    session=session, recheck=recheck,
+                )  # fmt: skip
+            except Exception as exc:
+                if not outcome.every_failure_is_integrity:
+                    raise
+                last = exc
+                if not recheck:
+                    continue  # every rank agreed: all try again, damaged copies fetched anew
+                skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
+    if fallback is None and last is not None:
+        raise last
     listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
     raise NoValidGenerationError(
         f"no generation of run {run!r} validates on every rank (skipped {listed})", run=run
@@ -158,6 +224,9 @@ def _load_root(
     options: _Options,
     skipped: list[Skipped],
     outcome: _Outcome,
+    *,
+    session: Any = None,
+    recheck: bool = False,
 ) -> LoadResult:
     targets, rank_local = options.targets, options.rank_local
     framework, load_rest = options.framework, options.load_rest
@@ -184,6 +253,8 @@ def _load_root(
         requests = [r for t in wanted for r in _chunk_requests(t, entries[t.name])]
         timings["planning"] = time.perf_counter() - clock
         clock = time.perf_counter()
+        if session is not None:  # read after the fetch from the other nodes
+            return root, entries, wanted, requests, shards, where
         per_rank, per_rank_bytes = _read_rank_local(
             store, root, shards, comm, rank_local, framework, where
         )
@@ -203,12 +274,31 @@ def _load_root(
         clock = time.perf_counter()  # what follows is assembly: copying into the targets
 
     planned, failure = attempt(plan_everything)
+    backend = store.backend
+    if session is not None:
+        # Every rank takes part in the fetch, whatever its planning gave.
+        keys = []
+        if failure is None:
+            root, entries, wanted, requests, shards, where = planned
+            keys = [r.entry.chunks[r.index] for r in requests]
+            keys += _rank_local_chunks(shards, root, comm, rank_local)
+        backend, fetch_failure = attempt(lambda: session.fetch(keys, recheck=recheck))
+        failure = failure or fetch_failure
+        if failure is None:
+
+            def read_local() -> tuple[Any, ...]:
+                per_rank, per_rank_bytes = _read_rank_local(
+                    store, root, shards, comm, rank_local, framework, where, backend
+                )
+                return root, entries, wanted, requests, per_rank, per_rank_bytes, where
+
+            planned, failure = attempt(read_local)
     if failure is not None:
         agree(failure)
     root, entries, wanted, requests, per_rank, per_rank_bytes, where = planned
     try:
         # Chunks are verified where they lie; targets are written only after `agree`.
-        read_agree_deliver(store.backend, requests, store.read_counters, where, agree)
+        read_agree_deliver(backend, requests, store.read_counters, where, agree)
     except Exception as exc:
         if not agreed:
             agree(exc)  # tell the other ranks before raising here
@@ -226,6 +316,7 @@ def _load_root(
         chunks_read=store.read_counters.chunks - read_before[0],
         timings=timings,
         skipped=list(skipped),
+        bytes_by_source=session.sources() if session is not None else {},
     )
     return LoadResult(state, report)
 
@@ -378,6 +469,25 @@ def _chunk_requests(target: _Target, boxes: list[TensorEntry]) -> list[ChunkRequ
     return requests
 
 
+def _rank_local_chunks(
+    shards: list[ShardManifest], root: GenerationRoot, comm: Group, policy: RankLocalPolicy
+) -> list[bytes]:
+    """The chunks of the RankLocal values this rank will read (none where it reads none)."""
+    paths: list[str] = []
+    decode_tree(root.state, lambda name, fw: None, lambda path: paths.append(path))
+    if not paths or policy == "drop":
+        return []
+    if policy == "same":
+        source = comm.rank
+    elif callable(policy):
+        source = int(policy(comm.rank))
+    else:
+        return []
+    if not 0 <= source < len(shards):
+        return []
+    return [chunk for entry in shards[source].local_tensors for chunk in entry.chunks]
+
+
 def _read_rank_local(
     store: Store,
     root: GenerationRoot,
@@ -386,6 +496,7 @@ def _read_rank_local(
     policy: RankLocalPolicy,
     framework: str,
     where: dict[str, Any],
+    backend: Any = None,
 ) -> tuple[dict[str, Any], int]:
     """This rank's RankLocal values, and the tensor bytes they needed."""
     paths: list[str] = []
@@ -408,7 +519,17 @@ def _read_rank_local(
         raise RankLocalMismatchError(
             f"rank {comm.rank} maps to saved rank {source}, which does not exist", **where
         )
-    values = {path: store.load_rank_local(shards[source], path, framework, where) for path in paths}
+    if backend is not None:
+        values = {
+            path: reading.load_rank_local(
+                backend, store.read_counters, shards[source], path, framework, where
+            )
+            for path in paths
+        }
+    else:
+        values = {
+            path: store.load_rank_local(shards[source], path, framework, where) for path in paths
+        }
     return values, sum(entry.nbytes for entry in shards[source].local_tensors)
 
 

@@ -42,6 +42,7 @@ import fcntl
 import json
 import os
 import queue
+import socket
 import subprocess
 import sys
 import threading
@@ -54,10 +55,10 @@ from pathlib import Path
 from typing import Any
 
 from castore.chunkstore.tiered import TieredChunkBackend
-from castore.copying import CopiedGeneration, copy_generation
+from castore.copying import CopiedGeneration, copy_generation, copy_shard_chunks
 from castore.core.background import Throttle
 from castore.core.history import Generation, GenerationSpec
-from castore.core.holdings import forget_elsewhere, held_elsewhere, mark_elsewhere
+from castore.core.holdings import forget_elsewhere, held_elsewhere, held_shards, mark_elsewhere
 from castore.core.location import parse_location
 from castore.core.opening import open_address
 from castore.errors import CastoreError, CastoreWarning, GenerationNotFoundError
@@ -82,6 +83,8 @@ class TierPolicy:
     durable_retention: RetentionPolicy | None = None
     durable_rate: float | None = None  # bytes per second, for this process's promotions
     promote_on_exit: bool = True
+    replicas: int = 1  # copies of each shard in the fast tiers of a job on several nodes
+    upload_wait_s: float = 600.0  # how long the coordinator waits for the nodes' uploads
 
     def __post_init__(self) -> None:
         if self.durable_every is not None and self.durable_every < 1:
@@ -92,6 +95,8 @@ class TierPolicy:
             raise ValueError(f"fast_keep must be at least 1, got {self.fast_keep!r}")
         if self.durable_rate is not None and not self.durable_rate > 0:
             raise ValueError(f"durable_rate must be positive, got {self.durable_rate!r}")
+        if not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ValueError(f"replicas must be at least 1, got {self.replicas!r}")
 
 
 @dataclass
@@ -107,10 +112,22 @@ class Promoted:
 
 @dataclass
 class _Work:
-    kind: str  # "promote", "collect", "barrier" (done once all before it are) or "stop"
+    # "promote", "collect", "barrier" (done once all before it are), "stop"; on several
+    # nodes "upload" (a node's shards) and "publish" (the coordinator's durable publish)
+    kind: str
     run: str = ""
     generation: int = 0
+    shards: tuple[int, ...] = ()
     done: threading.Event = field(default_factory=threading.Event)
+
+
+@dataclass
+class _NodeRole:
+    """This process's part in a job on several nodes, from its last collective call."""
+
+    leader: bool  # the lowest rank on its node: writes its node's records, uploads
+    coordinator: bool  # publishes in the durable tier
+    own: tuple[int, ...]  # the ranks on its node (whose shards it uploads)
 
 
 class TieredStore(Store):
@@ -127,6 +144,7 @@ class TieredStore(Store):
         durable: Store,
         policy: TierPolicy,
         uploader: dict[str, Any] | None = None,
+        node: str | None = None,
     ) -> None:
         backend = TieredChunkBackend(fast.backend, [("durable", durable.backend)])
         super().__init__(
@@ -147,6 +165,8 @@ class TieredStore(Store):
         self._uploader_spec = uploader
         self._uploader: subprocess.Popen[str] | None = None
         self._pins_resumed = False
+        self.node_id = node or f"{socket.gethostname()}:{os.path.realpath(fast.path)}"
+        self._role: _NodeRole | None = None  # set by a collective call on several nodes
         if not self.readonly:
             self._take_durable_history()
         atexit.register(_say_unfinished, weakref.ref(self))
@@ -264,8 +284,50 @@ class TieredStore(Store):
         self._pins_resumed = True
         for run in self.refs.ref_runs():
             for name, value in sorted(self.refs.tags(run).items()):
-                if name.startswith(PIN_PREFIX):
+                if not name.startswith(PIN_PREFIX):
+                    continue
+                held = held_shards(Path(self.fast.path), run, value.generation, value.root)
+                if held is None:
                     self._submit(_Work("promote", run, value.generation))
+                else:  # a generation of a job on several nodes: this node's part of it
+                    self._submit(_Work("upload", run, value.generation, tuple(sorted(held))))
+
+    @property
+    def replicas(self) -> int:
+        return self.policy.replicas
+
+    def node_session(self, comm: Any, run: str) -> Any:
+        """The session of a collective call whose ranks span several nodes (each its own
+        fast tier: castore.tiers.nodes); None on one node. A collective call."""
+        from castore.tiers.nodes import discover
+
+        session = discover(self, comm, run)
+        if session is not None:
+            nodes = session.nodes
+            self._role = _NodeRole(
+                nodes.is_leader, comm.is_coordinator, tuple(nodes.ranks_on(nodes.my_node))
+            )
+        return session
+
+    def selects_for_durable(self, run: str, generation: int) -> bool:
+        return self._selects(run, generation)
+
+    def queue_node_work(
+        self, run: str, generation: int, root: Digest, promote: bool, own: list[int]
+    ) -> None:
+        """A node leader after a save on several nodes: pin and upload its node's shards
+        when the generation is promoted; collect its node's fast tier."""
+        self._saved_runs.add(run)
+        if promote:
+            self._pin(run, generation, root)
+            self._submit(_Work("upload", run, generation, tuple(own)))
+        self._submit(_Work("collect", run))
+
+    def queue_durable_publish(self, run: str, generation: int) -> None:
+        """The coordinator after a save on several nodes: publish the generation in the
+        durable tier once the nodes' uploads hold all of it."""
+        self._saved_runs.add(run)
+        self._submit(_Work("publish", run, generation))
 
     def after_publish(self, run: str, generation: int, root: Digest) -> None:
         """Pin and queue the generation if the policy selects it; collect the fast tier."""
@@ -327,6 +389,10 @@ class TieredStore(Store):
                     return
                 if work.kind == "promote":
                     self._promote(work.run, work.generation)
+                elif work.kind == "upload":
+                    self._upload_node(work.run, work.generation, work.shards)
+                elif work.kind == "publish":
+                    self._publish_durable(work.run, work.generation)
                 elif work.kind == "collect":
                     self._collect_fast(work.run)
             except BaseException as exc:  # noqa: BLE001 - reported, the thread goes on
@@ -355,6 +421,46 @@ class TieredStore(Store):
                     retention=self.policy.durable_retention,
                 )
             self.refs.delete_tag(run, pin)
+        except BaseException as exc:
+            outcome.error = exc
+            raise
+        finally:
+            outcome.seconds = time.perf_counter() - started
+            self.promoted.append(outcome)
+
+    def _upload_node(self, run: str, generation: int, shards: tuple[int, ...]) -> None:
+        """Upload this node's shards of a generation (the chunks the durable tier lacks),
+        then unpin it here: the coordinator publishes it once every node's are there."""
+        digest, root = Store.resolve_root(self, run, generation)
+        if shards:
+            rate = self.policy.durable_rate
+            copy_shard_chunks(
+                self.fast,
+                self.durable,
+                root,
+                [index for index in shards if index < len(root.shards)],
+                throttle=Throttle(rate).take,
+                batch_bytes=None if rate is None else max(1, int(rate / 10)),
+            )
+        self.refs.delete_tag(run, f"{PIN_PREFIX}{generation}")
+
+    def _publish_durable(self, run: str, generation: int) -> None:
+        """The coordinator: wait until the durable tier holds every chunk of the
+        generation, then publish it there (castore.copying.copy_generation)."""
+        from castore.tiers.nodes import wait_for_chunks
+
+        outcome = Promoted(run, generation)
+        started = time.perf_counter()
+        try:
+            digest, root = Store.resolve_root(self, run, generation)
+            shards = self.read_shards(root)
+            chunks = sorted(
+                {c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks}
+            )
+            wait_for_chunks(self.durable, chunks, timeout=self.policy.upload_wait_s)
+            outcome.copied = promote_generation(
+                self.fast, self.durable, run, generation, retention=self.policy.durable_retention
+            )
         except BaseException as exc:
             outcome.error = exc
             raise
@@ -431,9 +537,20 @@ class TieredStore(Store):
             if self.policy.promote_on_exit and not self.readonly:
                 for run in sorted(self._saved_runs):
                     newest = self.refs.read(run)
-                    if newest is not None and newest.root.hex not in self._durable_roots(run):
+                    if newest is None or newest.root.hex in self._durable_roots(run):
+                        continue
+                    role = self._role
+                    if role is None:
                         self._pin(run, newest.generation, newest.root)
                         self._submit(_Work("promote", run, newest.generation))
+                        continue
+                    # A job on several nodes: each node leader uploads its part, the
+                    # coordinator publishes once all of it is there.
+                    if role.leader:
+                        self._pin(run, newest.generation, newest.root)
+                        self._submit(_Work("upload", run, newest.generation, role.own))
+                    if role.coordinator:
+                        self._submit(_Work("publish", run, newest.generation))
             if self._thread is not None:
                 self._submit(_Work("stop")).done.wait()
                 self._thread.join()
@@ -591,6 +708,8 @@ def open_tiered(
     promote_on_exit: bool = True,
     uploader: str = "process",
     chunk_size: int | None = None,
+    replicas: int = 1,
+    node: str | None = None,
     **durable_options: Any,
 ) -> TieredStore:
     """A :class:`TieredStore`: ``fast`` (a local directory) in front of ``durable``.
@@ -618,6 +737,7 @@ def open_tiered(
         durable_retention=durable_retention,
         durable_rate=durable_rate,
         promote_on_exit=promote_on_exit,
+        replicas=replicas,
     )
     location = parse_location(os.fspath(fast))
     if location.scheme != "file":
@@ -646,7 +766,7 @@ def open_tiered(
         except (TypeError, ValueError):
             spec = None  # options that are objects: promote on a thread here
     try:
-        return TieredStore(fast_store, durable_store, policy, uploader=spec)
+        return TieredStore(fast_store, durable_store, policy, uploader=spec, node=node)
     except BaseException:
         fast_store.close()
         if not isinstance(durable, Store):

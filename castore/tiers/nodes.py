@@ -1,0 +1,679 @@
+"""A tiered job on several nodes: each node has a fast tier of its own.
+
+A *node* is the ranks of a job that open the same fast directory
+(``open_tiered(node=...)``; by default the host name and the directory's real
+path), so nodes simulated on one machine need nothing but distinct ``fast``
+paths. When the ranks of a ``castore.dist`` call span more than one node, the
+tiered store works as follows; on one node nothing here runs.
+
+Save (``castore.dist.save``, ``TrainState.save``):
+
+1. *Catch up.* The ranks gather each node's ref of the run. A node behind the
+   newest (a replacement node, one that missed a save) is sent that
+   generation's root and shard manifests by a node that has them, and
+   advances its own ref to it (its parent logged as absent there, as
+   ``castore copy`` does), recorded as held elsewhere: every node then
+   proposes from the same parent.
+2. Each rank writes its chunks into its own node's fast tier, as on one node,
+   and *attests* them: while it holds its node's save lock it checks that its
+   node holds every chunk its shard names, and sends its manifest's bytes in
+   its ack (the coordinator cannot look into another node's store).
+3. *Peer copies* (``replicas=F`` ≥ 2): each rank's shard is also held on the
+   F-1 next nodes by the rank of the same local index there. The partner
+   reads the shard's chunk list from the ack, asks for the chunks its node
+   lacks, and writes what it receives, each chunk verified against its name,
+   into its node's fast tier; only new chunks travel.
+4. The coordinator commits every manifest, checks them as one store does
+   (the chunk presence check is each rank's attestation), writes its node's
+   holdings record, and publishes on its node. Every other node's leader
+   (its lowest rank) commits the manifests and root, writes its holdings
+   record (which shards the node holds: castore.core.holdings) and advances
+   its node's ref. A failure on any node fails the save on every rank.
+
+Restore (``castore.dist.load``):
+
+1. Each node's leader reports the generations its fast tier lists and the
+   shards it holds of each. A generation is complete in the fast tier when
+   the live nodes' holdings together cover every saved shard; the candidates
+   are those and the durable tier's, newest first (the coordinator decides).
+2. A node that lacks the chosen root or manifests gets them over the group.
+3. Each rank plans its chunks, reads what its node holds, asks the other
+   nodes for the rest in one exchange (the server is spread over the nodes
+   that hold a chunk and their ranks), and reads what no node sent from the
+   durable tier. Every byte from every source is verified against its name;
+   a copy that fails moves on to the next source.
+4. When the ranks agree that the generation failed only because of damage,
+   the same generation is tried once more with each rank's damaged chunks
+   fetched from the other nodes or the durable tier, and only then, with
+   ``fallback="previous"``, an older generation (all ranks together).
+
+Promotion: a generation selected for the durable tier is uploaded by every
+node's leader (the chunks of its own ranks' shards that the durable tier
+lacks, throttled, on its promotion thread); the coordinator then publishes
+it in the durable tier once every chunk is there, with the same root digest.
+"""
+
+from __future__ import annotations
+
+import struct
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from castore.chunkstore.base import Namespace
+from castore.chunkstore.memory import MemoryBackend
+from castore.chunkstore.tiered import TieredChunkBackend
+from castore.core import fencing
+from castore.core.commit import commit_objects
+from castore.core.holdings import held_shards, mark_elsewhere
+from castore.dist.comm import Group, attempt, describe, raise_failures
+from castore.errors import ChunkMissingError, CorruptObjectError, RefConflictError
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import (
+    TYPE_ROOT,
+    TYPE_SHARD,
+    GenerationRoot,
+    ShardManifest,
+    decode_object,
+)
+
+if TYPE_CHECKING:
+    from castore.tiers import TieredStore
+
+_LENGTH = struct.Struct("<q")  # each chunk sent: its length (-1: not sent), then its bytes
+
+
+@dataclass(frozen=True)
+class NodeMap:
+    """Which node each rank of a group is on (nodes ordered by their lowest rank)."""
+
+    rank: int
+    node_of: tuple[str, ...]  # the node id of each rank
+
+    @property
+    def names(self) -> list[str]:
+        return list(dict.fromkeys(self.node_of))
+
+    def index(self, rank: int) -> int:
+        return self.names.index(self.node_of[rank])
+
+    def ranks_on(self, node: int) -> list[int]:
+        name = self.names[node]
+        return [r for r, n in enumerate(self.node_of) if n == name]
+
+    def leader(self, node: int) -> int:
+        return self.ranks_on(node)[0]
+
+    @property
+    def my_node(self) -> int:
+        return self.index(self.rank)
+
+    @property
+    def is_leader(self) -> bool:
+        return self.leader(self.my_node) == self.rank
+
+    @property
+    def multi(self) -> bool:
+        return len(self.names) > 1
+
+    def partners(self, rank: int, replicas: int) -> list[int]:
+        """The ranks that hold copies of ``rank``'s shard: the same local index on each of
+        the next ``replicas - 1`` nodes (fewer when there are fewer nodes)."""
+        count = len(self.names)
+        node = self.index(rank)
+        local = self.ranks_on(node).index(rank)
+        found = []
+        for step in range(1, min(replicas, count)):
+            ranks = self.ranks_on((node + step) % count)
+            found.append(ranks[local % len(ranks)])
+        return found
+
+    def held_by(self, node: int, replicas: int) -> list[int]:
+        """The saved ranks whose shards ``node`` holds: its own and those it copies."""
+        mine = set(self.ranks_on(node))
+        for rank in range(len(self.node_of)):
+            if any(self.index(p) == node for p in self.partners(rank, replicas)):
+                mine.add(rank)
+        return sorted(mine)
+
+
+def discover(store: TieredStore, comm: Group, run: str) -> NodeSession | None:
+    """The node session of a collective call (a collective call itself); None on one node."""
+    ref = store.fast.refs.read(run)
+    views = comm.all_gather(
+        {
+            "node": store.node_id,
+            "ref": None if ref is None else [ref.generation, ref.root.raw],
+        },
+        "tiers: nodes",
+    )
+    nodes = NodeMap(comm.rank, tuple(str(v["node"]) for v in views))
+    if not nodes.multi:
+        return None
+    refs = [None if v["ref"] is None else (int(v["ref"][0]), bytes(v["ref"][1])) for v in views]
+    return NodeSession(store, comm, nodes, refs)
+
+
+class NodeSession:
+    """One collective save or load of a tiered store whose ranks span several nodes."""
+
+    def __init__(
+        self,
+        store: TieredStore,
+        comm: Group,
+        nodes: NodeMap,
+        refs: list[tuple[int, bytes] | None],
+    ) -> None:
+        self.store = store
+        self.fast = store.fast
+        self.comm = comm
+        self.nodes = nodes
+        self.refs = refs  # each rank's view of its node's ref of the run, at the start
+        self.replicas = store.replicas
+        self.read_backend: TieredChunkBackend | None = None
+
+    # -- save ------------------------------------------------------------------
+
+    def catch_up(self, run: str) -> None:
+        """Bring every node's ref of ``run`` to the newest any node has (step 1 above)."""
+        newest = max((r for r in self.refs if r is not None), default=None)
+        if newest is None:
+            return
+        behind = [
+            n for n in range(len(self.nodes.names)) if self.refs[self.nodes.leader(n)] != newest
+        ]
+        if not behind:
+            return
+        source = next(r for r, ref in enumerate(self.refs) if ref == newest)
+        objects = self._spread(Digest(newest[1]), source, "save: catch up")
+
+        def advance() -> None:
+            if self.nodes.my_node not in behind or not self.nodes.is_leader:
+                return
+            root = _decode_root(objects, Digest(newest[1]))
+            mine = self.refs[self.comm.rank]
+            self._advance_node_ref(run, root, Digest(newest[1]), mine, held=[])
+
+        _, failure = attempt(advance)
+        outcomes = self.comm.all_gather({"error": describe(failure)}, "save: catch up")
+        raise_failures(outcomes, self.comm, failure)
+
+    def attest(self, shard_digest: bytes) -> bytes:
+        """This rank's manifest bytes, after checking that its node holds every chunk it
+        names (called under the node's save lock)."""
+        data = self.fast.backend.get(Namespace.OBJECTS, shard_digest)
+        found = [] if data is None else [bytes(data)]
+        if not found or digest_bytes(found[0]) != shard_digest:
+            raise CorruptObjectError(
+                "this rank's shard manifest is not intact in its node's fast tier",
+                rank=self.comm.rank,
+            )
+        manifest = _shard(found[0])
+        chunks = sorted({c for e in manifest.tensors + manifest.local_tensors for c in e.chunks})
+        present = self.fast.backend.has_many(Namespace.CHUNKS, chunks)
+        for chunk, here in zip(chunks, present, strict=True):
+            if not here:
+                raise ChunkMissingError(
+                    f"this rank's shard names chunk {chunk.hex()[:16]}, which its node's fast "
+                    "tier does not hold",
+                    rank=self.comm.rank,
+                )
+        return found[0]
+
+    def replicate(self, acks: list[dict[str, Any]]) -> None:
+        """Peer copies (step 3): a collective call; raises on every rank if any failed."""
+        if self.replicas < 2:
+            return
+        me = self.comm.rank
+        sources = [r for r in range(self.comm.world_size) if me in self.nodes.partners(r, 2)]
+        sources += [
+            r
+            for r in range(self.comm.world_size)
+            if r not in sources and me in self.nodes.partners(r, self.replicas)
+        ]
+        wanted: dict[int, list[bytes]] = {}
+
+        def ask() -> dict[int, bytes]:
+            for source in sources:
+                manifest = _shard(bytes(acks[source]["manifest"]))
+                chunks = sorted(
+                    {c for e in manifest.tensors + manifest.local_tensors for c in e.chunks}
+                )
+                present = self.fast.backend.has_many(Namespace.CHUNKS, chunks)
+                wanted[source] = [c for c, here in zip(chunks, present, strict=True) if not here]
+            return {s: b"".join(keys) or b"\0" for s, keys in wanted.items()}
+
+        asks, failure = attempt(ask)
+        requests = self.comm.exchange(asks or {}, "save: peer copies (ask)")
+        replies: dict[int, bytes] = {}
+        if failure is None:
+            _, failure = attempt(lambda: replies.update(self._serve(requests)))
+        received = self.comm.exchange(replies, "save: peer copies (send)")
+        if failure is None:
+            _, failure = attempt(lambda: self._take(wanted, received))
+        outcomes = self.comm.all_gather({"error": describe(failure)}, "save: peer copies")
+        raise_failures(outcomes, self.comm, failure)
+
+    def _serve(self, requests: dict[int, bytes]) -> dict[int, bytes]:
+        """Each requester's chunks from this node's fast tier, framed (length, bytes)."""
+        replies = {}
+        for peer, data in requests.items():
+            if peer == self.comm.rank or data == b"\0":
+                continue
+            keys = [data[i : i + 32] for i in range(0, len(data), 32)]
+            replies[peer] = _frame(self._read_local(keys))
+        return replies
+
+    def _take(self, wanted: dict[int, list[bytes]], received: dict[int, bytes]) -> None:
+        """Verify and write the chunks the partners sent."""
+        for source, keys in wanted.items():
+            if not keys:
+                continue
+            values = _unframe(received.get(source, b""), len(keys))
+            items = []
+            for key, value in zip(keys, values, strict=True):
+                if value is None or digest_bytes(value) != key:
+                    raise ChunkMissingError(
+                        f"rank {source} did not send an intact copy of chunk {key.hex()[:16]}",
+                        rank=self.comm.rank,
+                    )
+                items.append((key, value))
+            self.fast.backend.put_many(Namespace.CHUNKS, items)
+
+    def _read_local(self, keys: Sequence[bytes]) -> list[bytes | None]:
+        present = self.fast.backend.has_many(Namespace.CHUNKS, list(keys))
+        asked = [k for k, here in zip(keys, present, strict=True) if here]
+        got: dict[bytes, bytes] = {}
+
+        def keep(values: Any) -> None:
+            for key, value in zip(asked, values, strict=True):
+                if value is not None:
+                    got[key] = bytes(value)
+
+        if asked:
+            self.fast.backend.read_many(Namespace.CHUNKS, asked, keep)
+        return [got.get(bytes(k)) for k in keys]
+
+    def held(self) -> list[int]:
+        """The saved ranks whose shards this node holds after this save."""
+        return self.nodes.held_by(self.nodes.my_node, self.replicas)
+
+    def record_holdings(self, run: str, generation: int, root: Digest) -> None:
+        """The coordinator's node's holdings record, before its ref names the generation."""
+        mark_elsewhere(Path(self.fast.path), run, generation, root, held=self.held())
+
+    def publish_on_node(
+        self, run: str, root_bytes: bytes, acks: list[dict[str, Any]], parent: tuple | None
+    ) -> None:
+        """Step 4 on a node other than the coordinator's: a collective call."""
+
+        def publish() -> None:
+            if not self.nodes.is_leader or self.nodes.my_node == self.nodes.index(
+                self.comm.coordinator
+            ):
+                return
+            digest = Digest(digest_bytes(root_bytes))
+            root = _root(root_bytes)
+            commit_objects(
+                self.fast,
+                [(bytes(a["shard"]), bytes(a["manifest"])) for a in acks]
+                + [(digest.raw, root_bytes)],
+            )
+            mine = None if parent is None else (int(parent[0]), bytes(parent[1]))
+            self._advance_node_ref(run, root, digest, mine, held=self.held())
+
+        _, failure = attempt(publish)
+        outcomes = self.comm.all_gather({"error": describe(failure)}, "save: publish on nodes")
+        raise_failures(outcomes, self.comm, failure)
+
+    def _advance_node_ref(
+        self,
+        run: str,
+        root: GenerationRoot,
+        digest: Digest,
+        mine: tuple[int, bytes] | None,
+        held: list[int],
+    ) -> None:
+        """Advance this node's ref from ``mine`` to ``root``; its parent logged absent here
+        when this node does not list it; the holdings record written first."""
+        refs = self.fast.refs
+        if root.parent is not None and (mine is None or mine[1] != root.parent):
+            listed, collected = self.fast.logged(run)
+            parent = Digest(root.parent)
+            if parent.hex not in listed and parent.hex not in collected:
+                with refs.locked(run):
+                    refs.record_collected(run, root.generation - 1, parent)
+        mark_elsewhere(Path(self.fast.path), run, root.generation, digest, held=held)
+        new = fencing.ref_for_root(digest, root)
+        refs.advance(run, expected=None if mine is None else Digest(mine[1]), new=new)
+        fencing.record_published(refs, run, new)
+
+    # -- objects over the group -----------------------------------------------
+
+    def _spread(self, root: Digest, source: int, phase: str) -> list[tuple[bytes, bytes]]:
+        """The root and shard manifests of ``root``, from rank ``source`` to every rank."""
+        message: dict[str, Any] = {}
+        failure = None
+        if self.comm.rank == source:
+            found, failure = attempt(lambda: self._objects_of(root))
+            message = {"error": describe(failure), "objects": found or []}
+        message = self.comm.broadcast(message, phase, source=source)
+        raise_failures([message], self.comm, failure if self.comm.rank == source else None)
+        objects = [(bytes(k), bytes(v)) for k, v in message["objects"]]
+        for key, value in objects:
+            if digest_bytes(value) != key:
+                raise CorruptObjectError(
+                    f"rank {source} sent object {key.hex()[:16]} with other bytes",
+                    rank=self.comm.rank,
+                )
+        missing = [
+            item
+            for item, here in zip(
+                objects,
+                self.fast.backend.has_many(Namespace.OBJECTS, [k for k, _ in objects]),
+                strict=True,
+            )
+            if not here
+        ]
+        if missing:
+            self.fast.backend.put_many(Namespace.OBJECTS, missing)
+        return objects
+
+    def _objects_of(self, root: Digest) -> list[tuple[bytes, bytes]]:
+        keys = [root.raw]
+        root_bytes = _read_objects(self.store, keys)[0]
+        decoded = _root(root_bytes)
+        shards = [bytes(s) for s in decoded.shards]
+        return [
+            (root.raw, root_bytes),
+            *zip(shards, _read_objects(self.store, shards), strict=True),
+        ]
+
+    # -- restore ---------------------------------------------------------------
+
+    def agree_candidates(self, run: str, below: int | None) -> list[tuple[int, Digest]]:
+        """The generations complete in the fast tier (by the live nodes' holdings) or in
+        the durable one, newest first; decided by the coordinator (a collective call)."""
+        view: list[list[Any]] = []
+        failure = None
+        if self.nodes.is_leader:
+            view, failure = attempt(lambda: self._view(run))
+        views = self.comm.all_gather(
+            {"error": describe(failure), "view": view or []}, "load: tiers"
+        )
+        raise_failures(views, self.comm, failure)
+        message: dict[str, Any] = {}
+        failure = None
+        if self.comm.is_coordinator:
+            chosen, failure = attempt(lambda: self._choose(run, views, below))
+            message = {"error": describe(failure), "candidates": chosen or []}
+        message = self.comm.broadcast(message, "load: candidates")
+        raise_failures([message], self.comm, failure if self.comm.is_coordinator else None)
+        return [(int(g), Digest(bytes(d))) for g, d in message["candidates"]]
+
+    def _view(self, run: str) -> list[list[Any]]:
+        """This node's generations of ``run``: id, root, saved world size, held shards."""
+        if run not in self.fast.runs():
+            return []
+        rows = []
+        for gen, digest in type(self.fast).candidates(self.fast, run):
+            root = self.fast.read_root(digest, run=run)
+            held = held_shards(Path(self.fast.path), run, gen, digest)
+            shards = list(range(root.world_size)) if held is None else sorted(held)
+            rows.append([gen, digest.raw, root.world_size, shards])
+        return rows
+
+    def _choose(self, run: str, views: list[dict[str, Any]], below: int | None) -> list[list[Any]]:
+        covered: dict[tuple[int, bytes], set[int]] = {}
+        sizes: dict[tuple[int, bytes], int] = {}
+        for message in views:
+            for gen, root, world_size, shards in message["view"]:
+                key = (int(gen), bytes(root))
+                covered.setdefault(key, set()).update(int(s) for s in shards)
+                sizes[key] = int(world_size)
+        found: dict[int, bytes] = {}
+        for (gen, root), shards in covered.items():
+            if shards >= set(range(sizes[(gen, root)])):
+                if gen in found and found[gen] != root:
+                    raise RefConflictError(
+                        f"two nodes hold different generations {gen} of run {run!r}", run=run
+                    )
+                found[gen] = root
+        durable = self.store.durable
+        if run in durable.runs():
+            for gen, digest in type(durable).candidates(durable, run):
+                if gen in found and found[gen] != digest.raw:
+                    raise RefConflictError(
+                        f"the fast and durable tiers hold different generations {gen} of run "
+                        f"{run!r}",
+                        run=run,
+                    )
+                found[gen] = digest.raw
+        return [
+            [gen, root]
+            for gen, root in sorted(found.items(), reverse=True)
+            if below is None or gen <= below
+        ]
+
+    def seed(self, run: str, root: Digest) -> None:
+        """Give every node the root and manifests of ``root`` if one lacks them."""
+        has, failure = attempt(lambda: self._holds_objects(root))
+        answers = self.comm.all_gather(
+            {"error": describe(failure), "has": bool(has)}, "load: objects"
+        )
+        raise_failures(answers, self.comm, failure)
+        holders = [r for r, a in enumerate(answers) if a["has"]]
+        if not holders or len(holders) == self.comm.world_size:
+            return  # everyone has them, or they come from the durable tier
+        self._spread(root, holders[0], "load: objects")
+
+    def _holds_objects(self, root: Digest) -> bool:
+        backend = self.fast.backend
+        if not backend.has_many(Namespace.OBJECTS, [root.raw])[0]:
+            return False
+        decoded = _root(_read_objects(self.store, [root.raw])[0])
+        return all(backend.has_many(Namespace.OBJECTS, [bytes(s) for s in decoded.shards]))
+
+    def fetch(self, keys: list[bytes], *, recheck: bool = False) -> TieredChunkBackend:
+        """The backend this rank's reads go through: its node's fast tier, the chunks the
+        other nodes sent it, then the durable tier (a collective call).
+
+        ``recheck``: hash this node's copies first, and fetch the damaged ones from
+        elsewhere too (a retry after the ranks agreed that a read found damage).
+        """
+        keys = list(dict.fromkeys(bytes(k) for k in keys))
+        missing: list[bytes] = []
+        distrust: set[bytes] = set()
+
+        def find() -> None:
+            here = self.fast.backend.has_many(Namespace.CHUNKS, keys) if keys else []
+            held = [k for k, h in zip(keys, here, strict=True) if h]
+            if recheck and held:
+                values = self._read_local(held)
+                distrust.update(
+                    k
+                    for k, v in zip(held, values, strict=True)
+                    if v is None or digest_bytes(v) != k
+                )
+            missing.extend(k for k, h in zip(keys, here, strict=True) if not h or k in distrust)
+
+        _, failure = attempt(find)
+        wants = self.comm.all_gather(b"".join(missing), "load: chunks wanted")
+        wanted = [[bytes(w[i : i + 32]) for i in range(0, len(w), 32)] for w in wants]
+        # Each node's leader says which wanted chunks of other nodes' ranks its node holds.
+        offers: dict[int, bytes] = {}
+        if self.nodes.is_leader and failure is None:
+            offers, failure = attempt(lambda: self._offers(wanted))
+        offered = self.comm.all_gather(
+            {"error": describe(failure), "offers": offers or {}}, "load: chunks offered"
+        )
+        plan = self._assign(wanted, offered)
+        replies: dict[int, bytes] = {}
+        for requester, keys_served in plan.get(self.comm.rank, {}).items():
+            try:
+                values = self._read_local(keys_served)
+            except Exception:  # noqa: BLE001 - the requester reads them from the durable tier
+                values = [None] * len(keys_served)
+            replies[requester] = _frame(values)
+        received = self.comm.exchange(replies, "load: chunks from peers")
+        peer = MemoryBackend()
+        for server, data in received.items():
+            asked = [k for s, ks in self._served_to_me(plan) if s == server for k in ks]
+            for key, value in zip(asked, _unframe(data, len(asked)), strict=True):
+                if value is not None:
+                    peer.put_many(Namespace.CHUNKS, [(key, value)])
+        if failure is not None:
+            raise failure
+        self.read_backend = TieredChunkBackend(
+            self.fast.backend,
+            [("peer", peer), ("durable", self.store.durable.backend)],
+            distrust=distrust,
+        )
+        return self.read_backend
+
+    def _offers(self, wanted: list[list[bytes]]) -> dict[int, bytes]:
+        """Which of the chunks other nodes' ranks want this node holds (one byte each)."""
+        offers = {}
+        for rank, asked in enumerate(wanted):
+            if asked and self.nodes.index(rank) != self.nodes.my_node:
+                offers[rank] = bytes(self.fast.backend.has_many(Namespace.CHUNKS, asked))
+        return offers
+
+    def _assign(
+        self, wanted: list[list[bytes]], offered: list[dict[str, Any]]
+    ) -> dict[int, dict[int, list[bytes]]]:
+        """server rank -> requester rank -> the chunks it sends (the same on every rank)."""
+        plan: dict[int, dict[int, list[bytes]]] = {}
+        offers_by_node: dict[int, dict[int, bytes]] = {}
+        for rank, message in enumerate(offered):
+            if message.get("offers"):
+                offers_by_node[self.nodes.index(rank)] = {
+                    int(k): bytes(v) for k, v in message["offers"].items()
+                }
+        for requester, asked in enumerate(wanted):
+            for position, key in enumerate(asked):
+                holders = [
+                    node
+                    for node, table in sorted(offers_by_node.items())
+                    if requester in table and table[requester][position]
+                ]
+                if not holders:
+                    continue  # read from the durable tier
+                spread = int.from_bytes(key[:4], "little")
+                node = holders[(spread + requester) % len(holders)]
+                ranks = self.nodes.ranks_on(node)
+                server = ranks[spread % len(ranks)]
+                plan.setdefault(server, {}).setdefault(requester, []).append(key)
+        return plan
+
+    def _served_to_me(self, plan: dict[int, dict[int, list[bytes]]]) -> list[tuple[int, list]]:
+        return [
+            (server, table[self.comm.rank])
+            for server, table in sorted(plan.items())
+            if self.comm.rank in table
+        ]
+
+    def sources(self) -> dict[str, int]:
+        """The bytes each source served this rank's last fetch: local, peer, durable."""
+        if self.read_backend is None:
+            return {}
+        served = dict(self.read_backend.served_bytes)
+        if "primary" in served:
+            served["local"] = served.pop("primary")
+        return served
+
+    # -- promotion -------------------------------------------------------------
+
+    def after_save(self, run: str, generation: int, root: Digest, promote: bool) -> None:
+        """Queue this node's collection and, when the generation is promoted, its upload
+        (node leaders) and the durable publish (the coordinator)."""
+        if self.nodes.is_leader:
+            own = self.nodes.ranks_on(self.nodes.my_node)
+            self.store.queue_node_work(run, generation, root, promote, own)
+        if promote and self.comm.is_coordinator:
+            self.store.queue_durable_publish(run, generation)
+
+
+def _read_objects(store: TieredStore, keys: list[bytes]) -> list[bytes]:
+    found: dict[bytes, bytes] = {}
+
+    def keep(values: Any) -> None:
+        for key, value in zip(keys, values, strict=True):
+            if value is not None:
+                found[key] = bytes(value)
+
+    store.fast.backend.read_many(Namespace.OBJECTS, keys, keep)
+    for key in keys:
+        if key not in found or digest_bytes(found[key]) != key:
+            raise CorruptObjectError(
+                f"object {key.hex()[:16]} is not intact in this node's fast tier"
+            )
+    return [found[k] for k in keys]
+
+
+def _root(data: bytes) -> GenerationRoot:
+    root = decode_object(data, expect=TYPE_ROOT)
+    assert isinstance(root, GenerationRoot)
+    return root
+
+
+def _shard(data: bytes) -> ShardManifest:
+    shard = decode_object(data, expect=TYPE_SHARD)
+    assert isinstance(shard, ShardManifest)
+    return shard
+
+
+def _decode_root(objects: list[tuple[bytes, bytes]], digest: Digest) -> GenerationRoot:
+    for key, value in objects:
+        if key == digest.raw:
+            return _root(value)
+    raise CorruptObjectError(f"root {digest.short} was not sent")
+
+
+def _frame(values: Sequence[bytes | None]) -> bytes:
+    parts = []
+    for value in values:
+        if value is None:
+            parts.append(_LENGTH.pack(-1))
+        else:
+            parts += [_LENGTH.pack(len(value)), value]
+    return b"".join(parts)
+
+
+def _unframe(data: bytes, count: int) -> list[bytes | None]:
+    values: list[bytes | None] = []
+    at = 0
+    for _ in range(count):
+        if at + _LENGTH.size > len(data):
+            values.append(None)
+            continue
+        (length,) = _LENGTH.unpack_from(data, at)
+        at += _LENGTH.size
+        if length < 0 or at + length > len(data):
+            values.append(None)
+            continue
+        values.append(data[at : at + length])
+        at += length
+    return values
+
+
+def wait_for_chunks(
+    durable: Any, chunks: list[bytes], *, timeout: float, poll: float = 0.2
+) -> None:
+    """Wait until the durable tier holds every chunk (the nodes' uploads have landed)."""
+    deadline = time.monotonic() + timeout
+    left = list(chunks)
+    while True:
+        present = durable.backend.has_many(Namespace.CHUNKS, left) if left else []
+        left = [c for c, here in zip(left, present, strict=True) if not here]
+        if not left:
+            return
+        if time.monotonic() >= deadline:
+            raise ChunkMissingError(
+                f"{len(left)} chunk(s) of the generation did not reach the durable tier within "
+                f"{timeout:g}s (a node's upload failed or its node is gone); the durable tier "
+                "keeps its previous generation"
+            )
+        time.sleep(poll)

@@ -1,0 +1,230 @@
+"""A tiered job on several nodes: real gloo ranks, each pair of them a "node" with its own
+fast tier (castore.tiers.nodes), the durable tier a shared directory.
+
+Four ranks on two nodes save three generations (seeds 3, 4, 5: every chunk new
+each time); every second generation is promoted. With ``replicas=2`` each node
+also holds the other's shards; with 1, only its own. Then a node is lost (its
+fast directory deleted, its ranks restarted on an empty one), a fast-tier
+chunk is damaged, or the job comes back at another rank count, and the
+restore is checked: which generation, which source served the bytes, and
+every box bitwise.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+from typing import Any
+
+import dist_workers as w
+import pytest
+from dist_harness import run_ranks
+from test_dist import script_results
+
+import castore
+from castore.chunkstore.base import Namespace
+from castore.format.hashing import Digest
+from castore.testing.corrupt import flipped
+from castore.verify import verify_store
+
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiers-nodes")]
+
+SEEDS = {1: 3, 2: 4, 3: 5}  # generation id -> the seed its state was made with
+
+
+def config(tmp: Path, replicas: int) -> dict[str, Any]:
+    return {
+        "nodes": [str(tmp / "fast0"), str(tmp / "fast1")],
+        "durable": str(tmp / "durable"),
+        "durable_every": 2,
+        "chunk_size": 256,
+        "replicas": replicas,
+        "promote_on_exit": False,
+        "uploader": "thread",
+    }
+
+
+def save_three(tmp: Path, replicas: int) -> list[list[dict[str, Any]]]:
+    castore.open(tmp / "durable", shared=True).close()
+    ops = [
+        {"op": "save", "run": "r", "seed": seed, "step": 10 * gen} for gen, seed in SEEDS.items()
+    ]
+    return script_results(run_ranks(4, w.run_script, config(tmp, replicas), ops, timeout=240), 4)
+
+
+@pytest.fixture(scope="module")
+def two_copies(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("nodes-f2")
+    results = save_three(tmp, 2)
+    assert all("error" not in op for rank in results for op in rank), results
+    return tmp
+
+
+@pytest.fixture(scope="module")
+def one_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("nodes-f1")
+    results = save_three(tmp, 1)
+    assert all("error" not in op for rank in results for op in rank), results
+    return tmp
+
+
+def copy_of(saved: Path, tmp: Path) -> Path:
+    shutil.copytree(saved, tmp / "job")
+    return tmp / "job"
+
+
+def restore(tmp: Path, replicas: int, ranks: int = 4, **load: Any) -> list[dict[str, Any]]:
+    op = {"op": "load", "run": "r", **load}
+    if ranks != 4:
+        op["rank_local"] = "drop"  # a rank's own values have no owner at another count
+    results = script_results(
+        run_ranks(ranks, w.run_script, config(tmp, replicas), [op], timeout=240), ranks
+    )
+    return [r[0] for r in results]
+
+
+def assert_bitwise(per_rank: list[dict[str, Any]], generation: int) -> None:
+    """Each rank restored ``generation``, and its boxes hold exactly its block of it."""
+    full = w.full_tensors(SEEDS[generation])
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, (rank, result.get("message"))
+        assert result["report"]["generation"].id == generation, rank
+        for name, (offsets, block) in result["boxes"].items():
+            where = tuple(slice(o, o + s) for o, s in zip(offsets, block.shape, strict=True))
+            assert block.tobytes() == full[name][where].tobytes(), (name, rank)
+
+
+def sources(per_rank: list[dict[str, Any]]) -> list[dict[str, int]]:
+    return [r["report"]["bytes_by_source"] for r in per_rank]
+
+
+def shard_chunks(fast: Path, generation: int, shard: int) -> list[bytes]:
+    with castore.open(fast) as store:
+        root = store.read_root(Digest.from_hex(store.resolve("r", generation).root), run="r")
+        manifest = store.read_shards(root)[shard]
+        return sorted({c for e in manifest.tensors + manifest.local_tensors for c in e.chunks})
+
+
+def damage(fast: Path, chunks: list[bytes]) -> None:
+    with castore.open(fast) as store:
+        for chunk in chunks:
+            value = store.backend.get(Namespace.CHUNKS, chunk)
+            assert value is not None
+            store.backend.raw_put(Namespace.CHUNKS, chunk, flipped(bytes(value), 3))
+
+
+# -- what the nodes hold -----------------------------------------------------------
+
+
+def test_each_node_lists_every_generation_and_holds_its_shards(
+    one_copy: Path, two_copies: Path
+) -> None:
+    for tmp in (one_copy, two_copies):
+        for node in ("fast0", "fast1"):
+            with castore.open(tmp / node) as fast:
+                assert [g.id for g in fast.generations("r")] == [2, 3]  # fast_keep=2
+        with castore.open(tmp / "durable") as durable:
+            assert [g.id for g in durable.generations("r")] == [2]  # every second
+            assert verify_store(durable, deep=True).ok
+    for node in ("fast0", "fast1"):
+        with castore.open(two_copies / node) as fast:  # each holds both nodes' shards
+            report = verify_store(fast, deep=True)
+            assert report.ok and report.held_elsewhere == [], report.problems
+        with castore.open(one_copy / node) as fast:  # each holds its own two shards
+            report = verify_store(fast, deep=True)
+            assert report.ok, report.problems
+            assert sorted(report.held_elsewhere) == [("r", 2), ("r", 3)]
+
+
+def test_verify_on_a_node_reports_its_own_shards_damage_and_needs_its_records(
+    one_copy: Path, tmp_path: Path
+) -> None:
+    job = copy_of(one_copy, tmp_path)
+    # Broken control: without the holdings records the other node's chunks are "missing".
+    shutil.rmtree(job / "fast1" / "tiers" / "elsewhere")
+    with castore.open(job / "fast1") as fast:
+        assert not verify_store(fast).ok
+    # A chunk of a shard this node holds, gone: damage, reported.
+    own = shard_chunks(job / "fast0", 3, 0)
+    with castore.open(job / "fast0") as fast:
+        fast.backend.delete_many(Namespace.CHUNKS, own[:1])
+        report = verify_store(fast)
+    assert not report.ok
+    assert any(own[0].hex()[:16] in str(p) for p in report.problems), report.problems
+
+
+# -- losing a node -------------------------------------------------------------------
+
+
+def test_with_two_copies_a_lost_node_restores_the_newest_generation_from_its_peer(
+    two_copies: Path, tmp_path: Path
+) -> None:
+    job = copy_of(two_copies, tmp_path)
+    shutil.rmtree(job / "fast1")  # node 1 is gone; its ranks restart on an empty one
+    per_rank = restore(job, 2)
+    assert_bitwise(per_rank, 3)
+    served = sources(per_rank)
+    assert all("durable" not in s for s in served), served
+    assert all(s.get("peer", 0) > 0 and "local" not in s for s in served[2:]), served
+    assert all(s.get("local", 0) > 0 and "peer" not in s for s in served[:2]), served
+    # The job goes on: the next save is generation 4 on both nodes, and promoted.
+    ops = [{"op": "save", "run": "r", "seed": 6, "step": 40}]
+    saved = script_results(run_ranks(4, w.run_script, config(job, 2), ops, timeout=240), 4)
+    assert {r[0]["generation"].id for r in saved} == {4}
+    for node in ("fast0", "fast1"):
+        with castore.open(job / node) as fast:
+            assert fast.resolve("r").id == 4
+            assert verify_store(fast, deep=True).ok
+    with castore.open(job / "durable") as durable:
+        assert [g.id for g in durable.generations("r")] == [2, 4]
+        assert verify_store(durable, deep=True).ok
+
+
+def test_with_one_copy_a_lost_node_restores_the_newest_durable_generation(
+    one_copy: Path, tmp_path: Path
+) -> None:
+    job = copy_of(one_copy, tmp_path)
+    shutil.rmtree(job / "fast1")
+    per_rank = restore(job, 1)
+    assert_bitwise(per_rank, 2)  # generation 3 is on node 0 only: not complete anywhere
+    served = sources(per_rank)
+    assert all(s.get("durable", 0) > 0 for s in served[2:]), served
+
+
+# -- damage --------------------------------------------------------------------------
+
+
+def test_a_damaged_fast_chunk_is_read_from_the_peer_node(two_copies: Path, tmp_path: Path) -> None:
+    job = copy_of(two_copies, tmp_path)
+    damage(job / "fast0", shard_chunks(job / "fast0", 3, 0))
+    per_rank = restore(job, 2)
+    assert_bitwise(per_rank, 3)  # the same generation: nothing skipped
+    assert all(r["report"]["skipped"] == [] for r in per_rank)
+    assert sources(per_rank)[0].get("peer", 0) > 0
+
+
+def test_a_chunk_damaged_on_every_node_moves_all_ranks_to_the_generation_before(
+    two_copies: Path, tmp_path: Path
+) -> None:
+    job = copy_of(two_copies, tmp_path)
+    for node in ("fast0", "fast1"):  # generation 3 is in no durable tier either
+        damage(job / node, shard_chunks(job / node, 3, 0))
+    failed = restore(job, 2)
+    assert all("IntegrityError" in r.get("mro", ()) for r in failed), failed
+    assert all(all(r["unchanged"].values()) for r in failed)  # nothing live changed
+    per_rank = restore(job, 2, fallback="previous")
+    assert_bitwise(per_rank, 2)
+    assert all(r["report"]["skipped"] == [3] for r in per_rank)
+
+
+# -- another rank count ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+def test_the_fast_tiers_restore_onto_another_rank_count(
+    two_copies: Path, tmp_path: Path, ranks: int
+) -> None:
+    job = copy_of(two_copies, tmp_path)
+    per_rank = restore(job, 2, ranks=ranks)
+    assert_bitwise(per_rank, 3)
+    assert all("durable" not in s for s in sources(per_rank))
