@@ -341,7 +341,10 @@ def _save(
         kwargs["timeout"] = op["timeout"]
     started = time.monotonic()
     try:
-        generation = castore.dist.save(store, state, **kwargs)
+        if op.get("blocking", True):
+            generation = castore.dist.save(store, state, **kwargs)
+        else:  # an async save, waited for here
+            generation = castore.dist.save(store, state, blocking=False, **kwargs).result()
     except BaseException as exc:
         out = _error(exc, started)
     else:
@@ -421,7 +424,7 @@ def run_script(
     Ops:
 
     * {"op": "save", run, seed, step, [framework, views, metadata, timeout, poison_rank,
-      overlap_rank, gap_rank, extra_tensor_rank]}
+      overlap_rank, gap_rank, extra_tensor_rank, blocking]}
     * {"op": "load", run, [generation, names, framework, views, rank_local, timeout, path,
       wrong_dtype]}
     * {"op": "arm", rank, point, action}, {"op": "disarm"}, {"op": "sleep", rank, seconds},

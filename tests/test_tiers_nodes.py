@@ -228,3 +228,52 @@ def test_the_fast_tiers_restore_onto_another_rank_count(
     per_rank = restore(job, 2, ranks=ranks)
     assert_bitwise(per_rank, 3)
     assert all("durable" not in s for s in sources(per_rank))
+
+
+# -- async saves ---------------------------------------------------------------------
+
+
+def test_async_saves_on_several_nodes_publish_on_every_node(
+    two_copies: Path, tmp_path: Path
+) -> None:
+    job = copy_of(two_copies, tmp_path)
+    ops = [
+        {"op": "save", "run": "r", "seed": 6, "step": 40, "blocking": False},
+        {"op": "save", "run": "r", "seed": 7, "step": 50, "blocking": False},
+    ]
+    saved = script_results(run_ranks(4, w.run_script, config(job, 2), ops, timeout=240), 4)
+    assert all("error" not in op for rank in saved for op in rank), saved
+    assert {r[1]["generation"].id for r in saved} == {5}
+    for node in ("fast0", "fast1"):
+        with castore.open(job / node) as fast:
+            assert [g.id for g in fast.generations("r")] == [4, 5]
+            assert verify_store(fast, deep=True).ok
+    with castore.open(job / "durable") as durable:
+        assert [g.id for g in durable.generations("r")] == [2, 4]
+
+
+# -- an upload cut off ---------------------------------------------------------------
+
+
+def test_a_node_killed_mid_upload_leaves_the_durable_tier_with_complete_generations_only(
+    tmp_path: Path,
+) -> None:
+    castore.open(tmp_path / "durable", shared=True).close()
+    # Uploads in batches of a tenth of a second's bytes at 5 kB/s: the kill comes after the first.
+    tiers = {**config(tmp_path, 1), "durable_every": 1, "upload_wait_s": 3.0, "durable_rate": 5e3}
+    ops = [
+        {"op": "arm", "rank": 2, "point": "copy.mid_chunks", "action": "kill"},
+        {"op": "save", "run": "r", "seed": 3, "step": 10},
+    ]
+    outcomes = run_ranks(4, w.run_script, tiers, ops, timeout=240)
+    assert [o.ok for o in outcomes] == [True, True, False, True]  # node 1's leader: killed
+    with castore.open(tmp_path / "durable") as durable:
+        assert "r" not in durable.runs()  # generation 1 never published there
+        assert verify_store(durable, deep=True).ok
+    # The job comes back: the next generation is uploaded by both nodes and published.
+    ops = [{"op": "save", "run": "r", "seed": 4, "step": 20}]
+    saved = script_results(run_ranks(4, w.run_script, tiers, ops, timeout=240), 4)
+    assert {r[0]["generation"].id for r in saved} == {2}
+    with castore.open(tmp_path / "durable") as durable:
+        assert [g.id for g in durable.generations("r")] == [2]
+        assert verify_store(durable, deep=True).ok

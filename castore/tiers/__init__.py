@@ -30,9 +30,12 @@ one (a new node) takes the durable tier's newest generation of each run as
 its own at open, root and manifests only, recorded as held elsewhere
 (castore.core.holdings), so that the next save follows it and promotes.
 
-This is one node's view: every process of a job on the node opens the same
-``fast`` path; promotions are started by the process that publishes (a dist
-job's coordinator).
+On one node every process of a job opens the same ``fast`` path, and
+promotions are started by the process that publishes (a dist job's
+coordinator). A job on several nodes, each with a fast tier of its own, is
+castore.tiers.nodes: each node holds its ranks' shards (and, with
+``replicas=2``, its peer's), a restore reads each chunk from its node, a
+peer node or the durable tier, and each node uploads its own shards.
 """
 
 from __future__ import annotations
@@ -97,6 +100,8 @@ class TierPolicy:
             raise ValueError(f"durable_rate must be positive, got {self.durable_rate!r}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas!r}")
+        if not self.upload_wait_s > 0:
+            raise ValueError(f"upload_wait_s must be positive, got {self.upload_wait_s!r}")
 
 
 @dataclass
@@ -317,6 +322,7 @@ class TieredStore(Store):
     ) -> None:
         """A node leader after a save on several nodes: pin and upload its node's shards
         when the generation is promoted; collect its node's fast tier."""
+        self._resume_pins()
         self._saved_runs.add(run)
         if promote:
             self._pin(run, generation, root)
@@ -710,6 +716,7 @@ def open_tiered(
     chunk_size: int | None = None,
     replicas: int = 1,
     node: str | None = None,
+    upload_wait_s: float = 600.0,
     **durable_options: Any,
 ) -> TieredStore:
     """A :class:`TieredStore`: ``fast`` (a local directory) in front of ``durable``.
@@ -726,6 +733,14 @@ def open_tiered(
     for this process's GIL; where the durable tier cannot be opened again by
     address there (an open Store, options that are not plain values), and with
     ``uploader="thread"``, on a thread of this process.
+
+    A job whose ranks are on several nodes (each node's ranks open their own
+    ``fast`` directory; ``node`` names it, by default the host name and the
+    directory's real path) keeps each node's shards in its fast tier, and with
+    ``replicas=2`` (or more) copies of the next node's (castore.tiers.nodes).
+    Its promotions are uploaded by each node (on a thread) and published by
+    the coordinator once all of a generation's chunks are in the durable tier,
+    waiting at most ``upload_wait_s`` seconds for them.
     """
     if uploader not in ("process", "thread"):
         raise ValueError(f"uploader must be 'process' or 'thread', got {uploader!r}")
@@ -738,6 +753,7 @@ def open_tiered(
         durable_rate=durable_rate,
         promote_on_exit=promote_on_exit,
         replicas=replicas,
+        upload_wait_s=upload_wait_s,
     )
     location = parse_location(os.fspath(fast))
     if location.scheme != "file":
