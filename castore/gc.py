@@ -41,10 +41,12 @@ import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb.compact import compact_lmdb_store
 from castore.core.history import Generation
+from castore.core.holdings import forget_elsewhere
 from castore.core.opening import MARKER, local_lmdb_store, read_marker
 from castore.errors import (
     GcAbortedError,
@@ -335,6 +337,9 @@ def collect_garbage(
             for run, gen in dropped_roots:
                 with store.refs.locked(run):
                     store.refs.record_collected(run, gen.id, Digest.from_hex(gen.root))
+            if isinstance(store.path, Path):  # a fast tier's records of what it holds
+                for run in {run for run, _ in dropped_roots}:
+                    forget_elsewhere(store.path, run, set(store.published(run).values()))
             fault_point("gc.before_sweep")
             # Roots first, then shards, then chunks: whatever stops the sweep, nothing
             # left behind names an object that is gone, except other garbage.

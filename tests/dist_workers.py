@@ -427,6 +427,7 @@ def run_script(
       overlap_rank, gap_rank, extra_tensor_rank, blocking]}
     * {"op": "load", run, [generation, names, framework, views, rank_local, timeout, path,
       wrong_dtype]}
+    * {"op": "dcp_save", run, step}: a DCP save through castore.dcp.CastoreWriter
     * {"op": "arm", rank, point, action}, {"op": "disarm"}, {"op": "sleep", rank, seconds},
       {"op": "barrier"}
 
@@ -462,6 +463,19 @@ def run_script(
                     me, size = op["group"].index(rank), len(op["group"])
                 run_op = _save if kind == "save" else _load
                 results.append(run_op(me, size, store, op, options))
+            elif kind == "dcp_save":  # through torch.distributed.checkpoint's own save
+                import torch
+                import torch.distributed.checkpoint as dcp
+
+                from castore.dcp import CastoreWriter
+
+                started = time.monotonic()
+                writer = CastoreWriter(store, run=op["run"], step=op["step"])
+                try:
+                    dcp.save({"w": torch.arange(8.0)}, storage_writer=writer)
+                    results.append({"saved": True})
+                except BaseException as exc:
+                    results.append(_error(exc, started))
             elif kind == "arm":
                 if rank == op["rank"]:
                     castore.support.faults.arm(op["point"], op["action"])

@@ -153,6 +153,39 @@ def test_verify_on_a_node_reports_its_own_shards_damage_and_needs_its_records(
     assert any(own[0].hex()[:16] in str(p) for p in report.problems), report.problems
 
 
+def test_castore_tiers_counts_the_shards_each_node_holds(one_copy: Path) -> None:
+    from cli_runner import run_cli
+
+    alone = run_cli("tiers", one_copy / "fast0", one_copy / "durable").stdout
+    rows = [line.split() for line in alone.splitlines() if line.startswith("r ")]
+    assert [(r[1], r[-4], r[-3]) for r in rows] == [("2", "2/4", "shards"), ("3", "2/4", "shards")]
+    assert "durable" in alone.splitlines()[-1] and "fast" not in alone.splitlines()[-1]
+    both = run_cli(
+        "tiers", one_copy / "fast0", one_copy / "durable", "--node", one_copy / "fast1"
+    ).stdout
+    rows = [line.split() for line in both.splitlines() if line.startswith("r ")]
+    assert [(r[1], r[-3]) for r in rows] == [("2", "held"), ("3", "held")], both
+    assert "fast" in both.splitlines()[-1]  # the newest generation held whole in the fast tier
+
+
+def test_log_du_and_gc_on_a_node_know_what_it_holds(one_copy: Path, tmp_path: Path) -> None:
+    from cli_runner import run_cli
+
+    job = copy_of(one_copy, tmp_path)
+    log = run_cli("log", job / "fast0").stdout
+    assert log.splitlines()[0].split()[-1] == "here" and log.count("2/4 shards") == 2
+    du = run_cli("du", job / "fast0").stdout
+    assert "held here" in du and du.count("2/4 shards") == 2
+    assert "here" not in run_cli("log", job / "durable").stdout  # a store that holds all
+    gc = run_cli("gc", job / "fast0", "--keep", "1", "-y")
+    assert gc.returncode == 0, gc.stderr
+    records = job / "fast0" / "tiers" / "elsewhere" / "r"
+    assert sorted(p.name for p in records.iterdir()) == ["000000000003"]  # 2's went with it
+    with castore.open(job / "fast0") as fast:
+        report = verify_store(fast, deep=True)
+        assert report.ok and report.held_elsewhere == [("r", 3)], report.problems
+
+
 # -- losing a node -------------------------------------------------------------------
 
 
@@ -277,3 +310,18 @@ def test_a_node_killed_mid_upload_leaves_the_durable_tier_with_complete_generati
     with castore.open(tmp_path / "durable") as durable:
         assert [g.id for g in durable.generations("r")] == [2]
         assert verify_store(durable, deep=True).ok
+
+
+def test_the_dcp_writer_refuses_a_job_on_several_nodes(tmp_path: Path) -> None:
+    castore.open(tmp_path / "durable", shared=True).close()
+    ops = [{"op": "dcp_save", "run": "d", "step": 1}]
+    per_rank = [
+        r[0]
+        for r in script_results(
+            run_ranks(4, w.run_script, config(tmp_path, 1), ops, timeout=240), 4
+        )
+    ]
+    assert all("cannot save to tiered stores on several nodes" in r["message"] for r in per_rank)
+    for node in ("fast0", "fast1"):
+        with castore.open(tmp_path / node) as fast:
+            assert fast.runs() == []  # nothing published anywhere

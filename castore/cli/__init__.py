@@ -7,6 +7,7 @@ Every failure prints one line to stderr and exits non-zero; set
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -24,7 +25,9 @@ from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli.args import COLLAPSE_AT, build_parser
 from castore.core.history import Generation, split_address
+from castore.core.holdings import held_shards
 from castore.errors import CastoreError, GcAbortedError, ReadOnlyStoreError, ReadOnlyWarning
+from castore.format.hashing import Digest
 from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
 from castore.repair import rebuild_index, repair_store
@@ -63,14 +66,28 @@ def cmd_log(args: argparse.Namespace) -> int:
             for name, value in store.refs.tags(run).items():
                 tags.setdefault(value.root.hex, []).append(name)
             for gen in store.generations(run, last=args.max_count):
-                rows.append(_log_row(gen, len(runs) > 1) + [",".join(tags.get(gen.root, []))])
+                row = _log_row(gen, len(runs) > 1) + [",".join(tags.get(gen.root, []))]
+                rows.append(row + [_shards_here(store, gen)])
         if not rows:
             print("no generations")
             return 0
         headers = ["id", "step", "time", "logical", "new", "written", "dedup", "held", "root"]
-        headers = (["run"] if len(runs) > 1 else []) + headers + ["tags"]
-        print(text_table(rows, headers, text=("run", "root", "tags")))
+        headers = (["run"] if len(runs) > 1 else []) + headers + ["tags", "here"]
+        if all(row[-1] == "all" for row in rows):  # no tier holds a part elsewhere
+            rows, headers = [row[:-1] for row in rows], headers[:-1]
+        print(text_table(rows, headers, text=("run", "root", "tags", "here")))
     return 0
+
+
+def _shards_here(store: Store, gen: Generation) -> str:
+    """Which of a generation's shards this store holds: "all", "K/N shards" (a node's fast
+    tier: the rest are on other nodes) or "none" (its chunks are in another tier)."""
+    if not isinstance(store.path, Path):
+        return "all"
+    held = held_shards(store.path, gen.run, gen.id, Digest.from_hex(gen.root))
+    if held is None or len(held) >= gen.world_size:
+        return "all"
+    return f"{len(held)}/{gen.world_size} shards" if held else "none"
 
 
 def _log_row(gen: Generation, with_run: bool) -> list[Any]:
@@ -404,8 +421,10 @@ def _print_gc_summary(report: gc.GcReport) -> None:
 
 
 def cmd_tiers(args: argparse.Namespace) -> int:
-    with _open(args.store) as fast, _open(args.durable) as durable:
-        rows = tier_report(fast, durable, [args.run] if args.run else None)
+    with contextlib.ExitStack() as stack:
+        nodes = [stack.enter_context(_open(path)) for path in [args.store, *args.node]]
+        durable = stack.enter_context(_open(args.durable))
+        rows = tier_report(nodes, durable, [args.run] if args.run else None)
     if not rows:
         print("no generations")
         return 0
@@ -440,6 +459,12 @@ def _format_age(seconds: float) -> str:
 def cmd_du(args: argparse.Namespace) -> int:
     with _open(args.store) as store:
         usage = gc.disk_usage(store, [args.run] if args.run else None)
+        here = {
+            (gen.run, gen.id): _shards_here(store, gen)
+            for gen in (
+                g for run in {u.run for u in usage.generations} for g in store.generations(run)
+            )
+        }
     rows = [
         [
             u.run,
@@ -448,23 +473,17 @@ def cmd_du(args: argparse.Namespace) -> int:
             format_bytes(u.logical_bytes),
             format_bytes(u.referenced_bytes),
             format_bytes(u.exclusive_bytes),
+            here.get((u.run, u.id), "all"),
         ]
         for u in usage.generations
     ]
+    headers = ["run", "id", "step", "logical", "references", "only it (freed if dropped)"]
+    if any(row[-1] != "all" for row in rows):  # a node's fast tier: the rest is elsewhere
+        headers.append("held here")
+    else:
+        rows = [row[:-1] for row in rows]
     if rows:
-        print(
-            tabulate(
-                rows,
-                headers=[
-                    "run",
-                    "id",
-                    "step",
-                    "logical",
-                    "references",
-                    "only it (freed if dropped)",
-                ],
-            )
-        )
+        print(tabulate(rows, headers=headers))
         print()
     print(f"logical   {format_bytes(usage.logical_bytes)} in {len(rows)} generation(s)")
     print(

@@ -343,14 +343,24 @@ def _add_collection(commands: Any) -> None:
         "tiers",
         "which generations the fast and the durable tier hold",
         "For a tiered store (castore.open_tiered): per generation, whether the fast tier\n"
-        "STORE holds it (held), lists it with its chunks in the durable tier (elsewhere)\n"
-        "or not at all (-), whether DURABLE has it, and whether a promotion to DURABLE\n"
-        "is pending; then, per run, how old its newest generation in each tier is (the\n"
-        "recovery point if that tier were all that is left). Reads only.",
-        "castore tiers /dev/shm/ckpt s3://bucket/ckpt\ncastore tiers ./fast ./durable --run exp1",
+        "STORE (with --node, the fast tiers of several nodes together) holds every shard\n"
+        "(held), some of them (K/N shards: the rest are on other nodes or in the durable\n"
+        "tier), lists it with its chunks elsewhere (elsewhere) or not at all (-), whether\n"
+        "DURABLE has it, and whether a promotion to DURABLE is pending; then, per run,\n"
+        "how old its newest generation held whole in each tier is (the recovery point if\n"
+        "that tier were all that is left). Reads only.",
+        "castore tiers /dev/shm/ckpt s3://bucket/ckpt\ncastore tiers ./fast ./durable --run exp1\n"
+        "castore tiers ./node0/fast ./durable --node ./node1/fast",
     )
     tiers.add_argument("durable", metavar="DURABLE", help="the durable tier's store")
     tiers.add_argument("--run", help="only this run's generations")
+    tiers.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="FAST",
+        help="another node's fast tier, counted with STORE's (repeatable)",
+    )
 
 
 def _add_maintenance(commands: Any) -> None:

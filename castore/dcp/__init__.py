@@ -80,6 +80,7 @@ from castore.errors import (
     CorruptObjectError,
     InvalidNameError,
     RefConflictError,
+    UnsupportedOperationError,
     UnsupportedValueError,
 )
 from castore.format.dtypes import SUPPORTED_DTYPES, torch_dtype
@@ -320,12 +321,21 @@ class CastoreWriter(_StoreUser, StorageWriter):
         return StorageMeta(checkpoint_id=f"{SCHEME}{where}/{self.run}")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
+        # A tiered store's node (castore.tiers): the coordinator refuses several of them.
+        node = getattr(self._store_arg, "node_id", None)
+        return replace(plan, storage_data={"castore_node": node})
 
     @_closes_store
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The coordinator proposes the generation; ranks with items get shard indices."""
         assert self.run is not None
+        nodes = {(plan.storage_data or {}).get("castore_node") for plan in plans}
+        if len(nodes) > 1:
+            raise UnsupportedOperationError(
+                "the DCP writer cannot save to tiered stores on several nodes (each node's "
+                "fast tier holds only its ranks' chunks): save with castore.dist.save or "
+                "castore.train.TrainState there"
+            )
         parent = self.store.refs.read(self.run)
         # Refused before any rank writes when this job may not save the run
         # (castore.core.fencing); finish checks again under the store lock.

@@ -61,7 +61,7 @@ from castore.chunkstore.tiered import TieredChunkBackend
 from castore.copying import CopiedGeneration, copy_generation, copy_shard_chunks
 from castore.core.background import Throttle
 from castore.core.history import Generation, GenerationSpec
-from castore.core.holdings import forget_elsewhere, held_elsewhere, held_shards, mark_elsewhere
+from castore.core.holdings import forget_elsewhere, held_shards, mark_elsewhere
 from castore.core.location import parse_location
 from castore.core.opening import open_address
 from castore.errors import CastoreError, CastoreWarning, GenerationNotFoundError
@@ -635,8 +635,10 @@ def promote_generation(
 
 @dataclass(frozen=True)
 class TierRow:
-    """Where one generation is: ``fast`` is "held", "elsewhere" (listed, chunks in
-    another tier) or "" (not listed); ``durable`` whether the durable tier has it."""
+    """Where one generation is. ``fast``: "held" (the fast tiers named hold every
+    shard), "K/N shards" (they hold K of its N shards: the rest are on other
+    nodes or in the durable tier), "elsewhere" (listed, no chunks held) or ""
+    (not listed); ``durable`` whether the durable tier has it."""
 
     run: str
     id: int
@@ -645,33 +647,41 @@ class TierRow:
     root: str
     fast: str
     durable: bool
-    pinned: bool  # pinned in the fast tier for a promotion not finished yet
+    pinned: bool  # pinned in a fast tier for a promotion not finished yet
 
 
-def tier_report(fast: Store, durable: Store, runs: list[str] | None = None) -> list[TierRow]:
-    """Per generation of ``runs`` (default: every run of either store), which tier has it.
+def tier_report(
+    fast: Store | list[Store], durable: Store, runs: list[str] | None = None
+) -> list[TierRow]:
+    """Per generation of ``runs`` (default: every run of any store), which tier has it.
 
-    Reads only: neither store is changed. Ordered by run, then id.
+    ``fast``: one fast tier, or the fast tiers of several nodes (their
+    holdings records say which shards each holds). Reads only: no store is
+    changed. Ordered by run, then id.
     """
+    nodes = fast if isinstance(fast, list) else [fast]
     rows = []
-    names = runs if runs is not None else sorted(set(fast.runs()) | set(durable.runs()))
-    fast_dir = Path(fast.path) if isinstance(fast.path, Path) else None
+    names = runs if runs is not None else sorted(
+        {run for store in [*nodes, durable] for run in store.runs()}
+    )  # fmt: skip
     for run in names:
-        in_fast = {g.id: g for g in fast.generations(run)} if run in fast.runs() else {}
+        listed: dict[int, Generation] = {}
+        held: dict[int, set[int]] = {}
+        pins: set[int] = set()
+        for node in nodes:
+            if run not in node.runs():
+                continue
+            for gen in node.generations(run):
+                listed.setdefault(gen.id, gen)
+                held.setdefault(gen.id, set()).update(_held_by(node, run, gen))
+            pins |= {
+                value.generation
+                for name, value in node.refs.tags(run).items()
+                if name.startswith(PIN_PREFIX)
+            }
         in_durable = {g.id: g for g in durable.generations(run)} if run in durable.runs() else {}
-        pins = {
-            value.generation
-            for name, value in (fast.refs.tags(run) if run in fast.runs() else {}).items()
-            if name.startswith(PIN_PREFIX)
-        }
-        for gen_id in sorted(set(in_fast) | set(in_durable)):
-            gen = in_fast.get(gen_id) or in_durable[gen_id]
-            where = ""
-            if gen_id in in_fast:
-                elsewhere = fast_dir is not None and held_elsewhere(
-                    fast_dir, run, gen_id, Digest.from_hex(gen.root)
-                )
-                where = "elsewhere" if elsewhere else "held"
+        for gen_id in sorted(set(listed) | set(in_durable)):
+            gen = listed.get(gen_id) or in_durable[gen_id]
             rows.append(
                 TierRow(
                     run,
@@ -679,12 +689,26 @@ def tier_report(fast: Store, durable: Store, runs: list[str] | None = None) -> l
                     gen.step,
                     gen.time,
                     gen.root,
-                    where,
+                    _where(len(held[gen_id]), gen.world_size) if gen_id in listed else "",
                     gen_id in in_durable,
                     gen_id in pins,
                 )  # fmt: skip
             )
     return rows
+
+
+def _where(held: int, total: int) -> str:
+    if held >= total:
+        return "held"
+    return f"{held}/{total} shards" if held else "elsewhere"
+
+
+def _held_by(store: Store, run: str, gen: Generation) -> set[int]:
+    """The shards of ``gen`` that ``store`` holds, by its holdings record (all without one)."""
+    if not isinstance(store.path, Path):
+        return set(range(gen.world_size))
+    found = held_shards(store.path, run, gen.id, Digest.from_hex(gen.root))
+    return set(range(gen.world_size)) if found is None else found
 
 
 def recovery_points(rows: list[TierRow], now: float | None = None) -> dict[str, dict[str, float]]:
