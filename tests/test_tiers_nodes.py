@@ -325,3 +325,25 @@ def test_the_dcp_writer_refuses_a_job_on_several_nodes(tmp_path: Path) -> None:
     for node in ("fast0", "fast1"):
         with castore.open(tmp_path / node) as fast:
             assert fast.runs() == []  # nothing published anywhere
+
+
+def test_a_node_uploads_its_shards_after_its_stagger(tmp_path: Path) -> None:
+    """A node leader's upload (one process here): its shards' chunks reach the durable
+    tier, no sooner than its stagger, and nothing is published there by the upload."""
+    import time
+
+    import numpy as np
+
+    with castore.open_tiered(
+        tmp_path / "fast", tmp_path / "durable", durable_every=1000, uploader="thread",
+        promote_on_exit=False,
+    ) as store:  # fmt: skip
+        gen = store.save({"w": np.arange(5000.0)}, run="r", step=1)
+        started = time.monotonic()
+        store.queue_node_work("r", gen.id, Digest.from_hex(gen.root), True, [0], delay=0.5)
+        store.wait_promotions()
+        assert time.monotonic() - started >= 0.5
+        chunks = shard_chunks(tmp_path / "fast", gen.id, 0)
+        assert all(store.durable.backend.has_many(Namespace.CHUNKS, chunks))
+        assert store.durable.runs() == []  # the coordinator publishes, not a node's upload
+        assert store.refs.tags("r") == {}  # the node's pin is gone once its part is up

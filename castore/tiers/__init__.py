@@ -88,6 +88,7 @@ class TierPolicy:
     promote_on_exit: bool = True
     replicas: int = 1  # copies of each shard in the fast tiers of a job on several nodes
     upload_wait_s: float = 600.0  # how long the coordinator waits for the nodes' uploads
+    durable_stagger_s: float = 0.0  # node i of N starts its uploads this * i / N late
 
     def __post_init__(self) -> None:
         if self.durable_every is not None and self.durable_every < 1:
@@ -100,6 +101,8 @@ class TierPolicy:
             raise ValueError(f"durable_rate must be positive, got {self.durable_rate!r}")
         if not isinstance(self.replicas, int) or self.replicas < 1:
             raise ValueError(f"replicas must be at least 1, got {self.replicas!r}")
+        if not self.durable_stagger_s >= 0:
+            raise ValueError(f"durable_stagger_s must be >= 0, got {self.durable_stagger_s!r}")
         if not self.upload_wait_s > 0:
             raise ValueError(f"upload_wait_s must be positive, got {self.upload_wait_s!r}")
 
@@ -123,6 +126,7 @@ class _Work:
     run: str = ""
     generation: int = 0
     shards: tuple[int, ...] = ()
+    delay: float = 0.0  # seconds to wait before starting (an upload's stagger)
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -318,7 +322,14 @@ class TieredStore(Store):
         return self._selects(run, generation)
 
     def queue_node_work(
-        self, run: str, generation: int, root: Digest, promote: bool, own: list[int]
+        self,
+        run: str,
+        generation: int,
+        root: Digest,
+        promote: bool,
+        own: list[int],
+        *,
+        delay: float = 0.0,
     ) -> None:
         """A node leader after a save on several nodes: pin and upload its node's shards
         when the generation is promoted; collect its node's fast tier."""
@@ -326,7 +337,7 @@ class TieredStore(Store):
         self._saved_runs.add(run)
         if promote:
             self._pin(run, generation, root)
-            self._submit(_Work("upload", run, generation, tuple(own)))
+            self._submit(_Work("upload", run, generation, tuple(own), delay))
         self._submit(_Work("collect", run))
 
     def queue_durable_publish(self, run: str, generation: int) -> None:
@@ -396,6 +407,7 @@ class TieredStore(Store):
                 if work.kind == "promote":
                     self._promote(work.run, work.generation)
                 elif work.kind == "upload":
+                    time.sleep(work.delay)
                     self._upload_node(work.run, work.generation, work.shards)
                 elif work.kind == "publish":
                     self._publish_durable(work.run, work.generation)
@@ -741,6 +753,7 @@ def open_tiered(
     replicas: int = 1,
     node: str | None = None,
     upload_wait_s: float = 600.0,
+    durable_stagger_s: float = 0.0,
     **durable_options: Any,
 ) -> TieredStore:
     """A :class:`TieredStore`: ``fast`` (a local directory) in front of ``durable``.
@@ -764,7 +777,9 @@ def open_tiered(
     ``replicas=2`` (or more) copies of the next node's (castore.tiers.nodes).
     Its promotions are uploaded by each node (on a thread) and published by
     the coordinator once all of a generation's chunks are in the durable tier,
-    waiting at most ``upload_wait_s`` seconds for them.
+    waiting at most ``upload_wait_s`` seconds for them; node i of N starts
+    its upload ``durable_stagger_s * i / N`` seconds late, each node within
+    ``durable_rate``.
     """
     if uploader not in ("process", "thread"):
         raise ValueError(f"uploader must be 'process' or 'thread', got {uploader!r}")
@@ -778,6 +793,7 @@ def open_tiered(
         promote_on_exit=promote_on_exit,
         replicas=replicas,
         upload_wait_s=upload_wait_s,
+        durable_stagger_s=durable_stagger_s,
     )
     location = parse_location(os.fspath(fast))
     if location.scheme != "file":

@@ -141,14 +141,16 @@ class NodeMap:
 
 def discover(store: TieredStore, comm: Group, run: str) -> NodeSession | None:
     """The node session of a collective call (a collective call itself); None on one node."""
-    ref = store.fast.refs.read(run)
+    ref, failure = attempt(lambda: store.fast.refs.read(run))
     views = comm.all_gather(
         {
+            "error": describe(failure),
             "node": store.node_id,
             "ref": None if ref is None else [ref.generation, ref.root.raw],
         },
         "tiers: nodes",
     )
+    raise_failures(views, comm, failure)
     nodes = NodeMap(comm.rank, tuple(str(v["node"]) for v in views))
     if not nodes.multi:
         return None
@@ -591,7 +593,9 @@ class NodeSession:
         (node leaders) and the durable publish (the coordinator)."""
         if self.nodes.is_leader:
             own = self.nodes.ranks_on(self.nodes.my_node)
-            self.store.queue_node_work(run, generation, root, promote, own)
+            # Node i of N starts its upload stagger * i / N seconds late.
+            delay = self.store.policy.durable_stagger_s * self.nodes.my_node / len(self.nodes.names)
+            self.store.queue_node_work(run, generation, root, promote, own, delay=delay)
         if promote and self.comm.is_coordinator:
             self.store.queue_durable_publish(run, generation)
 
