@@ -428,6 +428,7 @@ def run_script(
     * {"op": "load", run, [generation, names, framework, views, rank_local, timeout, path,
       wrong_dtype]}
     * {"op": "dcp_save", run, step}: a DCP save through castore.dcp.CastoreWriter
+    * {"op": "recovery_points", run}: a tiered store's collective recovery_points
     * {"op": "arm", rank, point, action}, {"op": "disarm"}, {"op": "sleep", rank, seconds},
       {"op": "barrier"}
 
@@ -463,6 +464,8 @@ def run_script(
                     me, size = op["group"].index(rank), len(op["group"])
                 run_op = _save if kind == "save" else _load
                 results.append(run_op(me, size, store, op, options))
+            elif kind == "recovery_points":  # a tiered store's RPO per tier, collectively
+                results.append(store.recovery_points(op["run"], collective=True))
             elif kind == "dcp_save":  # through torch.distributed.checkpoint's own save
                 import torch
                 import torch.distributed.checkpoint as dcp

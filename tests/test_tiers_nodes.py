@@ -213,6 +213,22 @@ def test_with_two_copies_a_lost_node_restores_the_newest_generation_from_its_pee
         assert verify_store(durable, deep=True).ok
 
 
+def test_the_job_asks_its_recovery_point_per_tier_across_its_nodes(
+    one_copy: Path, tmp_path: Path
+) -> None:
+    job = copy_of(one_copy, tmp_path)
+    ops = [{"op": "recovery_points", "run": "r"}]
+    asked = [r[0]["r"] for r in script_results(run_ranks(4, w.run_script, config(job, 1), ops), 4)]
+    assert all(a == asked[0] for a in asked)  # the coordinator's answer, everywhere
+    assert set(asked[0]) == {"fast", "durable"}
+    assert 0 <= asked[0]["fast"] < asked[0]["durable"]  # generation 3 is newer than 2
+    with castore.open_tiered(job / "fast0", job / "durable") as one_node:
+        assert "fast" not in one_node.recovery_points()["r"]  # alone it holds no whole one
+    shutil.rmtree(job / "fast1")
+    asked = [r[0]["r"] for r in script_results(run_ranks(4, w.run_script, config(job, 1), ops), 4)]
+    assert set(asked[0]) == {"durable"}  # node 1 lost: no generation is whole in fast tiers
+
+
 def test_with_one_copy_a_lost_node_restores_the_newest_durable_generation(
     one_copy: Path, tmp_path: Path
 ) -> None:

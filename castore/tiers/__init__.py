@@ -276,9 +276,33 @@ class TieredStore(Store):
         """Per generation, which tier has it (:func:`tier_report` of the two tiers)."""
         return tier_report(self.fast, self.durable, runs)
 
-    def recovery_points(self) -> dict[str, dict[str, float]]:
-        """Per run, seconds since its newest generation in each tier (the RPO per tier now)."""
-        return recovery_points(self.tiers())
+    def recovery_points(
+        self,
+        run: str | None = None,
+        *,
+        collective: bool = False,
+        group: Any = None,
+        timeout: float = 600.0,
+    ) -> dict[str, dict[str, float]]:
+        """Per run, seconds since its newest generation held whole in each tier (the RPO
+        per tier now): ``{run: {"fast": s, "durable": s}}``.
+
+        ``collective=True`` (a collective call of the ranks of ``group``, None: the
+        world; a ``run`` is needed): the fast tier's newest is the newest
+        generation the nodes' fast tiers hold whole together (castore.tiers.nodes).
+        """
+        if not collective:
+            points = recovery_points(self.tiers(None if run is None else [run]))
+            return points
+        if run is None:
+            raise ValueError("a collective recovery_points needs the run")
+        from castore.dist.comm import Group
+
+        comm = Group(group, 0, timeout)
+        session = self.node_session(comm, run)
+        if session is None:
+            return {run: recovery_points(self.tiers([run])).get(run, {})}
+        return {run: session.recovery_points(run)}
 
     # -- promotion ----------------------------------------------------------------
 

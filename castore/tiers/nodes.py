@@ -398,14 +398,7 @@ class NodeSession:
     def agree_candidates(self, run: str, below: int | None) -> list[tuple[int, Digest]]:
         """The generations complete in the fast tier (by the live nodes' holdings) or in
         the durable one, newest first; decided by the coordinator (a collective call)."""
-        view: list[list[Any]] = []
-        failure = None
-        if self.nodes.is_leader:
-            view, failure = attempt(lambda: self._view(run))
-        views = self.comm.all_gather(
-            {"error": describe(failure), "view": view or []}, "load: tiers"
-        )
-        raise_failures(views, self.comm, failure)
+        views = self._views(run)
         message: dict[str, Any] = {}
         failure = None
         if self.comm.is_coordinator:
@@ -415,19 +408,32 @@ class NodeSession:
         raise_failures([message], self.comm, failure if self.comm.is_coordinator else None)
         return [(int(g), Digest(bytes(d))) for g, d in message["candidates"]]
 
+    def _views(self, run: str) -> list[dict[str, Any]]:
+        """Every node leader's generations of ``run`` and the shards it holds of each."""
+        view: list[list[Any]] = []
+        failure = None
+        if self.nodes.is_leader:
+            view, failure = attempt(lambda: self._view(run))
+        views = self.comm.all_gather(
+            {"error": describe(failure), "view": view or []}, "load: tiers"
+        )
+        raise_failures(views, self.comm, failure)
+        return views
+
     def _view(self, run: str) -> list[list[Any]]:
         """This node's generations of ``run``: id, root, saved world size, held shards."""
         if run not in self.fast.runs():
             return []
         rows = []
-        for gen, digest in type(self.fast).candidates(self.fast, run):
+        for gen, digest in self.fast.candidates(run):
             root = self.fast.read_root(digest, run=run)
             held = held_shards(Path(self.fast.path), run, gen, digest)
             shards = list(range(root.world_size)) if held is None else sorted(held)
             rows.append([gen, digest.raw, root.world_size, shards])
         return rows
 
-    def _choose(self, run: str, views: list[dict[str, Any]], below: int | None) -> list[list[Any]]:
+    def _covered(self, run: str, views: list[dict[str, Any]]) -> dict[int, bytes]:
+        """The generations whose saved shards the nodes' holdings cover together."""
         covered: dict[tuple[int, bytes], set[int]] = {}
         sizes: dict[tuple[int, bytes], int] = {}
         for message in views:
@@ -443,9 +449,13 @@ class NodeSession:
                         f"two nodes hold different generations {gen} of run {run!r}", run=run
                     )
                 found[gen] = root
+        return found
+
+    def _choose(self, run: str, views: list[dict[str, Any]], below: int | None) -> list[list[Any]]:
+        found = self._covered(run, views)
         durable = self.store.durable
         if run in durable.runs():
-            for gen, digest in type(durable).candidates(durable, run):
+            for gen, digest in durable.candidates(run):
                 if gen in found and found[gen] != digest.raw:
                     raise RefConflictError(
                         f"the fast and durable tiers hold different generations {gen} of run "
@@ -458,6 +468,32 @@ class NodeSession:
             for gen, root in sorted(found.items(), reverse=True)
             if below is None or gen <= below
         ]
+
+    def recovery_points(self, run: str) -> dict[str, float]:
+        """Seconds since the newest generation the nodes' fast tiers hold whole together,
+        and since the durable tier's newest (a collective call; the same on every rank)."""
+        views = self._views(run)
+        message: dict[str, Any] = {}
+        failure = None
+        if self.comm.is_coordinator:
+
+            def ages() -> dict[str, float]:
+                now, found = time.time(), {}
+                fast = self._covered(run, views)
+                if fast:
+                    gen, digest = max(fast.items())
+                    found["fast"] = now - self.fast.read_root(Digest(digest), run=run).time
+                durable = self.store.durable
+                newest = durable.refs.read(run) if run in durable.runs() else None
+                if newest is not None:
+                    found["durable"] = now - newest.time
+                return found
+
+            found, failure = attempt(ages)
+            message = {"error": describe(failure), "ages": found or {}}
+        message = self.comm.broadcast(message, "tiers: recovery points")
+        raise_failures([message], self.comm, failure if self.comm.is_coordinator else None)
+        return {str(k): float(v) for k, v in message["ages"].items()}
 
     def seed(self, run: str, root: Digest) -> None:
         """Give every node the root and manifests of ``root`` if one lacks them."""
