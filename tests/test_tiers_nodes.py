@@ -32,7 +32,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("tiers-nodes")]
 SEEDS = {1: 3, 2: 4, 3: 5}  # generation id -> the seed its state was made with
 
 
-def config(tmp: Path, replicas: int) -> dict[str, Any]:
+def config(tmp: Path, replicas: int, uploader: str = "thread") -> dict[str, Any]:
     return {
         "nodes": [str(tmp / "fast0"), str(tmp / "fast1")],
         "durable": str(tmp / "durable"),
@@ -40,22 +40,23 @@ def config(tmp: Path, replicas: int) -> dict[str, Any]:
         "chunk_size": 256,
         "replicas": replicas,
         "promote_on_exit": False,
-        "uploader": "thread",
+        "uploader": uploader,
     }
 
 
-def save_three(tmp: Path, replicas: int) -> list[list[dict[str, Any]]]:
+def save_three(tmp: Path, replicas: int, uploader: str) -> list[list[dict[str, Any]]]:
     castore.open(tmp / "durable", shared=True).close()
     ops = [
         {"op": "save", "run": "r", "seed": seed, "step": 10 * gen} for gen, seed in SEEDS.items()
     ]
-    return script_results(run_ranks(4, w.run_script, config(tmp, replicas), ops, timeout=240), 4)
+    tiers = config(tmp, replicas, uploader)
+    return script_results(run_ranks(4, w.run_script, tiers, ops, timeout=240), 4)
 
 
 @pytest.fixture(scope="module")
 def two_copies(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("nodes-f2")
-    results = save_three(tmp, 2)
+    results = save_three(tmp, 2, "thread")  # uploads on the ranks' promotion threads
     assert all("error" not in op for rank in results for op in rank), results
     return tmp
 
@@ -63,7 +64,7 @@ def two_copies(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def one_copy(tmp_path_factory: pytest.TempPathFactory) -> Path:
     tmp = tmp_path_factory.mktemp("nodes-f1")
-    results = save_three(tmp, 1)
+    results = save_three(tmp, 1, "process")  # uploads in each node's uploader process
     assert all("error" not in op for rank in results for op in rank), results
     return tmp
 

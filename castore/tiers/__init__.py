@@ -52,7 +52,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -452,7 +452,11 @@ class TieredStore(Store):
         started = time.perf_counter()
         try:
             if self._uploader_spec is not None:
-                outcome.copied = self._upload(run, generation)
+                retention = self.policy.durable_retention
+                outcome.copied = self._upload({
+                    "kind": "promote", "run": run, "generation": generation,
+                    "retention": None if retention is None else asdict(retention),
+                })  # fmt: skip
             else:
                 outcome.copied = promote_generation(
                     self.fast,
@@ -473,36 +477,32 @@ class TieredStore(Store):
     def _upload_node(self, run: str, generation: int, shards: tuple[int, ...]) -> None:
         """Upload this node's shards of a generation (the chunks the durable tier lacks),
         then unpin it here: the coordinator publishes it once every node's are there."""
-        digest, root = Store.resolve_root(self, run, generation)
-        if shards:
-            rate = self.policy.durable_rate
-            copy_shard_chunks(
-                self.fast,
-                self.durable,
-                root,
-                [index for index in shards if index < len(root.shards)],
-                throttle=Throttle(rate).take,
-                batch_bytes=None if rate is None else max(1, int(rate / 10)),
+        if self._uploader_spec is not None:
+            self._upload({"kind": "upload", "run": run, "generation": generation,
+                          "shards": list(shards)})  # fmt: skip
+        else:
+            upload_shards(
+                self.fast, self.durable, run, generation, shards, self.policy.durable_rate
             )
         self.refs.delete_tag(run, f"{PIN_PREFIX}{generation}")
 
     def _publish_durable(self, run: str, generation: int) -> None:
         """The coordinator: wait until the durable tier holds every chunk of the
         generation, then publish it there (castore.copying.copy_generation)."""
-        from castore.tiers.nodes import wait_for_chunks
-
         outcome = Promoted(run, generation)
         started = time.perf_counter()
+        retention = self.policy.durable_retention
         try:
-            digest, root = Store.resolve_root(self, run, generation)
-            shards = self.read_shards(root)
-            chunks = sorted(
-                {c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks}
-            )
-            wait_for_chunks(self.durable, chunks, timeout=self.policy.upload_wait_s)
-            outcome.copied = promote_generation(
-                self.fast, self.durable, run, generation, retention=self.policy.durable_retention
-            )
+            if self._uploader_spec is not None:
+                outcome.copied = self._upload({
+                    "kind": "publish", "run": run, "generation": generation,
+                    "wait_s": self.policy.upload_wait_s,
+                    "retention": None if retention is None else asdict(retention),
+                })  # fmt: skip
+            else:
+                outcome.copied = publish_uploaded(
+                    self.fast, self.durable, run, generation, self.policy.upload_wait_s, retention
+                )
         except BaseException as exc:
             outcome.error = exc
             raise
@@ -510,8 +510,9 @@ class TieredStore(Store):
             outcome.seconds = time.perf_counter() - started
             self.promoted.append(outcome)
 
-    def _upload(self, run: str, generation: int) -> CopiedGeneration | None:
-        """One promotion in the uploader process (castore.tiers.uploader), started if need be."""
+    def _upload(self, job: dict[str, Any]) -> CopiedGeneration | None:
+        """One job in the uploader process (castore.tiers.uploader), started if need be:
+        a promotion, a node's upload or the durable publish of a job on several nodes."""
         process = self._uploader
         if process is None or process.poll() is not None:
             process = self._uploader = subprocess.Popen(
@@ -522,13 +523,8 @@ class TieredStore(Store):
             )
             assert process.stdin is not None
             process.stdin.write(json.dumps(self._uploader_spec) + "\n")
-        retention = self.policy.durable_retention
-        job = {
-            "run": run,
-            "generation": generation,
-            "rate": self.policy.durable_rate,
-            "retention": None if retention is None else asdict(retention),
-        }
+        job = {"rate": self.policy.durable_rate, **job}
+        what = f"{job['run']}@{job['generation']}"
         assert process.stdin is not None and process.stdout is not None
         try:
             process.stdin.write(json.dumps(job) + "\n")
@@ -539,12 +535,12 @@ class TieredStore(Store):
         if not line:
             code = process.wait()
             raise CastoreError(
-                f"the uploader process died (exit status {code}) promoting {run}@{generation}; "
+                f"the uploader process died (exit status {code}) promoting {what}; "
                 "the durable tier keeps its previous generation, and the promotion is retried"
             )
         reply = json.loads(line)
         if "error" in reply:
-            raise CastoreError(f"promoting {run}@{generation}: {reply['error']}")
+            raise CastoreError(f"promoting {what}: {reply['error']}")
         copied = reply.get("copied")
         return None if copied is None else CopiedGeneration(**copied)
 
@@ -667,6 +663,49 @@ def promote_generation(
     if retention is not None:
         collect_garbage(durable, retention, runs=[run])
     return copied
+
+
+def upload_shards(
+    fast: Store,
+    durable: Store,
+    run: str,
+    generation: int,
+    shards: Sequence[int],
+    rate: float | None = None,
+) -> int:
+    """Copy the chunks of some shards of ``run@generation`` that ``durable`` lacks (a
+    node's part of a promotion on several nodes); the bytes sent. Publishes nothing."""
+    _, root = fast.resolve_root(run, generation)
+    wanted = [index for index in shards if index < len(root.shards)]
+    if not wanted:
+        return 0
+    return copy_shard_chunks(
+        fast,
+        durable,
+        root,
+        wanted,
+        throttle=Throttle(rate).take,
+        batch_bytes=None if rate is None else max(1, int(rate / 10)),
+    )
+
+
+def publish_uploaded(
+    fast: Store,
+    durable: Store,
+    run: str,
+    generation: int,
+    wait_s: float,
+    retention: RetentionPolicy | None = None,
+) -> CopiedGeneration | None:
+    """Wait (at most ``wait_s``) until ``durable`` holds every chunk of ``run@generation``
+    (the nodes' uploads), then publish it there with the same root digest."""
+    from castore.tiers.nodes import wait_for_chunks
+
+    _, root = fast.resolve_root(run, generation)
+    shards = fast.read_shards(root)
+    chunks = sorted({c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks})
+    wait_for_chunks(durable, chunks, timeout=wait_s)
+    return promote_generation(fast, durable, run, generation, retention=retention)
 
 
 @dataclass(frozen=True)

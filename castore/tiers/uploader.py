@@ -9,10 +9,14 @@ promotion, at a lower CPU priority (``nice`` 10) than training's.
 
 Protocol, one JSON object per line. The first line on stdin says what to open:
 ``{"fast": PATH, "durable": ADDRESS, "options": {...}, "chunk_size": N|null}``;
-then each line is a job ``{"run", "generation", "rate": bytes/s|null,
+then each line is a job ``{"kind", "run", "generation", "rate": bytes/s|null,
 "retention": {keep_last, every_steps, every_seconds}|null}``, answered on stdout
 with ``{"copied": {...}|null}`` (null: the durable tier had it) or
-``{"error": "Type: message"}``. The process ends when stdin closes.
+``{"error": "Type: message"}``. ``kind`` is "promote" (the default: copy and
+publish the generation), or, for a job on several nodes (castore.tiers.nodes),
+"upload" (``"shards": [...]``: copy those shards' missing chunks, publish
+nothing) or "publish" (``"wait_s"``: wait until the durable tier holds every
+chunk, then publish). The process ends when stdin closes.
 """
 
 from __future__ import annotations
@@ -31,32 +35,43 @@ def main() -> int:
     except OSError:
         pass
     import castore
-    from castore.gc import RetentionPolicy
-    from castore.tiers import promote_generation
 
     spec = json.loads(sys.stdin.readline())
     options = dict(spec.get("options") or {})
     with castore.open(spec["fast"], create=False, chunk_size=spec.get("chunk_size")) as fast:
         with castore.open(spec["durable"], create=False, **options) as durable:
             for line in sys.stdin:
-                job = json.loads(line)
-                retention = job.get("retention")
                 reply: dict[str, Any]
                 try:
-                    copied = promote_generation(
-                        fast,
-                        durable,
-                        job["run"],
-                        int(job["generation"]),
-                        rate=job.get("rate"),
-                        retention=None if retention is None else RetentionPolicy(**retention),
-                    )
-                    reply = {"copied": None if copied is None else asdict(copied)}
+                    reply = _run(fast, durable, json.loads(line))
                 except Exception as exc:  # noqa: BLE001 - answered to the parent, typed by name
                     reply = {"error": f"{type(exc).__name__}: {exc}"}
                 sys.stdout.write(json.dumps(reply) + "\n")
                 sys.stdout.flush()
     return 0
+
+
+def _run(fast: Any, durable: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """One job: "promote" (the default), "upload" (a node's shards) or "publish"."""
+    from castore.gc import RetentionPolicy
+    from castore.tiers import promote_generation, publish_uploaded, upload_shards
+
+    run, generation = job["run"], int(job["generation"])
+    kept = job.get("retention")
+    retention = None if kept is None else RetentionPolicy(**kept)
+    kind = job.get("kind", "promote")
+    if kind == "upload":
+        sent = upload_shards(fast, durable, run, generation, job["shards"], job.get("rate"))
+        return {"copied": None, "sent": sent}
+    if kind == "publish":
+        copied = publish_uploaded(fast, durable, run, generation, job["wait_s"], retention)
+    elif kind == "promote":
+        copied = promote_generation(
+            fast, durable, run, generation, rate=job.get("rate"), retention=retention
+        )
+    else:
+        raise ValueError(f"unknown job kind {kind!r}")
+    return {"copied": None if copied is None else asdict(copied)}
 
 
 if __name__ == "__main__":
