@@ -241,6 +241,38 @@ def test_with_one_copy_a_lost_node_restores_the_newest_durable_generation(
     assert all(s.get("durable", 0) > 0 for s in served[2:]), served
 
 
+@pytest.mark.parametrize(
+    ("saved", "replicas", "restored"), [("two_copies", 2, 4), ("one_copy", 1, 3)]
+)
+def test_a_node_killed_before_its_ref_advance_leaves_what_the_others_cover(
+    request: pytest.FixtureRequest, tmp_path: Path, saved: str, replicas: int, restored: int
+) -> None:
+    """Node 1's leader dies between its holdings record and its ref advance while
+    generation 4 is published: with two copies node 0 holds all of it; with one, the
+    nodes listing it do not cover it and the restore takes generation 3 (never promoted:
+    from the fast tiers)."""
+    job = copy_of(request.getfixturevalue(saved), tmp_path)
+    ops = [
+        {"op": "arm", "rank": 2, "point": "tiers.node_before_ref_advance", "action": "kill"},
+        {"op": "save", "run": "r", "seed": 6, "step": 40, "timeout": 5},
+    ]
+    outcomes = run_ranks(4, w.run_script, config(job, replicas), ops, timeout=240)
+    assert not outcomes[2].ok  # killed
+    with castore.open(job / "fast0") as fast:
+        assert fast.resolve("r").id == 4  # published on the coordinator's node
+    with castore.open(job / "fast1") as fast:
+        assert fast.resolve("r").id == 3  # node 1's ref did not move
+    per_rank = restore(job, replicas)
+    full = w.full_tensors({**SEEDS, 4: 6}[restored])
+    for rank, result in enumerate(per_rank):
+        assert "error" not in result, (rank, result.get("message"))
+        assert result["report"]["generation"].id == restored
+        assert "durable" not in result["report"]["bytes_by_source"]
+        for name, (offsets, block) in result["boxes"].items():
+            where = tuple(slice(o, o + s) for o, s in zip(offsets, block.shape, strict=True))
+            assert block.tobytes() == full[name][where].tobytes(), (name, rank)
+
+
 # -- damage --------------------------------------------------------------------------
 
 

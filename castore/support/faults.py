@@ -39,6 +39,7 @@ POINTS = (
     "copy.before_root",
     "copy.before_ref_advance",
     "copy.after_ref_advance",
+    "tiers.node_before_ref_advance",
 )
 
 

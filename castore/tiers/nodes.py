@@ -78,6 +78,7 @@ from castore.format.objects import (
     ShardManifest,
     decode_object,
 )
+from castore.support.faults import fault_point
 
 if TYPE_CHECKING:
     from castore.tiers import TieredStore
@@ -348,6 +349,7 @@ class NodeSession:
                 with refs.locked(run):
                     refs.record_collected(run, root.generation - 1, parent)
         mark_elsewhere(Path(self.fast.path), run, root.generation, digest, held=held)
+        fault_point("tiers.node_before_ref_advance")
         new = fencing.ref_for_root(digest, root)
         refs.advance(run, expected=None if mine is None else Digest(mine[1]), new=new)
         fencing.record_published(refs, run, new)
