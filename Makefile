@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-s3 test lint bench bench-s3 bench-async bench-export cadence gpu-check clean
+.PHONY: demo demo-s3 demo-tiers test lint bench bench-s3 bench-async bench-export cadence gpu-check clean
 
 # Each pip step says what it installs first: the first run is minutes of pip --quiet.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -24,6 +24,11 @@ demo: $(VENV)/.installed
 # Starts moto's S3 server on the loopback itself (the dev extra brings it): no account, no network.
 demo-s3: $(VENV)/.installed
 	$(PY) tools/demo_s3.py
+
+# Tiers on 2 simulated nodes (4 ranks): node 1 is lost, the job resumes from its peer's
+# copies (replicas=2), then from the durable tier (replicas=1); everything in ./demo-tiers.
+demo-tiers: $(VENV)/.installed
+	$(PY) tools/demo_tiers.py --dir ./demo-tiers
 
 # One pytest-xdist worker per core; tests that share a costly module fixture
 # (a reference training run, a saved multi-rank store) stay on one worker.
@@ -80,4 +85,4 @@ gpu-check: $(VENV)/.installed
 	$(PY) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
-	rm -rf $(VENV) demo-store
+	rm -rf $(VENV) demo-store demo-tiers

@@ -13,6 +13,15 @@ sample ids, a digest of the weights it saw, and the loss bits; then the final
 parameters, optimizer moments, scheduler and scaler. Two broken controls
 (weights only; partial gradients dropped) show the comparison catches a bad
 resume.
+
+Through tiers (castore.open_tiered, 2 simulated nodes of 2 ranks, every third
+generation durable), the interrupted run saves every update and node 1's fast
+directory is deleted after the kill: with two copies the resume takes the
+last save from the peer node (no durable bytes), with one copy the newest
+durable generation (one update older, redone), and both match the reference
+bitwise. Restoring an older generation than the tiers promise fails the tier
+claim even though it is bitwise on the reference's path, and the weights-only
+control fails through tiers as well.
 """
 
 from __future__ import annotations
@@ -201,3 +210,128 @@ def test_the_tool_prints_a_receipt_and_exits_zero_when_parity_holds(tmp_path: Pa
     assert "first resumed update, per rank" in done.stdout
     assert "RESULT: HOLDS" in done.stdout
     assert (tmp_path / "receipt.json").exists()
+
+
+# -- through tiers on two simulated nodes, one of them lost ----------------------------
+
+DURABLE_EVERY = 3  # generation id = update: the durable tier's newest at the kill is 3
+
+
+def _tiered(path: Path, replicas: int) -> tuple[dict[str, Any], dict[str, Any]]:
+    """An interrupted run through tiers (2 nodes of 2 ranks), then node 1 lost."""
+    config = parity.make_config(
+        path,
+        ranks=RANKS,
+        updates=UPDATES,
+        save_at=SAVE_AT,
+        timeout=240.0,
+        tiers=replicas,
+        ranks_per_node=2,
+        durable_every=DURABLE_EVERY,
+    )
+    interrupted = parity.run_interrupted(config)
+    parity.lose_node(config, 1)
+    return config, interrupted
+
+
+@pytest.fixture(scope="module")
+def two_copies(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _tiered(tmp_path_factory.mktemp("tiers-f2"), 2)
+
+
+@pytest.fixture(scope="module")
+def one_copy(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], dict[str, Any]]:
+    return _tiered(tmp_path_factory.mktemp("tiers-f1"), 1)
+
+
+def _resume_tiered(
+    tiered: tuple[dict[str, Any], dict[str, Any]], reference: list[dict[str, Any]], **how: Any
+) -> dict[str, Any]:
+    config, interrupted = tiered
+    resumed = parity.run_resume(config, label=f"resume{next(_launches)}", **how)
+    return parity.judge(config, reference, resumed, interrupted=interrupted, lost_node=1)
+
+
+def test_through_tiers_the_interrupted_run_left_every_save_fast_and_every_third_durable(
+    one_copy: tuple[dict[str, Any], dict[str, Any]],
+) -> None:
+    config, interrupted = one_copy
+    assert interrupted == {
+        "last_generation": SAVE_AT,
+        "last_update": SAVE_AT,
+        "durable_generation": 3,
+        "durable_update": 3,
+    }
+    assert not parity.fast_dir(config, 1).exists()  # node 1 is lost
+    with castore.open(parity.fast_dir(config, 0)) as fast:
+        assert [g.id for g in fast.generations(parity.RUN)] == [3, 4]  # fast_keep=2
+
+
+def test_through_tiers_with_two_copies_a_lost_node_resumes_from_its_peer_bitwise(
+    reference: list[dict[str, Any]], two_copies: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    verdict = _resume_tiered(two_copies, reference)
+    tiers = verdict["tiers"]
+    assert tiers["restored_generation"] == [SAVE_AT] and tiers["updates_redone"] == 0
+    served = tiers["bytes_by_source"]
+    assert all(s.get("durable", 0) == 0 for s in served), served
+    assert all(s.get("local", 0) > 0 and s.get("peer", 0) == 0 for s in served[:2]), served
+    assert all(s.get("peer", 0) > 0 and s.get("local", 0) == 0 for s in served[2:]), served
+    assert verdict["microbatches_compared"] == (UPDATES - SAVE_AT) * parity.ACCUMULATION * RANKS
+    assert verdict["losses_equal"] and all(verdict["final_equal"].values())
+    assert tiers["holds"] and verdict["holds"]
+
+
+def test_through_tiers_with_one_copy_a_lost_node_resumes_from_the_durable_tier_bitwise(
+    reference: list[dict[str, Any]],
+    one_copy: tuple[dict[str, Any], dict[str, Any]],
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    verdict = _resume_tiered(one_copy, reference)
+    tiers = verdict["tiers"]
+    # The recovery point is the durable cadence: update 4 is redone, then 5 to 10 follow.
+    assert tiers["restored_generation"] == [3] and tiers["expected_source"] == "durable tier"
+    assert tiers["updates_redone"] == 1 and verdict["resumed"]["update"] == 3
+    assert all(s.get("durable", 0) > 0 for s in tiers["bytes_by_source"]), tiers
+    assert verdict["microbatches_compared"] == (UPDATES - 3) * parity.ACCUMULATION * RANKS
+    assert [row["update"] for row in verdict["first_update"]] == [4] * RANKS
+    assert verdict["losses_equal"] and all(verdict["final_equal"].values())
+    assert verdict["holds"]
+    config, _ = one_copy
+    parity.print_receipt(
+        {
+            "config": {**config, "resume": "exact", "control": None, "resume_ranks": RANKS},
+            **dict.fromkeys(("reference_seconds", "interrupted_seconds", "resume_seconds"), 0.0),
+            **verdict,
+        }
+    )
+    printed = capsys.readouterr().out
+    assert "replicas=1, 2 nodes of 2 ranks, durable every 3 generations; node 1 lost" in printed
+    assert "restored generation 3 (update 3); expected the newest in the durable tier" in printed
+    assert "1 update(s) redone" in printed and "RESULT: HOLDS" in printed
+
+
+def test_through_tiers_the_tier_claim_fails_when_an_older_generation_is_restored(
+    reference: list[dict[str, Any]], one_copy: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    # Broken control of the tier claim: with two copies the newest save must be restored;
+    # generation 3 restored instead is bitwise on the reference's path, and still fails.
+    config, interrupted = one_copy
+    resumed = parity.run_resume(config, label=f"resume{next(_launches)}")
+    verdict = parity.judge(
+        {**config, "tiers": 2}, reference, resumed, interrupted=interrupted, lost_node=1
+    )
+    assert verdict["losses_equal"] and all(verdict["final_equal"].values())
+    assert verdict["tiers"]["expected_generation"] == SAVE_AT
+    assert not verdict["tiers"]["holds"] and not verdict["holds"]
+
+
+def test_through_tiers_broken_control_weights_only_fails_the_comparison(
+    reference: list[dict[str, Any]], two_copies: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    verdict = _resume_tiered(two_copies, reference, control="weights-only")
+    assert verdict["resumed"]["claim"] == "weights-only"
+    assert verdict["tiers"]["restored_generation"] == [SAVE_AT]  # the right generation
+    assert not verdict["losses_equal"]
+    assert not verdict["final_equal"]["moments"]
+    assert not verdict["holds"]

@@ -19,6 +19,32 @@ instead checked for using every sample of the epoch exactly once. The exit
 status is 0 when the claim holds, 1 when it does not, 2 when the resume was
 refused. ``--control weights-only`` restores only the weights (and the data
 position): a broken control whose comparison must fail.
+
+Through tiers (``--tiers F``): every launch opens ``castore.open_tiered`` with
+``replicas=F``, one fast directory per simulated node of ``--ranks-per-node``
+ranks (``STORE/fast0``, ``STORE/fast1``, ...) and a durable directory
+(``STORE/durable``) that takes every ``--durable-every``-th generation. The
+interrupted run saves at every update boundary up to the save point
+(generation id = update), and at its last save waits for its promotions, so
+that what the durable tier holds at the kill is settled; the receipt reads it
+from the durable tier after the kill. ``--lose-node K`` then deletes node K's
+fast directory: its ranks resume on an empty one, as on a replacement node.
+
+What is claimed through tiers, and why parity alone is not the claim: every
+generation the interrupted run saved lies on the uninterrupted run's path, so
+a resume from any of them, however old, matches the reference bitwise if it
+is exact. The tool therefore also checks *which* generation was restored: the
+newest the live nodes hold whole, which is the last save when no node was
+lost or when another node holds a copy of the lost node's shards (F >= 2;
+then with not one byte from the durable tier), and otherwise (F = 1, a node
+lost) the newest durable generation: the recovery point is then up to
+``--durable-every`` updates old. A resume older than the last save redoes the
+updates in between; those redone microbatches, the ones after them, and the
+final parameters, optimizer moments, scheduler and scaler are compared with
+the uninterrupted reference, never with the interrupted run (whose work past
+the restored generation is lost, not a reference). The receipt prints the
+generation restored, the last save and the durable tier's newest, the updates
+redone, and each rank's bytes by source (local, peer, durable).
 """
 
 from __future__ import annotations
@@ -185,10 +211,17 @@ def _train(
                 optimizer.zero_grad(set_to_none=True)
                 scheduler.step()
                 state.update_done()
+            if store is not None and _is_interim_save(state, config):
+                state.save(store, run=RUN)
             if store is not None and _is_save_point(state, config):
-                state.save(store, run=RUN, mid_accumulation=config["mid_accumulation"])
-                Path(config["workdir"], f"saved-{rank}").write_text(str(state.update))
-                store = None  # saved once; train one more microbatch, then wait to be killed
+                generation = state.save(store, run=RUN, mid_accumulation=config["mid_accumulation"])
+                if config["tiers"]:
+                    # What the durable tier holds at the kill is then known: the receipt
+                    # reads it from the durable tier after the kill either way.
+                    store.wait_promotions(timeout=config["timeout"])
+                marker = {"update": state.update, "generation": generation.id}
+                Path(config["workdir"], f"saved-{rank}").write_text(json.dumps(marker))
+                store = None  # saved; train one more microbatch, then wait to be killed
                 saved = True
                 records.append({"saved": True})
         if stop_at_epoch_end:
@@ -204,6 +237,14 @@ def _weights_digest(model: Any) -> str:
     for param in model.parameters():
         hasher.update(param.detach().numpy().tobytes())
     return hasher.hexdigest()[:16]
+
+
+def _is_interim_save(state: Any, config: dict[str, Any]) -> bool:
+    """Through tiers, every update boundary before the save point is saved too."""
+    if not config["tiers"] or state.microbatch != 0:
+        return False
+    before = state.update < config["save_at"] or config["mid_accumulation"]
+    return 1 <= state.update <= config["save_at"] and before
 
 
 def _is_save_point(state: Any, config: dict[str, Any]) -> bool:
@@ -226,7 +267,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     if phase == "reference":
         records = _train(job, config, rank, until=config["updates"])
         return {"records": records, "final": _final(job)}
-    store = castore.open(config["store"], create=True)
+    store = open_store(config, rank)
     if phase == "interrupted":
         try:
             _train(job, config, rank, until=None, store=store)
@@ -246,7 +287,14 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         order = loaded.generation.data_order
         job["sampler"].load_state_dict(castore.train.sampler_position(order))
         job["state"].update = order["update"]
-        resumed = {"claim": "weights-only", "rng": "fresh", "partial_update": None, "notes": []}
+        resumed = {
+            "claim": "weights-only",
+            "rng": "fresh",
+            "partial_update": None,
+            "notes": [],
+            "generation": loaded.generation.id,
+            "bytes_by_source": loaded.report.bytes_by_source if loaded.report else {},
+        }
     else:
         result = job["state"].load(store, run=RUN, resume=config["resume"])
         if config["control"] == "drop-partial-grads":
@@ -260,6 +308,7 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             "generation": result.generation.id,
             "root": result.generation.root,
             "timings": result.report.timings if result.report else {},
+            "bytes_by_source": result.report.bytes_by_source if result.report else {},
         }
     resumed["update"] = job["state"].update
     resumed["microbatch"] = job["state"].microbatch
@@ -267,11 +316,36 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         records = _train(job, config, rank, until=None, stop_at_epoch_end=True)
     else:
         records = _train(job, config, rank, until=config["updates"])
+    store.close()
     first = next((r for r in records if "loss" in r), None)
     resumed["seconds_to_first_update"] = (
         first["at"] - started if first and "at" in first else time.time() - started
     )
     return {"records": records, "final": _final(job), "resumed": resumed}
+
+
+def open_store(config: dict[str, Any], rank: int) -> Any:
+    """The job's store: a castore store, or through tiers this rank's node's tiered store."""
+    import castore
+
+    if not config["tiers"]:
+        return castore.open(config["store"], create=True)
+    return castore.open_tiered(
+        fast=fast_dir(config, rank // config["ranks_per_node"]),
+        durable=durable_dir(config),
+        durable_every=config["durable_every"],
+        replicas=config["tiers"],
+        promote_on_exit=False,
+        uploader="thread",
+    )
+
+
+def fast_dir(config: dict[str, Any], node: int) -> Path:
+    return Path(config["store"], f"fast{node}")
+
+
+def durable_dir(config: dict[str, Any]) -> Path:
+    return Path(config["store"], "durable")
 
 
 # -- the parent: launch, kill, compare -------------------------------------------
@@ -337,8 +411,17 @@ def make_config(
     save_at: int = 5,
     mid_accumulation: bool = False,
     timeout: float = 300.0,
+    tiers: int | None = None,
+    ranks_per_node: int = 2,
+    durable_every: int = 3,
 ) -> dict[str, Any]:
-    """The settings every launch of one comparison shares."""
+    """The settings every launch of one comparison shares.
+
+    ``tiers=F``: the job saves through ``castore.open_tiered`` with ``replicas=F``,
+    one fast directory per node of ``ranks_per_node`` ranks (``STORE/fastK``) and a
+    durable directory (``STORE/durable``) that takes every ``durable_every``-th
+    generation.
+    """
     Path(workdir).mkdir(parents=True, exist_ok=True)
     return {
         "workdir": str(workdir),
@@ -350,6 +433,9 @@ def make_config(
         "resume": "exact",
         "control": None,
         "timeout": timeout,
+        "tiers": tiers,
+        "ranks_per_node": ranks_per_node,
+        "durable_every": durable_every,
     }
 
 
@@ -360,9 +446,40 @@ def run_reference(config: dict[str, Any]) -> list[dict[str, Any]]:
     return results  # type: ignore[no-any-return]
 
 
-def run_interrupted(config: dict[str, Any]) -> None:
-    """Train, save at the save point, train on, and SIGKILL every rank."""
+def run_interrupted(config: dict[str, Any]) -> dict[str, Any]:
+    """Train, save at the save point, train on, and SIGKILL every rank.
+
+    Returns what the run left: the generation and update of its last save and,
+    through tiers, the newest generation the durable tier holds after the kill
+    (``durable_generation``/``durable_update``, None when it holds none).
+    """
+    if config["tiers"]:
+        import castore
+
+        castore.open(durable_dir(config), shared=True).close()  # a directory nodes share
     _launch(config, config["ranks"], "interrupted", kill_when_saved=True)
+    marker = json.loads(Path(config["workdir"], "saved-0").read_text())
+    left = {"last_generation": marker["generation"], "last_update": marker["update"]}
+    if config["tiers"]:
+        left.update(durable_newest(config))
+    return left
+
+
+def durable_newest(config: dict[str, Any]) -> dict[str, Any]:
+    """The newest generation of the run in the durable tier (its id and update)."""
+    import castore
+
+    with castore.open(durable_dir(config), create=False) as durable:
+        if RUN not in durable.runs():
+            return {"durable_generation": None, "durable_update": None}
+        newest = durable.resolve(RUN)
+    return {"durable_generation": newest.id, "durable_update": newest.data_order["update"]}
+
+
+def lose_node(config: dict[str, Any], node: int) -> None:
+    """Node ``node`` is lost: its fast directory is deleted (its ranks come back on an
+    empty one, as on a replacement node)."""
+    shutil.rmtree(fast_dir(config, node))
 
 
 def run_resume(
@@ -384,8 +501,15 @@ def judge(
     resumed: list[dict[str, Any]],
     *,
     resume: str = "exact",
+    interrupted: dict[str, Any] | None = None,
+    lost_node: int | None = None,
 ) -> dict[str, Any]:
-    """The receipt's verdict: bitwise parity, or epoch coverage for a continuation."""
+    """The receipt's verdict: bitwise parity, or epoch coverage for a continuation.
+
+    Through tiers (``interrupted``: what :func:`run_interrupted` returned) it also
+    holds only if the restored generation is the one the tiers promise
+    (:func:`_tier_verdict`).
+    """
     refused = [r["error"] for r in resumed if "error" in r]
     if refused:
         return {"refused": refused[0], "holds": False}
@@ -395,7 +519,48 @@ def judge(
         verdict.update(_coverage(reference, resumed, info))
     else:
         verdict.update(_compare(reference, resumed, info))
+    if config["tiers"] and interrupted is not None:
+        tiers = _tier_verdict(config, resumed, interrupted, lost_node)
+        verdict["tiers"] = tiers
+        verdict["holds"] = verdict["holds"] and tiers["holds"]
     return verdict
+
+
+def _tier_verdict(
+    config: dict[str, Any],
+    resumed: list[dict[str, Any]],
+    interrupted: dict[str, Any],
+    lost_node: int | None,
+) -> dict[str, Any]:
+    """Which generation the tiers must restore, and from where.
+
+    Every generation the interrupted run saved lies on the reference's path, so
+    bitwise parity holds whichever one is restored: parity alone cannot tell a
+    resume that fell back further than it had to. The tiers promise the newest
+    generation the live nodes hold whole: the last save when no node was lost or
+    another node holds a copy of the lost one's shards (``replicas`` >= 2; then
+    not a byte from the durable tier), else the newest durable generation.
+    """
+    info = [r["ok"]["resumed"] for r in resumed]
+    from_fast = lost_node is None or config["tiers"] >= 2
+    expected = interrupted["last_generation" if from_fast else "durable_generation"]
+    sources = [i.get("bytes_by_source", {}) for i in info]
+    durable_bytes = sum(s.get("durable", 0) for s in sources)
+    restored = {i["generation"] for i in info}
+    holds = restored == {expected} and (not from_fast or durable_bytes == 0)
+    return {
+        "replicas": config["tiers"],
+        "lost_node": lost_node,
+        "expected_generation": expected,
+        "expected_source": "fast tiers" if from_fast else "durable tier",
+        "restored_generation": sorted(restored),
+        "restored_update": info[0]["update"],
+        "last_saved": [interrupted["last_generation"], interrupted["last_update"]],
+        "durable_newest": [interrupted["durable_generation"], interrupted["durable_update"]],
+        "updates_redone": interrupted["last_update"] - info[0]["update"],
+        "bytes_by_source": sources,
+        "holds": holds,
+    }
 
 
 def run_parity(args: argparse.Namespace) -> dict[str, Any]:
@@ -409,6 +574,9 @@ def run_parity(args: argparse.Namespace) -> dict[str, Any]:
         save_at=args.save_at,
         mid_accumulation=args.mid_accumulation,
         timeout=args.timeout,
+        tiers=args.tiers,
+        ranks_per_node=args.ranks_per_node,
+        durable_every=args.durable_every,
     )
     receipt: dict[str, Any] = {
         "config": {
@@ -416,18 +584,30 @@ def run_parity(args: argparse.Namespace) -> dict[str, Any]:
             "resume": args.resume,
             "control": args.control,
             "resume_ranks": resume_ranks,
+            "lose_node": args.lose_node,
         }
     }
     clock = time.perf_counter()
     reference = run_reference(config)
     receipt["reference_seconds"] = time.perf_counter() - clock
     clock = time.perf_counter()
-    run_interrupted(config)
+    interrupted = run_interrupted(config)
     receipt["interrupted_seconds"] = time.perf_counter() - clock
+    if args.lose_node is not None:
+        lose_node(config, args.lose_node)
     clock = time.perf_counter()
     resumed = run_resume(config, ranks=resume_ranks, resume=args.resume, control=args.control)
     receipt["resume_seconds"] = time.perf_counter() - clock
-    receipt.update(judge(config, reference, resumed, resume=args.resume))
+    receipt.update(
+        judge(
+            config,
+            reference,
+            resumed,
+            resume=args.resume,
+            interrupted=interrupted,
+            lost_node=args.lose_node,
+        )
+    )
     return receipt
 
 
@@ -538,6 +718,8 @@ def print_receipt(receipt: dict[str, Any]) -> None:
     )
     for note in info.get("notes", []):
         print(f"  note: {note}")
+    if "tiers" in receipt:
+        _print_tiers(config, receipt["tiers"])
     if info.get("timings"):
         phases = ", ".join(f"{k} {v * 1000:.1f} ms" for k, v in info["timings"].items())
         print(f"restore phases on rank 0: {phases}")
@@ -589,6 +771,35 @@ def print_receipt(receipt: dict[str, Any]) -> None:
     print("RESULT:", "HOLDS" if receipt["holds"] else "DOES NOT HOLD")
 
 
+def _print_tiers(config: dict[str, Any], tiers: dict[str, Any]) -> None:
+    from tabulate import tabulate
+
+    nodes = config["ranks"] // config["ranks_per_node"]
+    lost = "no node lost" if tiers["lost_node"] is None else f"node {tiers['lost_node']} lost"
+    print(
+        f"tiers: replicas={tiers['replicas']}, {nodes} nodes of {config['ranks_per_node']} "
+        f"ranks, durable every {config['durable_every']} generations; {lost} after the kill"
+    )
+    (last, last_update), (durable, durable_update) = tiers["last_saved"], tiers["durable_newest"]
+    print(
+        f"the interrupted run's last save: generation {last} (update {last_update}); the "
+        f"durable tier's newest: generation {durable} (update {durable_update})"
+    )
+    restored = tiers["restored_generation"]
+    right = restored == [tiers["expected_generation"]]
+    print(
+        f"restored generation {', '.join(map(str, restored))} (update "
+        f"{tiers['restored_update']}); expected the newest in the {tiers['expected_source']}, "
+        f"generation {tiers['expected_generation']}: {'yes' if right else 'NO'}; "
+        f"{tiers['updates_redone']} update(s) redone"
+    )
+    rows = [
+        [rank, *(f"{by.get(k, 0) / 1024:.1f} KiB" for k in ("local", "peer", "durable"))]
+        for rank, by in enumerate(tiers["bytes_by_source"])
+    ]
+    print(tabulate(rows, headers=["rank", "local", "peer", "durable"]))
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=4, help="world size of the saved run")
@@ -613,6 +824,30 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="a broken control: restore only the weights and data position, or drop "
         "the partial gradients of a mid-accumulation save",
     )
+    parser.add_argument(
+        "--tiers",
+        type=int,
+        default=None,
+        metavar="F",
+        help="save through castore.open_tiered with replicas=F: a fast directory per node "
+        "and a durable directory (in --store)",
+    )
+    parser.add_argument(
+        "--ranks-per-node", type=int, default=2, help="ranks per simulated node (--tiers)"
+    )
+    parser.add_argument(
+        "--durable-every",
+        type=int,
+        default=3,
+        help="every Nth generation goes to the durable tier (--tiers)",
+    )
+    parser.add_argument(
+        "--lose-node",
+        type=int,
+        default=None,
+        metavar="K",
+        help="delete node K's fast directory after the kill, before the resume (--tiers)",
+    )
     parser.add_argument("--workdir", default=None, help="keep launches' files here")
     parser.add_argument("--store", default=None, help="castore store (default: in workdir)")
     parser.add_argument("--json", default=None, help="also write the receipt here")
@@ -622,6 +857,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         parser.error("--save-at must lie in [1, --updates)")
     if args.ranks < 1 or (args.resume_ranks is not None and args.resume_ranks < 1):
         parser.error("rank counts must be positive")
+    if args.tiers is None and args.lose_node is not None:
+        parser.error("--lose-node needs --tiers")
+    if args.tiers is not None:
+        if args.tiers < 1 or args.ranks_per_node < 1 or args.durable_every < 1:
+            parser.error("--tiers, --ranks-per-node and --durable-every must be positive")
+        if args.ranks % args.ranks_per_node:
+            parser.error("--ranks must be a multiple of --ranks-per-node")
+        nodes = args.ranks // args.ranks_per_node
+        if args.lose_node is not None and not 0 <= args.lose_node < nodes:
+            parser.error(f"--lose-node must name one of the {nodes} nodes (0 to {nodes - 1})")
+        if args.resume_ranks not in (None, args.ranks):
+            parser.error("--tiers resumes at the saved rank count")
     return args
 
 

@@ -155,23 +155,7 @@ def _load_from_nodes(
     for damage is tried once more with this rank's damaged chunks fetched
     from elsewhere, then (``fallback="previous"``) the one before it.
     """
-    below = None
-    if generation != "latest":
-        found, failure = None, None
-        if comm.is_coordinator:
-            found, failure = attempt(lambda: store.resolve(run, generation).id)
-        outcomes = comm.all_gather({"error": describe(failure), "id": found}, "load: resolve")
-        raise_failures(outcomes, comm, failure)
-        below = outcomes[comm.coordinator]["id"]
-    candidates = session.agree_candidates(run, below)
-    if generation != "latest":
-        candidates = [(g, d) for g, d in candidates if g == below][:1]
-    if not candidates:
-        raise NoValidGenerationError(
-            f"no generation of run {run!r} is complete in the fast tiers of the live nodes "
-            "or in the durable tier",
-            run=run,
-        )
+    candidates = _node_candidates(store, run, generation, comm, session)
     if fallback is None:
         candidates = candidates[:1]
     skipped: list[Skipped] = []
@@ -355,8 +339,45 @@ def agree_on_candidates(
     return [(int(g), Digest(d)) for g, d in message["candidates"]], skipped
 
 
+def _node_candidates(
+    store: Store, run: str, generation: int | str, comm: Group, session: Any
+) -> list[tuple[int, Digest]]:
+    """What a restore through tiers on several nodes may read, newest first: the
+    generations complete in the live nodes' fast tiers or in the durable tier
+    (``generation`` other than "latest": that one, if it is)."""
+    below = None
+    if generation != "latest":
+        found, failure = None, None
+        if comm.is_coordinator:
+            found, failure = attempt(lambda: store.resolve(run, generation).id)
+        outcomes = comm.all_gather({"error": describe(failure), "id": found}, "load: resolve")
+        raise_failures(outcomes, comm, failure)
+        below = outcomes[comm.coordinator]["id"]
+    candidates = session.agree_candidates(run, below)
+    if generation != "latest":
+        candidates = [(g, d) for g, d in candidates if g == below][:1]
+    if not candidates:
+        raise NoValidGenerationError(
+            f"no generation of run {run!r} is complete in the fast tiers of the live nodes "
+            "or in the durable tier",
+            run=run,
+        )
+    return candidates
+
+
 def agree_on_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:
-    """Invariant 5: the coordinator resolves the generation once, for everyone."""
+    """Invariant 5: the coordinator resolves the generation once, for everyone.
+
+    Through a tiered store whose ranks span several nodes, "latest" is the newest
+    generation complete in the live nodes' fast tiers or in the durable tier (as
+    :func:`load` chooses), and every node that lacks its root and manifests is sent
+    them, so that every rank can read them (a collective call either way).
+    """
+    session = store.node_session(comm, run)
+    if session is not None:
+        digest = _node_candidates(store, run, generation, comm, session)[0][1]
+        session.seed(run, digest)
+        return digest
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:
