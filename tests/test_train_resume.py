@@ -282,6 +282,17 @@ def test_through_tiers_with_two_copies_a_lost_node_resumes_from_its_peer_bitwise
     assert tiers["holds"] and verdict["holds"]
 
 
+def test_through_tiers_a_resume_with_fallback_takes_the_same_generation_from_the_peer(
+    reference: list[dict[str, Any]], two_copies: tuple[dict[str, Any], dict[str, Any]]
+) -> None:
+    # fallback="previous" walks the candidates the nodes and the durable tier hold whole:
+    # the newest is the last save, whose root the replacement node is sent first.
+    verdict = _resume_tiered(two_copies, reference, fallback="previous")
+    assert verdict["tiers"]["restored_generation"] == [SAVE_AT]
+    assert all(s.get("durable", 0) == 0 for s in verdict["tiers"]["bytes_by_source"])
+    assert verdict["holds"]
+
+
 def test_through_tiers_with_one_copy_a_lost_node_resumes_from_the_durable_tier_bitwise(
     reference: list[dict[str, Any]],
     one_copy: tuple[dict[str, Any], dict[str, Any]],

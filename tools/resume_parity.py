@@ -296,7 +296,9 @@ def worker(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             "bytes_by_source": loaded.report.bytes_by_source if loaded.report else {},
         }
     else:
-        result = job["state"].load(store, run=RUN, resume=config["resume"])
+        result = job["state"].load(
+            store, run=RUN, resume=config["resume"], fallback=config.get("fallback")
+        )
         if config["control"] == "drop-partial-grads":
             for param in job["inner"].parameters():
                 param.grad = None  # the broken control: forget the partial update
@@ -489,9 +491,11 @@ def run_resume(
     resume: str = "exact",
     control: str | None = None,
     label: str = "resume",
+    fallback: str | None = None,
 ) -> list[dict[str, Any]]:
-    """Fresh processes restore from the interrupted run's store and train on."""
-    settings = {**config, "resume": resume, "control": control}
+    """Fresh processes restore from the interrupted run's store and train on
+    (``fallback``: TrainState.load's)."""
+    settings = {**config, "resume": resume, "control": control, "fallback": fallback}
     return _launch(settings, ranks or config["ranks"], "resume", label=label)  # type: ignore[no-any-return]
 
 

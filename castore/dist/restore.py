@@ -313,7 +313,15 @@ def _is_integrity(type_name: str) -> bool:
 def agree_on_candidates(
     store: Store, run: str, generation: int | str, comm: Group
 ) -> tuple[list[tuple[int, Digest]], list[Skipped]]:
-    """The coordinator's fallback order, newest first, and a damaged ref, for every rank."""
+    """The coordinator's fallback order, newest first, and a damaged ref, for every rank.
+
+    Through a tiered store whose ranks span several nodes: the generations complete
+    in the live nodes' fast tiers or in the durable tier (call :func:`seed_root`
+    before reading each).
+    """
+    session = store.node_session(comm, run)
+    if session is not None:
+        return _node_candidates(store, run, generation, comm, session), []
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:
@@ -363,6 +371,14 @@ def _node_candidates(
             run=run,
         )
     return candidates
+
+
+def seed_root(store: Store, run: str, digest: Digest, comm: Group) -> None:
+    """Through a tiered store whose ranks span several nodes, give every node that lacks
+    them the root and manifests of ``digest`` (a collective call there); else nothing."""
+    session = store.node_session(comm, run)
+    if session is not None:
+        session.seed(run, digest)
 
 
 def agree_on_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:

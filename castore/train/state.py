@@ -20,7 +20,7 @@ from castore.core.background import AsyncOptions
 from castore.core.history import Generation, Skipped
 from castore.data import ResumableDistributedSampler
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, own_groups, raise_failures
-from castore.dist.restore import LoadReport, agree_on_candidates, agree_on_root
+from castore.dist.restore import LoadReport, agree_on_candidates, agree_on_root, seed_root
 from castore.errors import (
     IntegrityError,
     LayoutMismatchError,
@@ -329,6 +329,7 @@ class TrainState:
         candidates, skipped = agree_on_candidates(store, run, generation, comm)
         for gen_id, digest in candidates:
             try:
+                seed_root(store, run, digest, comm)  # tiers on several nodes: to every node
                 return self._load_root(store, run, resume, comm, digest, skipped)
             except Exception as exc:  # noqa: BLE001 - skipped only if every rank saw damage
                 damage = isinstance(exc, IntegrityError)
