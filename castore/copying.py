@@ -43,20 +43,15 @@ from castore.core.commit import PublishFaults, check_shards, publish
 from castore.core.history import GenerationSpec
 from castore.core.location import parse_location
 from castore.core.opening import open_address
-from castore.errors import (
-    ChecksumMismatchError,
-    CorruptObjectError,
-    ObjectMissingError,
-    RefConflictError,
-)
-from castore.format.hashing import Digest, digest_bytes
+from castore.core.reading import verified_object
+from castore.errors import CorruptObjectError, RefConflictError
+from castore.format.hashing import Digest
 from castore.format.objects import (
     TYPE_ROOT,
     TYPE_SHARD,
     GenerationRoot,
     ShardManifest,
     TensorEntry,
-    decode_object,
     encode_object,
 )
 from castore.repo.records import validate_run_name
@@ -305,18 +300,7 @@ def _verified_object(
     source: Store, digest: bytes, expect: str, where: dict[str, Any]
 ) -> tuple[bytes, Any]:
     """An object's bytes at SRC, hashed against its name, and the object they decode to."""
-    data = source.backend.get(Namespace.OBJECTS, digest)
-    if data is None:
-        raise ObjectMissingError(f"{expect} object {digest.hex()[:16]} is missing", **where)
-    actual = digest_bytes(data)
-    if actual != digest:
-        raise ChecksumMismatchError(
-            f"{expect} object is damaged", expected=digest.hex(), actual=actual.hex(), **where
-        )
-    try:
-        return data, decode_object(data, expect=expect)
-    except CorruptObjectError as exc:
-        raise CorruptObjectError(f"{expect} object {digest.hex()[:16]}: {exc}", **where) from exc
+    return verified_object(source.backend, digest, expect=expect, **where)
 
 
 def _named_chunks(manifests: Sequence[ShardManifest]) -> dict[bytes, tuple[TensorEntry, int]]:

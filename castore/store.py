@@ -23,11 +23,12 @@ import reprlib
 import time
 import warnings
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, SupportsIndex, overload
 
+from castore.blob.counting import BlobRequests
 from castore.chunkstore.base import ChunkBackend
 from castore.core import fencing, history, reading
 from castore.core.background import AsyncOptions, Background, PendingSave, save_async
@@ -156,12 +157,15 @@ class Store:
         *,
         refs: ComposedRefStore | None = None,
         readonly: ReadOnly | None = None,
+        blob_requests: Callable[[], BlobRequests] | None = None,
     ) -> None:
         """A store over ``backend`` (chunks, objects) and ``refs`` (refs, reflog, tags,
         locks; default: those of the directory ``path``). ``path`` also names the
         store in messages: a local directory, or the URL of a store on blobs.
-        ``readonly`` (why it is read-only) refuses every write (castore.support.readonly)."""
+        ``readonly`` (why it is read-only) refuses every write (castore.support.readonly).
+        ``blob_requests``: the counts of the blob store under a store on blobs."""
         self.path: Path | str = path
+        self._blob_requests = blob_requests
         self.readonly_reason = readonly
         self.backend = backend
         self.chunk_size = chunk_size
@@ -169,6 +173,11 @@ class Store:
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
         self._background: Background | None = None
+
+    def blob_requests(self) -> BlobRequests:
+        """The requests this handle made to its blobs since it was opened (a store on S3
+        or a shared directory: castore.blob.counting); none for a local store."""
+        return BlobRequests() if self._blob_requests is None else self._blob_requests()
 
     @property
     def readonly(self) -> bool:

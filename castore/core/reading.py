@@ -16,7 +16,9 @@ a torch tensor.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -49,20 +51,68 @@ from castore.support.progress import NO_BAR, Bar, progress_bar, progress_wanted
 # -- objects ------------------------------------------------------------------
 
 
-def read_object(backend: ChunkBackend, digest: bytes, *, expect: str, **where: Any) -> Any:
-    """Read, verify and decode one manifest object."""
+@dataclass(frozen=True)
+class ObjectReads:
+    """Objects (roots, manifests) read and hashed against their names in this process,
+    and their bytes: a snapshot (subtract two for a span). The coordinator's share of
+    a save grows with the rank count (docs/PERFORMANCE.md, "A model of scale")."""
+
+    objects: int = 0
+    bytes: int = 0
+
+    def __sub__(self, earlier: ObjectReads) -> ObjectReads:
+        return ObjectReads(self.objects - earlier.objects, self.bytes - earlier.bytes)
+
+
+class _ObjectTally:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._reads = ObjectReads()
+
+    def add(self, objects: int, nbytes: int) -> None:
+        with self._lock:
+            self._reads = ObjectReads(self._reads.objects + objects, self._reads.bytes + nbytes)
+
+    def snapshot(self) -> ObjectReads:
+        with self._lock:
+            return self._reads
+
+
+_OBJECT_TALLY = _ObjectTally()
+
+
+def object_reads() -> ObjectReads:
+    """Every object this process has read and verified (from any store) since it started."""
+    return _OBJECT_TALLY.snapshot()
+
+
+def count_object_reads(objects: int, nbytes: int) -> None:
+    """Add reads made outside :func:`verified_object` (several objects read at once)."""
+    _OBJECT_TALLY.add(objects, nbytes)
+
+
+def verified_object(
+    backend: ChunkBackend, digest: bytes, *, expect: str, **where: Any
+) -> tuple[bytes, Any]:
+    """One manifest object's bytes, verified against its name, and what they decode to."""
     data = backend.get(Namespace.OBJECTS, digest)
     if data is None:
         raise ObjectMissingError(f"{expect} object {digest.hex()[:16]} is missing", **where)
+    _OBJECT_TALLY.add(1, len(data))
     actual = digest_bytes(data)
     if actual != digest:
         raise ChecksumMismatchError(
             f"{expect} object is damaged", expected=digest.hex(), actual=actual.hex(), **where
         )
     try:
-        return decode_object(data, expect=expect)
+        return bytes(data), decode_object(data, expect=expect)
     except (CorruptObjectError, FormatVersionError) as exc:
         raise type(exc)(f"{expect} object {digest.hex()[:16]}: {exc}", **where) from exc
+
+
+def read_object(backend: ChunkBackend, digest: bytes, *, expect: str, **where: Any) -> Any:
+    """Read, verify and decode one manifest object."""
+    return verified_object(backend, digest, expect=expect, **where)[1]
 
 
 def read_root(backend: ChunkBackend, digest: Digest, *, run: str) -> GenerationRoot:

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from castore.blob.base import BlobStore
+from castore.blob.counting import CountingBlobStore
 from castore.blob.readonly import ReadOnlyBlobStore
 from castore.chunkstore.blobcache import IndexCache, default_cache_dir
 from castore.chunkstore.blobpacks import DEFAULT_PACK_BYTES, BlobPackBackend
@@ -61,7 +62,10 @@ def open_blob_store(
     ``readonly`` (why the store is read-only): it is read through a view that
     refuses every write (castore.blob.readonly), and never created. Reads take
     no lease; the per-node index cache lives outside the store and is still kept.
+    Every request is counted (castore.blob.counting; ``Store.blob_requests``).
     """
+    counted = CountingBlobStore(blobs)
+    blobs = counted
     if readonly is not None:
         blobs = ReadOnlyBlobStore(blobs, readonly)
         create = False
@@ -73,7 +77,9 @@ def open_blob_store(
     refs = blob_refs(blobs, store_lease=store_lease)
     refs.readonly = readonly
     refs.identity = f"blobs:{config['store_id']}"
-    store = Store(where, backend, size, refs=refs, readonly=readonly)
+    store = Store(
+        where, backend, size, refs=refs, readonly=readonly, blob_requests=counted.requests
+    )
     backend.check_lease = refs.check_store_lock
     return store
 

@@ -4,13 +4,20 @@ Messages are msgpack (never pickle), carried as uint8 tensors by
 ``all_gather``/``broadcast`` issued with ``async_op=True`` and waited on with
 a timeout, so a rank that died turns into an error on the survivors instead
 of a hang. Tensors live on the GPU for NCCL groups and on the CPU otherwise.
+
+Every call is counted (:func:`collective_counts`): the scale model of
+docs/PERFORMANCE.md ("A model of scale") is written in these counts, and
+benchmarks/bench_tiers_scale.py checks it against them.
 """
 
 from __future__ import annotations
 
 import datetime
+import threading
 import weakref
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -27,6 +34,88 @@ from castore.errors import (
 )
 
 DEFAULT_TIMEOUT = 600.0
+_SIZE_BYTES = 8  # the int64 that carries each message's length ahead of it
+
+
+# -- what the collectives cost -----------------------------------------------------
+
+
+@dataclass(frozen=True)
+class CollectiveCounts:
+    """castore's collective calls in this process that completed (a snapshot; subtract
+    two for a span).
+
+    ``calls``: by kind, ``"all_gather"``, ``"broadcast"``, ``"exchange"`` (an
+    exchange's own all_gather of sizes is part of it, not an all_gather call);
+    ``phases``: by the phase string each call names. ``sent_by_phase`` and
+    ``received_by_phase``: the bytes this rank put in and got out of them: each
+    all_gather sends its message padded to the longest one and receives every
+    other rank's, each broadcast the source sends once and every other rank
+    receives once, and an exchange adds its point-to-point bytes; every message's
+    8-byte length included. That is what the collective must move at least; a
+    ring or a tree also forwards other ranks' messages. A group of one (no
+    torch.distributed) moves nothing and is not counted.
+    """
+
+    calls: Mapping[str, int] = field(default_factory=dict)
+    phases: Mapping[str, int] = field(default_factory=dict)
+    sent_by_phase: Mapping[str, int] = field(default_factory=dict)
+    received_by_phase: Mapping[str, int] = field(default_factory=dict)
+
+    @property
+    def rounds(self) -> int:
+        """Collective calls of any kind: each is one time every rank waits for all."""
+        return sum(self.calls.values())
+
+    @property
+    def sent(self) -> int:
+        return sum(self.sent_by_phase.values())
+
+    @property
+    def received(self) -> int:
+        return sum(self.received_by_phase.values())
+
+    def __sub__(self, earlier: CollectiveCounts) -> CollectiveCounts:
+        return CollectiveCounts(
+            _minus(self.calls, earlier.calls),
+            _minus(self.phases, earlier.phases),
+            _minus(self.sent_by_phase, earlier.sent_by_phase),
+            _minus(self.received_by_phase, earlier.received_by_phase),
+        )
+
+
+def _minus(later: Mapping[str, int], earlier: Mapping[str, int]) -> dict[str, int]:
+    moved = {key: later.get(key, 0) - earlier.get(key, 0) for key in set(later) | set(earlier)}
+    return {key: value for key, value in sorted(moved.items()) if value}
+
+
+class _Tally:
+    """The running totals behind :func:`collective_counts` (async saves count from
+    their writer thread, hence the lock; a call costs microseconds beside a collective)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._counters: tuple[Counter[str], ...] = (Counter(), Counter(), Counter(), Counter())
+
+    def add(self, kind: str, phase: str, sent: int, received: int) -> None:
+        calls, phases, sent_by_phase, received_by_phase = self._counters
+        with self._lock:
+            calls[kind] += 1
+            phases[phase] += 1
+            sent_by_phase[phase] += sent
+            received_by_phase[phase] += received
+
+    def snapshot(self) -> CollectiveCounts:
+        with self._lock:
+            return CollectiveCounts(*(dict(counter) for counter in self._counters))
+
+
+_TALLY = _Tally()
+
+
+def collective_counts() -> CollectiveCounts:
+    """Every castore collective this process has taken part in since it started."""
+    return _TALLY.snapshot()
 
 
 class Group:
@@ -70,9 +159,16 @@ class Group:
 
     def all_gather(self, message: Any, phase: str) -> list[Any]:
         """Every rank's ``message``, in rank order."""
+        gathered, sent, received = self._gather(message, phase)
+        if not self.solo:
+            _TALLY.add("all_gather", phase, sent, received)
+        return gathered
+
+    def _gather(self, message: Any, phase: str) -> tuple[list[Any], int, int]:
+        """:meth:`all_gather`, uncounted; with the bytes this rank sent and received."""
         data = msgpack.packb(message, use_bin_type=True)
         if self.solo:
-            return [msgpack.unpackb(data, raw=False, strict_map_key=False)]
+            return [msgpack.unpackb(data, raw=False, strict_map_key=False)], 0, 0
         size = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
         sizes = [
             torch.zeros(1, dtype=torch.int64, device=self.device) for _ in range(self.world_size)
@@ -84,10 +180,12 @@ class Group:
             padded[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         self._wait(dist.all_gather(gathered, padded, group=self.group, async_op=True), phase)
-        return [
+        each = _SIZE_BYTES + max(lengths)
+        messages = [
             msgpack.unpackb(bytes(g[:n].cpu().numpy()), raw=False, strict_map_key=False)
             for g, n in zip(gathered, lengths, strict=True)
         ]
+        return messages, each, each * (self.world_size - 1)
 
     def broadcast(self, message: Any, phase: str, *, source: int | None = None) -> Any:
         """The coordinator's (or rank ``source``'s) ``message`` on every rank (others pass
@@ -101,9 +199,10 @@ class Group:
         buffer = torch.zeros(int(size.item()), dtype=torch.uint8, device=self.device)
         if self.rank == source and data:
             buffer[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-        self._wait(
-            dist.broadcast(buffer, group=self.group, group_src=source, async_op=True), phase
-        )
+        self._wait(dist.broadcast(buffer, group=self.group, group_src=source, async_op=True), phase)
+        moved = _SIZE_BYTES + buffer.numel()
+        sending = self.rank == source
+        _TALLY.add("broadcast", phase, moved if sending else 0, 0 if sending else moved)
         return msgpack.unpackb(bytes(buffer.cpu().numpy()), raw=False, strict_map_key=False)
 
     def exchange(self, outgoing: dict[int, bytes], phase: str) -> dict[int, bytes]:
@@ -117,7 +216,7 @@ class Group:
         """
         if self.solo:
             return {0: outgoing[0]} if outgoing.get(0) else {}
-        sizes = self.all_gather(
+        sizes, sent, received = self._gather(
             {int(peer): len(data) for peer, data in outgoing.items() if data}, phase
         )
         sends, receives = [], {}
@@ -125,20 +224,23 @@ class Group:
             if data and peer != self.rank:
                 tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
                 sends.append((tensor, dist.isend(tensor, group=self.group, group_dst=peer)))
+                sent += len(data)
         for peer, table in enumerate(sizes):
             size = table.get(self.rank, 0)
             if size and peer != self.rank:
                 tensor = torch.empty(size, dtype=torch.uint8, device=self.device)
                 receives[peer] = (tensor, dist.irecv(tensor, group=self.group, group_src=peer))
+                received += size
         for _, work in sends:
             self._wait(work, phase)
-        received = {}
+        arrived = {}
         for peer, (tensor, work) in receives.items():
             self._wait(work, phase)
-            received[peer] = bytes(tensor.cpu().numpy())
+            arrived[peer] = bytes(tensor.cpu().numpy())
         if outgoing.get(self.rank):
-            received[self.rank] = bytes(outgoing[self.rank])
-        return received
+            arrived[self.rank] = bytes(outgoing[self.rank])
+        _TALLY.add("exchange", phase, sent, received)
+        return arrived
 
 
 def collective_failure(exc: RuntimeError, phase: str, rank: int, timeout: float) -> CollectiveError:

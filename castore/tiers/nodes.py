@@ -68,6 +68,7 @@ from castore.chunkstore.tiered import TieredChunkBackend
 from castore.core import fencing
 from castore.core.commit import commit_objects
 from castore.core.holdings import held_shards, mark_elsewhere
+from castore.core.reading import count_object_reads
 from castore.dist.comm import Group, attempt, describe, raise_failures
 from castore.errors import ChunkMissingError, CorruptObjectError, RefConflictError
 from castore.format.hashing import Digest, digest_bytes
@@ -208,6 +209,7 @@ class NodeSession:
         names (called under the node's save lock)."""
         data = self.fast.backend.get(Namespace.OBJECTS, shard_digest)
         found = [] if data is None else [bytes(data)]
+        count_object_reads(len(found), sum(map(len, found)))
         if not found or digest_bytes(found[0]) != shard_digest:
             raise CorruptObjectError(
                 "this rank's shard manifest is not intact in its node's fast tier",
@@ -647,6 +649,7 @@ def _read_objects(store: TieredStore, keys: list[bytes]) -> list[bytes]:
                 found[key] = bytes(value)
 
     store.fast.backend.read_many(Namespace.OBJECTS, keys, keep)
+    count_object_reads(len(found), sum(len(v) for v in found.values()))
     for key in keys:
         if key not in found or digest_bytes(found[key]) != key:
             raise CorruptObjectError(
