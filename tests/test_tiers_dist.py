@@ -65,6 +65,8 @@ def test_ranks_save_in_the_fast_tier_and_the_coordinator_promotes(saved: dict[st
         generations = [per_rank[index]["generation"] for per_rank in saved["results"]]
         assert {g.id for g in generations} == {gen_id}
     assert_bitwise([per_rank[3] for per_rank in saved["results"]])
+    served = [per_rank[3]["report"]["bytes_by_source"] for per_rank in saved["results"]]
+    assert all(set(s) == {"local"} for s in served), served  # all from the node's fast tier
     with castore.open(tmp / "durable") as durable:
         assert [g.id for g in durable.generations("r")] == [2, 3]  # every 2nd, then the last
         assert verify_store(durable, deep=True).ok
@@ -91,3 +93,6 @@ def test_a_replaced_node_restores_from_the_durable_tier_at_another_rank_count(
         report = verify_store(fast)
         assert report.ok and report.held_elsewhere == [("r", 3)]
     assert not np.any([r["report"]["bytes_read"] == 0 for r in per_rank])
+    # Every byte came from the durable tier: the fast one was wiped.
+    sources = [r["report"]["bytes_by_source"] for r in per_rank]
+    assert all(set(s) == {"durable"} for s in sources), sources

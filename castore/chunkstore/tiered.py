@@ -56,7 +56,8 @@ class TieredChunkBackend(ChunkBackend):
         self.supports_listing = primary.supports_listing
         self._lock = threading.Lock()
         self.served_values: Counter[str] = Counter()
-        self.served_bytes: Counter[str] = Counter()
+        self.served_bytes: Counter[str] = Counter()  # chunks and objects
+        self.served_chunk_bytes: Counter[str] = Counter()  # chunks alone
         self.damaged: Counter[str] = Counter()  # values a source held that did not verify
         self.damaged_keys: dict[str, set[bytes]] = {}  # which, per source
 
@@ -78,7 +79,7 @@ class TieredChunkBackend(ChunkBackend):
                     if here:
                         value = next(local_values)
                         if value is not None and _intact(key, value):
-                            self._count("primary", value)
+                            self._count("primary", value, namespace)
                             yield value
                             continue
                         if value is not None:
@@ -122,7 +123,7 @@ class TieredChunkBackend(ChunkBackend):
             for key in wanted:
                 data = got.get(key)
                 if data is not None and _intact(key, data):
-                    self._count(name, data)
+                    self._count(name, data, namespace)
                     found[key] = memoryview(data)
                     continue
                 if data is not None:
@@ -141,10 +142,12 @@ class TieredChunkBackend(ChunkBackend):
             return value
         return damaged  # the caller's verification names the damage
 
-    def _count(self, source: str, value: Buffer) -> None:
+    def _count(self, source: str, value: Buffer, namespace: Namespace) -> None:
         with self._lock:
             self.served_values[source] += 1
             self.served_bytes[source] += memoryview(value).nbytes
+            if namespace == Namespace.CHUNKS:
+                self.served_chunk_bytes[source] += memoryview(value).nbytes
 
     def _damaged(self, source: str, key: bytes) -> None:
         with self._lock:

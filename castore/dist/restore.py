@@ -217,6 +217,7 @@ def _load_root(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     read_before = (store.read_counters.chunks, store.read_counters.bytes)
+    served_before = _served_chunks(store)  # a tiered store on one node: per tier
 
     def plan_everything() -> tuple[Any, ...]:
         nonlocal clock
@@ -300,9 +301,28 @@ def _load_root(
         chunks_read=store.read_counters.chunks - read_before[0],
         timings=timings,
         skipped=list(skipped),
-        bytes_by_source=session.sources() if session is not None else {},
+        bytes_by_source=(
+            session.sources() if session is not None else _served(store, served_before)
+        ),
     )
     return LoadResult(state, report)
+
+
+def _served_chunks(store: Store) -> dict[str, int]:
+    """The chunk bytes each tier of a tiered store has served (empty for other stores)."""
+    backend = getattr(store, "tiered_backend", None)
+    return {} if backend is None else dict(backend.served_chunk_bytes)
+
+
+def _served(store: Store, before: dict[str, int]) -> dict[str, int]:
+    """The chunk bytes each tier of a tiered store on one node served since ``before``
+    ("local": its fast tier); empty for any other store."""
+    names = {"primary": "local"}
+    return {
+        names.get(source, source): count - before.get(source, 0)
+        for source, count in _served_chunks(store).items()
+        if count > before.get(source, 0)
+    }
 
 
 def _is_integrity(type_name: str) -> bool:

@@ -621,7 +621,7 @@ class NodeSession:
         """The bytes each source served this rank's last fetch: local, peer, durable."""
         if self.read_backend is None:
             return {}
-        served = dict(self.read_backend.served_bytes)
+        served = dict(self.read_backend.served_chunk_bytes)
         if "primary" in served:
             served["local"] = served.pop("primary")
         return served
@@ -705,9 +705,13 @@ def _unframe(data: bytes, count: int) -> list[bytes | None]:
 
 
 def wait_for_chunks(
-    durable: Any, chunks: list[bytes], *, timeout: float, poll: float = 0.2
+    durable: Any, chunks: list[bytes], *, timeout: float, poll: float = 0.2, most: float = 5.0
 ) -> None:
-    """Wait until the durable tier holds every chunk (the nodes' uploads have landed)."""
+    """Wait until the durable tier holds every chunk (the nodes' uploads have landed).
+
+    Each look costs a presence check (on a store on blobs, a refresh of its index
+    listing): the wait between looks doubles from ``poll`` to at most ``most`` seconds.
+    """
     deadline = time.monotonic() + timeout
     left = list(chunks)
     while True:
@@ -721,4 +725,5 @@ def wait_for_chunks(
                 f"{timeout:g}s (a node's upload failed or its node is gone); the durable tier "
                 "keeps its previous generation"
             )
-        time.sleep(poll)
+        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
+        poll = min(poll * 2, most)
