@@ -276,6 +276,7 @@ def open_way(way: dict[str, Any], node: int) -> Any:
             durable=way["durable"],
             durable_every=way["every"],
             replicas=way["replicas"],
+            durable_rate=way.get("rate"),
         )
     if way["way"] == "castore":
         return castore.open(way["durable"])

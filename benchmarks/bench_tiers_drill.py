@@ -4,7 +4,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/bench_tiers_drill.py [--ranks 4] [--nodes 2] [--state-mib 32]
         [--tensors 40] [--changed 4] [--steps 12] [--every 5] [--step-s 0.5] [--repeats 7]
-        [--kills 6] [--seed 25] [--workdir bench-tiers-drill]
+        [--kills 6] [--kill-window 2] [--kill-rate 4] [--seed 25] [--workdir bench-tiers-drill]
 
 ``--ranks`` gloo processes on this machine form ``--nodes`` simulated nodes (consecutive
 ranks, one fast-tier directory per node, in ``/dev/shm`` where there is one); the durable
@@ -15,9 +15,10 @@ computes for ``--step-s`` seconds (a sleep: the machine has two cores). Four job
 same ``--steps`` steps, each saving its own way:
 
   tiered F=2      castore.open_tiered(fast=NODE_DIR, durable=DIR, durable_every=--every,
-                  replicas=2): castore.dist.save every step (K=1) into the fast tiers;
-                  every --every-th generation is uploaded by the node leaders and
-                  published in the durable store by the coordinator, in the background
+                  replicas=2): castore.dist.save(blocking=False) every step (K=1) into
+                  the fast tiers; every --every-th generation is uploaded by the node
+                  leaders and published in the durable store by the coordinator, in
+                  the background
   tiered F=1      the same with replicas=1: each node holds its own ranks' shards only
   durable only    castore.open(DIR): castore.dist.save(blocking=False) every --every
                   steps, straight to the durable store (today's castore)
@@ -37,9 +38,11 @@ killed job's directories, after dropping the page cache where this process may:
                         needs (of a tensor changed at the last step)
 
 Every restore is checked bitwise against the state of the step it restored. Last,
-``--kills`` times in a row, a tiered F=2 job (promoting every generation) resumes from its
-stores, trains, and is killed: first the coordinator (it uploads node 0's shards and
-publishes) or node 1's leader (it uploads node 1's), at a random moment, then the others.
+``--kills`` times in a row, a tiered F=2 job (promoting every generation, each node leader
+uploading at ``--kill-rate`` MiB/s so that the uploads last) resumes from its stores,
+trains, and is killed: first the coordinator (it uploads node 0's shards and publishes) or
+node 1's leader (it uploads node 1's), at a random moment within ``--kill-window`` seconds
+of the trial's first save, then the others 0.3 s later.
 After each kill the durable store must verify (``verify_store(deep=True)``) and every
 generation it lists must have all its chunks. A last job resumes, saves and closes, which
 finishes the promotion it owes.
@@ -371,6 +374,7 @@ def kill_trials(places: Places, layout: Layout, args: argparse.Namespace) -> dic
     """``--kills`` launches of a tiered F=2 job, each killed while it promotes."""
     rng = random.Random(args.seed + 1)
     way = places.way("killed", layout, every=1, replicas=2)
+    way["rate"] = args.kill_rate * MIB  # per node leader: uploads last, the kills land in them
     trials = []
     for trial in range(args.kills):
         victim = rng.choice([0, layout.per_node])  # the coordinator, or node 1's leader
@@ -665,6 +669,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--kills", type=int, default=6)
     parser.add_argument("--kill-window", type=float, default=2.0)
+    parser.add_argument("--kill-rate", type=float, default=4.0)
     parser.add_argument("--quiet", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=25)
     parser.add_argument("--workdir", type=Path, default=Path("bench-tiers-drill"))
