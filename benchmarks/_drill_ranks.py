@@ -96,6 +96,7 @@ class Rank:
         self.way: dict[str, Any] = {}
         self.store: Any = None
         self.pending: Any = None  # the in-flight async save (castore PendingSave, DCP future)
+        self.publish_s: dict[int, float] = {}  # step -> seconds from its save call to published
         self.async_group: Any = None
         self.mesh: Any = None
 
@@ -181,8 +182,16 @@ class Rank:
         time.sleep(layout.step_s)  # the step's compute
         state_at = time.time()
         started = time.perf_counter()
+        pending = self.pending
+        if isinstance(pending, castore.PendingSave) and pending.done():
+            self.publish_s[pending.step] = pending.timings["total"]
         saved = self.save(step)
-        return {"state_at": state_at, "save_s": time.perf_counter() - started, "saved": saved}
+        return {
+            "state_at": state_at,
+            "save_s": time.perf_counter() - started,
+            "saved": saved,
+            "publish_s": dict(self.publish_s),
+        }
 
     def save(self, step: int) -> bool:
         """castore saves with blocking=False (the tiered way every step, into the fast
@@ -200,8 +209,12 @@ class Rank:
         if self.pending is not None:
             self.pending.result()
         writer = dcp.FileSystemWriter(str(Path(self.way["durable"]) / f"step-{step:06d}"))
+        called = time.perf_counter()
         self.pending = dcp.async_save(
             self.dtensors(list(self.blocks)), storage_writer=writer, process_group=self.async_group
+        )
+        self.pending.add_done_callback(
+            lambda _: self.publish_s.__setitem__(step, time.perf_counter() - called)
         )
         return True
 
