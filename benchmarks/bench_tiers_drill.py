@@ -77,15 +77,18 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import PipedRanks, drop_caches, print_goals, tree_bytes  # noqa: E402
-from _drill_ranks import RUN, Layout, worker  # noqa: E402
+from _common import PipedRanks, drop_caches  # noqa: E402
+from _drill_ranks import Layout, worker  # noqa: E402
+from _drill_stores import (  # noqa: E402
+    check_durable,
+    damage_one_chunk,
+    fast_tiers,
+    mark,
+    new_chunk_bytes,
+    uploads,
+)
 
 import castore  # noqa: E402
-from castore.chunkstore.base import Namespace  # noqa: E402
-from castore.errors import GenerationNotFoundError  # noqa: E402
-from castore.format.hashing import Digest  # noqa: E402
-from castore.tiers import PIN_PREFIX  # noqa: E402
-from castore.verify import verify_store  # noqa: E402
 
 MIB = 1 << 20
 JOBS = ("tiered-f2", "tiered-f1", "castore", "dcp")
@@ -148,108 +151,6 @@ class Places:
             else:
                 castore.open(way[key], shared=True).close()  # the ranks must not race
         return way
-
-
-# -- the durable stores, seen from outside ------------------------------------------
-
-
-def durable_newest(way: dict[str, Any]) -> int | None:
-    """The newest step the durable place holds whole (DCP: a folder with its .metadata)."""
-    folder = Path(way["durable"])
-    if way["way"] == "dcp":
-        steps = [int(p.parent.name.split("-")[1]) for p in folder.glob("step-*/.metadata")]
-        return max(steps, default=None)
-    with castore.open(folder, readonly=True) as store:
-        try:
-            return store.resolve(RUN).step
-        except GenerationNotFoundError:
-            return None
-
-
-def mark(way: dict[str, Any]) -> dict[str, Any]:
-    return {"bytes": tree_bytes(Path(way["durable"]))[0], "newest": durable_newest(way)}
-
-
-def new_chunk_bytes(path: str) -> dict[int, dict[str, int]]:
-    """Per durable generation (by step): its chunk bytes, and those of them the store did
-    not hold before it (no retention runs in the drill: it held the earlier generations')."""
-    out: dict[int, dict[str, int]] = {}
-    held: set[bytes] = set()
-    with castore.open(path, readonly=True) as store:
-        for gen in store.generations(RUN):
-            root = store.read_root(Digest.from_hex(gen.root), run=RUN)
-            sizes: dict[bytes, int] = {}
-            for shard in store.read_shards(root):
-                for entry in shard.tensors + shard.local_tensors:
-                    for index, chunk in enumerate(entry.chunks):
-                        start = index * entry.chunk_size
-                        sizes[bytes(chunk)] = min(entry.chunk_size, entry.nbytes - start)
-            new = sum(size for chunk, size in sizes.items() if chunk not in held)
-            out[gen.step] = {"all": sum(sizes.values()), "new": new}
-            held.update(sizes)
-    return out
-
-
-def uploads(
-    way: dict[str, Any], record: dict[str, Any], castore_new: dict[int, dict[str, int]] | None
-) -> list[dict[str, Any]]:
-    """Per durable save: the directory's growth for it over the chunk bytes it lacked.
-
-    The growth between the marks taken before the save of step g and before the next
-    durable save (or after the failure) is g's alone when g was the newest durable step
-    at the later mark; otherwise the row says so and has no ratio.
-    """
-    marks = record["marks"]
-    steps = sorted(int(k) for k in marks if k != "failure")
-    folder = Path(way["durable"])
-    new = castore_new if way["way"] == "dcp" else new_chunk_bytes(way["durable"])
-    rows = []
-    for i, step in enumerate(steps):
-        after = marks[str(steps[i + 1])] if i + 1 < len(steps) else marks["failure"]
-        if way["way"] == "dcp":
-            landed = (folder / f"step-{step:06d}" / ".metadata").exists()
-            grown = tree_bytes(folder / f"step-{step:06d}")[0]
-        else:
-            landed = after["newest"] == step
-            grown = after["bytes"] - marks[str(step)]["bytes"]
-        lacked = (new or {}).get(step, {}).get("new")
-        ratio = grown / lacked if landed and lacked else None
-        rows.append({"step": step, "landed": landed, "grown": grown, "new": lacked, "ratio": ratio})
-    return rows
-
-
-def check_durable(path: str) -> dict[str, Any]:
-    """Does the durable store verify deep, and does every listed generation have every chunk?"""
-    with castore.open(path, readonly=True) as store:
-        report = verify_store(store, deep=True)
-        listed = [g.id for g in store.generations(RUN)] if RUN in store.runs() else []
-        complete = 0
-        for gen_id in listed:
-            root = store.read_root(Digest.from_hex(store.resolve(RUN, gen_id).root), run=RUN)
-            chunks = sorted(
-                {bytes(c) for s in store.read_shards(root) for e in s.tensors for c in e.chunks}
-            )
-            complete += all(store.backend.has_many(Namespace.CHUNKS, chunks))
-    return {
-        "ok": report.ok,
-        "problems": [str(p) for p in report.problems],
-        "listed": listed,
-        "complete": complete,
-    }
-
-
-def fast_tiers(way: dict[str, Any]) -> dict[str, Any]:
-    """The newest generation of each node's fast tier and the promotions pinned there."""
-    newest, pins = [], []
-    for fast in way["fast"]:
-        if not Path(fast).exists():
-            continue
-        with castore.open(fast, readonly=True) as store:
-            ref = store.refs.read(RUN) if RUN in store.runs() else None
-            newest.append(None if ref is None else ref.generation)
-            tags = store.refs.tags(RUN) if ref is not None else {}
-            pins.append(sorted(v.generation for k, v in tags.items() if k.startswith(PIN_PREFIX)))
-    return {"newest": newest, "pins": pins}
 
 
 # -- the training jobs, killed -------------------------------------------------------
@@ -328,20 +229,6 @@ def stage(scenario: Scenario, way: dict[str, Any], places: Places, layout: Layou
     if scenario.damage:
         staged["damaged"] = damage_one_chunk(staged["fast"][0], layout)
     return staged
-
-
-def damage_one_chunk(fast: str, layout: Layout) -> str:
-    """Flip a byte of the chunk of rank 0's block of a tensor its newest step changed."""
-    with castore.open(fast) as store:
-        gen = store.resolve(RUN)
-        root = store.read_root(Digest.from_hex(gen.root), run=RUN)
-        wanted = layout.name(layout.changed_at(gen.step)[0])
-        entry = next(e for e in store.read_shards(root)[0].tensors if e.name == wanted)
-        chunk = bytes(entry.chunks[0])
-        value = bytearray(store.backend.get(Namespace.CHUNKS, chunk) or b"")
-        value[len(value) // 2] ^= 0xFF
-        store.backend.raw_put(Namespace.CHUNKS, chunk, bytes(value))
-    return f"{wanted} rank 0 chunk {chunk.hex()[:16]}"
 
 
 def restore_all(
@@ -486,7 +373,11 @@ def summarize(
                 "durable_newest": record["marks"]["failure"]["newest"],
                 "restored_generation": first[0].get("generation"),
                 "fast_newest": max(
-                    (n for n in record.get("fast_at_failure", {}).get("newest", []) if n),
+                    (
+                        n
+                        for n in record.get("fast_at_failure", {}).get("newest", [])
+                        if n is not None
+                    ),
                     default=None,
                 ),
                 "publish_s": statistics.median(record["publish_s"].values())
@@ -578,7 +469,7 @@ def goals(rows: list[dict[str, Any]], kills: dict[str, Any], steps: int) -> list
     damaged = by[("damaged fast chunk", "tiered F=2")]
     ratio = f2["rto_s"] / local["rto_s"]
     durable_read = f2["sources"].get("durable", 0)
-    uploads = [r["upload_ratio"] for r in (f2, f1) if r["upload_ratio"] is not None]
+    ratios = [r["upload_ratio"] for r in (f2, f1) if r["upload_ratio"] is not None]
     k = kill_summary(kills)
     return [
         {
@@ -610,8 +501,8 @@ def goals(rows: list[dict[str, Any]], kills: dict[str, Any], steps: int) -> list
         },
         {
             "goal": "durable upload bytes per generation <= 1.02x its new chunk bytes",
-            "measured": ", ".join(f"{u:.3f}x" for u in uploads) or "no promotion measured",
-            "met": bool(uploads) and max(uploads) <= 1.02,
+            "measured": ", ".join(f"{u:.3f}x" for u in ratios) or "no promotion measured",
+            "met": bool(ratios) and max(ratios) <= 1.02,
         },
         {
             "goal": "uploader killed: the durable store holds complete generations only",
@@ -621,6 +512,28 @@ def goals(rows: list[dict[str, Any]], kills: dict[str, Any], steps: int) -> list
             "met": k["sound"] == k["kills"] and k["last_sound"] and k["last_caught_up"],
         },
     ]
+
+
+def report(
+    header: str,
+    table: str,
+    upload_rows: dict[str, list[dict[str, Any]]],
+    verdicts: list[dict[str, Any]],
+) -> str:
+    """What the drill prints and writes: the table, each durable save's bytes, the goals."""
+    lines = [header, "", table, ""]
+    for job, rows in upload_rows.items():
+        shown = ", ".join(
+            f"step {u['step']}: {mib(u['grown'])} MiB grown / {mib(u['new'] or 0)} MiB new"
+            + ("" if u["landed"] else " (not landed)")
+            for u in rows
+        )
+        lines.append(f"uploads, {WAY_NAMES[job]}: {shown}")
+    lines += ["", "goals:"]
+    for verdict in verdicts:
+        mark = "MET" if verdict["met"] else "NOT MET"
+        lines.append(f"  [{mark:7}] {verdict['goal']}: {verdict['measured']}")
+    return "\n".join(lines)
 
 
 # -- the run -------------------------------------------------------------------------
@@ -703,7 +616,6 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(places.disk, ignore_errors=True)
         shutil.rmtree(places.memory, ignore_errors=True)
     rows = summarize(raw["records"], raw["restores"], raw["uploads"], args.steps)
-    table = markdown(rows, raw["kills"])
     verdicts = goals(rows, raw["kills"], args.steps)
     header = (
         f"{layout.world} ranks on {layout.nodes} nodes; {layout.state_bytes / MIB:.1f} MiB of "
@@ -713,22 +625,10 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeats}; page cache dropped before each restore: {drop_caches()}; "
         f"{time.monotonic() - started:.0f} s"
     )
-    print()
-    print(header)
-    print()
-    print(table)
-    print()
-    for job, rows_of in raw["uploads"].items():
-        shown = ", ".join(
-            f"step {u['step']}: {mib(u['grown'])} MiB grown / {mib(u['new'] or 0)} MiB new"
-            + ("" if u["landed"] else " (not landed)")
-            for u in rows_of
-        )
-        print(f"uploads, {WAY_NAMES[job]}: {shown}")
-    print()
-    print_goals(verdicts)
+    text = report(header, markdown(rows, raw["kills"]), raw["uploads"], verdicts)
+    print("\n" + text)
     name = f"drill-{layout.world}ranks"
-    (args.workdir / f"{name}.md").write_text(header + "\n\n" + table + "\n")
+    (args.workdir / f"{name}.md").write_text(text + "\n")
     summary = {"args": {k: str(v) for k, v in vars(args).items()}, "layout": vars(layout),
                "rows": rows, "goals": verdicts, "raw": raw}  # fmt: skip
     (args.workdir / f"{name}.json").write_text(json.dumps(summary, indent=1, default=str) + "\n")
