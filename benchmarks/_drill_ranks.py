@@ -27,6 +27,8 @@ import os
 import time
 import traceback
 import warnings
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -169,7 +171,9 @@ class Rank:
 
             writer = dcp.FileSystemWriter(way["warmup"])
             state = self.dtensors(list(self.blocks))
-            dcp.async_save(state, storage_writer=writer, process_group=self.async_group).result()
+            future = dcp.async_save(state, storage_writer=writer, process_group=self.async_group)
+            assert isinstance(future, Future)  # the default stager is synchronous
+            future.result()
             return
         with castore.open(way["warmup"]) as store:
             shards = self.shards(list(self.blocks))
@@ -316,7 +320,11 @@ def worker(rank: int, port: int, layout: Layout, conn: Any) -> None:
         conn.send({"error": traceback.format_exc()})
         return
     conn.send({"ready": True, "pid": os.getpid()})
-    handlers = {"open": me.open, "step": me.step, "restore": me.restore}
+    handlers: dict[str, Callable[..., dict[str, Any]]] = {
+        "open": me.open,
+        "step": me.step,
+        "restore": me.restore,
+    }
     while True:
         command = conn.recv()
         if command[0] == "stop":

@@ -14,6 +14,7 @@ from _drill_ranks import RUN, Layout
 
 import castore
 from castore.chunkstore.base import Namespace
+from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.errors import GenerationNotFoundError
 from castore.format.hashing import Digest
 from castore.tiers import PIN_PREFIX
@@ -129,5 +130,7 @@ def damage_one_chunk(fast: str, layout: Layout) -> str:
         chunk = bytes(entry.chunks[0])
         value = bytearray(store.backend.get(Namespace.CHUNKS, chunk) or b"")
         value[len(value) // 2] ^= 0xFF
-        store.backend.raw_put(Namespace.CHUNKS, chunk, bytes(value))
+        backend = store.backend
+        assert isinstance(backend, LmdbBackend), backend  # a fast tier is a local store
+        backend.raw_put(Namespace.CHUNKS, chunk, bytes(value))
     return f"{wanted} rank 0 chunk {chunk.hex()[:16]}"
