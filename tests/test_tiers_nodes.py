@@ -337,28 +337,38 @@ def test_async_saves_on_several_nodes_publish_on_every_node(
 # -- an upload cut off ---------------------------------------------------------------
 
 
-def test_a_node_killed_mid_upload_leaves_the_durable_tier_with_complete_generations_only(
-    tmp_path: Path,
+@pytest.mark.parametrize(
+    ("rank", "point"),
+    [(0, "copy.before_root"), (2, "copy.mid_chunks")],
+    ids=["coordinator-killed-before-the-durable-root", "node-1-killed-mid-upload"],
+)
+def test_a_promotion_cut_off_on_several_nodes_is_retried_by_the_next_job(
+    tmp_path: Path, rank: int, point: str
 ) -> None:
+    """Generation 1 is selected for the durable tier and its promotion is cut off (the
+    coordinator killed before the durable root, or node 1's leader mid-upload); the next
+    job's first save retries it: the durable tier ends with generation 1 (or a newer one
+    that supersedes it) and 2, and no pin is left in any fast tier."""
     castore.open(tmp_path / "durable", shared=True).close()
-    # Uploads in batches of a tenth of a second's bytes at 5 kB/s: the kill comes after the first.
-    tiers = {**config(tmp_path, 1), "durable_every": 1, "upload_wait_s": 3.0, "durable_rate": 5e3}
-    ops = [
-        {"op": "arm", "rank": 2, "point": "copy.mid_chunks", "action": "kill"},
-        {"op": "save", "run": "r", "seed": 3, "step": 10},
-    ]
-    outcomes = run_ranks(4, w.run_script, tiers, ops, timeout=240)
-    assert [o.ok for o in outcomes] == [True, True, False, True]  # node 1's leader: killed
+    tiers = {**config(tmp_path, 2), "durable_every": 1, "upload_wait_s": 5.0}
+    if rank == 2:
+        tiers["durable_rate"] = 5e3  # batches of 500 bytes: the kill comes mid-upload
+    ops = [{"op": "save", "run": "r", "seed": 3, "step": 10}]
+    killed = {rank: {"CASTORE_FAULTS": f"{point}=kill"}}
+    outcomes = run_ranks(4, w.run_script, tiers, ops, timeout=240, rank_env=killed)
+    assert not outcomes[rank].ok
     with castore.open(tmp_path / "durable") as durable:
-        assert "r" not in durable.runs()  # generation 1 never published there
-        assert verify_store(durable, deep=True).ok
-    # The job comes back: the next generation is uploaded by both nodes and published.
+        assert "r" not in durable.runs() or durable.generations("r") == []
     ops = [{"op": "save", "run": "r", "seed": 4, "step": 20}]
+    tiers.pop("durable_rate", None)
     saved = script_results(run_ranks(4, w.run_script, tiers, ops, timeout=240), 4)
     assert {r[0]["generation"].id for r in saved} == {2}
     with castore.open(tmp_path / "durable") as durable:
-        assert [g.id for g in durable.generations("r")] == [2]
+        assert [g.id for g in durable.generations("r")] == [1, 2]
         assert verify_store(durable, deep=True).ok
+    for node in ("fast0", "fast1"):
+        with castore.open(tmp_path / node) as fast:
+            assert fast.refs.tags("r") == {}, node  # every pin released
 
 
 def test_the_dcp_writer_refuses_a_job_on_several_nodes(tmp_path: Path) -> None:

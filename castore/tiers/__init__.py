@@ -72,7 +72,9 @@ from castore.repo.records import RefValue
 from castore.store import Restored, Store
 from castore.support.safefs import make_store_dir, open_store_file
 
-PIN_PREFIX = "promoting-"
+PIN_PREFIX = "promoting-"  # a node's part (or, on one node, all) of a promotion is owed
+PUBLISH_PREFIX = "publishing-"  # several nodes: the coordinator's durable publish is owed
+PINS = (PIN_PREFIX, PUBLISH_PREFIX)
 
 
 @dataclass(frozen=True)
@@ -316,7 +318,8 @@ class TieredStore(Store):
             return
         self._pins_resumed = True
         for run in self.refs.ref_runs():
-            for name, value in sorted(self.refs.tags(run).items()):
+            tags = self.refs.tags(run)
+            for name, value in sorted(tags.items(), key=lambda item: item[1].generation):
                 if not name.startswith(PIN_PREFIX):
                     continue
                 held = held_shards(Path(self.fast.path), run, value.generation, value.root)
@@ -324,6 +327,10 @@ class TieredStore(Store):
                     self._submit(_Work("promote", run, value.generation))
                 else:  # a generation of a job on several nodes: this node's part of it
                     self._submit(_Work("upload", run, value.generation, tuple(sorted(held))))
+            # Several nodes: the newest owed durable publish (it supersedes older ones).
+            owed = sorted(v.generation for n, v in tags.items() if n.startswith(PUBLISH_PREFIX))
+            if owed:
+                self._submit(_Work("publish", run, owed[-1]))
 
     @property
     def replicas(self) -> int:
@@ -364,10 +371,17 @@ class TieredStore(Store):
             self._submit(_Work("upload", run, generation, tuple(own), delay))
         self._submit(_Work("collect", run))
 
-    def queue_durable_publish(self, run: str, generation: int) -> None:
+    def queue_durable_publish(self, run: str, generation: int, root: Digest) -> None:
         """The coordinator after a save on several nodes: publish the generation in the
-        durable tier once the nodes' uploads hold all of it."""
+        durable tier once the nodes' uploads hold all of it.
+
+        Pinned here (``publishing-ID``) until it is published, so that a coordinator
+        killed before that leaves the publish owed: the next handle that publishes or
+        waits for promotions retries it, and a newer one published supersedes it.
+        """
+        self._resume_pins()
         self._saved_runs.add(run)
+        self._pin(run, generation, root, PUBLISH_PREFIX)
         self._submit(_Work("publish", run, generation))
 
     def after_publish(self, run: str, generation: int, root: Digest) -> None:
@@ -390,11 +404,11 @@ class TieredStore(Store):
             return policy.durable_every is not None and generation % policy.durable_every == 0
         return generation % (policy.durable_every or 1) == 0
 
-    def _pin(self, run: str, generation: int, root: Digest) -> None:
+    def _pin(self, run: str, generation: int, root: Digest, prefix: str = PIN_PREFIX) -> None:
         # Right after the ref advance: the generation is the newest, which fast
         # retention keeps, until this tag keeps it through the promotion.
         value = RefValue(run, generation, root, time.time())
-        self.refs.write_tag(run, f"{PIN_PREFIX}{generation}", value)
+        self.refs.write_tag(run, f"{prefix}{generation}", value)
 
     def promote(self, run: str, generation: GenerationSpec = "latest") -> Promoted:
         """Copy one fast-tier generation to the durable tier now; its outcome."""
@@ -503,6 +517,10 @@ class TieredStore(Store):
                 outcome.copied = publish_uploaded(
                     self.fast, self.durable, run, generation, self.policy.upload_wait_s, retention
                 )
+            # Published: this publish and every older one owed are done with.
+            for name, value in self.refs.tags(run).items():
+                if name.startswith(PUBLISH_PREFIX) and value.generation <= generation:
+                    self.refs.delete_tag(run, name)
         except BaseException as exc:
             outcome.error = exc
             raise
@@ -588,7 +606,7 @@ class TieredStore(Store):
                         self._pin(run, newest.generation, newest.root)
                         self._submit(_Work("upload", run, newest.generation, role.own))
                     if role.coordinator:
-                        self._submit(_Work("publish", run, newest.generation))
+                        self.queue_durable_publish(run, newest.generation, newest.root)
             if self._thread is not None:
                 self._submit(_Work("stop")).done.wait()
                 self._thread.join()
@@ -613,7 +631,7 @@ def _say_unfinished(ref: weakref.ref[TieredStore]) -> None:
             f"{run}@{value.generation}"
             for run in store.refs.ref_runs()
             for name, value in store.refs.tags(run).items()
-            if name.startswith(PIN_PREFIX)
+            if name.startswith(PINS)
         )
     except CastoreError:
         return
@@ -752,7 +770,7 @@ def tier_report(
             pins |= {
                 value.generation
                 for name, value in node.refs.tags(run).items()
-                if name.startswith(PIN_PREFIX)
+                if name.startswith(PINS)
             }
         in_durable = {g.id: g for g in durable.generations(run)} if run in durable.runs() else {}
         for gen_id in sorted(set(listed) | set(in_durable)):

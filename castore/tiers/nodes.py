@@ -637,7 +637,7 @@ class NodeSession:
             delay = self.store.policy.durable_stagger_s * self.nodes.my_node / len(self.nodes.names)
             self.store.queue_node_work(run, generation, root, promote, own, delay=delay)
         if promote and self.comm.is_coordinator:
-            self.store.queue_durable_publish(run, generation)
+            self.store.queue_durable_publish(run, generation, root)
 
 
 def _read_objects(store: TieredStore, keys: list[bytes]) -> list[bytes]:
