@@ -46,8 +46,11 @@ def main() -> int:
                     reply = _run(fast, durable, json.loads(line))
                 except Exception as exc:  # noqa: BLE001 - answered to the parent, typed by name
                     reply = {"error": f"{type(exc).__name__}: {exc}"}
-                sys.stdout.write(json.dumps(reply) + "\n")
-                sys.stdout.flush()
+                try:
+                    sys.stdout.write(json.dumps(reply) + "\n")
+                    sys.stdout.flush()
+                except BrokenPipeError:  # the job that asked is gone (killed): so is this
+                    os._exit(0)
     return 0
 
 
