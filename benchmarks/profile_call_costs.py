@@ -26,7 +26,10 @@ and prints, per path, the top functions by cumulative and by self time and a
 table of named castore functions: calls, cumulative time per call and per
 tensor. py-spy (sampling, no overhead; ``--profiler pyspy``) re-runs this
 script under ``py-spy record`` for each path and prints the main thread's
-inclusive and self shares per function, counted within the path only.
+inclusive and self shares per function, counted within the path only (a
+thread waiting is not sampled: shares are of the main thread's busy time).
+``--components`` instead times each building block of these paths alone,
+unprofiled (``benchmarks/_components.py``).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from _components import run_components
 from bench_call_costs import (
     QUICK_SIZE_MIB,
     RUN,
@@ -159,6 +163,8 @@ class Paths:
 
     def inputs(self, path: str) -> Any:
         """What one call of ``path`` takes, made before the clock starts."""
+        if path == "full_save":
+            shutil.rmtree(self.work / f"fresh{self.saves}", ignore_errors=True)
         if path == "resave_1pct":
             self.delta += 1e-3  # new bytes each time: the store holds the earlier ones
             return changed_state(self.state, 0.01, self.delta).state
@@ -167,8 +173,7 @@ class Paths:
     def full_save(self, _: Any) -> None:
         self.saves += 1
         target = self.work / f"fresh{self.saves}"
-        castore_save(self.state, target)
-        shutil.rmtree(target)
+        castore_save(self.state, target)  # removed by the next inputs(), off the clock
 
     def warm_load(self, _: Any) -> None:
         with castore.open(self.store, create=False) as store:
@@ -360,12 +365,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--loops", type=int, default=0, help="profiled calls (default per path)")
     parser.add_argument("--out", type=Path, default=Path("bench-profile"), help="profiles here")
     parser.add_argument("--top", type=int, default=25)
+    parser.add_argument(
+        "--components", action="store_true", help="time the building blocks, no profiler"
+    )
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.generations is None:
         args.generations = 500 if args.quick else 10_000
     args.out.mkdir(parents=True, exist_ok=True)
     base = Path("/dev/shm") if os.access("/dev/shm", os.W_OK) else Path(tempfile.gettempdir())
+    if args.components:
+        for shape in args.shapes.split(","):
+            work = Path(tempfile.mkdtemp(prefix="castore-prof-", dir=base))
+            try:
+                paths = Paths(shape, args.quick, args.generations, work)
+                paths.prepare("lookup_10k")
+                print(f"-- ({shape}) building blocks, unprofiled: {paths.tensors} tensors")
+                run_components(paths.state, work, paths.history / "logs" / f"{RUN}.reflog")
+            finally:
+                shutil.rmtree(work, ignore_errors=True)
+        return 0
     for shape in args.shapes.split(","):
         for path in args.paths.split(","):
             if path == "lookup_10k" and shape != args.shapes.split(",")[0]:
