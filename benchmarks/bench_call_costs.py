@@ -57,7 +57,8 @@ byte, is measured too: "fresh pages" in the JSON and the run's output). Each
 floor part is the best of three tries within a repetition (a floor is what it
 costs at best; this machine is shared), then the median over the repetitions.
 Saves and loads: every byte hashed and copied. A slice: the chunks the rows
-overlap hashed, the rows copied. A re-save: every byte hashed, the changed bytes copied.
+overlap hashed, the rows copied. A re-save: every byte hashed, the changed
+bytes copied.
 
 Last, the first lookup by generation id in a new process: a store with one
 generation and one with ``--generations`` (10,000), of a tiny state (one

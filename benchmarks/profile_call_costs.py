@@ -360,7 +360,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="the small states of --quick")
     parser.add_argument("--shapes", default="a,b")
     parser.add_argument("--paths", default=",".join(PATHS))
-    parser.add_argument("--profiler", choices=("cprofile", "pyspy", "both"), default="both")
+    has_pyspy = (Path(sys.executable).parent / "py-spy").exists()
+    parser.add_argument(
+        "--profiler",
+        choices=("cprofile", "pyspy", "both"),
+        default="both" if has_pyspy else "cprofile",
+        help="default: both when py-spy is in this environment (not a project dependency)",
+    )
     parser.add_argument("--generations", type=int, default=None, help="lookup_10k's history")
     parser.add_argument("--loops", type=int, default=0, help="profiled calls (default per path)")
     parser.add_argument("--out", type=Path, default=Path("bench-profile"), help="profiles here")
