@@ -34,6 +34,8 @@ def main() -> int:
         os.nice(10)
     except OSError:
         pass
+    if os.environ.get("CASTORE_UPLOAD_IDLE"):
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
     import castore
 
     spec = json.loads(sys.stdin.readline())
