@@ -337,3 +337,25 @@ def test_a_symlinked_record_directory_is_refused_and_nothing_outside_is_touched(
     with pytest.raises(UnsafeStoreFileError):
         held_elsewhere(fast, "r", 7, digest)
     assert sorted(p.name for p in outside.iterdir()) == [f"{7:012d}"]
+
+
+@pytest.mark.parametrize("priority", ["low", "idle"])
+def test_the_uploader_process_runs_below_training(tmp_path: Path, priority: str) -> None:
+    """nice 10 ("low"), or Linux's SCHED_IDLE ("idle"): the copy gives training the CPU."""
+    import os
+
+    with open_tiered(tmp_path / "fast", tmp_path / "durable", uploader_priority=priority) as store:
+        store.save({"w": np.arange(1000.0)}, run="r", step=1)
+        store.wait_promotions()
+        assert [p.generation for p in store.promoted if p.error is None] == [1]
+        uploader = store._uploader
+        assert uploader is not None and uploader.poll() is None
+        assert os.getpriority(os.PRIO_PROCESS, uploader.pid) >= 10
+        policy = os.sched_getscheduler(uploader.pid)
+        idle = getattr(os, "SCHED_IDLE", None)
+        if priority == "idle" and idle is not None:
+            assert policy == idle
+        else:
+            assert policy == os.SCHED_OTHER
+    with pytest.raises(ValueError, match="uploader_priority"):
+        open_tiered(tmp_path / "fast", tmp_path / "durable", uploader_priority="high")

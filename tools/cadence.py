@@ -18,9 +18,11 @@ while the job still trains. Modes:
                            rank r starting --stagger-s * r / ranks late
   castore-tiered           castore.open_tiered: the throttled mode's async saves
                            into a fast tier in /dev/shm; every second generation
-                           (and the last) promoted to the store on the
-                           coordinator's background thread, capped at
+                           (and the last) promoted to the store by the
+                           coordinator's uploader process (nice 10), capped at
                            --throttle-mib-s for the whole job
+  castore-tiered-idle      the same, the uploader process under SCHED_IDLE
+                           (uploader_priority="idle")
   dcp-sync                 torch.distributed.checkpoint.save (FileSystemWriter)
   dcp-async                torch.distributed.checkpoint.async_save (thread
                            executor, torch's default), on its own gloo group so
@@ -110,6 +112,7 @@ MODES = (
     "castore-async-changed",
     "castore-async-throttled",
     "castore-tiered",
+    "castore-tiered-idle",
     "dcp-sync",
     "dcp-async",
 )
@@ -121,6 +124,7 @@ CASTORE_ASYNC = (
     "castore-async-changed",
     "castore-async-throttled",
     "castore-tiered",
+    "castore-tiered-idle",
 )
 ASYNC_MODES = (*CASTORE_ASYNC, "dcp-async")
 NOTES = (
@@ -362,7 +366,7 @@ def async_options(mode: str, cfg: Config) -> Any | None:
     """castore's AsyncOptions for ``mode`` (None: a blocking save)."""
     if mode == "castore-sync":
         return None
-    if mode in ("castore-async-throttled", "castore-tiered"):
+    if mode in ("castore-async-throttled", "castore-tiered", "castore-tiered-idle"):
         return castore.AsyncOptions(
             staging="full",
             max_write_bytes_per_s=int(cfg.throttle_mib_s * MIB),
@@ -383,11 +387,12 @@ def fast_tier(folder: Path) -> Path:
 def make_saver(mode: str, cfg: Config, folder: Path) -> Saver:
     if mode == "baseline":
         return NoSaver()
-    if mode == "castore-tiered":
+    if mode.startswith("castore-tiered"):
         tiered = {
             "fast": str(fast_tier(folder)),
             "durable_every": TIERED_EVERY,
             "durable_rate": cfg.throttle_mib_s * MIB,
+            "uploader_priority": "idle" if mode.endswith("-idle") else "low",
         }
         return CastoreSaver(str(folder / "store"), async_options(mode, cfg), tiered)
     if mode.startswith("castore"):
@@ -500,7 +505,7 @@ def launch(cfg: Config, mode: str, scratch: Path) -> list[dict]:
     folder = Path(tempfile.mkdtemp(prefix=f"{mode}-", dir=scratch))
     if mode.startswith("castore"):
         castore.open(folder / "store").close()  # created here: ranks must not race to create it
-    if mode == "castore-tiered":
+    if mode.startswith("castore-tiered"):
         castore.open(fast_tier(folder)).close()
     context = mp.get_context("forkserver")
     results = context.Queue()
@@ -515,7 +520,7 @@ def launch(cfg: Config, mode: str, scratch: Path) -> list[dict]:
     finally:
         stop_ranks(procs, timeout=30)
         shutil.rmtree(folder, ignore_errors=True)
-        if mode == "castore-tiered":
+        if mode.startswith("castore-tiered"):
             shutil.rmtree(fast_tier(folder), ignore_errors=True)
     return sorted(replies, key=lambda r: r["rank"])
 
@@ -812,22 +817,24 @@ def step_goals(modes: dict[str, Any]) -> list[dict[str, Any]]:
                 "met": p99["castore-async-throttled"] <= P99_GOAL,
             }
         )
-    if p99.get("castore-tiered"):  # issue 25
+    for tiered in ("castore-tiered", "castore-tiered-idle"):  # issue 25
+        if not p99.get(tiered):
+            continue
         verdicts.append(
             {
-                "goal": f"castore-tiered: step p99 <= {TIERED_P99_GOAL}x the baseline's",
-                "measured": f"{p99['castore-tiered']:.2f}x",
-                "met": p99["castore-tiered"] <= TIERED_P99_GOAL,
+                "goal": f"{tiered}: step p99 <= {TIERED_P99_GOAL}x the baseline's",
+                "measured": f"{p99[tiered]:.2f}x",
+                "met": p99[tiered] <= TIERED_P99_GOAL,
             }
         )
         if p99.get("castore-async-throttled"):
             verdicts.append(
                 {
-                    "goal": "castore-tiered: step p99 <= castore-async-throttled's (saving every"
+                    "goal": f"{tiered}: step p99 <= castore-async-throttled's (saving every"
                     f" K straight to the store, where tiered promotes every {TIERED_EVERY}K)",
-                    "measured": f"{p99['castore-tiered']:.2f}x against "
+                    "measured": f"{p99[tiered]:.2f}x against "
                     f"{p99['castore-async-throttled']:.2f}x the baseline's",
-                    "met": p99["castore-tiered"] <= p99["castore-async-throttled"],
+                    "met": p99[tiered] <= p99["castore-async-throttled"],
                 }
             )
     return verdicts

@@ -835,6 +835,7 @@ def open_tiered(
     node: str | None = None,
     upload_wait_s: float = 600.0,
     durable_stagger_s: float = 0.0,
+    uploader_priority: str = "low",
     **durable_options: Any,
 ) -> TieredStore:
     """A :class:`TieredStore`: ``fast`` (a local directory) in front of ``durable``.
@@ -850,7 +851,11 @@ def open_tiered(
     (castore.tiers.uploader), so that the copy does not compete with training
     for this process's GIL; where the durable tier cannot be opened again by
     address there (an open Store, options that are not plain values), and with
-    ``uploader="thread"``, on a thread of this process.
+    ``uploader="thread"``, on a thread of this process. The process runs at
+    ``nice`` 10 (``uploader_priority="low"``), or, with ``"idle"``, under
+    Linux's SCHED_IDLE: only on CPU time training leaves unused (measured: a
+    smaller step-time cost; a node whose cores training keeps busy all the
+    time would starve its promotions).
 
     A job whose ranks are on several nodes (each node's ranks open their own
     ``fast`` directory; ``node`` names it, by default the host name and the
@@ -864,6 +869,8 @@ def open_tiered(
     """
     if uploader not in ("process", "thread"):
         raise ValueError(f"uploader must be 'process' or 'thread', got {uploader!r}")
+    if uploader_priority not in ("low", "idle"):
+        raise ValueError(f"uploader_priority must be 'low' or 'idle', got {uploader_priority!r}")
     policy = TierPolicy(
         durable_every=durable_every,
         durable_every_s=durable_every_s,
@@ -897,6 +904,7 @@ def open_tiered(
             "durable": os.fspath(durable),
             "options": durable_options,
             "chunk_size": chunk_size,
+            "priority": uploader_priority,
         }
         try:
             json.dumps(spec)
