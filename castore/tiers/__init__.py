@@ -41,6 +41,7 @@ peer node or the durable tier, and each node uploads its own shards.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import fcntl
 import json
 import os
@@ -52,7 +53,7 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -460,13 +461,24 @@ class TieredStore(Store):
             finally:
                 work.done.set()
 
-    def _promote(self, run: str, generation: int) -> None:
-        pin = f"{PIN_PREFIX}{generation}"
+    @contextlib.contextmanager
+    def _recorded(self, run: str, generation: int) -> Iterator[Promoted]:
+        """Time a promotion and keep its outcome in ``promoted``, failed or not."""
         outcome = Promoted(run, generation)
         started = time.perf_counter()
         try:
+            yield outcome
+        except BaseException as exc:
+            outcome.error = exc
+            raise
+        finally:
+            outcome.seconds = time.perf_counter() - started
+            self.promoted.append(outcome)
+
+    def _promote(self, run: str, generation: int) -> None:
+        retention = self.policy.durable_retention
+        with self._recorded(run, generation) as outcome:
             if self._uploader_spec is not None:
-                retention = self.policy.durable_retention
                 outcome.copied = self._upload({
                     "kind": "promote", "run": run, "generation": generation,
                     "retention": None if retention is None else asdict(retention),
@@ -478,15 +490,9 @@ class TieredStore(Store):
                     run,
                     generation,
                     rate=self.policy.durable_rate,
-                    retention=self.policy.durable_retention,
+                    retention=retention,
                 )
-            self.refs.delete_tag(run, pin)
-        except BaseException as exc:
-            outcome.error = exc
-            raise
-        finally:
-            outcome.seconds = time.perf_counter() - started
-            self.promoted.append(outcome)
+            self.refs.delete_tag(run, f"{PIN_PREFIX}{generation}")
 
     def _upload_node(self, run: str, generation: int, shards: tuple[int, ...]) -> None:
         """Upload this node's shards of a generation (the chunks the durable tier lacks),
@@ -503,10 +509,8 @@ class TieredStore(Store):
     def _publish_durable(self, run: str, generation: int) -> None:
         """The coordinator: wait until the durable tier holds every chunk of the
         generation, then publish it there (castore.copying.copy_generation)."""
-        outcome = Promoted(run, generation)
-        started = time.perf_counter()
         retention = self.policy.durable_retention
-        try:
+        with self._recorded(run, generation) as outcome:
             if self._uploader_spec is not None:
                 outcome.copied = self._upload({
                     "kind": "publish", "run": run, "generation": generation,
@@ -521,12 +525,6 @@ class TieredStore(Store):
             for name, value in self.refs.tags(run).items():
                 if name.startswith(PUBLISH_PREFIX) and value.generation <= generation:
                     self.refs.delete_tag(run, name)
-        except BaseException as exc:
-            outcome.error = exc
-            raise
-        finally:
-            outcome.seconds = time.perf_counter() - started
-            self.promoted.append(outcome)
 
     def _upload(self, job: dict[str, Any]) -> CopiedGeneration | None:
         """One job in the uploader process (castore.tiers.uploader), started if need be:
