@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from castore import Store
 from castore.chunkstore.base import Namespace
@@ -42,20 +43,64 @@ def put_object(store: Store, data: bytes) -> bytes:
 def latest_wires(
     store: Store, run: str, generation: int | str = "latest"
 ) -> tuple[Digest, Wire, list[Wire]]:
-    """A root of ``run`` (default the newest) and its shard manifests, as plain wire maps."""
+    """A root of ``run`` (default the newest) and its shard manifests, as plain wire maps.
+
+    The shards' entries are given as a list of maps each (``tensors``,
+    ``local_tensors``), as format 1 lays them out; :func:`publish_forged` writes them
+    back in the layout a mutation asks for."""
     digest, root = store.resolve_root(run, generation)
-    shards = [store.read_object(d, expect=TYPE_SHARD, run=run).to_wire() for d in root.shards]
+    shards = []
+    for d in root.shards:
+        shard = store.read_object(d, expect=TYPE_SHARD, run=run)
+        wire = shard.to_wire()
+        wire["tensors"] = [t.to_wire() for t in shard.tensors]
+        wire["local_tensors"] = [t.to_wire() for t in shard.local_tensors]
+        shards.append(wire)
     return digest, root.to_wire(), shards
 
 
-def publish_forged(store: Store, run: str, root_wire: Wire, shard_wires: list[Wire]) -> int:
-    """Write the shards and root as the run's next generation and advance the ref to it."""
+def table_of(entries: list[Wire]) -> Wire:
+    """Entry maps as a format-2 tensor table, whatever their values say (hostile ones too:
+    lists of another length, negative numbers, digests of the wrong size)."""
+
+    def i64(values: list[int]) -> bytes:
+        return np.asarray(values, dtype="<i8").tobytes()
+
+    return {
+        "chunk_size": i64([e["chunk_size"] for e in entries]),
+        "chunks": b"".join(c for e in entries for c in e["chunks"]),
+        "dtype": [e["dtype"] for e in entries],
+        "framework": [e["framework"] for e in entries],
+        "local_shape": i64([v for e in entries for v in e["local_shape"]]),
+        "name": [e["name"] for e in entries],
+        "nbytes": i64([e["nbytes"] for e in entries]),
+        "ndim": bytes(len(e["shape"]) for e in entries),
+        "offsets": i64([v for e in entries for v in e["offsets"]]),
+        "shape": i64([v for e in entries for v in e["shape"]]),
+    }
+
+
+LAYOUTS = ("table", "rows")
+
+
+def publish_forged(
+    store: Store, run: str, root_wire: Wire, shard_wires: list[Wire], layout: str = "table"
+) -> int:
+    """Write the shards and root as the run's next generation and advance the ref to it.
+
+    ``layout``: the shards' entries as a format-2 table (what castore writes) or as
+    format 1's list of maps (what it still reads)."""
     current = store.refs.read(run)
     assert current is not None
     parent = current.root
     generation = root_wire["generation"] = current.generation + 1
     for shard in shard_wires:
         shard["generation"] = generation
+        if layout == "rows":
+            shard["format"] = 1
+        elif isinstance(shard["tensors"], list):
+            shard["tensors"] = table_of(shard["tensors"])
+            shard["local_tensors"] = table_of(shard["local_tensors"])
     root_wire["shards"] = [put_object(store, _packed(s)) for s in shard_wires]
     root_wire["parent"] = parent.raw
     root_bytes = _packed(root_wire)
@@ -75,16 +120,17 @@ def forge_entry(
     *,
     rank: int = 0,
     base: int | str = "latest",
+    layout: str = "table",
 ) -> int:
     """Publish the next generation of ``run``: generation ``base`` with ``tensor``'s entry
-    (of ``rank``) mutated."""
+    (of ``rank``) mutated, its shards in ``layout`` (see :func:`publish_forged`)."""
     _, root, shards = latest_wires(store, run, base)
     root, shards = copy.deepcopy(root), copy.deepcopy(shards)
     entries = [e for e in shards[rank]["tensors"] if e["name"] == tensor]
     if not entries:
         raise KeyError(f"rank {rank} saved no box of {tensor!r}")
     mutate(entries[0])
-    return publish_forged(store, run, root, shards)
+    return publish_forged(store, run, root, shards, layout)
 
 
 def forge_root(store: Store, run: str, mutate: RootMutation) -> int:

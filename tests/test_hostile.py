@@ -12,16 +12,27 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 from cli_runner import run_cli
-from hostile import BAD_ENTRIES, forge_entry, forge_root, nested_tuple_payload
+from hostile import (
+    BAD_ENTRIES,
+    LAYOUTS,
+    forge_entry,
+    forge_root,
+    latest_wires,
+    nested_tuple_payload,
+    publish_forged,
+    table_of,
+)
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import castore
 import castore.dist
 from castore import Store
+from castore.chunkstore.base import Namespace
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -56,9 +67,12 @@ def saved(store: Store) -> Store:
 # -- inconsistent tensor entries -------------------------------------------------
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("case", sorted(BAD_ENTRIES))
-def test_inconsistent_entry_is_a_typed_error_for_every_reader(saved: Store, case: str) -> None:
-    forged = forge_entry(saved, RUN, TENSOR, BAD_ENTRIES[case])
+def test_inconsistent_entry_is_a_typed_error_for_every_reader(
+    saved: Store, case: str, layout: str
+) -> None:
+    forged = forge_entry(saved, RUN, TENSOR, BAD_ENTRIES[case], layout=layout)
     with pytest.raises(CastoreError):
         saved.load(RUN)
     with pytest.raises(CastoreError):
@@ -142,11 +156,11 @@ def _expected(entry_shape: tuple[int, ...], dtype: str) -> np.ndarray:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
-@given(changes=entry_mutations())
+@given(changes=entry_mutations(), layout=st.sampled_from(LAYOUTS))
 def test_random_inconsistent_entries_give_typed_errors_or_exact_bytes(
-    saved: Store, changes: dict[str, Any]
+    saved: Store, changes: dict[str, Any], layout: str
 ) -> None:
-    forged = forge_entry(saved, RUN, TENSOR, _apply(changes), base=1)
+    forged = forge_entry(saved, RUN, TENSOR, _apply(changes), base=1, layout=layout)
     _, root = saved.resolve_root(RUN, forged)
     readers = {
         "load": lambda: saved.load(RUN, forged)[TENSOR],
@@ -172,12 +186,18 @@ def test_random_inconsistent_entries_give_typed_errors_or_exact_bytes(
     assert root.generation == forged
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_property_catches_a_reader_that_skips_validation(
-    saved: Store, monkeypatch: pytest.MonkeyPatch
+    saved: Store, monkeypatch: pytest.MonkeyPatch, layout: str
 ) -> None:
     """Broken control: without the entry checks, a short entry returns bytes nobody wrote."""
     import castore.core.reading as reading_module
-    from castore.format.objects import TensorEntry
+    from castore.format.objects import EntryTable, TensorEntry
+
+    def unchecked(table: Any, n: int) -> Any:  # where each entry's digests start, no more
+        starts = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(-(-table._nbytes // table._chunk_size), out=starts[1:])
+        return starts
 
     allocate = reading_module.allocate
 
@@ -187,14 +207,105 @@ def test_the_property_catches_a_reader_that_skips_validation(
         return tensor, flat
 
     monkeypatch.setattr(TensorEntry, "check", lambda self: None)
+    monkeypatch.setattr(EntryTable, "_check", unchecked)
     monkeypatch.setattr(reading_module, "allocate", poisoned)
     forged = forge_entry(
-        saved, RUN, TENSOR, BAD_ENTRIES["nbytes and chunks smaller than the shape"]
+        saved, RUN, TENSOR, BAD_ENTRIES["nbytes and chunks smaller than the shape"], layout=layout
     )
     value = saved.load(RUN, forged)[TENSOR].tobytes()
     assert value[:1024] == ORIGINAL.tobytes()[:1024]
     assert value[1024:] == b"\xab" * (ORIGINAL.nbytes - 1024)  # the oracle above rejects this
     assert value != ORIGINAL.tobytes()
+
+
+# -- malformed tensor tables (format 2) ----------------------------------------------
+
+
+def _i64(*values: int) -> bytes:
+    return np.asarray(values, dtype="<i8").tobytes()
+
+
+BAD_TABLES: dict[str, tuple[Any, str]] = {
+    # name: (mutation of the shard's table, what the error says)
+    "a field missing": (lambda t: t.pop("ndim"), "table's fields"),
+    "a field too many": (lambda t: t.update(extra=b""), "table's fields"),
+    "more names than entries": (lambda t: t.update(name=[*t["name"], "x"]), "1 dtypes for 2"),
+    "a byte count too many": (lambda t: t.update(nbytes=t["nbytes"] + _i64(4)), "disagree"),
+    "fewer dtypes than names": (lambda t: t.update(dtype=t["dtype"][:-1]), "dtypes for"),
+    "a name that is not text": (lambda t: t.update(name=[b"w", *t["name"][1:]]), "strings"),
+    "a column that is not bytes": (lambda t: t.update(nbytes=[1]), "has type list"),
+    "a ragged integer column": (lambda t: t.update(shape=t["shape"] + b"\0"), "8-byte"),
+    "more dimensions than values": (lambda t: t.update(ndim=b"\x03" + t["ndim"][1:]), "rank"),
+    "65 dimensions": (
+        lambda t: t.update(
+            ndim=b"\x41",
+            shape=_i64(*[1] * 65),
+            offsets=_i64(*[0] * 65),
+            local_shape=_i64(*[1] * 65),
+        ),
+        "65 dimensions",
+    ),
+    "a box of 2**80 bytes": (
+        lambda t: t.update(shape=_i64(1 << 40, 1 << 40), local_shape=_i64(1 << 40, 1 << 40)),
+        "holds 4835703278458516698824704",
+    ),
+    "digests one byte short": (lambda t: t.update(chunks=t["chunks"][:-1]), "digests of 32"),
+    "a digest too many": (lambda t: t.update(chunks=t["chunks"] * 2), "digests of 32"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TABLES))
+def test_a_malformed_tensor_table_is_corrupt_for_every_reader(saved: Store, case: str) -> None:
+    mutate, message = BAD_TABLES[case]
+    _, root, shards = latest_wires(saved, RUN)
+    shards[0]["tensors"] = table_of(shards[0]["tensors"])
+    mutate(shards[0]["tensors"])
+    forged = publish_forged(saved, RUN, root, shards)
+    with pytest.raises(CorruptObjectError, match=message):
+        saved.load(RUN)
+    with pytest.raises(CorruptObjectError, match=message):
+        saved.read_slice(RUN, forged, TENSOR, np.s_[20:])
+    report = verify_store(saved, run=RUN, deep=True)
+    assert [p.generation for p in report.problems] == [forged], report.problems
+    restored = saved.restore(RUN, fallback="previous")
+    assert restored.generation.id == 1
+    np.testing.assert_array_equal(restored.state[TENSOR], ORIGINAL)
+
+
+def test_a_store_written_with_format_1_shards_reads_unchanged(saved: Store) -> None:
+    """Shards whose entries are lists of maps (every store before the table) still read."""
+    _, root, shards = latest_wires(saved, RUN)
+    old = publish_forged(saved, RUN, root, shards, layout="rows")
+    _, forged_root = saved.resolve_root(RUN, old)
+    data = saved.backend.get(Namespace.OBJECTS, forged_root.shards[0])
+    assert msgpack.unpackb(data)["format"] == 1
+    np.testing.assert_array_equal(saved.load(RUN, old)[TENSOR], ORIGINAL)
+    np.testing.assert_array_equal(saved.read_slice(RUN, old, TENSOR, np.s_[3:5]), ORIGINAL[3:5])
+    assert verify_store(saved, run=RUN, deep=True).ok
+    saved.save({TENSOR: ORIGINAL, "note": "intact"}, run=RUN, step=3)  # reuses every chunk
+    assert saved.generations(RUN)[-1].stats.new_chunks == 0
+
+
+def test_read_slice_decodes_only_the_entries_it_reads(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A partial read builds the one entry it needs, not one per tensor of the shard."""
+    from castore.format.objects import TensorEntry
+
+    state = {f"t{i}": np.full(4, i, dtype=np.float32) for i in range(50)}
+    store.save(state, run=RUN, step=1)
+    built: list[str] = []
+    trusted = TensorEntry.trusted.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: Any, name: str, *fields: Any) -> Any:
+        built.append(name)
+        return trusted(cls, name, *fields)
+
+    monkeypatch.setattr(TensorEntry, "trusted", classmethod(counting))
+    assert store.read_slice(RUN, 1, "t7", np.s_[1:3]).tolist() == [7.0, 7.0]
+    assert built == ["t7"]
+    store.load(RUN)
+    assert len(built) == 51  # a whole load builds every entry
 
 
 # -- nesting -------------------------------------------------------------------------

@@ -92,9 +92,11 @@ def count_object_reads(objects: int, nbytes: int) -> None:
 
 
 def verified_object(
-    backend: ChunkBackend, digest: bytes, *, expect: str, **where: Any
+    backend: ChunkBackend, digest: bytes, *, expect: str, only: str | None = None, **where: Any
 ) -> tuple[bytes, Any]:
-    """One manifest object's bytes, verified against its name, and what they decode to."""
+    """One manifest object's bytes, verified against its name, and what they decode to.
+
+    ``only``: of a shard, decode just that tensor's entries (decode_object)."""
     data = backend.get(Namespace.OBJECTS, digest)
     if data is None:
         raise ObjectMissingError(f"{expect} object {digest.hex()[:16]} is missing", **where)
@@ -105,7 +107,7 @@ def verified_object(
             f"{expect} object is damaged", expected=digest.hex(), actual=actual.hex(), **where
         )
     try:
-        return bytes(data), decode_object(data, expect=expect)
+        return bytes(data), decode_object(data, expect=expect, only=only)
     except (CorruptObjectError, FormatVersionError) as exc:
         raise type(exc)(f"{expect} object {digest.hex()[:16]}: {exc}", **where) from exc
 
@@ -123,8 +125,13 @@ def read_root(backend: ChunkBackend, digest: Digest, *, run: str) -> GenerationR
     return root
 
 
-def read_shards(backend: ChunkBackend, root: GenerationRoot) -> list[ShardManifest]:
-    """Every shard manifest ``root`` names, verified, each the manifest of its rank."""
+def read_shards(
+    backend: ChunkBackend, root: GenerationRoot, *, only: str | None = None
+) -> list[ShardManifest]:
+    """Every shard manifest ``root`` names, verified, each the manifest of its rank.
+
+    ``only``: each shard with just that tensor's entries decoded (a partial read:
+    its other entries are checked column-wise, never built)."""
     where = {"run": root.run, "generation": root.generation}
     if len(root.shards) != root.world_size:
         raise CorruptObjectError(
@@ -134,7 +141,9 @@ def read_shards(backend: ChunkBackend, root: GenerationRoot) -> list[ShardManife
         )
     shards: list[ShardManifest] = []
     for index, digest in enumerate(root.shards):
-        shard: ShardManifest = read_object(backend, digest, expect=TYPE_SHARD, shard=index, **where)
+        shard: ShardManifest = verified_object(
+            backend, digest, expect=TYPE_SHARD, only=only, shard=index, **where
+        )[1]
         if shard.run != root.run or shard.generation != root.generation:
             raise CorruptObjectError(
                 f"shard {index} belongs to {shard.run}@{shard.generation}", **where
@@ -479,7 +488,7 @@ def read_slice(
 ) -> Any:
     """``tensor[index]`` of one tensor ``root`` saved, reading only the chunks it overlaps."""
     check_framework(framework)
-    boxes = tensor_entries(backend, root).get(name)
+    boxes = tensor_entries(backend, root, read_shards(backend, root, only=name)).get(name)
     where = {"run": root.run, "generation": root.generation, "tensor": name}
     if not boxes:
         raise TensorNotFoundError(f"no tensor {name!r} in {root.run}@{root.generation}", **where)

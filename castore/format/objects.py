@@ -9,17 +9,24 @@ objects get equal names. See docs/FORMAT.md for the field reference.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 from castore.errors import CorruptObjectError, FormatVersionError
 from castore.format.dtypes import SUPPORTED_DTYPES, numpy_dtype
 from castore.format.hashing import Digest, digest_of
 from castore.format.tree import check_depth
 
-FORMAT_VERSION = 1
+# The newest object format this castore reads. Roots are written as format 1 (their
+# fields have not changed, so an older castore still lists them); shard manifests as
+# format 2, whose tensors are a table of columns (below) instead of a list of maps.
+FORMAT_VERSION = 2
+ROOT_FORMAT = 1
+SHARD_FORMAT = 2
 # Limits a manifest must keep; a file never chooses a size beyond them.
 MAX_DIMS = 64
 MAX_CHUNK_SIZE = 1 << 30
@@ -49,6 +56,34 @@ class TensorEntry:
     chunk_size: int
     chunks: tuple[bytes, ...]
     framework: str = "numpy"
+
+    @classmethod
+    def trusted(
+        cls,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        offsets: tuple[int, ...],
+        local_shape: tuple[int, ...],
+        nbytes: int,
+        chunk_size: int,
+        chunks: tuple[bytes, ...],
+        framework: str,
+    ) -> TensorEntry:
+        """An entry whose fields were checked together already (a decoded table)."""
+        entry = object.__new__(cls)
+        entry.__dict__.update(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            offsets=offsets,
+            local_shape=local_shape,
+            nbytes=nbytes,
+            chunk_size=chunk_size,
+            chunks=chunks,
+            framework=framework,
+        )
+        return entry
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -140,31 +175,49 @@ class ShardManifest:
 
     def to_wire(self) -> dict[str, Any]:
         return {
-            "format": FORMAT_VERSION,
+            "format": SHARD_FORMAT,
             "generation": self.generation,
             "local_state": self.local_state,
-            "local_tensors": [t.to_wire() for t in self.local_tensors],
+            "local_tensors": encode_table(self.local_tensors),
             "rank": self.rank,
             "run": self.run,
-            "tensors": [t.to_wire() for t in self.tensors],
+            "tensors": encode_table(self.tensors),
             "type": TYPE_SHARD,
             "writer": dict(sorted(self.writer.items())),
         }
 
     @classmethod
-    def from_wire(cls, wire: dict[str, Any]) -> ShardManifest:
+    def from_wire(cls, wire: dict[str, Any], *, only: str | None = None) -> ShardManifest:
+        """Decode a shard of format 1 (entries as maps) or 2 (entries as a table).
+
+        ``only``: decode just the entries of that global tensor and no rank-local
+        tensors (a partial read); the table is still checked whole, column-wise.
+        """
         writer = _typed(wire, "writer", dict)
         check_depth(writer, "shard field 'writer'", MAX_FIELD_DEPTH)
+        if wire.get("format") == 1:
+            tensors = tuple(TensorEntry.from_wire(t) for t in _typed(wire, "tensors", list))
+            if only is not None:
+                tensors = tuple(t for t in tensors if t.name == only)
+                local_tensors: tuple[TensorEntry, ...] = ()
+            else:
+                local_tensors = tuple(
+                    TensorEntry.from_wire(t) for t in _typed(wire, "local_tensors", list)
+                )
+        else:
+            table = EntryTable(_typed(wire, "tensors", dict))
+            tensors = table.entries() if only is None else table.named(only)
+            local_tensors = (
+                EntryTable(_typed(wire, "local_tensors", dict)).entries() if only is None else ()
+            )
         return cls(
             run=_typed(wire, "run", str),
             generation=_positive(wire, "generation"),
             rank=_non_negative(wire, "rank"),
-            tensors=tuple(TensorEntry.from_wire(t) for t in _typed(wire, "tensors", list)),
+            tensors=tensors,
             local_state=_typed(wire, "local_state", bytes),
             writer=writer,
-            local_tensors=tuple(
-                TensorEntry.from_wire(t) for t in _typed(wire, "local_tensors", list)
-            ),
+            local_tensors=local_tensors,
         )
 
 
@@ -191,7 +244,7 @@ class GenerationRoot:
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
             "data_order": dict(sorted(self.data_order.items())),
-            "format": FORMAT_VERSION,
+            "format": ROOT_FORMAT,
             "frameworks": dict(sorted(self.frameworks.items())),
             "generation": self.generation,
             "metadata": self.metadata,
@@ -258,6 +311,208 @@ class GenerationRoot:
         )
 
 
+# -- the tensor table (shard manifests of format 2) ------------------------------------
+#
+# A shard's entries as columns: per entry its name, dtype and framework (lists of str),
+# its number of dimensions (u8), its byte count and chunk size (i64 LE); per dimension
+# of every entry in order its global size, box offset and box size (i64 LE); per chunk
+# of every entry in order its digest (32 bytes). Decoding checks whole columns at once
+# (numpy), so one entry costs a few microseconds, not one Python object graph each.
+
+TABLE_KEYS = (
+    "chunk_size", "chunks", "dtype", "framework", "local_shape",
+    "name", "nbytes", "ndim", "offsets", "shape",
+)  # fmt: skip
+_I64 = np.dtype("<i8")
+# A box may hold at most this many bytes (checked in floating point first, so the
+# exact integer products below cannot overflow).
+MAX_BOX_BYTES = 1 << 61
+_ITEMSIZE = {name: numpy_dtype(name).itemsize for name in SUPPORTED_DTYPES}
+
+
+def encode_table(entries: Sequence[TensorEntry]) -> dict[str, Any]:
+    """The columns of ``entries``, keys in canonical (sorted) order."""
+    shape: list[int] = []
+    offsets: list[int] = []
+    local: list[int] = []
+    for e in entries:
+        shape += e.shape
+        offsets += e.offsets
+        local += e.local_shape
+    return {
+        "chunk_size": _i64_bytes([e.chunk_size for e in entries]),
+        "chunks": b"".join(c for e in entries for c in e.chunks),
+        "dtype": [e.dtype for e in entries],
+        "framework": [e.framework for e in entries],
+        "local_shape": _i64_bytes(local),
+        "name": [e.name for e in entries],
+        "nbytes": _i64_bytes([e.nbytes for e in entries]),
+        "ndim": bytes(len(e.shape) for e in entries),
+        "offsets": _i64_bytes(offsets),
+        "shape": _i64_bytes(shape),
+    }
+
+
+def _i64_bytes(values: list[int]) -> bytes:
+    return np.asarray(values, dtype=_I64).tobytes() if values else b""
+
+
+class EntryTable:
+    """A decoded, checked tensor table: entries are built only when asked for."""
+
+    __slots__ = ("names", "_dtypes", "_frameworks", "_ndim", "_dims", "_dim_start",
+                 "_nbytes", "_chunk_size", "_chunks", "_chunk_start")  # fmt: skip
+
+    def __init__(self, wire: Any) -> None:
+        if not isinstance(wire, dict) or sorted(wire) != list(TABLE_KEYS):
+            raise CorruptObjectError("tensor table does not have the table's fields")
+        names = _str_column(wire, "name")
+        n = len(names)
+        dtypes = _str_column(wire, "dtype", n)
+        frameworks = _str_column(wire, "framework", n)
+        ndim = np.frombuffer(_typed(wire, "ndim", bytes), dtype=np.uint8)
+        nbytes = _i64_column(wire, "nbytes")
+        chunk_size = _i64_column(wire, "chunk_size")
+        if not len(ndim) == len(nbytes) == len(chunk_size) == n:
+            raise CorruptObjectError(f"tensor table columns disagree on its {n} entries")
+        dims = [_i64_column(wire, key) for key in ("shape", "offsets", "local_shape")]
+        total_dims = int(ndim.sum(dtype=np.int64))
+        if any(len(column) != total_dims for column in dims):
+            raise CorruptObjectError(
+                f"tensor table has {[len(c) for c in dims]} shape, offset and box values "
+                f"where its entries' dimensions need {total_dims} each (rank mismatch)"
+            )
+        chunks = _typed(wire, "chunks", bytes)
+        self.names, self._dtypes, self._frameworks = names, dtypes, frameworks
+        self._ndim, self._dims, self._nbytes, self._chunk_size = ndim, dims, nbytes, chunk_size
+        self._chunks = chunks
+        self._dim_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(ndim, out=self._dim_start[1:])
+        self._chunk_start = self._check(n)
+
+    def _check(self, n: int) -> Any:
+        """Every entry's fields agree (as TensorEntry.check), checked column-wise.
+
+        Returns where each entry's chunk digests start (n + 1 offsets, in digests)."""
+        names, dtypes, frameworks = self.names, self._dtypes, self._frameworks
+        if n and not all(names):
+            return self._fail(names.index(""), "has an empty name")
+        unknown = set(dtypes) - SUPPORTED_DTYPES
+        if unknown:
+            dtype = next(d for d in dtypes if d in unknown)
+            return self._fail(dtypes.index(dtype), f"has unknown dtype {dtype!r}")
+        unknown = set(frameworks) - set(FRAMEWORKS)
+        if unknown:
+            framework = next(f for f in frameworks if f in unknown)
+            return self._fail(frameworks.index(framework), f"has unknown framework {framework!r}")
+        too_deep = np.flatnonzero(self._ndim > MAX_DIMS)
+        if len(too_deep):
+            i = int(too_deep[0])
+            return self._fail(i, f"has {int(self._ndim[i])} dimensions (at most {MAX_DIMS})")
+        shape, offsets, local = self._dims
+        owner = np.repeat(np.arange(n), self._ndim)  # the entry of every dimension value
+        bad = np.flatnonzero(shape < 0)
+        if len(bad):
+            i = int(owner[bad[0]])
+            return self._fail(i, f"has a negative dimension in shape {list(self._of(0, i))}")
+        bad = np.flatnonzero((offsets < 0) | (local < 0) | (local > shape - offsets))
+        if len(bad):
+            return self._fail(int(owner[bad[0]]), "box outside its shape")
+        bad = np.flatnonzero((self._chunk_size <= 0) | (self._chunk_size > MAX_CHUNK_SIZE))
+        if len(bad):
+            i = int(bad[0])
+            return self._fail(
+                i, f"has chunk size {int(self._chunk_size[i])} (1 to {MAX_CHUNK_SIZE})"
+            )
+        itemsize = np.fromiter((_ITEMSIZE[d] for d in dtypes), dtype=np.int64, count=n)
+        # Elements per box: products over each entry's dimensions, 1 for a scalar. In
+        # floating point first: a box past MAX_BOX_BYTES is refused before the exact
+        # product (which then cannot overflow) is taken.
+        has_dims = self._ndim > 0
+        starts = self._dim_start[:-1][has_dims]
+        rough = np.ones(n, dtype=np.float64)
+        exact = np.ones(n, dtype=np.int64)
+        if len(starts):
+            rough[has_dims] = np.multiply.reduceat(local.astype(np.float64), starts)
+        rough *= itemsize
+        bad = np.flatnonzero(rough >= MAX_BOX_BYTES)
+        if len(bad):
+            i = int(bad[0])
+            holds = math.prod(self._of(2, i)) * _ITEMSIZE[dtypes[i]]
+            return self._fail(i, f"says {int(self._nbytes[i])} bytes, its box of {dtypes[i]} "
+                              f"holds {holds}")  # fmt: skip
+        if len(starts):
+            exact[has_dims] = np.multiply.reduceat(local, starts)
+        exact *= itemsize
+        bad = np.flatnonzero(self._nbytes != exact)
+        if len(bad):
+            i = int(bad[0])
+            return self._fail(i, f"says {int(self._nbytes[i])} bytes, its box of {dtypes[i]} "
+                              f"holds {int(exact[i])}")  # fmt: skip
+        counts = -(-self._nbytes // self._chunk_size)
+        chunk_start = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(counts, out=chunk_start[1:])
+        listed, rest = divmod(len(self._chunks), 32)
+        if rest or listed != int(chunk_start[-1]):
+            raise CorruptObjectError(
+                f"tensor table lists {len(self._chunks)} bytes of chunk digests, its entries "
+                f"need {int(chunk_start[-1])} digests of 32 bytes"
+            )
+        return chunk_start
+
+    def _of(self, column: int, i: int) -> tuple[int, ...]:
+        start, stop = int(self._dim_start[i]), int(self._dim_start[i + 1])
+        return tuple(self._dims[column][start:stop].tolist())
+
+    def _fail(self, i: int, problem: str) -> Any:
+        raise CorruptObjectError(f"tensor entry {problem}", tensor=self.names[i])
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def entries(self, indices: Iterable[int] | None = None) -> tuple[TensorEntry, ...]:
+        """The entries at ``indices`` (default all), in order."""
+        shape, offsets, local = (column.tolist() for column in self._dims)
+        dim_start = self._dim_start.tolist()
+        chunk_start = (self._chunk_start * 32).tolist()
+        chunks, nbytes, chunk_size = self._chunks, self._nbytes.tolist(), self._chunk_size.tolist()
+        new = TensorEntry.trusted
+        return tuple(
+            new(
+                self.names[i],
+                self._dtypes[i],
+                tuple(shape[dim_start[i] : dim_start[i + 1]]),
+                tuple(offsets[dim_start[i] : dim_start[i + 1]]),
+                tuple(local[dim_start[i] : dim_start[i + 1]]),
+                nbytes[i],
+                chunk_size[i],
+                tuple(chunks[at : at + 32] for at in range(chunk_start[i], chunk_start[i + 1], 32)),
+                self._frameworks[i],
+            )
+            for i in (range(len(self.names)) if indices is None else indices)
+        )
+
+    def named(self, name: str) -> tuple[TensorEntry, ...]:
+        """The entries of tensor ``name`` (none if this shard holds no box of it)."""
+        return self.entries([i for i, n in enumerate(self.names) if n == name])
+
+
+def _str_column(wire: dict[str, Any], key: str, count: int | None = None) -> list[str]:
+    values: list[str] = _typed(wire, key, list)
+    if count is not None and len(values) != count:
+        raise CorruptObjectError(f"tensor table has {len(values)} {key}s for {count} entries")
+    if not set(map(type, values)) <= {str}:
+        raise CorruptObjectError(f"tensor table column {key!r} must hold strings")
+    return values
+
+
+def _i64_column(wire: dict[str, Any], key: str) -> Any:
+    data = _typed(wire, key, bytes)
+    if len(data) % 8:
+        raise CorruptObjectError(f"tensor table column {key!r} is not whole 8-byte integers")
+    return np.frombuffer(data, dtype=_I64).astype(np.int64)  # native order, its own copy
+
+
 AnyObject = GenerationRoot | ShardManifest
 _DECODERS: dict[str, Any] = {TYPE_ROOT: GenerationRoot, TYPE_SHARD: ShardManifest}
 
@@ -271,8 +526,13 @@ def object_digest(data: bytes) -> Digest:
     return digest_of(data)
 
 
-def decode_object(data: bytes | memoryview, *, expect: str | None = None) -> AnyObject:
-    """Decode and validate an object's bytes; the caller has checked the digest."""
+def decode_object(
+    data: bytes | memoryview, *, expect: str | None = None, only: str | None = None
+) -> AnyObject:
+    """Decode and validate an object's bytes; the caller has checked the digest.
+
+    ``only`` (shards): decode the entries of that one tensor (ShardManifest.from_wire).
+    """
     try:
         wire = msgpack.unpackb(bytes(data), raw=False, strict_map_key=True)
     except (ValueError, msgpack.ExtraData, msgpack.FormatError, msgpack.StackError) as exc:
@@ -280,7 +540,7 @@ def decode_object(data: bytes | memoryview, *, expect: str | None = None) -> Any
     if not isinstance(wire, dict):
         raise CorruptObjectError("object is not a msgpack map")
     version = wire.get("format")
-    if not isinstance(version, int):
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise CorruptObjectError("object has no format version")
     if version > FORMAT_VERSION:
         raise FormatVersionError(
@@ -291,7 +551,10 @@ def decode_object(data: bytes | memoryview, *, expect: str | None = None) -> Any
     if not isinstance(kind, str) or kind not in _DECODERS or (expect not in (None, kind)):
         raise CorruptObjectError(f"object type is {kind!r}, expected {expect or 'a known type'}")
     try:
-        obj: AnyObject = _DECODERS[kind].from_wire(wire)
+        if only is not None and kind == TYPE_SHARD:
+            obj: AnyObject = ShardManifest.from_wire(wire, only=only)
+        else:
+            obj = _DECODERS[kind].from_wire(wire)
     except (KeyError, TypeError, ValueError) as exc:
         raise CorruptObjectError(f"malformed {kind} object: {exc}") from exc
     return obj
