@@ -394,3 +394,15 @@ def test_a_chunk_another_process_indexes_first_keeps_its_copy(tmp_path: Path) ->
         assert got == [v for _, v in items]
     finally:
         backend.close()
+
+
+def test_one_batchs_index_entries_grow_a_full_map(tmp_path: Path) -> None:
+    backend = lmdb_backend.LmdbBackend(tmp_path / "chunks", map_size=1 << 20)
+    try:
+        values = [i.to_bytes(8, "little") * 4 for i in range(20_000)]  # ~2 MB of index
+        items = [(digest_bytes(v), v) for v in values]
+        assert backend.put_many(Namespace.CHUNKS, items).written == len(items)
+        assert backend.map_size > 1 << 20
+        assert all(backend.has_many(Namespace.CHUNKS, [k for k, _ in items]))
+    finally:
+        backend.close()
