@@ -24,7 +24,9 @@ import castore
 import castore.chunkstore.lmdb.backend as lmdb_backend
 from castore import Store
 from castore.chunkstore.base import Namespace
+from castore.chunkstore.packfile import scan_pack
 from castore.errors import ChecksumMismatchError, ChunkMissingError, IntegrityError, StoreError
+from castore.format.hashing import digest_bytes
 from castore.gc import RetentionPolicy, collect_garbage
 from castore.verify import verify_store
 
@@ -88,6 +90,9 @@ def test_save_killed_between_pack_and_index_loses_nothing(tmp_path: Path) -> Non
 
     orphans = packs(path) - before
     assert len(orphans) == 1  # the kill landed after the new pack was written
+    (orphan,) = orphans
+    scan = scan_pack(path / "chunks" / "packs" / orphan, 0)
+    assert [r.length for r in scan.records] == [CHUNK] * 4 and not scan.notes  # all of it
     with castore.open(path) as store:
         assert orphans.isdisjoint(named_packs(store))  # ...and before the index named it
         assert [g.id for g in store.generations(RUN)] == [1]
@@ -220,18 +225,184 @@ def test_a_full_disk_while_writing_a_pack_raises_and_loses_nothing(
 
         def writev(fd: int, buffers: list[memoryview]) -> int:
             calls[0] += 1
-            if calls[0] > 3:  # the header and two records got out
+            if calls[0] > 1:
                 raise OSError(errno.ENOSPC, "No space left on device")
-            return real_writev(fd, buffers)
+            # The four new records go out in one writev: a short write, the first
+            # record and half of the second, then the disk is full.
+            return real_writev(fd, [*buffers[:3], buffers[3][: CHUNK // 2]])
 
         monkeypatch.setattr(lmdb_backend.os, "writev", writev)
         with pytest.raises(StoreError, match="cannot write a chunk pack: No space left"):
             store.save(state(0, x_seed=9), run=RUN, step=2)
         monkeypatch.undo()
-        assert calls[0] == 4
+        assert calls[0] == 2
         assert packs(path) == before  # the partial pack was removed
         assert [g.id for g in store.generations(RUN)] == [1]
         assert_state_equal(store.load(RUN), state(1))
         assert verify_store(store, deep=True).ok
         gen = store.save(state(0, x_seed=9), run=RUN, step=2)  # space came back
         assert gen.id == 2 and gen.new_bytes == 4 * CHUNK
+
+
+def small_chunks(count: int, size: int = 100) -> list[tuple[bytes, bytes]]:
+    values = [bytes([i % 251]) * size + i.to_bytes(4, "little") for i in range(count)]
+    return [(digest_bytes(v), v) for v in values]
+
+
+def _index_matches_pack(
+    backend: lmdb_backend.LmdbBackend, items: list[tuple[bytes, bytes]]
+) -> None:
+    """Every item reads back intact, from where a scan of its one pack finds its record."""
+    got: list[bytes | None] = []
+    backend.read_many(
+        Namespace.CHUNKS,
+        [k for k, _ in items],
+        lambda values: got.extend(None if v is None else bytes(v) for v in values),
+    )
+    assert got == [v for _, v in items]
+    places = [backend.locate(key) for key, _ in items]
+    (pack,) = {where.pack for where in places if where is not None}
+    scan = scan_pack(backend.pack_path(pack), pack)
+    assert not scan.notes
+    indexed = {(k, w.offset, w.length) for (k, _), w in zip(items, places, strict=True) if w}
+    assert {(r.digest, r.offset, r.length) for r in scan.records} == indexed
+    assert [w.length if w else None for w in places] == [len(v) for _, v in items]
+
+
+def test_small_chunks_go_to_the_pack_together_in_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_writev = os.writev
+    calls: list[int] = []
+
+    def writev(fd: int, buffers: list[memoryview]) -> int:
+        calls.append(len(buffers))
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(lmdb_backend.os, "writev", writev)
+    backend = lmdb_backend.LmdbBackend(tmp_path / "chunks")
+    try:
+        items = small_chunks(300)
+        result = backend.put_many(Namespace.CHUNKS, iter(items))
+        assert (result.written, result.written_bytes) == (300, 300 * 104)
+        # 600 pieces (a header and a chunk each): two writev calls of at most 512 pieces.
+        assert calls == [512, 88]
+        _index_matches_pack(backend, items)
+    finally:
+        backend.close()
+
+
+def test_a_short_writev_is_resumed_where_it_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_writev = os.writev
+    calls = [0]
+
+    def writev(fd: int, buffers: list[memoryview]) -> int:
+        calls[0] += 1
+        assert calls[0] < 1000, "the pack writer does not advance past what was written"
+        first = memoryview(buffers[0]).cast("B")
+        return real_writev(fd, [first[: max(1, first.nbytes // 3)]])  # a third of one piece
+
+    monkeypatch.setattr(lmdb_backend.os, "writev", writev)
+    backend = lmdb_backend.LmdbBackend(tmp_path / "chunks")
+    try:
+        items = small_chunks(5) + [(digest_bytes(b"x" * 5000), b"x" * 5000)]
+        assert backend.put_many(Namespace.CHUNKS, items).written == 6
+        _index_matches_pack(backend, items)
+    finally:
+        backend.close()
+
+
+def test_a_pack_is_written_and_synced_before_the_index_names_its_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    events: list[str] = []
+    real_writev, real_datasync = os.writev, lmdb_backend._datasync
+    real_fsync_dir, real_txn = lmdb_backend.fsync_dir, lmdb_backend.LmdbBackend._write_txn
+
+    def writev(fd: int, buffers: list[memoryview]) -> int:
+        events.append("write")
+        return real_writev(fd, buffers)
+
+    def datasync(fd: int) -> None:
+        events.append("datasync")
+        real_datasync(fd)
+
+    def fsync_dir(path: Path) -> None:
+        events.append("fsync dir")
+        real_fsync_dir(path)
+
+    def write_txn(self: lmdb_backend.LmdbBackend, work: object) -> object:
+        events.append("index commit")
+        return real_txn(self, work)
+
+    monkeypatch.setattr(lmdb_backend.os, "writev", writev)
+    monkeypatch.setattr(lmdb_backend, "_datasync", datasync)
+    monkeypatch.setattr(lmdb_backend, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(lmdb_backend.LmdbBackend, "_write_txn", write_txn)
+    backend = lmdb_backend.LmdbBackend(tmp_path / "chunks")
+    try:
+        big = b"y" * (2 << 20)
+        items = [(digest_bytes(big), big), *small_chunks(3)]
+        backend.put_many(Namespace.CHUNKS, items)
+    finally:
+        backend.close()
+    # The big chunk goes out at once, the small ones queued after it when the
+    # pack is finished: both before the sync.
+    assert events == ["write", "write", "datasync", "fsync dir", "index commit"]
+
+
+PUT_ONE = """
+import sys
+from castore.chunkstore.base import Namespace
+from castore.chunkstore.lmdb.backend import LmdbBackend
+from castore.format.hashing import digest_bytes
+value = bytes.fromhex(sys.argv[2])
+backend = LmdbBackend(sys.argv[1])
+assert backend.put_many(Namespace.CHUNKS, [(digest_bytes(value), value)]).written == 1
+backend.close()
+"""
+
+
+def test_a_chunk_another_process_indexes_first_keeps_its_copy(tmp_path: Path) -> None:
+    items = small_chunks(4)
+    contested_key, contested = items[2]
+
+    def racing() -> Iterator[tuple[bytes, bytes]]:
+        for key, value in items:
+            if key == contested_key:  # after this put's snapshot, before its commit
+                subprocess.run(
+                    [sys.executable, "-c", PUT_ONE, str(tmp_path / "chunks"), contested.hex()],
+                    check=True,
+                    timeout=120,
+                )
+            yield key, value
+
+    backend = lmdb_backend.LmdbBackend(tmp_path / "chunks")
+    try:
+        result = backend.put_many(Namespace.CHUNKS, racing())
+        assert (result.written, result.written_bytes, result.already_present) == (3, 3 * 104, 1)
+        theirs, ours = backend.locate(contested_key), backend.locate(items[0][0])
+        assert theirs is not None and ours is not None and theirs.pack != ours.pack
+        got: list[bytes | None] = []
+        backend.read_many(
+            Namespace.CHUNKS,
+            [k for k, _ in items],
+            lambda values: got.extend(None if v is None else bytes(v) for v in values),
+        )
+        assert got == [v for _, v in items]
+    finally:
+        backend.close()
+
+
+def test_one_batchs_index_entries_grow_a_full_map(tmp_path: Path) -> None:
+    backend = lmdb_backend.LmdbBackend(tmp_path / "chunks", map_size=1 << 20)
+    try:
+        values = [i.to_bytes(8, "little") * 4 for i in range(20_000)]  # ~2 MB of index
+        items = [(digest_bytes(v), v) for v in values]
+        assert backend.put_many(Namespace.CHUNKS, items).written == len(items)
+        assert backend.map_size > 1 << 20
+        assert all(backend.has_many(Namespace.CHUNKS, [k for k, _ in items]))
+    finally:
+        backend.close()

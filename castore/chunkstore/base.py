@@ -95,7 +95,11 @@ class ChunkBackend(abc.ABC):
 
     @abc.abstractmethod
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
-        """Store each (key, value) durably unless the key is present; one commit."""
+        """Store each (key, value) durably unless the key is present; one commit.
+
+        ``items`` may be lazy; a value's buffer must stay valid and unchanged
+        until this returns (backends may write several values together).
+        """
 
     @abc.abstractmethod
     def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import os
 import threading
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
-from itertools import chain
+from itertools import chain, pairwise
 
 import numpy as np
 
@@ -81,18 +82,20 @@ def shared_pool() -> ThreadPoolExecutor:
 # -- save ---------------------------------------------------------------------
 
 
-def _cut(leaves: Sequence[TensorLeaf], chunk_size: int) -> list[tuple[int, memoryview]]:
-    """(leaf index, chunk) for every chunk of every leaf: views of the leaves' buffers."""
-    pieces: list[tuple[int, memoryview]] = []
-    for index, leaf in enumerate(leaves):
+def _cut(leaves: Sequence[TensorLeaf], chunk_size: int) -> tuple[list[memoryview], list[int]]:
+    """Every chunk of every leaf in order (views of the leaves' buffers), and for each
+    leaf the index after its last chunk."""
+    views: list[memoryview] = []
+    ends: list[int] = []
+    for leaf in leaves:
         flat = memoryview(leaf.data)  # type: ignore[arg-type]  # ndarray exports a buffer
-        if 0 < flat.nbytes <= chunk_size:
-            pieces.append((index, flat))
-        else:
-            pieces += [
-                (index, flat[at : at + chunk_size]) for at in range(0, flat.nbytes, chunk_size)
-            ]
-    return pieces
+        size = flat.nbytes
+        if 0 < size <= chunk_size:
+            views.append(flat)
+        elif size:
+            views += [flat[at : at + chunk_size] for at in range(0, size, chunk_size)]
+        ends.append(len(views))
+    return views, ends
 
 
 def _hash_run(pieces: list[memoryview]) -> list[bytes]:
@@ -161,30 +164,25 @@ def write_leaves(
     when some of the leaves' chunks are durable and no manifest yet names them.
     ``bar`` counts each chunk's bytes as the backend takes it.
     """
-    pieces = _cut(leaves, chunk_size)
-    views = [piece for _, piece in pieces]
-    digests: list[list[bytes]] = [[] for _ in leaves]
+    views, ends = _cut(leaves, chunk_size)
     stats = WriteStats(logical_bytes=sum(leaf.data.nbytes for leaf in leaves))
-    pool = shared_pool()
-    hashing = [pool.submit(_hash_run, run) for run in _pool_runs(views)]
+    chunks = _HashedChunks(views, shared_pool(), bar)
     try:
-        hashed = zip(pieces, _in_order(views, hashing), strict=True)
-        handed = 0  # chunks given to the backend so far
-        while handed < len(pieces):
+        while chunks.handed < len(views):
             # The backend takes each chunk as its digest arrives, so writing
             # overlaps the hashing of the chunks after it.
-            result = backend.put_many(Namespace.CHUNKS, _batch(hashed, digests, bar))
-            taken = sum(map(len, digests)) - handed
+            before = chunks.handed
+            result = backend.put_many(Namespace.CHUNKS, chunks.batch(WRITE_BATCH_BYTES))
+            taken = chunks.handed - before
             if not taken:
                 raise RuntimeError("chunk backend returned without taking any chunk")
-            handed += taken
             stats.new_chunks += result.written
             stats.new_bytes += result.written_bytes
             stats.reused_chunks += taken - result.written
             fault_point(midway_fault)
     finally:
-        for future in hashing:
-            future.cancel()  # a failed save stops hashing what it will not write
+        chunks.cancel()  # a failed save stops hashing what it will not write
+    digests = chunks.digests
     entries = [
         TensorEntry(
             name=leaf.name,
@@ -194,27 +192,74 @@ def write_leaves(
             local_shape=leaf.local_shape,
             nbytes=leaf.data.nbytes,
             chunk_size=chunk_size,
-            chunks=tuple(digests[index]),
+            chunks=tuple(digests[start:end]),
             framework=leaf.framework,
         )
-        for index, leaf in enumerate(leaves)
+        for leaf, (start, end) in zip(leaves, pairwise([0, *ends]), strict=True)
     ]
     return entries, stats
 
 
-def _batch(
-    hashed: Iterator[tuple[tuple[int, memoryview], bytes]], digests: list[list[bytes]], bar: Bar
-) -> Iterator[tuple[bytes, memoryview]]:
-    """Yield (digest, piece) until ``WRITE_BATCH_BYTES`` are out, recording each digest."""
+def _index_runs(views: Sequence[memoryview]) -> Iterator[list[int]]:
+    """The indices of the views the pool hashes, in order, in runs of about ``TASK_BYTES``."""
+    run: list[int] = []
     size = 0
-    for (index, piece), digest in hashed:
-        digests[index].append(digest)
-        size += piece.nbytes
-        if bar:
-            bar.update(piece.nbytes)
-        yield digest, piece
-        if size >= WRITE_BATCH_BYTES:
-            return
+    for index, view in enumerate(views):
+        if view.nbytes < INLINE_BYTES:
+            continue
+        run.append(index)
+        size += view.nbytes
+        if size >= TASK_BYTES:
+            yield run
+            run, size = [], 0
+    if run:
+        yield run
+
+
+def _hash_into(views: Sequence[memoryview], run: list[int], digests: list[bytes]) -> None:
+    for index in run:
+        digests[index] = digest_bytes(views[index], threads=1)
+
+
+class _HashedChunks:
+    """A save's chunks in order with their digests, handed to the backend batch by batch.
+
+    ``digests`` has one slot per chunk, filled in place: the pool fills the
+    big chunks' slots ahead, in runs (one task and one wait per run, not per
+    chunk); the small chunks' are hashed here as they are reached. ``handed``
+    counts the chunks given to the backend so far.
+    """
+
+    def __init__(self, views: list[memoryview], pool: ThreadPoolExecutor, bar: Bar) -> None:
+        self.views = views
+        self.digests: list[bytes] = [b""] * len(views)
+        self.handed = 0
+        self.bar = bar
+        self.hashing: deque[Future[None]] = deque(
+            pool.submit(_hash_into, views, run, self.digests) for run in _index_runs(views)
+        )
+
+    def batch(self, limit: int) -> Iterator[tuple[bytes, memoryview]]:
+        """(digest, chunk) from the first chunk not handed yet until ``limit`` bytes are out."""
+        views, digests, bar = self.views, self.digests, self.bar
+        size = 0
+        for index in range(self.handed, len(views)):
+            view = views[index]
+            if view.nbytes < INLINE_BYTES:
+                digests[index] = digest_bytes(view, threads=1)
+            while not digests[index]:  # its run is not done: wait for the runs up to it
+                self.hashing.popleft().result()
+            self.handed = index + 1
+            size += view.nbytes
+            if bar:
+                bar.update(view.nbytes)
+            yield digests[index], view
+            if size >= limit:
+                return
+
+    def cancel(self) -> None:
+        for future in self.hashing:
+            future.cancel()
 
 
 # -- load ---------------------------------------------------------------------

@@ -93,6 +93,9 @@ class _Encoder:
         self.leaves: list[TensorLeaf] = []
         self.names: set[str] = set()
         self.rank_local: dict[str, Any] = {}
+        self.plain_torch = _plain_torch()
+        self.plain_torch_types = () if self.plain_torch is None else self.plain_torch.types
+        self.packer = msgpack.Packer(use_bin_type=True, use_single_float=False)
 
     def encode(self, value: Any, path: str, depth: int = 0) -> Any:
         if depth > MAX_DEPTH:
@@ -101,6 +104,8 @@ class _Encoder:
                 "flatten the state",
                 key_path=path,
             )
+        if type(value) in self.plain_torch_types:  # the common leaf first
+            return self._tensor(value, path)
         if isinstance(value, (Shard, RankLocal)):
             return self._marker(value, path)
         if isinstance(value, (np.str_, np.bytes_)):
@@ -177,11 +182,11 @@ class _Encoder:
         if name in self.names:
             raise UnsupportedValueError(f"two tensors map to the name {name!r}", key_path=path)
         self.names.add(name)
-        leaf = (
-            _numpy_leaf(value, name)
-            if isinstance(value, np.ndarray)
-            else _torch_leaf(value, name, self.defer_device)
-        )
+        if isinstance(value, np.ndarray):
+            leaf = _numpy_leaf(value, name)
+        else:
+            plain = self.plain_torch and _plain_torch_leaf(value, name, self.plain_torch)
+            leaf = plain or _torch_leaf(value, name, self.defer_device)
         if shard is not None:
             leaf = TensorLeaf(
                 name=name,
@@ -195,12 +200,88 @@ class _Encoder:
                 device_bytes=leaf.device_bytes,
             )
         self.leaves.append(leaf)
-        return msgpack.ExtType(EXT_TENSOR, _pack([name, leaf.framework]))
+        # The same bytes as _pack's (a reused Packer skips building one per tensor).
+        return msgpack.ExtType(EXT_TENSOR, self.packer.pack([name, leaf.framework]))
 
 
 def _is_torch_tensor(value: Any) -> bool:
     torch = sys.modules.get("torch")  # never import torch just to look
     return torch is not None and isinstance(value, torch.Tensor)
+
+
+@dataclass(frozen=True)
+class _PlainTorch:
+    """What the fast path for plain CPU tensors compares against (see _plain_torch_leaf).
+
+    ``types``: exactly these, no subclass (a subclass may override what the
+    checks rely on). ``dtypes``: torch dtype -> (castore name, the dtype of the
+    same size to view it as for ``.numpy()``, or None where numpy has the type).
+    """
+
+    types: tuple[type, ...]
+    dtypes: dict[Any, tuple[str, Any]]
+    strided: Any
+
+
+_PLAIN_TORCH: list[_PlainTorch] = []  # built once, on first use with torch imported
+
+
+def _plain_torch() -> _PlainTorch | None:
+    torch = sys.modules.get("torch")  # never import torch just to look
+    if torch is None:
+        return None
+    if not _PLAIN_TORCH:
+        dtypes = {}
+        for name in SUPPORTED_DTYPES:
+            dtype = getattr(torch, name, None)
+            stand_in = _numpy_stand_in(torch, dtype) if isinstance(dtype, torch.dtype) else None
+            if stand_in is not None:
+                dtypes[dtype] = (name, None if stand_in == dtype else stand_in)
+        _PLAIN_TORCH.append(_PlainTorch((torch.Tensor, torch.nn.Parameter), dtypes, torch.strided))
+    return _PLAIN_TORCH[0]
+
+
+def _numpy_stand_in(torch: Any, dtype: Any) -> Any:
+    """``dtype`` itself if numpy has it, else a numpy-known integer type of its size
+    (bfloat16: int16), else None (the fast path then leaves ``dtype`` alone)."""
+    probe = torch.empty(0, dtype=dtype)
+    try:
+        probe.numpy()
+        return dtype
+    except (TypeError, RuntimeError):  # "Got unsupported ScalarType"
+        return {1: torch.uint8, 2: torch.int16, 4: torch.int32}.get(probe.element_size())
+
+
+def _plain_torch_leaf(tensor: Any, name: str, plain: _PlainTorch) -> TensorLeaf | None:
+    """A leaf viewing a plain CPU tensor's memory as it is, or None for the general path.
+
+    Plain: on the CPU, dense, contiguous, no conjugate or negative bit, not
+    nested, not empty, of a dtype castore stores (quantized ones are not
+    among them). For such a tensor the general path's ``detach``,
+    ``.to("cpu")``, ``resolve_conj``, ``resolve_neg`` and ``contiguous`` each
+    return a view of the same memory, so this leaf holds the same bytes;
+    every other tensor, each one the general path refuses included, takes
+    that path.
+    """
+    kind = plain.dtypes.get(tensor.dtype)
+    if (
+        kind is None
+        or not tensor.is_cpu
+        or tensor.layout is not plain.strided
+        or tensor.is_nested
+        or not tensor.is_contiguous()
+        or tensor.is_neg()
+        or tensor.is_conj()
+        or not tensor.numel()
+    ):
+        return None
+    if tensor.requires_grad:
+        tensor = tensor.detach()
+    dtype, view_as = kind
+    array = (tensor if view_as is None else tensor.view(view_as)).numpy()
+    shape = tuple(tensor.shape)
+    flat = array.reshape(-1).view(np.uint8)
+    return TensorLeaf(name, dtype, shape, flat, "torch", (0,) * len(shape), shape)
 
 
 def _numpy_leaf(array: np.ndarray, name: str) -> TensorLeaf:
@@ -252,13 +333,17 @@ def torch_bytes(tensor: Any) -> np.ndarray:
     """A flat uint8 view of a contiguous CPU tensor's memory.
 
     An empty tensor may have zero strides (``torch.from_numpy(np.zeros(0))``),
-    which torch refuses to view as bytes; it has no bytes to view.
+    which torch refuses to view as bytes; it has no bytes to view. A lone
+    element is contiguous whatever its stride (``x[::2]`` of two elements),
+    but torch views as bytes only a stride of 1: it is given that stride.
     """
     import torch
 
-    if tensor.numel() == 0:
+    count = tensor.numel()
+    if count == 0:
         return np.empty(0, dtype=np.uint8)
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    flat = tensor.reshape(-1) if count > 1 else tensor.as_strided((1,), (1,))
+    return flat.view(torch.uint8).numpy()
 
 
 def _pack(value: Any) -> bytes:

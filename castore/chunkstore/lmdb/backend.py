@@ -93,6 +93,9 @@ _PACK_HEADER, _RECORD_HEADER = PACK_HEADER, RECORD_HEADER
 # chunk_index value: length, pack id, offset of the chunk's first byte in the pack.
 _LOCATION = struct.Struct("<QQQ")
 _IOV_MAX = 512  # pieces per writev call (two iovecs per record)
+# A pack writer writes its queued records once they hold this many chunk bytes:
+# small chunks go out many to one writev, a chunk this large at once.
+_QUEUE_BYTES = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -309,11 +312,13 @@ class LmdbBackend(ChunkBackend):
     def _put_chunks(self, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
         """Append the absent chunks to a new pack, sync it, then index them in one commit.
 
-        ``items`` may be lazy (a hashing pipeline): each chunk is written as it comes.
+        ``items`` may be lazy (a hashing pipeline): each chunk is queued for the
+        pack as it comes, and written with the ones before it once they add up
+        (see _PackWriter); a value's buffer must stay unchanged until this returns.
         """
         with self._lock:
             present = 0
-            written: dict[bytes, PackLocation] = {}
+            located: dict[bytes, bytes] = {}  # each new chunk's chunk_index value
             writer: _PackWriter | None = None
             # One read transaction answers the presence of every chunk of the batch.
             snapshot = self._begin(write=False, buffers=True)
@@ -321,12 +326,12 @@ class LmdbBackend(ChunkBackend):
                 index = snapshot.cursor(db=self._index)
                 for key, value in items:
                     key = bytes(key)
-                    if key in written or index.set_key(key):
+                    if key in located or index.set_key(key):
                         present += 1
                         continue
                     if writer is None:
                         writer = _PackWriter.create(self.pack_dir)
-                    written[key] = writer.add(key, value)
+                    located[key] = writer.append(key, value)
                 if writer is not None:
                     writer.finish()
             except OSError as exc:
@@ -344,23 +349,30 @@ class LmdbBackend(ChunkBackend):
                 raise
             finally:
                 snapshot.abort()
-            if not written:
+            if writer is None:
                 return PutResult(0, 0, present)
             fault_point("save.pack_unindexed")  # durable bytes that nothing names yet
+            chunk_bytes = writer.chunk_bytes
 
             def work(txn: Any) -> PutResult:
-                count = nbytes = 0
-                lost = 0
-                for key, where in written.items():
-                    if txn.put(key, where.encode(), db=self._index, overwrite=False):
-                        count += 1
-                        nbytes += where.length
-                    else:
-                        lost += 1  # another process indexed it first; our copy is garbage
-                return PutResult(count, nbytes, present + lost)
+                return self._index_new(txn, located, chunk_bytes, present)
 
             result: PutResult = self._write_txn(work)
             return result
+
+    def _index_new(
+        self, txn: Any, located: dict[bytes, bytes], chunk_bytes: int, present: int
+    ) -> PutResult:
+        """Index the chunks of a new pack (``chunk_bytes`` in all), keeping entries that exist."""
+        cursor = txn.cursor(db=self._index)
+        _, added = cursor.putmulti(located.items(), overwrite=False)
+        if added == len(located):
+            return PutResult(added, chunk_bytes, present)
+        # Another process indexed some of these chunks first: its copies stay
+        # named, ours are garbage. Ours are the entries that hold our values.
+        ours = [value for key, value in located.items() if txn.get(key, db=self._index) == value]
+        nbytes = sum(_LOCATION.unpack(value)[0] for value in ours)
+        return PutResult(len(ours), nbytes, present + len(located) - len(ours))
 
     @lmdb_guarded("delete keys")
     def delete_many(self, namespace: Namespace, keys: Iterable[bytes]) -> int:
@@ -644,11 +656,20 @@ def _check_environment_files(path: Path, *, create: bool = True) -> int:
 
 
 class _PackWriter:
-    """One new pack file, written by ``add`` and made durable by ``finish``."""
+    """One new pack file, written by ``append`` (or ``add``) and made durable by ``finish``.
+
+    Records are queued and written together, one ``writev`` for many small
+    chunks, once the queue holds ``_QUEUE_BYTES`` or ``_IOV_MAX`` pieces;
+    ``finish`` writes the rest before it syncs. So a queued value's buffer
+    must stay unchanged until ``finish`` returns.
+    """
 
     def __init__(self, directory: Path, pack: int, fd: int) -> None:
         self.directory, self.pack, self.fd = directory, pack, fd
         self.offset = _PACK_HEADER.size
+        self.chunk_bytes = 0  # of every record appended
+        self.queued: list[Buffer] = []  # record header, chunk, header, chunk...
+        self.queued_bytes = 0
         os.write(fd, _PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0))
 
     @classmethod
@@ -664,22 +685,40 @@ class _PackWriter:
             return cls(directory, pack, fd)
         raise StoreError("could not pick a new pack name", path=str(directory))
 
+    def append(self, key: bytes, value: Buffer) -> bytes:
+        """Queue one record; its chunk_index value (length, pack, offset of its bytes)."""
+        view = memoryview(value)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        length = view.nbytes
+        start = self.offset + _RECORD_HEADER.size
+        self.queued += (_RECORD_HEADER.pack(key, length), view)
+        self.offset = start + length
+        self.chunk_bytes += length
+        self.queued_bytes += length
+        if self.queued_bytes >= _QUEUE_BYTES or len(self.queued) >= _IOV_MAX:
+            self.flush()
+        return _LOCATION.pack(length, self.pack, start)
+
     def add(self, key: bytes, value: Buffer) -> PackLocation:
-        view = memoryview(value).cast("B")
-        header = _RECORD_HEADER.pack(key, view.nbytes)
-        _write_all(self.fd, [header, view])
-        where = PackLocation(view.nbytes, self.pack, self.offset + len(header))
-        self.offset = where.offset + where.length
-        return where
+        return PackLocation(*_LOCATION.unpack(self.append(key, value)))
+
+    def flush(self) -> None:
+        """Write what is queued."""
+        if self.queued:
+            _write_all(self.fd, self.queued)
+            self.queued, self.queued_bytes = [], 0
 
     def finish(self) -> None:
         """Make the pack's bytes and its directory entry durable."""
+        self.flush()
         _datasync(self.fd)
         os.close(self.fd)
         self.fd = -1
         fsync_dir(self.directory)
 
     def discard(self) -> None:
+        self.queued = []
         if self.fd >= 0:
             os.close(self.fd)
             self.fd = -1
@@ -690,9 +729,18 @@ class _PackWriter:
 
 
 def _write_all(fd: int, buffers: list[Any]) -> None:
+    """Write ``buffers`` (each bytes or a flat byte memoryview: len is its size) in order."""
+    for at in range(0, len(buffers), _IOV_MAX):
+        group = buffers[at : at + _IOV_MAX]
+        done = os.writev(fd, group)
+        if done < sum(map(len, group)):
+            _write_rest(fd, group, done)
+
+
+def _write_rest(fd: int, buffers: list[Any], done: int) -> None:
+    """The rest of a ``writev`` that wrote only ``done`` bytes (a signal, a full disk)."""
     views = [memoryview(b).cast("B") for b in buffers]
     while views:
-        done = os.writev(fd, views[:_IOV_MAX])
         if done == 0:
             raise OSError(errno.EIO, "writev wrote nothing")
         while done and views:
@@ -702,6 +750,8 @@ def _write_all(fd: int, buffers: list[Any]) -> None:
             else:
                 views[0] = views[0][done:]
                 done = 0
+        if views:
+            done = os.writev(fd, views[:_IOV_MAX])
 
 
 class _PackMaps:

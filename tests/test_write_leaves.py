@@ -1,0 +1,94 @@
+"""chunkio.write_leaves on a real LMDB store: each chunk's digest lands in its leaf's entry.
+
+Chunks are hashed in two places (big ones on the pool, ahead, in runs; small
+ones on the calling thread as they are reached) into one list of digests,
+and handed to the backend in batches: every digest must end up in its own
+leaf's entry, in order, whichever place hashed it and whichever batch took it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import castore
+from castore.chunkstore.base import Namespace
+from castore.core import chunkio
+from castore.core.chunkio import INLINE_BYTES, write_leaves
+from castore.format.hashing import digest_bytes
+from castore.format.tree import TensorLeaf
+
+CHUNK = 4 * INLINE_BYTES  # chunks of a big leaf go to the pool, a small leaf's stay here
+
+
+def leaf(name: str, nbytes: int, seed: int) -> TensorLeaf:
+    data = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return TensorLeaf(name, "uint8", (nbytes,), data, "numpy")
+
+
+def mixed_leaves() -> list[TensorLeaf]:
+    sizes = [100, 0, 3 * CHUNK + 5, 1, INLINE_BYTES - 1, INLINE_BYTES, 2 * CHUNK, 7]
+    return [leaf(f"t{i}", size, seed=i) for i, size in enumerate(sizes)]
+
+
+def expected_chunks(item: TensorLeaf) -> tuple[bytes, ...]:
+    raw = item.data.tobytes()
+    return tuple(digest_bytes(raw[at : at + CHUNK]) for at in range(0, len(raw), CHUNK))
+
+
+def slow_on_the_pool(data: object, *, threads: int | None = None) -> bytes:
+    """digest_bytes, late on the pool's threads: the saver reaches those chunks first."""
+    if threading.current_thread() is not threading.main_thread():
+        time.sleep(0.01)
+    return digest_bytes(data, threads=threads)
+
+
+@pytest.mark.parametrize("slow_pool", [False, True], ids=["pool", "slow-pool"])
+@pytest.mark.parametrize("batch_bytes", [chunkio.WRITE_BATCH_BYTES, CHUNK + 1, 1])
+def test_every_chunk_digest_lands_in_its_leafs_entry(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, batch_bytes: int, slow_pool: bool
+) -> None:
+    monkeypatch.setattr(chunkio, "WRITE_BATCH_BYTES", batch_bytes)  # one batch, or several
+    if slow_pool:
+        monkeypatch.setattr(chunkio, "digest_bytes", slow_on_the_pool)
+    leaves = mixed_leaves()
+    with castore.open(tmp_path / "store", chunk_size=CHUNK) as store:
+        entries, stats = write_leaves(store.backend, leaves, CHUNK)
+        assert [e.name for e in entries] == [item.name for item in leaves]
+        for entry, item in zip(entries, leaves, strict=True):
+            assert entry.chunks == expected_chunks(item), item.name
+            assert (entry.nbytes, entry.chunk_size, entry.shape) == (
+                item.data.nbytes,
+                CHUNK,
+                item.shape,
+            )
+        count = sum(len(e.chunks) for e in entries)
+        assert (stats.new_chunks, stats.reused_chunks) == (count, 0)
+        assert stats.new_bytes == stats.logical_bytes == sum(item.data.nbytes for item in leaves)
+        keys = [key for e in entries for key in e.chunks]
+        assert all(store.backend.has_many(Namespace.CHUNKS, keys))
+
+        again, stats = write_leaves(store.backend, leaves, CHUNK)  # every chunk present
+        assert again == entries
+        assert (stats.new_chunks, stats.new_bytes, stats.reused_chunks) == (0, 0, count)
+
+
+def test_a_failure_midway_stops_the_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    leaves = mixed_leaves()
+    calls = [0]
+
+    def failing_digest(data: object, *, threads: int | None = None) -> bytes:
+        calls[0] += 1
+        if calls[0] == 4:
+            raise RuntimeError("hashing failed")
+        return digest_bytes(data, threads=threads)
+
+    monkeypatch.setattr(chunkio, "digest_bytes", failing_digest)
+    with castore.open(tmp_path / "store", chunk_size=CHUNK) as store:
+        with pytest.raises(RuntimeError, match="hashing failed"):
+            write_leaves(store.backend, leaves, CHUNK)
+        assert list(store.backend.iter_keys(Namespace.CHUNKS)) == []  # one batch: none indexed
