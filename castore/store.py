@@ -50,6 +50,7 @@ from castore.core.reading import (
     check_framework,
     numpy_as_torch,
 )
+from castore.core.unchanged import VersionCache
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -173,6 +174,8 @@ class Store:
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
         self._background: Background | None = None
+        # What trusting saves (trust_versions=True) of this handle wrote, per tensor.
+        self.versions = VersionCache()
 
     def blob_requests(self) -> BlobRequests:
         """The requests this handle made to its blobs since it was opened (a store on S3
@@ -261,6 +264,7 @@ class Store:
         blocking: Literal[True] = True,
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
+        trust_versions: bool = False,
     ) -> Generation: ...
 
     @overload
@@ -276,6 +280,7 @@ class Store:
         blocking: Literal[False],
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
+        trust_versions: bool = False,
     ) -> PendingSave: ...
 
     def save(
@@ -290,6 +295,7 @@ class Store:
         blocking: bool = True,
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
+        trust_versions: bool = False,
     ) -> Generation | PendingSave:
         """Save ``state`` as the next generation of ``run`` and publish it atomically.
 
@@ -305,6 +311,12 @@ class Store:
         bounds staging memory and paces the write. A blocking save waits for
         a save in flight. Either kind first raises an earlier async save's
         error that nobody has seen.
+
+        ``trust_versions=True`` (blocking saves) neither hashes nor writes a CPU
+        torch tensor that this handle saved before for ``run`` and whose version
+        counter has not moved since: safe only when tensors change through
+        PyTorch operations, see :mod:`castore.core.unchanged`. By default every
+        byte is hashed.
         """
         started = time.perf_counter()
         self.refuse_if_readonly("save")
@@ -312,10 +324,21 @@ class Store:
         step = check_step(step)
         if blocking and if_busy != "wait":
             raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
+        if trust_versions and not blocking:
+            raise ValueError("trust_versions applies to blocking saves")
         if blocking:
             self.background.before_blocking_save()
             return self._save_in_turn(
-                state, run, step, metadata, data_order, progress, blocking, None, started
+                state,
+                run,
+                step,
+                metadata,
+                data_order,
+                progress,
+                blocking,
+                None,
+                started,
+                trust_versions,
             )
         with self.background.turn(if_busy) as ours:
             if not ours:
@@ -335,6 +358,7 @@ class Store:
         blocking: bool,
         async_options: AsyncOptions | None,
         started: float,
+        trust_versions: bool = False,
     ) -> Any:
         encoded = encode_state(state, defer_device=not blocking)
         for leaf in encoded.leaves:
@@ -366,7 +390,7 @@ class Store:
         try:
             with self.save_lock():
                 return self._save_locked(
-                    encoded, run, step, metadata_bytes, order, started, progress
+                    encoded, run, step, metadata_bytes, order, started, progress, trust_versions
                 )
         except KeyboardInterrupt as interrupt:
             # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
@@ -448,12 +472,19 @@ class Store:
         order: dict[str, Any],
         started: float,
         progress: bool,
+        trust_versions: bool = False,
     ) -> Generation:
         parent = self.refs.read(run)
         generation = parent.generation + 1 if parent else 1
         writer = claim_writer(self, run, parent, step)
         shard = write_shard(
-            self, encoded, run=run, generation=generation, rank=0, progress=progress
+            self,
+            encoded,
+            run=run,
+            generation=generation,
+            rank=0,
+            progress=progress,
+            versions=self.versions if trust_versions else None,
         )
         self.background.remember(digests_of(shard.manifest))  # for a changed-chunk save next
         digest, root = publish_single(

@@ -157,13 +157,18 @@ def write_leaves(
     *,
     midway_fault: str = "save.mid_chunks",
     bar: Bar = NO_BAR,
+    known: dict[int, tuple[bytes, ...]] | None = None,
 ) -> tuple[list[TensorEntry], WriteStats]:
     """Store every leaf's chunks (new ones only) and return their tensor entries.
 
     ``midway_fault`` names the fault point passed after each committed batch,
     when some of the leaves' chunks are durable and no manifest yet names them.
-    ``bar`` counts each chunk's bytes as the backend takes it.
+    ``bar`` counts each chunk's bytes as the backend takes it. ``known``: leaf
+    index -> chunk digests the store holds already for it, neither hashed nor
+    written (castore.core.unchanged: a save that trusts version counters).
     """
+    if known:
+        return _write_unknown(backend, leaves, chunk_size, midway_fault, bar, known)
     views, ends = _cut(leaves, chunk_size)
     stats = WriteStats(logical_bytes=sum(leaf.data.nbytes for leaf in leaves))
     chunks = _HashedChunks(views, shared_pool(), bar)
@@ -198,6 +203,42 @@ def write_leaves(
         for leaf, (start, end) in zip(leaves, pairwise([0, *ends]), strict=True)
     ]
     return entries, stats
+
+
+def _write_unknown(
+    backend: ChunkBackend,
+    leaves: Sequence[TensorLeaf],
+    chunk_size: int,
+    midway_fault: str,
+    bar: Bar,
+    known: dict[int, tuple[bytes, ...]],
+) -> tuple[list[TensorEntry], WriteStats]:
+    """write_leaves for the leaves not in ``known``; the others' entries name their chunks."""
+    rest = [i for i in range(len(leaves)) if i not in known]
+    written, stats = write_leaves(
+        backend, [leaves[i] for i in rest], chunk_size, midway_fault=midway_fault, bar=bar
+    )
+    entries: list[TensorEntry | None] = [None] * len(leaves)
+    for i, entry in zip(rest, written, strict=True):
+        entries[i] = entry
+    for i, chunks in known.items():
+        leaf = leaves[i]
+        entries[i] = TensorEntry(
+            name=leaf.name,
+            dtype=leaf.dtype,
+            shape=leaf.shape,
+            offsets=leaf.offsets,
+            local_shape=leaf.local_shape,
+            nbytes=leaf.data.nbytes,
+            chunk_size=chunk_size,
+            chunks=chunks,
+            framework=leaf.framework,
+        )
+        stats.logical_bytes += leaf.data.nbytes
+        stats.reused_chunks += len(chunks)
+        if bar:
+            bar.update(leaf.data.nbytes)
+    return [e for e in entries if e is not None], stats
 
 
 def _index_runs(views: Sequence[memoryview]) -> Iterator[list[int]]:

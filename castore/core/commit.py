@@ -37,6 +37,7 @@ from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core.chunkio import WriteStats, write_leaves
 from castore.core.fencing import record_published, ref_for_root, root_writer, writer_epoch
 from castore.core.reading import check_coverage, group_entries, read_object, read_root
+from castore.core.unchanged import VersionCache
 from castore.errors import (
     ChunkMissingError,
     CorruptObjectError,
@@ -103,22 +104,35 @@ def write_shard(
     own: set[str] | None = None,
     midway_fault: str = "save.mid_chunks",
     progress: bool = False,
+    versions: VersionCache | None = None,
 ) -> ShardWrite:
     """Commit this rank's chunks and build its shard manifest (not yet committed).
 
     ``own`` restricts the global tensors this rank writes (replicated tensors
     are written by one rank only); its rank-local values are always written.
     ``progress``: a bar on stderr counting the tensor bytes (see castore.support.progress).
+    ``versions``: trust torch's version counters, through this handle's record of
+    what it saved (castore.core.unchanged); None hashes every byte.
     """
     leaves = [leaf for leaf in encoded.leaves if own is None or leaf.name in own]
     local_state, local_leaves = encode_local_state(encoded.rank_local)
     written = leaves + local_leaves
     total = sum(leaf.data.nbytes for leaf in written) if progress_wanted(progress) else 0
+    known = (
+        None if versions is None else versions.known(store.backend, run, written, store.chunk_size)
+    )
     with progress_bar(progress, f"save {run}@{generation}", total) as bar:
         # One pass over global and per-rank tensors: batches (and commits) span both.
         entries, stats = write_leaves(
-            store.backend, written, store.chunk_size, midway_fault=midway_fault, bar=bar
+            store.backend,
+            written,
+            store.chunk_size,
+            midway_fault=midway_fault,
+            bar=bar,
+            known=known,
         )
+    if versions is not None:
+        versions.record(run, written, entries)
     return build_shard(
         run=run,
         generation=generation,

@@ -158,6 +158,7 @@ def save(
     blocking: Literal[True] = True,
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
+    trust_versions: bool = False,
 ) -> Generation: ...
 
 
@@ -176,6 +177,7 @@ def save(
     blocking: Literal[False],
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
+    trust_versions: bool = False,
 ) -> PendingSave: ...
 
 
@@ -194,6 +196,7 @@ def save(
     blocking: bool = ...,
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
+    trust_versions: bool = False,
 ) -> Generation | PendingSave: ...
 
 
@@ -211,6 +214,7 @@ def save(
     blocking: bool = True,
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
+    trust_versions: bool = False,
 ) -> Generation | PendingSave:
     """Save every rank's ``state`` as one generation of ``run`` (a collective call).
 
@@ -225,11 +229,17 @@ def save(
     state is staged, as :meth:`Store.save` does; the commit then runs on a
     writer thread over castore's own gloo group. Every rank must pass the same
     ``blocking`` and ``if_busy``; a skip is decided by all ranks together.
+
+    ``trust_versions=True`` (blocking saves): each rank skips hashing and writing
+    the CPU torch tensors whose version counters did not move since its last
+    save through this store handle (see :mod:`castore.core.unchanged`).
     """
     # Before any collective: every rank opened the same store, so every rank refuses.
     store.refuse_if_readonly("save")
     step_int = _int_if_valid_step(step)
     if not blocking:
+        if trust_versions:
+            raise ValueError("trust_versions applies to blocking saves")
         return _save_async(
             store,
             state,
@@ -249,7 +259,9 @@ def save(
     before = store.ref_or_problem(run)
     try:
         store.background.before_blocking_save()
-        return _save_in_group(store, state, comm, run, step_int, metadata, data_order)
+        return _save_in_group(
+            store, state, comm, run, step_int, metadata, data_order, trust_versions
+        )
     except KeyboardInterrupt as interrupt:
         # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
         note = store.interrupted_note(run, before, publisher=comm.is_coordinator)
@@ -274,6 +286,7 @@ def _save_in_group(
     step: int,
     metadata: dict[str, Any] | None,
     data_order: dict[str, Any] | None,
+    trust_versions: bool = False,
 ) -> Generation:
     started = time.perf_counter()
     validate_run_name(run)
@@ -289,6 +302,7 @@ def _save_in_group(
             rank=comm.rank,
             own=mine,
             midway_fault="dist.worker_mid_shard",
+            versions=store.versions if trust_versions else None,
         )
         store.background.remember(digests_of(shard.manifest))  # for a changed-chunk save next
         return _commit_shard(store, shard, started)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
@@ -60,6 +60,10 @@ class TensorLeaf:
     # An async save's tensor still on its GPU: its flat uint8 bytes there, copied
     # to pinned host memory by castore.core.staging (``data`` is then empty).
     device_bytes: Any = None
+    # A plain CPU torch tensor whose memory ``data`` views, and its version counter
+    # when it was encoded (castore.core.unchanged: a save that trusts versions).
+    source: Any = field(default=None, compare=False, repr=False)
+    version: int = field(default=-1, compare=False)
 
     def __post_init__(self) -> None:
         if not self.local_shape:
@@ -198,6 +202,8 @@ class _Encoder:
                 local_shape=leaf.shape,
                 sharded=True,
                 device_bytes=leaf.device_bytes,
+                source=leaf.source,
+                version=leaf.version,
             )
         self.leaves.append(leaf)
         # The same bytes as _pack's (a reused Packer skips building one per tensor).
@@ -275,13 +281,16 @@ def _plain_torch_leaf(tensor: Any, name: str, plain: _PlainTorch) -> TensorLeaf 
         or not tensor.numel()
     ):
         return None
+    source, version = tensor, tensor._version
     if tensor.requires_grad:
         tensor = tensor.detach()
     dtype, view_as = kind
     array = (tensor if view_as is None else tensor.view(view_as)).numpy()
     shape = tuple(tensor.shape)
     flat = array.reshape(-1).view(np.uint8)
-    return TensorLeaf(name, dtype, shape, flat, "torch", (0,) * len(shape), shape)
+    return TensorLeaf(
+        name, dtype, shape, flat, "torch", (0,) * len(shape), shape, source=source, version=version
+    )
 
 
 def _numpy_leaf(array: np.ndarray, name: str) -> TensorLeaf:

@@ -239,12 +239,16 @@ class TrainState:
         blocking: bool = True,
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
+        trust_versions: bool = False,
     ) -> Any:
         """Save this update boundary as the next generation of ``run`` (collective).
 
         Refused between accumulated microbatches unless ``mid_accumulation``.
         ``blocking=False`` returns a :class:`~castore.PendingSave` once the state
         is staged (see :func:`castore.dist.save`); training may step on at once.
+        ``trust_versions=True`` (blocking saves) skips hashing the tensors whose
+        version counters did not move since this store handle's last save: see
+        :mod:`castore.core.unchanged` for when that is safe.
         """
         # An async save's checks run over castore's own group (castore.dist.comm.own_groups).
         comm = Group(group if blocking else own_groups(group, timeout)[1], coordinator, timeout)
@@ -294,6 +298,7 @@ class TrainState:
             blocking=blocking,
             if_busy=if_busy,
             async_options=async_options,
+            trust_versions=trust_versions,
         )
 
     # -- load ----------------------------------------------------------------
