@@ -4,6 +4,7 @@ Layout (docs/FORMAT.md)::
 
     refs/RUN            one self-checking ref file per run (castore.repo.reffile)
     logs/RUN.reflog     one checksummed JSON line per record, appended and fsynced
+    logs/RUN.idx        derived: where the reflog lists each generation id (reflogindex)
     tags/RUN/NAME       one ref-format file per tag
     locks/RUN.lock      flock target of the run lock (ref advances, reflog appends)
     locks/store.lock    flock: saves and tags shared, garbage collection exclusive
@@ -22,17 +23,19 @@ import errno
 import fcntl
 import json
 import os
+import secrets
 import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
-from castore.errors import StoreLockedError
+from castore.errors import CastoreError, IndexCorruptError, StoreLockedError
 from castore.format.hashing import Digest, digest_bytes
 from castore.repo.base import AroundSwap, LockHold, Reflog, RefTable, StoreLocks, TagTable
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
+    PUBLISH_ACTIONS,
     Record,
     ReflogView,
     RefValue,
@@ -46,6 +49,7 @@ from castore.repo.records import (
     validate_tag_name,
 )
 from castore.repo.reffile import encode_ref, read_ref_file, replace_file
+from castore.repo.reflogindex import Listing, ReflogIndex, Summary, encode, lookup, merge
 from castore.repo.refstore import ComposedRefStore, RepoParts
 from castore.support.safefs import (
     fsync_dir,
@@ -62,6 +66,15 @@ STORE_LOCK = "store.lock"  # saves and tags: shared; garbage collection: exclusi
 OPEN_LOCK = "open.lock"  # every open Store: shared; compaction: exclusive
 _CHECK_CHARS = 32  # hex digits of blake3 after each reflog line's tab
 _TAIL_PIECE = 1 << 12  # first bytes read from a reflog's end (doubling when not enough)
+INDEX_SUFFIX = ".idx"  # logs/RUN.idx: the derived index of logs/RUN.reflog
+# Bytes past the index's prefix (about 28 records) that make an append rewrite it: a
+# lookup by id parses at most that many (12 us a record) besides the records its hits
+# name, and an append reads only the index's header until then.
+REINDEX_BYTES = 8 << 10
+_MIN_LINE = 64  # no reflog line is shorter: bounds the entries an index may claim
+_MAX_LINE = 1 << 12  # no record castore writes is longer (a host name is at most 255)
+_LINE_GUESS = 512  # most are about 280 bytes: read this much first
+_ANCHOR = 2 + _CHECK_CHARS  # "\t", the checksum, "\n": how an index's prefix must end
 
 
 def ensure_store_dirs(root: Path) -> None:
@@ -295,6 +308,7 @@ class LocalReflog(Reflog):
         self.logs_dir = root / "logs"
         self._views: dict[str, FileReflogView] = {}
         self._views_lock = threading.Lock()
+        self._unindexed: set[str] = set()  # runs whose index this handle failed to write
 
     def path(self, run: str) -> Path:
         return self.logs_dir / f"{run}.reflog"
@@ -324,6 +338,7 @@ class LocalReflog(Reflog):
         try:
             with writing(phase, path):
                 _append_line(fd, line)
+            self._keep_index(run, fd)
         finally:
             os.close(fd)
         if created:
@@ -403,6 +418,174 @@ class LocalReflog(Reflog):
                         yield record
         finally:
             os.close(fd)
+
+    # -- the derived index (castore.repo.reflogindex) -----------------------------
+
+    def index_path(self, run: str) -> Path:
+        return self.logs_dir / f"{run}{INDEX_SUFFIX}"
+
+    def listed_with_id(self, run: str, generation: int) -> list[str]:
+        """Through the index when this handle keeps no view: O(log n) pages, the records
+        the hits name and the lines after the index's prefix; else (no usable index)
+        the whole log, as :meth:`view` reads it."""
+        validate_run_name(run)
+        with self._views_lock:
+            kept = run in self._views
+        found = None if kept else self._indexed(run, generation)
+        return super().listed_with_id(run, generation) if found is None else found
+
+    def _indexed(self, run: str, generation: int) -> list[str] | None:
+        """None when there is no usable index (or no log): the caller reads the view."""
+        if not is_store_dir(self.logs_dir):
+            return None
+        try:
+            fd = open_store_file(self.path(run), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            size = os.fstat(fd).st_size
+            with self._index(run, fd, size) as index:
+                if index is None:
+                    return None
+                tail, _ = _summarize(_read_from(fd, index.covered, size), index.covered, run)
+                found = lookup(index, tail, generation)
+            if not all(_names(fd, listing, run) for listing in found if listing.from_index):
+                return None  # the index disagrees with the log, which is the truth
+            return [listing.root.hex() for listing in found]
+        except IndexCorruptError:
+            return None
+        finally:
+            os.close(fd)
+
+    @contextmanager
+    def _index(self, run: str, log_fd: int, log_size: int) -> Iterator[ReflogIndex | None]:
+        """The run's index if it is whole and its prefix is the log's (else None)."""
+        try:
+            fd = open_store_file(self.index_path(run), os.O_RDONLY)
+        except (OSError, CastoreError):
+            yield None  # absent, or not a regular file: it is only ever derived
+            return
+        try:
+            yield _checked_index(fd, log_fd, log_size)
+        finally:
+            os.close(fd)
+
+    def _keep_index(self, run: str, fd: int) -> None:
+        """After an append (under the run lock): rewrite the index once REINDEX_BYTES of
+        the log lie past its prefix, or build it once the log is that long.
+
+        Failure costs only speed: the index is derived, so an error here is
+        dropped and lookups read the log instead. A handle that could not write
+        it (a directory it may not write) does not try again.
+        """
+        if run in self._unindexed:
+            return
+        try:
+            size = os.fstat(fd).st_size
+            with self._index(run, fd, size) as index:
+                covered = 0 if index is None else index.covered
+                if size - covered < REINDEX_BYTES:
+                    return
+                if index is not None:
+                    built = self._extended(run, fd, size, index)
+                else:
+                    built = self._summarized(run, fd, size)
+            if built is not None:
+                self._write_index(run, built)
+        except (OSError, CastoreError):
+            self._unindexed.add(run)
+
+    def _extended(self, run: str, fd: int, size: int, index: ReflogIndex) -> bytes | None:
+        """The index extended by the records past its prefix (read whole, checked)."""
+        tail, end = _summarize(_read_from(fd, index.covered, size), index.covered, run, whole=True)
+        if end is None:
+            return None  # nothing intact past the prefix
+        try:
+            listed, collected = index.tables()
+        except IndexCorruptError:
+            return self._summarized(run, fd, size)
+        return encode(end[0], end[1], *merge(listed, collected, tail))
+
+    def _summarized(self, run: str, fd: int, size: int) -> bytes | None:
+        """An index of the whole log, read from its start (the first, or after damage)."""
+        summary, end = _summarize(_read_from(fd, 0, size), 0, run, whole=True)
+        return None if end is None else encode(end[0], end[1], *summary.tables())
+
+    def _write_index(self, run: str, data: bytes) -> None:
+        """Replace the index whole (a temp file renamed over it). Not synced: a torn or
+        lost index fails its checks and is rebuilt, and the log it summarises is synced."""
+        temp = self.logs_dir / f".{run}{INDEX_SUFFIX}.{os.getpid()}.{secrets.token_hex(4)}"
+        fd = open_store_file(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL)
+        try:
+            try:
+                write_all(fd, data)
+            finally:
+                os.close(fd)
+            os.replace(temp, self.index_path(run))
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+
+def _checked_index(fd: int, log_fd: int, log_size: int) -> ReflogIndex | None:
+    """The index open on ``fd``, if it is whole and the log's bytes end its prefix as its
+    anchor says (a log replaced or cut short since is not its log)."""
+    try:
+        index = ReflogIndex(
+            lambda offset, length: _read_from(fd, offset, offset + length),
+            os.fstat(fd).st_size,
+            max_entries=log_size // _MIN_LINE,
+        )
+    except IndexCorruptError:
+        return None
+    if not _ANCHOR <= index.covered <= log_size:
+        return None
+    ending = _read_from(log_fd, index.covered - _ANCHOR, index.covered)
+    return index if ending == f"\t{index.anchor}\n".encode() else None
+
+
+def _summarize(
+    data: bytes, start: int, run: str, *, whole: bool = False
+) -> tuple[Summary, tuple[int, str] | None]:
+    """What the reflog bytes ``data`` (read from offset ``start``) say, and where its last
+    intact whole line ends, with that line's checksum (None if it has none).
+
+    An unfinished last line (a crash mid-append) counts, as in :meth:`view`,
+    unless ``whole``: an index covers whole lines only.
+    """
+    *complete, unfinished = data.split(b"\n")
+    summary, end, position = Summary(), None, start
+    for piece in complete:
+        record = _parse_reflog_line(piece, run)[0]
+        if record is not None:
+            summary.add(record, position)
+            end = (position + len(piece) + 1, piece[-_CHECK_CHARS:].decode("ascii"))
+        position += len(piece) + 1
+    if unfinished and not whole:
+        record = _parse_reflog_line(unfinished, run)[0]
+        if record is not None:
+            summary.add(record, position)
+    return summary, end
+
+
+def _names(fd: int, listing: Listing, run: str) -> bool:
+    """Whether the whole line at ``listing.line`` is an intact record listing its root
+    under its id: an index's hit, checked against the log."""
+    before = 1 if listing.line else 0
+    data = _read_from(fd, listing.line - before, listing.line + _LINE_GUESS)
+    end = data.find(b"\n", before)
+    if end < 0:
+        data = _read_from(fd, listing.line - before, listing.line + _MAX_LINE)
+        end = data.find(b"\n", before)
+    if before and data[:1] != b"\n":
+        return False
+    record = _parse_reflog_line(data[before:end], run)[0] if end >= 0 else None
+    return (
+        record is not None
+        and record["action"] in PUBLISH_ACTIONS
+        and record["generation"] == listing.generation
+        and record["root"] == listing.root.hex()
+    )
 
 
 def _parse_reflog_line(line: bytes, run: str) -> tuple[Record | None, bool]:

@@ -218,6 +218,11 @@ class ComposedRefStore:
         """What the reflog of ``run`` says, reading only what was appended since last time."""
         return self.parts.reflog.view(run, fresh=fresh)
 
+    def listed_with_id(self, run: str, generation: int) -> list[str]:
+        """The roots (hex) the reflog lists, published and not collected, under id
+        ``generation``, in listing order: what a lookup by id reads first."""
+        return self.parts.reflog.listed_with_id(run, generation)
+
     def last_published(self, run: str) -> Record | None:
         """The newest intact publish record of ``run``'s reflog, reading from the end."""
         return self.parts.reflog.last_published(run)

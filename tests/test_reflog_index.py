@@ -1,0 +1,390 @@
+"""The reflog's derived index (castore.repo.reflogindex): a lookup by id reads a few records.
+
+A new handle finds a generation by id through ``logs/RUN.idx`` instead of
+parsing the whole reflog. The log stays the truth: every hit is checked
+against its own line, and an index that is absent, stale, damaged or
+crafted gives the same answers as the log (by reading it), never another
+generation. Counted, not timed (benchmarks/bench_call_costs.py times it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+import castore
+import castore.repo.local as local_repo
+from castore import Store
+from castore.core.commit import commit_objects
+from castore.errors import CastoreError, GenerationNotFoundError
+from castore.format.hashing import Digest, digest_bytes
+from castore.format.objects import encode_object
+from castore.gc import RetentionPolicy, collect_garbage
+from castore.repo import reflogindex
+from castore.repo.base import Reflog
+from castore.repo.local import LocalReflog
+from castore.verify import verify_store
+
+RUN = "h"
+SAVES = 200
+# keep_last=120 and every_steps=5: of ids 1..80, only 1, 6, 11, ... 76 stay.
+POLICY = RetentionPolicy(keep_last=120, every_steps=5)
+KEPT = {i for i in range(1, SAVES + 1) if i > 80 or i % 5 == 1}
+
+
+def state(i: int) -> dict[str, Any]:
+    return {"a": np.arange(64, dtype=np.float32), "b": np.full(64, i, dtype=np.float32), "i": i}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run of 200 generations, 64 of ids 2..80 collected, then 5 more saves."""
+    path = tmp_path_factory.mktemp("built") / "s"
+    with castore.open(path) as store:
+        for i in range(SAVES):
+            store.save(state(i), run=RUN, step=i)
+        collect_garbage(store, POLICY)
+    return path
+
+
+@pytest.fixture
+def history(built: Path, tmp_path: Path) -> Path:
+    path = tmp_path / "s"
+    shutil.copytree(built, path)
+    return path
+
+
+@pytest.fixture
+def parsed(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
+    """Every reflog line parsed, by any reader of the local reflog."""
+    lines: list[bytes] = []
+    real = local_repo._parse_reflog_line
+
+    def counting(line: bytes, run: str) -> tuple[Any, bool]:
+        lines.append(line)
+        return real(line, run)
+
+    monkeypatch.setattr(local_repo, "_parse_reflog_line", counting)
+    return lines
+
+
+@pytest.fixture
+def fresh(history: Path) -> Iterator[Store]:
+    """A handle that has parsed nothing yet, as a new process's."""
+    with castore.open(history) as store:
+        yield store
+
+
+def log_lines(store: Store) -> int:
+    return len(store.refs.reflog_path(RUN).read_bytes().splitlines())
+
+
+def index_path(store: Store) -> Path:
+    return store.refs.reflog_path(RUN).with_suffix(local_repo.INDEX_SUFFIX)
+
+
+def expect_lookups(store: Store) -> None:
+    """Ids at the start, middle and end, collected ids and ids never published."""
+    for gen_id in (1, 6, 76, 81, 100, 150, 199, 200, "200", "1"):
+        found = store.resolve(RUN, gen_id)
+        assert found.id == int(gen_id) and found.step == int(gen_id) - 1
+    for gone in (2, 3, 79, 80, 201, 10**6, "999999"):
+        with pytest.raises(GenerationNotFoundError):
+            store.resolve(RUN, gone)
+
+
+def test_every_id_resolves_as_the_log_says_through_the_index(
+    history: Path, parsed: list[bytes]
+) -> None:
+    with castore.open(history) as store:
+        index = index_path(store)
+        assert index.is_file() and store.runs() == [RUN]
+        for gen_id in range(1, SAVES + 1):
+            if gen_id in KEPT:
+                assert store.resolve(RUN, gen_id).id == gen_id
+        expect_lookups(store)
+    with castore.open(history) as store:
+        assert store.refs.reflog_view(RUN).listed == {g.root: g.id for g in store.generations(RUN)}
+        assert {g.id for g in store.generations(RUN)} == KEPT
+        assert verify_store(store).ok
+
+
+def test_a_lookup_by_id_parses_a_few_records_not_the_log(fresh: Store, parsed: list[bytes]) -> None:
+    lines = log_lines(fresh)
+    assert lines > SAVES + 60  # 200 advances, 64 collects, 5 more
+    for gen_id in (1, 100, 200):
+        parsed.clear()
+        assert fresh.resolve(RUN, gen_id).id == gen_id
+        # The records past the index's prefix, and the one record the hit names.
+        per_line = len(fresh.refs.reflog_path(RUN).read_bytes()) / lines
+        assert len(parsed) <= local_repo.REINDEX_BYTES / per_line + 2
+
+
+def test_without_the_fast_path_a_lookup_parses_every_line(
+    fresh: Store, parsed: list[bytes], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control of the test above: the log read whole counts every line."""
+    monkeypatch.setattr(LocalReflog, "listed_with_id", Reflog.listed_with_id)
+    assert fresh.resolve(RUN, 100).id == 100
+    assert len(parsed) >= log_lines(fresh)
+
+
+@pytest.mark.parametrize("reindex_bytes", [local_repo.REINDEX_BYTES, 1 << 30])
+def test_records_past_the_index_count_collects_and_new_ids_included(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reindex_bytes: int
+) -> None:
+    """Collect records in the index, and (never rewritten) only past its prefix."""
+    with castore.open(tmp_path / "s") as store:
+        for i in range(60):
+            store.save(state(i), run=RUN, step=i)
+        assert index_path(store).is_file()
+        monkeypatch.setattr(local_repo, "REINDEX_BYTES", reindex_bytes)
+        collect_garbage(store, RetentionPolicy(keep_last=10, every_steps=7))
+        for i in range(60, 63):
+            store.save(state(i), run=RUN, step=i)
+        expected = {g.id for g in store.generations(RUN)}
+    assert 1 in expected and 2 not in expected and 63 in expected
+    with castore.open(tmp_path / "s") as store:
+        for gen_id in range(1, 65):
+            if gen_id in expected:
+                assert store.resolve(RUN, gen_id).id == gen_id
+            else:
+                with pytest.raises(GenerationNotFoundError):
+                    store.resolve(RUN, gen_id)
+
+
+def test_a_store_without_an_index_reads_the_log_and_the_next_save_writes_it(
+    history: Path, parsed: list[bytes]
+) -> None:
+    with castore.open(history) as store:
+        index_path(store).unlink()  # a store from before the index, or its index deleted
+    with castore.open(history) as store:
+        expect_lookups(store)
+        assert not index_path(store).exists()
+    with castore.open(history) as store:
+        store.save(state(SAVES + 5), run=RUN, step=SAVES + 5)
+        assert index_path(store).is_file()
+    with castore.open(history) as store:
+        parsed.clear()
+        assert store.resolve(RUN, 100).id == 100
+        assert len(parsed) < log_lines(store) // 4
+
+
+def test_saves_keep_the_index_close_behind_the_log(tmp_path: Path) -> None:
+    """Rewritten once REINDEX_BYTES lie past its prefix: rarely, and never far behind."""
+    with castore.open(tmp_path / "s") as store:
+        written = set()
+        for i in range(120):
+            store.save(state(i), run=RUN, step=i)
+            log = store.refs.reflog_path(RUN).stat().st_size
+            if not index_path(store).exists():
+                assert log < local_repo.REINDEX_BYTES
+                continue
+            with open(index_path(store), "rb") as handle:
+                index = reflogindex.ReflogIndex(
+                    lambda at, n: os.pread(handle.fileno(), n, at),
+                    os.fstat(handle.fileno()).st_size,
+                    max_entries=log,
+                )
+            assert log - index.covered < local_repo.REINDEX_BYTES
+            written.add(index.covered)
+        # One index write per REINDEX_BYTES of log, the first once the log is that long.
+        assert 1 <= len(written) <= log // local_repo.REINDEX_BYTES
+
+
+# -- hostile indexes and logs: a fallback or the log's answer, never another generation --
+
+IDS = (1, 2, 6, 76, 79, 100, 150, 200, 201)
+
+
+def answers(path: Path) -> dict[int, str]:
+    """What a new handle says of each id in IDS: a root's hex, or the error's type."""
+    found = {}
+    with castore.open(path) as store:
+        for gen_id in IDS:
+            try:
+                generation = store.resolve(RUN, gen_id)
+                assert generation.id == gen_id
+                found[gen_id] = generation.root
+            except CastoreError as exc:  # not found; or damage, as the log says
+                found[gen_id] = type(exc).__name__
+    return found
+
+
+def log_answers(path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[int, str]:
+    """The same questions answered by the log read whole."""
+    with monkeypatch.context() as patch:
+        patch.setattr(LocalReflog, "listed_with_id", Reflog.listed_with_id)
+        return answers(path)
+
+
+def rewrite_index(path: Path, **changes: Any) -> None:
+    """Replace ``path``'s index by one encoded from its tables with ``changes`` applied."""
+    index_file = path / "logs" / f"{RUN}{local_repo.INDEX_SUFFIX}"
+    data = index_file.read_bytes()
+    index = reflogindex.ReflogIndex(lambda at, n: data[at : at + n], len(data), max_entries=10**6)
+    listed, collected = (table.copy() for table in index.tables())
+    for position, (field, value) in changes.get("listed", {}).items():
+        listed[field][position] = value
+    covered = changes.get("covered", index.covered)
+    index_file.write_bytes(reflogindex.encode(covered, index.anchor, listed, collected))
+
+
+def row_of(path: Path, gen_id: int) -> int:
+    index_file = path / "logs" / f"{RUN}{local_repo.INDEX_SUFFIX}"
+    data = index_file.read_bytes()
+    index = reflogindex.ReflogIndex(lambda at, n: data[at : at + n], len(data), max_entries=10**6)
+    return int(np.flatnonzero(index.tables()[0]["id"] == gen_id)[0])
+
+
+def line_of(path: Path, gen_id: int) -> int:
+    """The byte offset of the advance record of ``gen_id`` in the reflog."""
+    data = (path / "logs" / f"{RUN}.reflog").read_bytes()
+    offset = 0
+    for line in data.splitlines(keepends=True):
+        if f'"action":"advance","generation":{gen_id},'.encode() in line:
+            return offset
+        offset += len(line)
+    raise AssertionError(f"no advance record of generation {gen_id}")
+
+
+DAMAGE = {
+    "header byte": lambda data: data[:20] + bytes([data[20] ^ 1]) + data[21:],
+    "listed page byte": lambda data: data[:200] + bytes([data[200] ^ 1]) + data[201:],
+    "last page byte": lambda data: data[:-3] + bytes([data[-3] ^ 1]) + data[-2:],
+    "cut short": lambda data: data[: len(data) // 2],
+    "bytes added": lambda data: data + b"\0" * 56,
+    "empty": lambda data: b"",
+    "counts of 10**12": lambda data: (
+        data[:24] + (10**12).to_bytes(8, "little") + data[32:]  # the listed count
+    ),
+}
+
+
+@pytest.mark.parametrize("damage", DAMAGE, ids=list(DAMAGE))
+def test_a_damaged_index_is_not_used_and_the_next_save_rewrites_it(
+    history: Path, parsed: list[bytes], monkeypatch: pytest.MonkeyPatch, damage: str
+) -> None:
+    expected = log_answers(history, monkeypatch)
+    index_file = history / "logs" / f"{RUN}{local_repo.INDEX_SUFFIX}"
+    index_file.write_bytes(DAMAGE[damage](index_file.read_bytes()))
+    assert answers(history) == expected
+    with castore.open(history) as store:
+        # The next rewrite replaces it (with REINDEX_BYTES=1, this save's): damage in a
+        # page a writer does not read is found once it extends the index.
+        monkeypatch.setattr(local_repo, "REINDEX_BYTES", 1)
+        store.save(state(SAVES + 5), run=RUN, step=SAVES + 5)
+        monkeypatch.undo()
+    with castore.open(history) as store:
+        parsed.clear()
+        assert store.resolve(RUN, 100).id == 100
+        assert len(parsed) < log_lines(store) // 4
+
+
+CRAFTED = {
+    # The listing of id 100 pointing at another record: its line names generation 150.
+    "line of another id": lambda path: {
+        "listed": {row_of(path, 100): ("line", line_of(path, 150))}
+    },
+    # ... and claiming generation 150's root: the line says 150, not 100.
+    "another root": lambda path: {
+        "listed": {row_of(path, 150): ("id", 100)},
+    },
+    # A line offset inside a record, not at its start.
+    "mid-line": lambda path: {"listed": {row_of(path, 100): ("line", line_of(path, 100) + 1)}},
+    # Past the log's end.
+    "line past the end": lambda path: {"listed": {row_of(path, 100): ("line", 1 << 40)}},
+    # An index claiming to cover more of the log than there is, or a prefix it does not end.
+    "covered past the end": lambda path: {"covered": 1 << 40},
+    "covered mid-log": lambda path: {"covered": line_of(path, 150) + 10},
+    # Id 100 left out: the lookup walks the chain, as for a lost log line.
+    "id left out": lambda path: {"listed": {row_of(path, 100): ("id", 10**9)}},
+}
+
+
+@pytest.mark.parametrize("craft", CRAFTED, ids=list(CRAFTED))
+def test_a_crafted_index_never_gives_another_generation(
+    history: Path, monkeypatch: pytest.MonkeyPatch, craft: str
+) -> None:
+    expected = log_answers(history, monkeypatch)
+    rewrite_index(history, **CRAFTED[craft](history))
+    assert answers(history) == expected
+
+
+def test_an_index_listing_many_roots_under_one_id_is_refused(
+    history: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    expected = log_answers(history, monkeypatch)
+    rows = {position: ("id", 100) for position in range(reflogindex.MAX_SAME_ID + 10)}
+    rewrite_index(history, listed=rows)
+    assert answers(history) == expected
+
+
+def test_a_crafted_log_line_naming_another_root_under_an_id_is_read_and_refused(
+    history: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record with a good checksum that lists generation 150's root under id 100 (and
+    under an id never published): the root read says 150, so neither lookup returns it."""
+    with castore.open(history) as store:
+        root = store.resolve(RUN, 150).root
+        reflog = store.refs.parts.reflog
+        for claimed in (100, 500):
+            record = {
+                "action": "advance",
+                "generation": claimed,
+                "host": "h",
+                "parent": None,
+                "pid": 1,
+                "root": root,
+                "run": RUN,
+                "time": 1.0,
+            }
+            reflog.append(RUN, record)
+    expected = log_answers(history, monkeypatch)
+    assert expected[100] != expected[150]
+    found = answers(history)
+    assert found == expected
+    with castore.open(history) as store:
+        assert store.resolve(RUN, 100).step == 99
+        with pytest.raises(GenerationNotFoundError):
+            store.resolve(RUN, 500)
+
+
+def test_a_log_replaced_under_its_index_is_read_whole(
+    history: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The index's prefix must end the way the log's does: a shorter log of other
+    records (a restored copy, say) is not the index's, whatever their sizes."""
+    reflog = history / "logs" / f"{RUN}.reflog"
+    lines = reflog.read_bytes().splitlines(keepends=True)
+    reflog.write_bytes(b"".join(lines[:150]))
+    expected = log_answers(history, monkeypatch)
+    assert answers(history) == expected
+    # The log lost the collect records: a collected id is a missing root, as it says.
+    assert expected[2] == "ObjectMissingError" and len(expected[150]) == 64
+
+
+def test_an_index_naming_a_root_the_log_never_published_is_refused(
+    history: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A root of generation 100 that no record names (a save that lost its ref's race
+    leaves one): an index listing it under 100 fails the check against the log's line."""
+    expected = log_answers(history, monkeypatch)
+    with castore.open(history) as store:
+        digest, root = store.resolve_root(RUN, 100)
+        orphan = dataclasses.replace(root, step=12345)
+        data = encode_object(orphan)
+        commit_objects(store, [(digest_bytes(data), data)])
+        assert store.read_root(Digest(digest_bytes(data)), run=RUN).generation == 100
+    row = row_of(history, 100)
+    rewrite_index(history, listed={row: ("root", np.void(digest_bytes(data)))})
+    assert answers(history) == expected
+    with castore.open(history) as store:
+        assert store.resolve(RUN, 100).step == 99
