@@ -388,3 +388,74 @@ def test_an_index_naming_a_root_the_log_never_published_is_refused(
     assert answers(history) == expected
     with castore.open(history) as store:
         assert store.resolve(RUN, 100).step == 99
+
+
+# -- format 3: the index as a blob beside the record blobs -------------------------------
+
+
+def test_a_store_on_blobs_finds_a_generation_by_id_reading_a_few_records(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A shared-directory store (the posix blob store): an index blob beside the records;
+    a new handle's lookup by id gets a few record blobs, not one per record."""
+    from castore.blob.posix import PosixBlobStore
+    from castore.repo import blobreflog
+
+    path = tmp_path / "shared"
+    with castore.open(path, shared=True) as store:
+        for i in range(60):
+            store.save(state(i), run=RUN, step=i)
+        collect_garbage(store, RetentionPolicy(keep_last=20, every_steps=4))
+        store.save(state(60), run=RUN, step=60)
+        expected = {g.id: g.root for g in store.generations(RUN)}
+    assert 1 in expected and 2 not in expected and 61 in expected
+    indexes = sorted((path / "logs" / RUN).glob("index.*"))
+    assert len(indexes) == 1  # the older ones deleted
+    records_read: list[str] = []
+    real = PosixBlobStore.read_versioned
+
+    def counting(self: PosixBlobStore, name: str) -> Any:
+        if name.startswith(f"logs/{RUN}/"):
+            records_read.append(name)
+        return real(self, name)
+
+    monkeypatch.setattr(PosixBlobStore, "read_versioned", counting)
+    for gen_id in (1, 5, 41, 45, 61):
+        with castore.open(path, shared=True) as store:
+            records_read.clear()
+            assert store.resolve(RUN, gen_id).root == expected[gen_id]
+            # Its last record, those after it (and the one absent), the one the hit names.
+            assert len(records_read) <= blobreflog.REINDEX_RECORDS + 3
+    for gone in (2, 3, 62):
+        with castore.open(path, shared=True) as store:
+            with pytest.raises(GenerationNotFoundError):
+                store.resolve(RUN, gone)
+    # The control: without the index, every record blob is read.
+    monkeypatch.setattr(blobreflog.BlobReflog, "listed_with_id", Reflog.listed_with_id)
+    with castore.open(path, shared=True) as store:
+        records_read.clear()
+        assert store.resolve(RUN, 41).root == expected[41]
+        assert len(records_read) >= 60
+
+
+def test_a_damaged_or_crafted_index_blob_is_refused(tmp_path: Path) -> None:
+    """On blobs as in a directory: a flipped byte, or an index naming a root of the same id
+    that no record names, and the lookup reads the records instead."""
+    path = tmp_path / "shared"
+    with castore.open(path, shared=True) as store:
+        for i in range(40):
+            store.save(state(i), run=RUN, step=i)
+        expected = store.resolve(RUN, 20).root
+        digest, root = store.resolve_root(RUN, 20)
+        orphan = encode_object(dataclasses.replace(root, step=12345))
+        commit_objects(store, [(digest_bytes(orphan), orphan)])
+    (index_file,) = (path / "logs" / RUN).glob("index.*")
+    good = index_file.read_bytes()
+    index = reflogindex.ReflogIndex(lambda at, n: good[at : at + n], len(good), max_entries=40)
+    listed, collected = (table.copy() for table in index.tables())
+    listed["root"][int(np.flatnonzero(listed["id"] == 20)[0])] = np.void(digest_bytes(orphan))
+    crafted = reflogindex.encode(index.covered, index.anchor, listed, collected)
+    for bad in (good[:300] + bytes([good[300] ^ 1]) + good[301:], crafted):
+        index_file.write_bytes(bad)
+        with castore.open(path, shared=True) as store:
+            assert store.resolve(RUN, 20).root == expected
