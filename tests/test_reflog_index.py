@@ -10,6 +10,7 @@ generation. Counted, not timed (benchmarks/bench_call_costs.py times it).
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import shutil
 from collections.abc import Iterator
@@ -27,6 +28,7 @@ from castore.errors import CastoreError, GenerationNotFoundError
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import encode_object
 from castore.gc import RetentionPolicy, collect_garbage
+from castore.repair import repair_store
 from castore.repo import reflogindex
 from castore.repo.base import Reflog
 from castore.repo.local import LocalReflog
@@ -45,7 +47,7 @@ def state(i: int) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run of 200 generations, 64 of ids 2..80 collected, then 5 more saves."""
+    """A run of 200 generations, 64 of ids 2..80 collected."""
     path = tmp_path_factory.mktemp("built") / "s"
     with castore.open(path) as store:
         for i in range(SAVES):
@@ -459,3 +461,40 @@ def test_a_damaged_or_crafted_index_blob_is_refused(tmp_path: Path) -> None:
         index_file.write_bytes(bad)
         with castore.open(path, shared=True) as store:
             assert store.resolve(RUN, 20).root == expected
+    with castore.open(path, shared=True) as store:  # the crafted one: verify names it
+        assert any("reflog index" in p.what for p in verify_store(store).problems)
+        assert repair_store(store).reflog_indexes_rebuilt == [RUN]
+        assert verify_store(store).ok
+        assert store.resolve(RUN, 20).root == expected
+    assert len(list((path / "logs" / RUN).glob("index.*"))) == 1  # the crafted one replaced
+
+
+def test_verify_names_an_index_that_disagrees_with_its_log_and_repair_rewrites_it(
+    history: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The one thing an index's checks cannot see: its log edited in place. The collect
+    record of generation 2 made to name generation 100's root (same length, checksum
+    redone): the log now lists 2 and drops 100, the index still says the opposite."""
+    reflog = history / "logs" / f"{RUN}.reflog"
+    with castore.open(history) as store:
+        root_of_100 = store.resolve(RUN, 100).root
+    data = reflog.read_bytes()
+    at = data.index(b'{"action":"collect","generation":2,')
+    end = data.index(b"\n", at)
+    record = json.loads(data[at:end].rpartition(b"\t")[0])
+    record["root"] = root_of_100
+    text = json.dumps(record, sort_keys=True, separators=(",", ":"))
+    line = f"{text}\t{digest_bytes(text.encode()).hex()[:32]}".encode()
+    assert len(line) == end - at
+    with open(reflog, "r+b") as handle:  # in place: the same inode and length
+        handle.seek(at)
+        handle.write(line)
+    expected = log_answers(history, monkeypatch)
+    assert expected[100] == "GenerationNotFoundError" and expected[2] == "ObjectMissingError"
+    assert answers(history)[100] == root_of_100  # the index is trusted: verify must say so
+    with castore.open(history) as store:
+        problems = [p.what for p in verify_store(store).problems]
+        assert any("reflog index" in what and "disagrees" in what for what in problems)
+        assert repair_store(store).reflog_indexes_rebuilt == [RUN]
+        assert not any("reflog index" in p.what for p in verify_store(store).problems)
+    assert answers(history) == expected

@@ -50,7 +50,15 @@ from castore.repo.records import (
     is_valid_name,
     validate_run_name,
 )
-from castore.repo.reflogindex import Listing, ReflogIndex, Summary, encode, lookup, merge
+from castore.repo.reflogindex import (
+    Listing,
+    ReflogIndex,
+    Summary,
+    encode,
+    lookup,
+    merge,
+    same_tables,
+)
 
 SEQUENCE_DIGITS = 12
 _SEQUENCE = re.compile(f"[0-9]{{{SEQUENCE_DIGITS}}}")
@@ -354,10 +362,37 @@ class BlobReflog(Reflog):
         except CastoreError:
             self._unindexed.add(run)
 
-    def _write_index(self, run: str, sequence: int) -> int:
-        """Write the index of records 1 to about ``sequence``; delete the older ones.
-        Returns the last record it covers."""
+    def index_problem(self, run: str) -> str | None:
         index = self._newest_index(run)
+        if index is None:
+            return None  # absent, or fails its checks: never used
+        try:
+            tables = index.tables()
+        except IndexCorruptError:
+            return None
+        summary, end = _summarize(self._records(run, up_to=index.covered), run)
+        if end == (index.covered, index.anchor) and same_tables(tables, summary.tables()):
+            return None
+        return (
+            f"the reflog index {index_blob(run, index.covered)} disagrees with the records "
+            "it indexes: lookups by id would trust it; castore repair writes it afresh"
+        )
+
+    def rebuild_index(self, run: str) -> None:
+        validate_run_name(run)
+        self._write_index(run, 0, full=True)
+
+    def _records(self, run: str, *, up_to: int | None = None) -> list[tuple[int, bytes | None]]:
+        """(number, bytes) of every record present (up to ``up_to``), several GETs in flight."""
+        present = [n for n in self._sequences(run) if up_to is None or n <= up_to]
+        with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
+            blobs = pool.map(lambda number: self._load_bytes(run, number), present)
+            return list(zip(present, blobs, strict=True))
+
+    def _write_index(self, run: str, sequence: int, *, full: bool = False) -> int:
+        """Write the index of records 1 to about ``sequence``; delete the older ones.
+        Returns the last record it covers. ``full``: from every record, not the last index."""
+        index = None if full else self._newest_index(run)
         built = None
         if index is not None:
             tail, end = _summarize(self._records_after(run, index.covered), run)
@@ -367,21 +402,21 @@ class BlobReflog(Reflog):
                 except IndexCorruptError:
                     built = None
         if built is None:
-            present = self._sequences(run)
-            with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-                blobs = pool.map(lambda number: self._load_bytes(run, number), present)
-                summary, end = _summarize(list(zip(present, blobs, strict=True)), run)
+            summary, end = _summarize(self._records(run), run)
             if end is None:
                 return 0
             built = end, summary.tables()
         (covered, anchor), tables = built
+        name = index_blob(run, covered)
+        if full:
+            self.blobs.delete(name)  # repair: the index of these records may be a wrong one
         try:
-            self.blobs.create(index_blob(run, covered), encode(covered, anchor, *tables))
+            self.blobs.create(name, encode(covered, anchor, *tables))
         except BlobExistsError:
             pass  # another writer indexed the same records
-        for older, name in self._index_names(run):
+        for older, other in self._index_names(run):
             if older < covered:
-                self.blobs.delete(name)
+                self.blobs.delete(other)
         return covered
 
 

@@ -49,7 +49,15 @@ from castore.repo.records import (
     validate_tag_name,
 )
 from castore.repo.reffile import encode_ref, read_ref_file, replace_file
-from castore.repo.reflogindex import Listing, ReflogIndex, Summary, encode, lookup, merge
+from castore.repo.reflogindex import (
+    Listing,
+    ReflogIndex,
+    Summary,
+    encode,
+    lookup,
+    merge,
+    same_tables,
+)
 from castore.repo.refstore import ComposedRefStore, RepoParts
 from castore.support.safefs import (
     fsync_dir,
@@ -469,6 +477,46 @@ class LocalReflog(Reflog):
             yield _checked_index(fd, log_fd, log_size)
         finally:
             os.close(fd)
+
+    def index_problem(self, run: str) -> str | None:
+        validate_run_name(run)
+        if not is_store_dir(self.logs_dir):
+            return None
+        try:
+            fd = open_store_file(self.path(run), os.O_RDONLY)
+        except FileNotFoundError:
+            return None
+        try:
+            with self._index(run, fd, os.fstat(fd).st_size) as index:
+                if index is None:
+                    return None  # absent, or fails its checks: never used
+                tables = index.tables()
+                summary, end = _summarize(_read_from(fd, 0, index.covered), 0, run, whole=True)
+                if end == (index.covered, index.anchor) and same_tables(tables, summary.tables()):
+                    return None
+                return (
+                    f"the reflog index {self.index_path(run)} disagrees with the reflog it "
+                    "indexes (was the reflog edited in place?): lookups by id would trust it; "
+                    "castore repair writes it afresh"
+                )
+        except IndexCorruptError:
+            return None
+        finally:
+            os.close(fd)
+
+    def rebuild_index(self, run: str) -> None:
+        validate_run_name(run)
+        try:
+            fd = open_store_file(self.path(run), os.O_RDONLY)
+        except FileNotFoundError:
+            return
+        try:
+            built = self._summarized(run, fd, os.fstat(fd).st_size)
+        finally:
+            os.close(fd)
+        if built is not None:
+            with writing(f"writing the reflog index of run {run!r}", self.index_path(run)):
+                self._write_index(run, built)
 
     def _keep_index(self, run: str, fd: int) -> None:
         """After an append (under the run lock): rewrite the index once REINDEX_BYTES of

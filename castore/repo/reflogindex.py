@@ -139,6 +139,11 @@ def merge(
     return _by_id(np.concatenate([listed, fresh])), merged
 
 
+def same_tables(tables: tuple[np.ndarray, ...], others: tuple[np.ndarray, ...]) -> bool:
+    """Whether two (listed, collected) pairs say the same."""
+    return all(np.array_equal(a, b) for a, b in zip(tables, others, strict=True))
+
+
 def _contains(sorted_roots: np.ndarray, root: bytes) -> bool:
     at = int(np.searchsorted(sorted_roots, np.void(root)))
     return at < len(sorted_roots) and sorted_roots[at].tobytes() == root
