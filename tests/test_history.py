@@ -22,6 +22,7 @@ import castore
 import castore.gc as gc_module
 import castore.repo.local as local_repo
 from castore import Store, cli
+from castore.core import opening
 from castore.gc import RetentionPolicy, collect_garbage
 from castore.repo import reflogindex
 from castore.repo.local import RefStore
@@ -261,3 +262,29 @@ def test_a_new_handle_lists_the_newest_from_the_reflog_tail(
         bytes_read.clear()
         assert cli.main(["log", str(tmp_path / "s"), "-n", "2"]) == 0
         assert sum(bytes_read) < size // 4
+
+
+def test_opening_a_store_reads_its_marker_once_and_makes_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an open of an existing store costs does not depend on its history either;
+    it used to read castore.json twice and try to create refs/, locks/ and logs/ again."""
+    saved(tmp_path / "s", 2).close()
+    marker_reads: list[str] = []
+    made: list[str] = []
+    real_read, real_mkdir = opening.read_store_file, os.mkdir
+
+    def counting_read(path: Path, **kwargs: Any) -> bytes:
+        marker_reads.append(path.name)
+        return real_read(path, **kwargs)
+
+    def counting_mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(str(path))
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(opening, "read_store_file", counting_read)
+    monkeypatch.setattr(os, "mkdir", counting_mkdir)
+    with castore.open(tmp_path / "s") as store:
+        assert store.resolve(RUN).id == 2
+    assert marker_reads == ["castore.json"]
+    assert not [path for path in made if Path(path).name in ("refs", "locks", "logs")]

@@ -139,7 +139,8 @@ class LocalLocks(StoreLocks):
 
     def _open_lock_file(self, name: str) -> int:
         """Open (creating) ``locks/NAME`` for ``flock``; never through a symlink."""
-        ensure_store_dirs(self.root)
+        if not is_store_dir(self.locks_dir):  # one lstat, on every open of a store
+            ensure_store_dirs(self.root)
         path = self.locks_dir / name
         try:
             return open_store_file(path, os.O_RDWR | os.O_CREAT)
