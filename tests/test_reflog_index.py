@@ -10,15 +10,18 @@ generation. Counted, not timed (benchmarks/bench_call_costs.py times it).
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import castore
 import castore.repo.local as local_repo
@@ -236,7 +239,8 @@ def rewrite_index(path: Path, **changes: Any) -> None:
     for position, (field, value) in changes.get("listed", {}).items():
         listed[field][position] = value
     covered = changes.get("covered", index.covered)
-    index_file.write_bytes(reflogindex.encode(covered, index.anchor, listed, collected))
+    segment = reflogindex.encode_segment((listed, collected))
+    index_file.write_bytes(reflogindex.encode_index([segment], covered, index.anchor))
 
 
 def row_of(path: Path, gen_id: int) -> int:
@@ -257,16 +261,27 @@ def line_of(path: Path, gen_id: int) -> int:
     raise AssertionError(f"no advance record of generation {gen_id}")
 
 
+def claiming(count: int) -> Callable[[bytes], bytes]:
+    """The first segment's header claiming ``count`` listed entries, its checksum redone."""
+
+    def craft(data: bytes) -> bytes:
+        fields = bytearray(data[: reflogindex.SEGMENT_HEADER - reflogindex.CHECK_SIZE])
+        fields[16:24] = count.to_bytes(8, "little")  # after magic, version, entries per page
+        check = digest_bytes(bytes(fields))[: reflogindex.CHECK_SIZE]
+        return bytes(fields) + check + data[reflogindex.SEGMENT_HEADER :]
+
+    return craft
+
+
 DAMAGE = {
-    "header byte": lambda data: data[:20] + bytes([data[20] ^ 1]) + data[21:],
+    "segment header byte": lambda data: data[:20] + bytes([data[20] ^ 1]) + data[21:],
     "listed page byte": lambda data: data[:200] + bytes([data[200] ^ 1]) + data[201:],
-    "last page byte": lambda data: data[:-3] + bytes([data[-3] ^ 1]) + data[-2:],
+    "footer byte": lambda data: data[:-3] + bytes([data[-3] ^ 1]) + data[-2:],
     "cut short": lambda data: data[: len(data) // 2],
     "bytes added": lambda data: data + b"\0" * 56,
     "empty": lambda data: b"",
-    "counts of 10**12": lambda data: (
-        data[:24] + (10**12).to_bytes(8, "little") + data[32:]  # the listed count
-    ),
+    # A header, its checksum valid, claiming 10**12 entries: refused before any is read.
+    "10**12 entries": claiming(10**12),
 }
 
 
@@ -456,7 +471,8 @@ def test_a_damaged_or_crafted_index_blob_is_refused(tmp_path: Path) -> None:
     index = reflogindex.ReflogIndex(lambda at, n: good[at : at + n], len(good), max_entries=40)
     listed, collected = (table.copy() for table in index.tables())
     listed["root"][int(np.flatnonzero(listed["id"] == 20)[0])] = np.void(digest_bytes(orphan))
-    crafted = reflogindex.encode(index.covered, index.anchor, listed, collected)
+    segment = reflogindex.encode_segment((listed, collected))
+    crafted = reflogindex.encode_index([segment], index.covered, index.anchor)
     for bad in (good[:300] + bytes([good[300] ^ 1]) + good[301:], crafted):
         index_file.write_bytes(bad)
         with castore.open(path, shared=True) as store:
@@ -498,3 +514,49 @@ def test_verify_names_an_index_that_disagrees_with_its_log_and_repair_rewrites_i
         assert repair_store(store).reflog_indexes_rebuilt == [RUN]
         assert not any("reflog index" in p.what for p in verify_store(store).problems)
     assert answers(history) == expected
+
+
+# -- the segments: extending an index says what summarising every record says ------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    actions=st.lists(st.tuples(st.integers(0, 11), st.booleans()), min_size=1, max_size=80),
+    cuts=st.lists(st.integers(1, 80), max_size=8),
+)
+def test_an_index_extended_segment_by_segment_answers_as_the_records_do(
+    actions: list[tuple[int, bool]], cuts: list[int]
+) -> None:
+    """Any order of publish and collect records over a few roots (each under its own id:
+    collected, logged again, collected before it was published), indexed in runs cut
+    anywhere, then merged as writers merge them: the same tables and lookups."""
+    records = [
+        {
+            "action": "collect" if collect else "advance",
+            "generation": 1 + r // 2,
+            "root": bytes([r]).hex() * 32,
+        }
+        for r, collect in actions
+    ]
+    bounds = sorted({0, len(records), *(c for c in cuts if c < len(records))})
+    whole = reflogindex.Summary()
+    index = None
+    for start, stop in itertools.pairwise(bounds):
+        part = reflogindex.Summary()
+        for position in range(start, stop):
+            part.add(records[position], position)
+            whole.add(records[position], position)
+        data = (
+            reflogindex.build(part, stop, "0" * 32)
+            if index is None
+            else reflogindex.extend(index, part, stop, "0" * 32)
+        )
+        index = reflogindex.ReflogIndex(
+            lambda at, n, d=data: d[at : at + n], len(data), max_entries=10**6
+        )
+    assert index is not None and len(index.segments) <= max(1, len(bounds).bit_length() + 1)
+    assert reflogindex.same_tables(index.tables(), whole.tables())
+    for generation in range(0, 8):
+        found = reflogindex.lookup(index, reflogindex.Summary(), generation)
+        expected = [r for r, e in whole.listed.items() if e.generation == generation]
+        assert [listing.root for listing in found] == expected

@@ -54,9 +54,9 @@ from castore.repo.reflogindex import (
     Listing,
     ReflogIndex,
     Summary,
-    encode,
+    build,
+    extend,
     lookup,
-    merge,
     same_tables,
 )
 
@@ -398,20 +398,20 @@ class BlobReflog(Reflog):
             tail, end = _summarize(self._records_after(run, index.covered), run)
             if end is not None and end[0] >= sequence:  # else a gap: read every record
                 try:
-                    built = end, merge(*index.tables(), tail)
+                    built = end, extend(index, tail, *end)
                 except IndexCorruptError:
                     built = None
         if built is None:
             summary, end = _summarize(self._records(run), run)
             if end is None:
                 return 0
-            built = end, summary.tables()
-        (covered, anchor), tables = built
+            built = end, build(summary, *end)
+        (covered, _), data = built
         name = index_blob(run, covered)
         if full:
             self.blobs.delete(name)  # repair: the index of these records may be a wrong one
         try:
-            self.blobs.create(name, encode(covered, anchor, *tables))
+            self.blobs.create(name, data)
         except BlobExistsError:
             pass  # another writer indexed the same records
         for older, other in self._index_names(run):

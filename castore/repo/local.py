@@ -53,9 +53,9 @@ from castore.repo.reflogindex import (
     Listing,
     ReflogIndex,
     Summary,
-    encode,
+    build,
+    extend,
     lookup,
-    merge,
     same_tables,
 )
 from castore.repo.refstore import ComposedRefStore, RepoParts
@@ -318,6 +318,7 @@ class LocalReflog(Reflog):
         self._views: dict[str, FileReflogView] = {}
         self._views_lock = threading.Lock()
         self._unindexed: set[str] = set()  # runs whose index this handle failed to write
+        self._indexed_to: dict[str, int] = {}  # where each run's index ends, as last seen
 
     def path(self, run: str) -> Path:
         return self.logs_dir / f"{run}.reflog"
@@ -517,7 +518,8 @@ class LocalReflog(Reflog):
             os.close(fd)
         if built is not None:
             with writing(f"writing the reflog index of run {run!r}", self.index_path(run)):
-                self._write_index(run, built)
+                self._write_index(run, built[0])
+            self._indexed_to[run] = built[1]
 
     def _keep_index(self, run: str, fd: int) -> None:
         """After an append (under the run lock): rewrite the index once REINDEX_BYTES of
@@ -531,34 +533,40 @@ class LocalReflog(Reflog):
             return
         try:
             size = os.fstat(fd).st_size
+            known = self._indexed_to.get(run)
+            if known is not None and size - known < REINDEX_BYTES:
+                return  # as this handle last saw or wrote it: no read (a gc appends thousands)
             with self._index(run, fd, size) as index:
                 covered = 0 if index is None else index.covered
                 if size - covered < REINDEX_BYTES:
-                    return
-                if index is not None:
+                    built = None
+                elif index is not None:
                     built = self._extended(run, fd, size, index)
                 else:
                     built = self._summarized(run, fd, size)
             if built is not None:
-                self._write_index(run, built)
+                data, covered = built
+                self._write_index(run, data)
+            self._indexed_to[run] = covered
         except (OSError, CastoreError):
             self._unindexed.add(run)
 
-    def _extended(self, run: str, fd: int, size: int, index: ReflogIndex) -> bytes | None:
-        """The index extended by the records past its prefix (read whole, checked)."""
+    def _extended(
+        self, run: str, fd: int, size: int, index: ReflogIndex
+    ) -> tuple[bytes, int] | None:
+        """The index extended by the records past its prefix, and where it then ends."""
         tail, end = _summarize(_read_from(fd, index.covered, size), index.covered, run, whole=True)
         if end is None:
             return None  # nothing intact past the prefix
         try:
-            listed, collected = index.tables()
+            return extend(index, tail, *end), end[0]
         except IndexCorruptError:
             return self._summarized(run, fd, size)
-        return encode(end[0], end[1], *merge(listed, collected, tail))
 
-    def _summarized(self, run: str, fd: int, size: int) -> bytes | None:
+    def _summarized(self, run: str, fd: int, size: int) -> tuple[bytes, int] | None:
         """An index of the whole log, read from its start (the first, or after damage)."""
         summary, end = _summarize(_read_from(fd, 0, size), 0, run, whole=True)
-        return None if end is None else encode(end[0], end[1], *summary.tables())
+        return None if end is None else (build(summary, *end), end[0])
 
     def _write_index(self, run: str, data: bytes) -> None:
         """Replace the index whole (a temp file renamed over it). Not synced: a torn or
