@@ -20,17 +20,21 @@ first, so that a writer extending it summarises only the new records: it
 adds a segment, then merges the newest two while the older one is less than
 twice the size of the newer (a binary counter: a record is rewritten about
 log2(n) times in all, and there are about log2(n) segments). A lookup by id
-reads a few pages of each segment, and the caller checks every record a hit
-names against that record's own line checksum, id and root, and reads the
-records after ``covered`` itself. Nothing here touches storage: callers hand
+reads, in the one segment whose id range holds it, the page keys and the
+page they point to (and in each segment that collects anything, the same
+for each root found); the caller checks every record a hit names against
+that record's own line checksum, id and root, and reads the records after
+``covered`` itself. Nothing here touches storage: callers hand
 in a function that reads the index's bytes.
 
 Layout, little-endian::
 
     segment    header: magic "CSRLXSEG" | u32 version | u32 entries per page
                | u64 listed | u64 collected | u64 lowest and u64 highest id listed
-               (0 and 0 when none) | 16 bytes: blake3 of the pages
+               (0 and 0 when none) | 16 bytes: blake3 of the rest of the segment
                | 16 bytes: blake3 of the header before them
+               page keys: the u64 id of each listed page's last entry, the root
+               of each collected page's last entry, then a 16-byte check
                listed pages: up to 64 entries of (u64 id, u64 listing position,
                u64 record position, 32-byte root), then a 16-byte check
                collected pages: up to 64 sorted 32-byte roots, then a 16-byte check
@@ -157,7 +161,8 @@ def _contains(sorted_roots: np.ndarray, root: bytes) -> bool:
 def encode_segment(tables: Tables) -> bytes:
     """One segment holding ``tables`` (sorted)."""
     listed, collected = tables
-    pages = []
+    fences = _last_of_pages(listed["id"]).tobytes() + _last_of_pages(collected).tobytes()
+    pages = [fences, _check(fences)]
     for table, rows in ((_LISTED, listed), (_COLLECTED, collected)):
         raw = rows.tobytes()
         step = PAGE_ENTRIES * rows.dtype.itemsize
@@ -215,6 +220,12 @@ def _tables_of(piece: tuple[int, bytes | None, Tables | None]) -> Tables:
     return _Segment(lambda at, n: raw[at : at + n], 0, len(raw)).tables()
 
 
+def _last_of_pages(keys: np.ndarray) -> np.ndarray:
+    """The key of each page's last entry: where a lookup finds its page in one read."""
+    pages = -(-len(keys) // PAGE_ENTRIES)
+    return keys[np.minimum(np.arange(1, pages + 1) * PAGE_ENTRIES, len(keys)) - 1]
+
+
 def _page_check(table: bytes, number: int, page: bytes) -> bytes:
     return _check(table + number.to_bytes(8, "little") + page)
 
@@ -243,18 +254,35 @@ class _Segment:
             raise _unusable("a segment is not one of this version")
         if _check(fields) != check:
             raise _unusable("a segment's header fails its checksum")
+        listed_pages, collected_pages = -(-listed // PAGE_ENTRIES), -(-collected // PAGE_ENTRIES)
+        fences = listed_pages * 8 + collected_pages * COLLECTED.itemsize + CHECK_SIZE
         listed_bytes = _table_bytes(listed, LISTED.itemsize)
-        if size != SEGMENT_HEADER + listed_bytes + _table_bytes(collected, COLLECTED.itemsize):
+        tables = listed_bytes + _table_bytes(collected, COLLECTED.itemsize)
+        if size != SEGMENT_HEADER + fences + tables:
             raise _unusable("a segment's size does not match its header")
         self._read, self._offset, self._size, self._body = read, offset, size, body
         self._ids = range(low, high + 1) if listed else range(0)
         self.entries = listed + collected
-        start = offset + SEGMENT_HEADER
+        self._fence_place = (offset + SEGMENT_HEADER, fences, listed_pages)
+        self._fences: dict[bytes, np.ndarray] = {}
+        start = offset + SEGMENT_HEADER + fences
         self._tables = {
             _LISTED: (start, listed, LISTED),
             _COLLECTED: (start + listed_bytes, collected, COLLECTED),
         }
         self._pages: dict[tuple[bytes, int], np.ndarray] = {}
+
+    def _fence(self, table: bytes) -> np.ndarray:
+        """The key of each page's last entry in ``table`` (one read for both tables)."""
+        if not self._fences:
+            offset, length, listed_pages = self._fence_place
+            data = self._read(offset, length)
+            body, check = data[:-CHECK_SIZE], data[-CHECK_SIZE:]
+            if len(data) != length or _check(body) != check:
+                raise _unusable("a segment's page keys fail their checksum")
+            self._fences[_LISTED] = np.frombuffer(body[: listed_pages * 8], dtype="<u8")
+            self._fences[_COLLECTED] = np.frombuffer(body[listed_pages * 8 :], dtype=COLLECTED)
+        return self._fences[table]
 
     def _page(self, table: bytes, number: int) -> np.ndarray:
         rows = self._pages.get((table, number))
@@ -276,23 +304,16 @@ class _Segment:
     def _count_pages(self, table: bytes) -> int:
         return -(-self._tables[table][1] // PAGE_ENTRIES)
 
-    def _first_page(self, table: bytes, reaches: Callable[[np.void], bool]) -> int:
-        """The first page whose last entry ``reaches`` the key sought (the count if none)."""
-        low, high = 0, self._count_pages(table)
-        while low < high:
-            middle = (low + high) // 2
-            if reaches(self._page(table, middle)[-1]):
-                high = middle
-            else:
-                low = middle + 1
-        return low
+    def _first_page(self, table: bytes, key: int | np.void) -> int:
+        """The first page whose last entry is at least ``key`` (the page count if none)."""
+        return int(np.searchsorted(self._fence(table), key, side="left"))
 
     def with_id(self, generation: int) -> list[Listing]:
         """What the segment lists under id ``generation``."""
         found: list[Listing] = []
         if generation not in self._ids:
             return found  # by its header: most segments, since ids grow with the log
-        number = self._first_page(_LISTED, lambda row: int(row["id"]) >= generation)
+        number = self._first_page(_LISTED, generation)
         while number < self._count_pages(_LISTED):
             rows = self._page(_LISTED, number)
             start = int(np.searchsorted(rows["id"], generation, side="left"))
@@ -314,7 +335,7 @@ class _Segment:
         """Whether the segment's records collect ``root``."""
         if not self._tables[_COLLECTED][1]:
             return False
-        number = self._first_page(_COLLECTED, lambda row: row.tobytes() >= root)
+        number = self._first_page(_COLLECTED, np.void(root))
         if number == self._count_pages(_COLLECTED):
             return False
         return _contains(self._page(_COLLECTED, number), root)
@@ -330,7 +351,7 @@ class _Segment:
         """Both tables (the segment checked whole), checked sorted."""
         data = self.whole()
         whole = []
-        for start, count, dtype in self._tables.values():
+        for start, count, dtype in self._tables.values():  # past the page keys
             region = data[start - self._offset :][: _table_bytes(count, dtype.itemsize)]
             step = PAGE_ENTRIES * dtype.itemsize + CHECK_SIZE
             entries = b"".join(
