@@ -20,7 +20,7 @@ from _helpers import assert_state_equal
 
 import castore
 import castore.gc as gc_module
-import castore.repo.local as local_repo
+import castore.repo.localreflog as local_repo
 from castore import Store, cli
 from castore.core import opening
 from castore.gc import RetentionPolicy, collect_garbage

@@ -24,7 +24,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import castore
-import castore.repo.local as local_repo
+import castore.repo.localreflog as local_repo
 from castore import Store
 from castore.core.commit import commit_objects
 from castore.errors import CastoreError, GenerationNotFoundError
@@ -34,7 +34,7 @@ from castore.gc import RetentionPolicy, collect_garbage
 from castore.repair import repair_store
 from castore.repo import reflogindex
 from castore.repo.base import Reflog
-from castore.repo.local import LocalReflog
+from castore.repo.localreflog import LocalReflog
 from castore.verify import verify_store
 
 RUN = "h"

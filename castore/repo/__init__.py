@@ -9,7 +9,7 @@ implementation, an in-memory one, and a contract suite in
 interface              local directory              memory
 =====================  ===========================  =======================
 ``base.RefTable``      ``local.LocalRefTable``      ``memory.MemoryRefTable``
-``base.Reflog``        ``local.LocalReflog``        ``memory.MemoryReflog``
+``base.Reflog``        ``localreflog.LocalReflog``  ``memory.MemoryReflog``
 ``base.TagTable``      ``local.LocalTagTable``      ``memory.MemoryTagTable``
 ``base.StoreLocks``    ``local.LocalLocks``         ``memory.MemoryLocks``
 =====================  ===========================  =======================
