@@ -44,6 +44,7 @@ class RepairReport:
     missing_chunks: list[bytes] = field(default_factory=list)  # indexed, but no bytes
     corrupt_objects: list[bytes] = field(default_factory=list)
     refs_restored: dict[str, int] = field(default_factory=dict)  # run -> generation its ref names
+    reflog_indexes_rebuilt: list[str] = field(default_factory=list)  # runs: see verify
     damaged: dict[str, list[str]] = field(default_factory=dict)  # "run@gen" -> what is lost
 
     @property
@@ -119,6 +120,7 @@ def repair_store(
             )
             store.backend.delete_many(Namespace.OBJECTS, report.corrupt_objects)
         report.refs_restored = restore_lost_refs(store, dry_run=dry_run)
+        report.reflog_indexes_rebuilt = rebuild_reflog_indexes(store, dry_run=dry_run)
     # A dry run removed nothing: hash to see it.
     after = verify_store(store, deep=dry_run, progress=progress)
     for problem in after.problems:
@@ -150,6 +152,24 @@ def restore_lost_refs(store: Store, *, dry_run: bool = False) -> dict[str, int]:
             restored[run] = root.generation
             break
     return restored
+
+
+def rebuild_reflog_indexes(store: Store, *, dry_run: bool = False) -> list[str]:
+    """Write afresh each reflog index that disagrees with its reflog (verify names them).
+
+    The index is derived (castore.repo.reflogindex): a damaged one is never
+    used, but one that passes its checks yet summarises other records (a
+    reflog edited in place) would be trusted by lookups by id.
+    """
+    rebuilt = []
+    for run in store.runs():
+        if store.refs.reflog_index_problem(run) is None:
+            continue
+        if not dry_run:
+            with store.refs.locked(run):  # as an append, which also writes it
+                store.refs.rebuild_reflog_index(run)
+        rebuilt.append(run)
+    return rebuilt
 
 
 def rebuild_index(path: str | os.PathLike[str], *, progress: bool = False) -> RebuildReport:

@@ -268,6 +268,12 @@ def _check_reflog(store: Store, run: str, report: VerifyReport) -> None:
                 "castore record",
             )
         )
+    try:
+        disagreement = store.refs.reflog_index_problem(run)  # the derived index lookups use
+    except CastoreError as exc:
+        disagreement = f"reflog index: {type(exc).__name__}: {exc}"
+    if disagreement is not None:
+        report.problems.append(Problem(run, None, disagreement))
 
 
 STORE = "(store)"  # the Problem.run of damage that belongs to no run

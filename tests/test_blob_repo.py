@@ -27,18 +27,15 @@ from castore.chunkstore.memory import MemoryBackend
 from castore.errors import CorruptRefError, RefConflictError, StoreLockedError
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage, tag
 from castore.repo.base import RefTable
+from castore.repo.blobreflog import BlobReflog, decode_record, encode_record, record_blob
 from castore.repo.blobs import (
     LEASE_FREE,
-    BlobReflog,
     BlobRefTable,
     BlobStoreLocks,
     BlobTagTable,
     LeaseLostWarning,
     RunLeases,
     blob_refs,
-    decode_record,
-    encode_record,
-    record_blob,
 )
 from castore.repo.records import Record, make_reflog_record
 from castore.repo.refstore import ComposedRefStore, RepoParts

@@ -8,6 +8,7 @@ the whole history.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -19,9 +20,11 @@ from _helpers import assert_state_equal
 
 import castore
 import castore.gc as gc_module
-import castore.repo.local as local_repo
+import castore.repo.localreflog as local_repo
 from castore import Store, cli
+from castore.core import opening
 from castore.gc import RetentionPolicy, collect_garbage
+from castore.repo import reflogindex
 from castore.repo.local import RefStore
 from castore.repo.records import PUBLISH_ACTIONS
 from castore.verify import verify_store
@@ -56,16 +59,43 @@ def bytes_read(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return reads
 
 
-def test_a_save_reads_only_the_reflog_tail(tmp_path: Path, bytes_read: list[int]) -> None:
+def test_a_save_reads_only_the_reflog_tail(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A save reads the log's end (its last publish record) and the index's header; once
+    in REINDEX_BYTES of records it also rewrites the index (castore.repo.reflogindex),
+    reading the log past the index's prefix and the index itself."""
     store = saved(tmp_path / "s", 400)
-    size = store.refs.reflog_path(RUN).stat().st_size
-    assert size > 20 * local_repo._TAIL_PIECE  # a reflog much longer than one tail read
+    reflog = store.refs.reflog_path(RUN)
+    assert reflog.stat().st_size > 20 * local_repo._TAIL_PIECE  # much longer than a tail read
     store.close()
+    index = reflog.with_suffix(local_repo.INDEX_SUFFIX)
+    reads: list[tuple[int, int]] = []  # (inode, bytes) of each read
+    real = local_repo._read_from
+
+    def counting(fd: int, start: int, end: int) -> bytes:
+        data = real(fd, start, end)
+        reads.append((os.fstat(fd).st_ino, len(data)))
+        return data
+
+    monkeypatch.setattr(local_repo, "_read_from", counting)
+    rewrites = 0
     with castore.open(tmp_path / "s") as store:  # as a new process: nothing parsed yet
-        bytes_read.clear()
-        store.save(state(400), run=RUN, step=400)
-        assert 0 < sum(bytes_read) <= local_repo._TAIL_PIECE
-        assert [r["generation"] for r in store.refs.reflog(RUN)][-2:] == [400, 401]
+        for step in range(400, 440):
+            reads.clear()
+            before = index.read_bytes()
+            store.save(state(step), run=RUN, step=step)
+            log_read = sum(n for inode, n in reads if inode == reflog.stat().st_ino)
+            if index.read_bytes() == before:
+                assert 0 < log_read <= local_repo._TAIL_PIECE + local_repo._ANCHOR
+                # The index's footer and directory, and each segment's header.
+                segments = reflogindex.MAX_SEGMENTS * (16 + reflogindex.SEGMENT_HEADER)
+                assert sum(n for _, n in reads) - log_read <= reflogindex.FOOTER_SIZE + segments
+            else:
+                rewrites += 1
+                tail = local_repo._TAIL_PIECE + local_repo._ANCHOR + local_repo.REINDEX_BYTES
+                assert log_read <= tail + 2 * 300  # and the last two records, once each
+        assert [r["generation"] for r in store.refs.reflog(RUN)][-2:] == [439, 440]
+    # 40 records of about 280 bytes: one or two rewrites of the index, not one a save.
+    assert 1 <= rewrites <= 2
 
 
 def test_the_tail_read_finds_the_last_advance_behind_collect_records(tmp_path: Path) -> None:
@@ -84,12 +114,12 @@ def test_the_tail_read_finds_the_last_advance_behind_collect_records(tmp_path: P
 
 def test_the_reflog_view_parses_only_appended_lines(tmp_path: Path, bytes_read: list[int]) -> None:
     with saved(tmp_path / "s", 50) as store:
-        store.resolve(RUN, 1)
+        store.refs.reflog_view(RUN)
         bytes_read.clear()
         store.save(state(50), run=RUN, step=50)
         store.save(state(51), run=RUN, step=51)
         bytes_read.clear()
-        assert store.resolve(RUN, 1).id == 1
+        assert store.resolve(RUN, 1).id == 1  # from the view this handle keeps
         # Only the two records appended since the last lookup are read.
         line = len(store.refs.reflog_path(RUN).read_bytes().splitlines()[-1]) + 1
         assert sum(bytes_read) <= 2 * line + 16
@@ -234,3 +264,29 @@ def test_a_new_handle_lists_the_newest_from_the_reflog_tail(
         bytes_read.clear()
         assert cli.main(["log", str(tmp_path / "s"), "-n", "2"]) == 0
         assert sum(bytes_read) < size // 4
+
+
+def test_opening_a_store_reads_its_marker_once_and_makes_no_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What an open of an existing store costs does not depend on its history either;
+    it used to read castore.json twice and try to create refs/, locks/ and logs/ again."""
+    saved(tmp_path / "s", 2).close()
+    marker_reads: list[str] = []
+    made: list[str] = []
+    real_read, real_mkdir = opening.read_store_file, os.mkdir
+
+    def counting_read(path: Path, **kwargs: Any) -> bytes:
+        marker_reads.append(path.name)
+        return real_read(path, **kwargs)
+
+    def counting_mkdir(path: Any, *args: Any, **kwargs: Any) -> None:
+        made.append(str(path))
+        real_mkdir(path, *args, **kwargs)
+
+    monkeypatch.setattr(opening, "read_store_file", counting_read)
+    monkeypatch.setattr(os, "mkdir", counting_mkdir)
+    with castore.open(tmp_path / "s") as store:
+        assert store.resolve(RUN).id == 2
+    assert marker_reads == ["castore.json"]
+    assert not [path for path in made if Path(path).name in ("refs", "locks", "logs")]

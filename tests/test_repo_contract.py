@@ -23,7 +23,8 @@ from castore.errors import RefConflictError, UnsupportedOperationError
 from castore.format.hashing import Digest
 from castore.repo.base import AroundSwap, RefTable
 from castore.repo.blobs import BlobStoreLocks
-from castore.repo.local import LocalLocks, LocalReflog, LocalRefTable, LocalTagTable, RefStore
+from castore.repo.local import LocalLocks, LocalRefTable, LocalTagTable, RefStore
+from castore.repo.localreflog import LocalReflog
 from castore.repo.memory import (
     MemoryLocks,
     MemoryReflog,

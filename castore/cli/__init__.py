@@ -524,6 +524,9 @@ def cmd_repair(args: argparse.Namespace) -> int:
     for run, generation in sorted(report.refs_restored.items()):
         verb = "would restore" if args.dry_run else "restored"
         print(f"{verb} the lost ref of run {run} from its reflog: it names generation {generation}")
+    for run in report.reflog_indexes_rebuilt:
+        verb = "would rewrite" if args.dry_run else "rewrote"
+        print(f"{verb} the reflog index of run {run}: it disagreed with the reflog")
     if not report.damaged:
         print("OK: every generation is whole")
         return 0

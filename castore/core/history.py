@@ -306,18 +306,43 @@ def resolve_root(
         return named.root, root
     wanted_id, prefix = parse_generation(generation)
     if wanted_id is not None:
-        # The log names most generations directly: read only that root.
-        for hex_digest, listed_id in published(store, run, tolerate_bad_ref=True).items():
-            if listed_id == wanted_id:
-                digest = Digest.from_hex(hex_digest)
-                root = store.read_root(digest, run=run)
-                if root.generation == wanted_id:
-                    return digest, root
+        found = _by_logged_id(store, run, wanted_id)
+        if found is not None:
+            return found
     if prefix:
         found = _by_logged_prefix(store, run, prefix)
         if found is not None:
             return found
     return _resolve_by_chain(store, run, generation, wanted_id, prefix)
+
+
+def _by_logged_id(
+    store: RunHistory, run: str, wanted_id: int
+) -> tuple[Digest, GenerationRoot] | None:
+    """The log names most generations directly: read only the roots it lists under the id.
+
+    What :func:`published` would say of the id (the ref's root counts, under
+    the ref's id), without listing every generation: the reflog answers from
+    its index where it keeps one, so a new handle's lookup reads a few records.
+    """
+    listed = store.refs.listed_with_id(run, wanted_id)
+    try:
+        newest: RefValue | None = latest(store, run)
+    except CastoreError:
+        if not listed and not logged(store, run)[0]:
+            raise
+        newest = None  # a damaged ref: the log still names what was published
+    if newest is not None:
+        if newest.generation == wanted_id and newest.root.hex not in listed:
+            listed.append(newest.root.hex)
+        elif newest.generation != wanted_id and newest.root.hex in listed:
+            listed.remove(newest.root.hex)
+    for hex_digest in listed:
+        digest = Digest.from_hex(hex_digest)
+        root = store.read_root(digest, run=run)
+        if root.generation == wanted_id:
+            return digest, root
+    return None
 
 
 def _by_logged_prefix(

@@ -93,7 +93,9 @@ def open_store(
     if root.exists() and not root.is_dir():
         raise NotAStoreError(f"{root} is a file, not a castore store", path=str(root))
     marker = root / MARKER
-    if shared or (os.path.lexists(marker) and _names_blobs(marker)):
+    # Read once: it says which backend, and (local stores) the chunk size.
+    found = _read_config(marker)
+    if shared or (found is not None and found.get("backend") == "blobs"):
         if map_size is not None:
             raise ValueError(
                 f"map_size sizes a local store's LMDB file; {root} is a shared store (no LMDB)"
@@ -111,7 +113,9 @@ def open_store(
     reason = readonly_mode.choose(
         str(root), readonly, writable=not exists or readonly_mode.is_writable(root)
     )
-    config = _marker_or_new_store(root, create=create and reason is None, chunk_size=chunk_size)
+    config = _marker_or_new_store(
+        root, create=create and reason is None, chunk_size=chunk_size, found=found
+    )
     size = chunk_size or int(config["chunk_size"])
     if reason is not None:
         return _open_readonly(root, size, reason)
@@ -176,11 +180,19 @@ def _reader_hold(root: Path) -> LockHold:
 
 def _names_blobs(marker: Path) -> bool:
     """Whether the marker names format 3's ``blobs`` backend (a shared-directory store)."""
+    config = _read_config(marker)
+    return config is not None and config.get("backend") == "blobs"
+
+
+def _read_config(marker: Path) -> dict[str, Any] | None:
+    """The marker's JSON object, or None when it is absent or not one (read_marker says
+    what is wrong with it)."""
     try:
-        config = json.loads(read_store_file(marker, limit=_MAX_MARKER))
+        data = read_store_file(marker, limit=_MAX_MARKER)
+        config = json.loads(data) if len(data) <= _MAX_MARKER else None
     except (OSError, ValueError, RecursionError):
-        return False  # read_marker says what is wrong with it
-    return isinstance(config, dict) and config.get("backend") == "blobs"
+        return None
+    return config if isinstance(config, dict) else None
 
 
 def _open_shared(
@@ -287,9 +299,16 @@ def _check_chunk_size(chunk_size: int) -> int:
     return size
 
 
-def _marker_or_new_store(root: Path, *, create: bool, chunk_size: int | None) -> dict[str, Any]:
-    """The marker's settings, creating the store first if the directory is empty."""
+def _marker_or_new_store(
+    root: Path, *, create: bool, chunk_size: int | None, found: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The marker's settings, creating the store first if the directory is empty.
+
+    ``found``: the marker's JSON as the caller read it (its checks are made here).
+    """
     marker = root / MARKER
+    if found is not None:
+        return check_marker(marker, found)
     if os.path.lexists(marker):  # lexists: a symlinked marker is refused by the read, not skipped
         return read_marker(marker)
     if not root.exists() or _is_empty(root):
@@ -316,6 +335,11 @@ def read_marker(marker: Path) -> dict[str, Any]:
         raise NotAStoreError(
             f"store marker {marker} is unreadable: {exc}", path=str(marker)
         ) from exc
+    return check_marker(marker, config)
+
+
+def check_marker(marker: Path, config: Any) -> dict[str, Any]:
+    """The settings of the marker ``config`` (its parsed JSON), or the error it deserves."""
     if not isinstance(config, dict) or config.get("format") != STORE_FORMAT:
         raise NotAStoreError(f"{marker} is not a castore store marker", path=str(marker))
     version = config.get("format_version")

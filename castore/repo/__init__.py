@@ -9,7 +9,7 @@ implementation, an in-memory one, and a contract suite in
 interface              local directory              memory
 =====================  ===========================  =======================
 ``base.RefTable``      ``local.LocalRefTable``      ``memory.MemoryRefTable``
-``base.Reflog``        ``local.LocalReflog``        ``memory.MemoryReflog``
+``base.Reflog``        ``localreflog.LocalReflog``  ``memory.MemoryReflog``
 ``base.TagTable``      ``local.LocalTagTable``      ``memory.MemoryTagTable``
 ``base.StoreLocks``    ``local.LocalLocks``         ``memory.MemoryLocks``
 =====================  ===========================  =======================
@@ -21,9 +21,13 @@ method names ``Store`` calls (``store.refs``); ``local.RefStore`` and
 
 Format 3 (``castore.open("s3://...")``, ``castore.open(path, shared=True)``):
 :mod:`castore.repo.blobs` implements the same interfaces over a blob store
-(``BlobRefTable``, ``BlobReflog``, ``BlobTagTable``; ``BlobStoreLocks``: run
-leases and store leases across nodes, :mod:`castore.repo.leases`; the open
-lock in one process only), composed by ``blobs.blob_refs(blobs)``.
+(``BlobRefTable``, ``BlobTagTable``; ``BlobStoreLocks``: run leases and store
+leases across nodes, :mod:`castore.repo.leases`; the open lock in one
+process only; ``BlobReflog`` from :mod:`castore.repo.blobreflog`), composed
+by ``blobs.blob_refs(blobs)``.
+
+Both reflogs keep a derived index (:mod:`castore.repo.reflogindex`) so that a
+new handle finds a generation by id reading a few records, not all of them.
 
 Only names that carry no storage are imported here, so ``castore.store`` can
 import this package without a cycle.

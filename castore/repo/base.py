@@ -118,6 +118,29 @@ class Reflog(abc.ABC):
         """The view of ``run`` brought up to date when one is kept cheaply, else None."""
         return None
 
+    def listed_with_id(self, run: str, generation: int) -> list[str]:
+        """The roots (hex) the reflog lists under id ``generation``, in listing order.
+
+        Listed: named by a publish record, not collected (:class:`ReflogView`'s
+        ``listed``). An implementation may answer from a derived index (a new
+        handle then reads a few records, not the whole log), as long as it
+        answers what the view would.
+        """
+        return [root for root, listed in self.view(run).listed.items() if listed == generation]
+
+    def index_problem(self, run: str) -> str | None:
+        """Why the run's derived index (if it keeps one) disagrees with the records, or None.
+
+        An index that is absent or damaged is not used, so it is no problem; one
+        that passes its checks but summarises other records than the log holds
+        (a log edited in place, a crafted index) would be trusted by lookups.
+        """
+        return None
+
+    def rebuild_index(self, run: str) -> None:
+        """Write the run's derived index afresh from every record (under the run lock)."""
+        return None
+
     def read(self, run: str) -> tuple[list[Record], list[int]]:
         """Intact records and the positions of damaged ones, read afresh."""
         view = self.view(run, fresh=True)

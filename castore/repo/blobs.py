@@ -5,8 +5,7 @@ named blobs of a :class:`castore.blob.base.BlobStore` (memory, a shared
 directory, S3); docs/FORMAT.md, "Format 3: blobs"::
 
     refs/RUN                    mutable: the ref encoding of castore.repo.reffile
-    logs/RUN/NNNNNNNNNNNN       create-only: one reflog record, NNN... its 12-digit
-                                sequence number (1, 2, ...), in log order
+    logs/RUN/...                the reflog's records and their index (castore.repo.blobreflog)
     tags/RUN/NAME               mutable: the ref encoding, naming the tagged generation
     locks/runs/RUN              mutable: the run's lease (a holder record, or free)
     locks/store/...             the store leases (castore.repo.leases)
@@ -17,12 +16,6 @@ from that version. A writer that lost the swap re-reads the ref and raises
 RefConflictError as a local store does; it never writes a reflog record (the
 record is appended in ``around`` after the swap succeeds). So two writers on
 two nodes racing from one root give one winner and one record.
-
-A reflog record is created only if absent, under the next sequence number; a
-writer that finds its number taken tries the next one, so no record is ever
-overwritten. Record numbers are dense (records are never deleted), which is
-what lets a handle that keeps its view read only what was appended since:
-it probes the next number until one is absent.
 
 **Locks.** The run lock is a lease blob ``locks/runs/RUN`` (:class:`RunLeases`)
 as well as an in-process lock, so the advances and reflog records of one run
@@ -39,21 +32,18 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 import secrets
 import socket
 import threading
 import time
 import warnings
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 from castore.blob.base import BlobStore, Version
 from castore.errors import (
     BlobConflictError,
-    BlobExistsError,
     BlobTooLargeError,
     CastoreError,
     CommitUnknownError,
@@ -63,19 +53,16 @@ from castore.errors import (
     StoreLockedError,
     StoreUnavailableError,
 )
-from castore.format.hashing import Digest, digest_bytes
-from castore.repo.base import AroundSwap, Reflog, RefTable, TagTable
+from castore.format.hashing import Digest
+from castore.repo.base import AroundSwap, RefTable, TagTable
+from castore.repo.blobreflog import BlobReflog, runs_under
 from castore.repo.leases import DEFAULT_STORE_LEASE, StoreLeases
 from castore.repo.memory import MemoryLocks
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
-    PUBLISH_ACTIONS,
-    Record,
-    ReflogView,
     RefValue,
     check_advance,
     check_new_value,
-    is_reflog_record,
     is_valid_name,
     run_lock_busy,
     validate_run_name,
@@ -85,16 +72,12 @@ from castore.repo.records import (
 from castore.repo.reffile import decode_ref, encode_ref
 from castore.repo.refstore import ComposedRefStore, RepoParts
 
-SEQUENCE_DIGITS = 12
-_SEQUENCE = re.compile(f"[0-9]{{{SEQUENCE_DIGITS}}}")
-_CHECK_CHARS = 32  # hex digits of blake3(JSON) after the record's tab, as in a local reflog
 # A run's lease blob when nobody holds it.
 LEASE_FREE = b'{"free":true}'
 # Seconds a waiter watches an unchanged run lease before taking it over: a run lock
 # is held for one ref swap and one record create, far less than this.
 DEFAULT_STALE_LEASE = 20.0
 _POLL_FIRST, _POLL_MOST = 0.002, 0.1
-_READ_THREADS = 8  # record GETs in flight when a handle reads a run's whole log
 
 
 def ref_blob(run: str) -> str:
@@ -103,20 +86,6 @@ def ref_blob(run: str) -> str:
 
 def tag_blob(run: str, name: str) -> str:
     return f"tags/{validate_run_name(run)}/{validate_stored_tag_name(name, run=run)}"
-
-
-def record_blob(run: str, sequence: int) -> str:
-    return f"logs/{validate_run_name(run)}/{sequence:0{SEQUENCE_DIGITS}d}"
-
-
-def _runs_under(blobs: BlobStore, prefix: str, *, nested: bool) -> list[str]:
-    """The run segments of names ``PREFIX RUN`` (``PREFIX RUN/...`` when ``nested``)."""
-    found: set[str] = set()
-    for name in blobs.list(prefix):
-        run, slash, _ = name[len(prefix) :].partition("/")
-        if bool(slash) == nested and is_valid_name(run):
-            found.add(run)
-    return sorted(found)
 
 
 def _read_ref_blob(blobs: BlobStore, name: str, run: str) -> tuple[RefValue, Version] | None:
@@ -311,7 +280,7 @@ class BlobRefTable(RefTable):
         return None if found is None else found[0]
 
     def runs(self) -> list[str]:
-        return _runs_under(self.blobs, "refs/", nested=False)
+        return runs_under(self.blobs, "refs/", nested=False)
 
     def advance(
         self,
@@ -454,179 +423,7 @@ class BlobTagTable(TagTable):
         return self.blobs.delete(tag_blob(run, name))
 
     def runs(self) -> list[str]:
-        return _runs_under(self.blobs, "tags/", nested=True)
-
-
-# -- reflog -----------------------------------------------------------------------
-
-
-def encode_record(record: Record) -> bytes:
-    """A record blob: ``JSON <TAB> 32 hex digits of blake3(JSON) <LF>`` (a local reflog line)."""
-    text = json.dumps(record, sort_keys=True, separators=(",", ":"))
-    return f"{text}\t{digest_bytes(text.encode()).hex()[:_CHECK_CHARS]}\n".encode()
-
-
-def decode_record(data: bytes, run: str) -> Record | None:
-    """The record a blob holds, or None when it is damaged (create is atomic: nothing is torn)."""
-    text, tab, rest = data.decode("utf-8", "replace").rpartition("\t")
-    if not tab or rest != digest_bytes(text.encode()).hex()[:_CHECK_CHARS] + "\n":
-        return None
-    try:
-        record = json.loads(text)
-    except (ValueError, RecursionError):
-        return None
-    return record if is_reflog_record(record, run) else None
-
-
-class BlobReflogView(ReflogView):
-    """A view and the sequence number of the next record it has not read."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.next = 1
-
-
-class BlobReflog(Reflog):
-    """``logs/RUN/NNNNNNNNNNNN`` record blobs, created once each, read in number order.
-
-    ``damaged`` positions are sequence numbers (the blob name's only variable
-    part): a record blob that fails its checksum or shape, or a number missing
-    below the highest one (records are never deleted, so a gap is damage).
-
-    Costs, for a log of n records: a fresh view lists the run's names (on S3,
-    one request per 1,000) and reads every record (n GETs, 8 in flight); a kept view probes
-    one GET per record appended since, plus one that finds none. Reading from
-    the end (``records_backwards``, ``last_published`` on a new handle) lists
-    every name, because a list is ascending only and the blob interface has no
-    start-after, then reads only the records consumed. An append costs one
-    create when this handle knows the end, else that listing first. ``runs``
-    lists every record of every run (the interface lists no "directories").
-    """
-
-    def __init__(self, blobs: BlobStore) -> None:
-        self.blobs = blobs
-        self._views: dict[str, BlobReflogView] = {}
-        self._next_append: dict[str, int] = {}
-        self._guard = threading.Lock()
-
-    def location(self, run: str) -> str:
-        return f"the reflog blobs logs/{run}/ (positions are record numbers)"
-
-    def runs(self) -> list[str]:
-        return _runs_under(self.blobs, "logs/", nested=True)
-
-    def _sequences(self, run: str) -> list[int]:
-        """The record numbers present, ascending (other names under the prefix are ignored)."""
-        prefix = f"logs/{validate_run_name(run)}/"
-        tails = (name[len(prefix) :] for name in self.blobs.list(prefix))
-        return [int(tail) for tail in tails if _SEQUENCE.fullmatch(tail)]
-
-    def _load(self, run: str, sequence: int) -> tuple[Record | None, bool]:
-        """(the record, whether the blob exists)."""
-        try:
-            found = self.blobs.read_versioned(record_blob(run, sequence))
-        except BlobTooLargeError:
-            return None, True
-        if found is None:
-            return None, False
-        return decode_record(found[0], run), True
-
-    def append(self, run: str, record: Record) -> None:
-        validate_run_name(run)
-        if not is_reflog_record(record, run):
-            raise ValueError(f"not a reflog record of run {run!r}: {record!r}")
-        data = encode_record(record)
-        with self._guard:
-            sequence = self._next_append.get(run)
-        relisted = sequence is None
-        if sequence is None:
-            sequence = self._end(run) + 1
-        while True:
-            try:
-                self.blobs.create(record_blob(run, sequence), data)
-                break
-            except BlobExistsError:
-                # Another writer took this number: never overwrite, take a later one.
-                if relisted:
-                    sequence += 1
-                else:
-                    sequence, relisted = max(sequence + 1, self._end(run) + 1), True
-        with self._guard:
-            self._next_append[run] = sequence + 1
-
-    def _end(self, run: str) -> int:
-        sequences = self._sequences(run)
-        return sequences[-1] if sequences else 0
-
-    def view(self, run: str, *, fresh: bool = False) -> ReflogView:
-        validate_run_name(run)
-        with self._guard:
-            view = None if fresh else self._views.get(run)
-            if view is None:
-                view = self._read_all(run)
-            else:
-                self._extend(run, view)
-            self._views[run] = view
-            return view
-
-    def _read_all(self, run: str) -> BlobReflogView:
-        view = BlobReflogView()
-        present = self._sequences(run)
-        have = set(present)
-        numbers = range(1, (present[-1] if present else 0) + 1)
-
-        def load(sequence: int) -> Record | None:
-            return self._load(run, sequence)[0] if sequence in have else None
-
-        # One GET per record: several in flight (on S3 a fresh view of a long log
-        # would otherwise wait one round trip per record).
-        if len(numbers) > 1:
-            with ThreadPoolExecutor(max_workers=_READ_THREADS) as pool:
-                records = list(pool.map(load, numbers))
-        else:
-            records = [load(sequence) for sequence in numbers]
-        for sequence, record in zip(numbers, records, strict=True):
-            if record is None:
-                view.damaged.append(sequence)  # a gap or a damaged blob
-            else:
-                view.add(record)
-        view.next = (present[-1] if present else 0) + 1
-        return view
-
-    def _extend(self, run: str, view: BlobReflogView) -> None:
-        while True:
-            record, exists = self._load(run, view.next)
-            if not exists:
-                return
-            if record is None:
-                view.damaged.append(view.next)
-            else:
-                view.add(record)
-            view.next += 1
-
-    def cached_view(self, run: str) -> ReflogView | None:
-        with self._guard:
-            kept = run in self._views
-        return self.view(run) if kept else None
-
-    def records_backwards(self, run: str) -> Iterator[Record]:
-        validate_run_name(run)
-        return self._backwards(run, self._sequences(run))
-
-    def _backwards(self, run: str, sequences: list[int]) -> Iterator[Record]:
-        for sequence in reversed(sequences):
-            record = self._load(run, sequence)[0]
-            if record is not None:
-                yield record
-
-    def last_published(self, run: str) -> Record | None:
-        view = self.cached_view(run)
-        if view is None:
-            return super().last_published(run)
-        for record in reversed(view.records):
-            if record["action"] in PUBLISH_ACTIONS:
-                return dict(record)
-        return None
+        return runs_under(self.blobs, "tags/", nested=True)
 
 
 # -- the composition --------------------------------------------------------------

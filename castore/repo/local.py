@@ -3,7 +3,8 @@
 Layout (docs/FORMAT.md)::
 
     refs/RUN            one self-checking ref file per run (castore.repo.reffile)
-    logs/RUN.reflog     one checksummed JSON line per record, appended and fsynced
+    logs/RUN.reflog     the reflog: one checksummed JSON line per record (localreflog)
+    logs/RUN.idx        derived: where the reflog lists each generation id (localreflog)
     tags/RUN/NAME       one ref-format file per tag
     locks/RUN.lock      flock target of the run lock (ref advances, reflog appends)
     locks/store.lock    flock: saves and tags shared, garbage collection exclusive
@@ -20,25 +21,21 @@ from __future__ import annotations
 
 import errno
 import fcntl
-import json
 import os
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
 
 from castore.errors import StoreLockedError
-from castore.format.hashing import Digest, digest_bytes
-from castore.repo.base import AroundSwap, LockHold, Reflog, RefTable, StoreLocks, TagTable
+from castore.format.hashing import Digest
+from castore.repo.base import AroundSwap, LockHold, RefTable, StoreLocks, TagTable
+from castore.repo.localreflog import LocalReflog, names_in
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
-    Record,
-    ReflogView,
     RefValue,
     check_advance,
     check_new_value,
-    is_reflog_record,
     is_valid_name,
     run_lock_busy,
     validate_run_name,
@@ -53,15 +50,12 @@ from castore.support.safefs import (
     make_store_dir,
     open_store_file,
     regular_file_size,
-    write_all,
     write_error,
     writing,
 )
 
 STORE_LOCK = "store.lock"  # saves and tags: shared; garbage collection: exclusive
 OPEN_LOCK = "open.lock"  # every open Store: shared; compaction: exclusive
-_CHECK_CHARS = 32  # hex digits of blake3 after each reflog line's tab
-_TAIL_PIECE = 1 << 12  # first bytes read from a reflog's end (doubling when not enough)
 
 
 def ensure_store_dirs(root: Path) -> None:
@@ -70,21 +64,6 @@ def ensure_store_dirs(root: Path) -> None:
         directory = root / name
         with writing(f"creating {name}/", directory):
             make_store_dir(directory)
-
-
-def _names_in(directory: Path, run_of: Callable[[str], str | None]) -> list[str]:
-    """Run names ``run_of(entry name)`` gives for the entries of ``directory``.
-
-    Names only, nothing followed: a symlinked ref is listed and refused when read.
-    """
-    if not is_store_dir(directory):
-        return []
-    found = []
-    for name in os.listdir(directory):
-        run = run_of(name)
-        if run and is_valid_name(run):
-            found.append(run)
-    return found
 
 
 # -- locks ------------------------------------------------------------------------
@@ -118,7 +97,8 @@ class LocalLocks(StoreLocks):
 
     def _open_lock_file(self, name: str) -> int:
         """Open (creating) ``locks/NAME`` for ``flock``; never through a symlink."""
-        ensure_store_dirs(self.root)
+        if not is_store_dir(self.locks_dir):  # one lstat, on every open of a store
+            ensure_store_dirs(self.root)
         path = self.locks_dir / name
         try:
             return open_store_file(path, os.O_RDWR | os.O_CREAT)
@@ -171,7 +151,7 @@ class LocalRefTable(RefTable):
         return read_ref_file(self.refs_dir / run, run=run)
 
     def runs(self) -> list[str]:
-        return _names_in(self.refs_dir, lambda name: name)
+        return names_in(self.refs_dir, lambda name: name)
 
     def advance(
         self,
@@ -264,194 +244,7 @@ class LocalTagTable(TagTable):
             directory = self.tags_dir / name
             return name if is_store_dir(directory) and os.listdir(directory) else None
 
-        return _names_in(self.tags_dir, tagged)
-
-
-# -- reflog -----------------------------------------------------------------------
-
-
-class FileReflogView(ReflogView):
-    """A reflog file's view, and where its parse stopped (to go on from there)."""
-
-    def __init__(self, identity: tuple[int, int] | None = None) -> None:
-        super().__init__()
-        self.identity = identity  # (st_dev, st_ino) of the file parsed
-        self.offset = 0  # bytes parsed: the end of the last whole line
-        self.lines = 0
-
-    def feed(self, line: bytes, run: str) -> None:
-        self.lines += 1
-        record, damaged = _parse_reflog_line(line, run)
-        if damaged:
-            self.damaged.append(self.lines)
-        if record is not None:
-            self.add(record)
-
-
-class LocalReflog(Reflog):
-    """``logs/RUN.reflog``: ``JSON <TAB> 32 hex digits of blake3(JSON) <LF>`` per record."""
-
-    def __init__(self, root: Path) -> None:
-        self.logs_dir = root / "logs"
-        self._views: dict[str, FileReflogView] = {}
-        self._views_lock = threading.Lock()
-
-    def path(self, run: str) -> Path:
-        return self.logs_dir / f"{run}.reflog"
-
-    def location(self, run: str) -> str:
-        return str(self.path(run))
-
-    def runs(self) -> list[str]:
-        suffix = ".reflog"
-        return _names_in(
-            self.logs_dir, lambda name: name[: -len(suffix)] if name.endswith(suffix) else None
-        )
-
-    def append(self, run: str, record: Record) -> None:
-        validate_run_name(run)
-        text = json.dumps(record, sort_keys=True, separators=(",", ":"))
-        line = f"{text}\t{digest_bytes(text.encode()).hex()[:_CHECK_CHARS]}\n".encode()
-        with writing("creating logs/", self.logs_dir):
-            make_store_dir(self.logs_dir)
-        path = self.path(run)
-        created = not os.path.lexists(path)
-        phase = f"appending to the reflog of run {run!r}"
-        try:
-            fd = open_store_file(path, os.O_RDWR | os.O_APPEND | os.O_CREAT)
-        except OSError as exc:
-            raise write_error(phase, path, exc) from exc
-        try:
-            with writing(phase, path):
-                _append_line(fd, line)
-        finally:
-            os.close(fd)
-        if created:
-            with writing(phase, path):
-                fsync_dir(self.logs_dir)
-
-    def view(self, run: str, *, fresh: bool = False) -> ReflogView:
-        """Parse only the lines appended since the last call.
-
-        The reflog only grows (appends under the run's ref lock; a failed append
-        truncates back to where it began), so this keeps what it parsed and reads
-        from where it stopped: a save or a lookup costs the same at the 10,000th
-        generation as at the first. A file that shrank or was replaced is read
-        from its start.
-        """
-        validate_run_name(run)
-        if not is_store_dir(self.logs_dir):
-            return ReflogView()
-        try:
-            fd = open_store_file(self.path(run), os.O_RDONLY)
-        except FileNotFoundError:
-            return ReflogView()
-        with self._views_lock:
-            try:
-                info = os.fstat(fd)
-                view = None if fresh else self._views.get(run)
-                if (
-                    view is None
-                    or view.identity != (info.st_dev, info.st_ino)
-                    or info.st_size < view.offset
-                ):
-                    view = FileReflogView(identity=(info.st_dev, info.st_ino))
-                data = _read_from(fd, view.offset, info.st_size)
-            finally:
-                os.close(fd)
-            whole = data.rfind(b"\n") + 1
-            for line in data[:whole].split(b"\n")[:-1]:
-                view.feed(line, run)
-            view.offset += whole
-            self._views[run] = view
-            if whole == len(data):
-                return view
-            # An unfinished last line (a crash mid-append): part of this answer, not
-            # kept, since the next append ends it with a newline before its own record.
-            answer = view.copy()
-            answer.feed(data[whole:], run)
-            return answer
-
-    def cached_view(self, run: str) -> ReflogView | None:
-        if run not in self._views:
-            return None
-        return self.view(run)  # bring it up to date (appended lines only)
-
-    def records_backwards(self, run: str) -> Iterator[Record]:
-        """Read from the file's end in growing pieces."""
-        validate_run_name(run)
-        if not is_store_dir(self.logs_dir):
-            return
-        try:
-            fd = open_store_file(self.path(run), os.O_RDONLY)
-        except FileNotFoundError:
-            return
-        try:
-            end = os.fstat(fd).st_size
-            tail, piece = b"", _TAIL_PIECE
-            while end > 0:
-                start = max(0, end - piece)
-                piece = min(2 * piece, 1 << 20)
-                tail = _read_from(fd, start, end) + tail
-                end = start
-                lines = tail.split(b"\n")
-                # The first piece may begin mid-line unless it starts the file.
-                complete, tail = (lines, b"") if start == 0 else (lines[1:], lines[0])
-                for line in reversed(complete):
-                    record = _parse_reflog_line(line, run)[0]
-                    if record is not None:
-                        yield record
-        finally:
-            os.close(fd)
-
-
-def _parse_reflog_line(line: bytes, run: str) -> tuple[Record | None, bool]:
-    """(the record, None if the line holds none; whether the line is damage).
-
-    A tab with a whole checksum after it means the write was complete (JSON
-    holds no raw tab, so a torn prefix cannot look like this): a failed check
-    there is damage, anything shorter a torn append.
-    """
-    text, _, check = line.decode("utf-8", "replace").rpartition("\t")
-    if text and digest_bytes(text.encode()).hex()[:_CHECK_CHARS] == check:
-        try:
-            record = json.loads(text)
-        except (ValueError, RecursionError):
-            record = None
-        if is_reflog_record(record, run):
-            return record, False
-    return None, bool(text) and len(check) >= _CHECK_CHARS
-
-
-def _read_from(fd: int, start: int, end: int) -> bytes:
-    pieces, offset = [], start
-    while offset < end:
-        piece = os.pread(fd, min(end - offset, 1 << 20), offset)
-        if not piece:
-            break
-        pieces.append(piece)
-        offset += len(piece)
-    return b"".join(pieces)
-
-
-def _append_line(fd: int, line: bytes) -> None:
-    """Append one whole reflog line and sync it; a failed append leaves no torn record.
-
-    Appends to a run's reflog happen under its ref lock, so the size read
-    here is the end this line starts at.
-    """
-    size = os.fstat(fd).st_size
-    if size and os.pread(fd, 1, size - 1) != b"\n":
-        line = b"\n" + line  # end a torn record (a crash mid-append) so this one stays whole
-    try:
-        write_all(fd, line)
-        os.fsync(fd)
-    except OSError:
-        try:
-            os.ftruncate(fd, size)
-        except OSError:
-            pass  # the torn tail is skipped by readers and ended by the next append
-        raise
+        return names_in(self.tags_dir, tagged)
 
 
 # -- the composition --------------------------------------------------------------

@@ -218,6 +218,22 @@ class ComposedRefStore:
         """What the reflog of ``run`` says, reading only what was appended since last time."""
         return self.parts.reflog.view(run, fresh=fresh)
 
+    def listed_with_id(self, run: str, generation: int) -> list[str]:
+        """The roots (hex) the reflog lists, published and not collected, under id
+        ``generation``, in listing order: what a lookup by id reads first."""
+        return self.parts.reflog.listed_with_id(run, generation)
+
+    def reflog_index_problem(self, run: str) -> str | None:
+        """Why the reflog's derived index disagrees with the reflog (None: it does not)."""
+        validate_run_name(run)
+        return self.parts.reflog.index_problem(run)
+
+    def rebuild_reflog_index(self, run: str) -> None:
+        """Write the reflog's derived index afresh from the reflog; hold the run lock."""
+        self.refuse_if_readonly(f"rebuilding the reflog index of run {run!r}")
+        validate_run_name(run)
+        self.parts.reflog.rebuild_index(run)
+
     def last_published(self, run: str) -> Record | None:
         """The newest intact publish record of ``run``'s reflog, reading from the end."""
         return self.parts.reflog.last_published(run)

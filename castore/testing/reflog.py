@@ -91,6 +91,21 @@ class ReflogTests:
         assert view.listed == {h: g for h, g in expected}
         assert list(reflog.published_newest_first("r")) == expected
 
+    def test_listed_with_id_answers_what_the_view_lists(self, reflog: Reflog) -> None:
+        """Long enough for an implementation to index it; asked before any view is kept."""
+        for g in range(1, 121):
+            reflog.append("r", published("r", g))
+        for g in (3, 50, 118):
+            reflog.append("r", collected("r", g))
+        reflog.append("r", published("r", 121))
+        reflog.append("r", published("r", 50))  # a collected root logged again: not listed
+        reflog.append("r", published("r", 7, action="recovered"))  # listed once, as before
+        answers = {g: reflog.listed_with_id("r", g) for g in range(0, 124)}
+        listed = reflog.view("r").listed
+        for g, roots in answers.items():
+            assert roots == [hex_root for hex_root, i in listed.items() if i == g], g
+        assert answers[7] == [root("r@7").hex] and answers[50] == answers[122] == []
+
     def test_runs_are_kept_apart(self, reflog: Reflog) -> None:
         reflog.append("a", published("a", 1))
         reflog.append("b", published("b", 1))
