@@ -57,6 +57,7 @@ from castore.errors import (
     FallbackWarning,
     IntegrityError,
     NoValidGenerationError,
+    StoreError,
     UnsupportedValueError,
 )
 from castore.format.hashing import Digest
@@ -174,6 +175,7 @@ class Store:
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
         self._background: Background | None = None
+        self._closed = False
         # What trusting saves (trust_versions=True) of this handle wrote, per tensor.
         self.versions = VersionCache()
 
@@ -186,6 +188,14 @@ class Store:
     def readonly(self) -> bool:
         """Whether this handle refuses writes (opened read-only; see :func:`castore.open`)."""
         return self.readonly_reason is not None
+
+    def refuse_if_closed(self) -> None:
+        """Raise StoreError if :meth:`close` was called (an async save would never start)."""
+        if self._closed:
+            raise StoreError(
+                "this store handle is closed: open the store again (castore.open)",
+                path=str(self.path),
+            )
 
     def refuse_if_readonly(self, what: str, hint: str = "") -> None:
         """Raise ReadOnlyStoreError naming ``what`` ("save") if this handle is read-only."""
@@ -219,6 +229,7 @@ class Store:
         background = self._background
         if background is not None and (current := background.in_flight()) is not None:
             current.wait()
+        self._closed = True
         self.backend.close()
         if self._open_lock is not None:
             self._open_lock()  # releases the shared open lock, once
@@ -319,6 +330,7 @@ class Store:
         byte is hashed.
         """
         started = time.perf_counter()
+        self.refuse_if_closed()
         self.refuse_if_readonly("save")
         validate_run_name(run)
         step = check_step(step)

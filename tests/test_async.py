@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -610,3 +611,16 @@ def test_cuda_tensors_changed_on_the_gpu_right_after_the_save_are_saved_as_they_
     torch.cuda.synchronize()
     assert frozen(state) != expected
     assert_latest_holds(store, expected)
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_a_save_on_a_closed_handle_is_refused_at_once(tmp_path: Path, blocking: bool) -> None:
+    """It used to hang: an async save on a handle closed after a save never started."""
+    with castore.open(tmp_path / "store") as store:
+        store.save({"x": np.ones(3)}, run="r", step=1)
+    started = time.monotonic()
+    with pytest.raises(castore.errors.StoreError, match="handle is closed"):
+        store.save({"w": np.zeros(4)}, run="r", step=2, blocking=blocking)
+    assert time.monotonic() - started < 5
+    with castore.open(tmp_path / "store") as again:
+        assert [g.id for g in again.generations("r")] == [1]

@@ -235,6 +235,7 @@ def save(
     save through this store handle (see :mod:`castore.core.unchanged`).
     """
     # Before any collective: every rank opened the same store, so every rank refuses.
+    store.refuse_if_closed()
     store.refuse_if_readonly("save")
     step_int = _int_if_valid_step(step)
     if not blocking:
