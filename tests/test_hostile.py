@@ -177,17 +177,22 @@ def test_the_property_catches_a_reader_that_skips_validation(
 ) -> None:
     """Broken control: without the entry checks, a short entry returns bytes nobody wrote."""
     import castore.core.reading as reading_module
+    from castore.core.readplan import ReadPlan
     from castore.format.objects import TensorEntry
 
-    allocate = reading_module.allocate
+    allocate, add_whole = reading_module.allocate, ReadPlan.add_whole
 
     def poisoned(dtype: str, shape: tuple[int, ...], framework: str) -> Any:
         tensor, flat = allocate(dtype, shape, framework)
         flat[:] = 0xAB  # what "uninitialised" looks like, made visible
         return tensor, flat
 
+    def unchecked(plan: ReadPlan, entry: TensorEntry, flat: memoryview) -> None:
+        add_whole(plan, entry, flat[: entry.nbytes])  # the plan's own size check skipped
+
     monkeypatch.setattr(TensorEntry, "check", lambda self: None)
     monkeypatch.setattr(reading_module, "allocate", poisoned)
+    monkeypatch.setattr(ReadPlan, "add_whole", unchecked)
     forged = forge_entry(
         saved, RUN, TENSOR, BAD_ENTRIES["nbytes and chunks smaller than the shape"]
     )
@@ -195,6 +200,22 @@ def test_the_property_catches_a_reader_that_skips_validation(
     assert value[:1024] == ORIGINAL.tobytes()[:1024]
     assert value[1024:] == b"\xab" * (ORIGINAL.nbytes - 1024)  # the oracle above rejects this
     assert value != ORIGINAL.tobytes()
+
+
+def test_a_load_plan_refuses_a_short_entry_even_without_the_entry_check(
+    saved: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second line: the plan sizes each read by the buffer it fills, not by the entry
+    alone (the control above skips both checks and gets bytes nobody wrote)."""
+    from castore.format.objects import TensorEntry
+
+    monkeypatch.setattr(TensorEntry, "check", lambda self: None)
+    forged = forge_entry(
+        saved, RUN, TENSOR, BAD_ENTRIES["nbytes and chunks smaller than the shape"]
+    )
+    with pytest.raises(CorruptObjectError, match="says 1024 bytes, its box holds 1536") as info:
+        saved.load(RUN, forged)
+    assert info.value.tensor == TENSOR
 
 
 # -- nesting -------------------------------------------------------------------------
