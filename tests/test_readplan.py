@@ -9,6 +9,7 @@ reclaim moved.
 
 from __future__ import annotations
 
+import errno
 import os
 from pathlib import Path
 from typing import Any
@@ -307,3 +308,26 @@ def test_a_reader_follows_a_chunk_moved_by_a_reclaim_after_its_snapshot(
             assert reader.readinto(0, memoryview(got)) == 100 and bytes(got) == b"a" * 100
     finally:
         backend.close()
+
+
+def test_a_process_out_of_descriptors_loads_through_maps_and_leaks_none(
+    store: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    first, second = np.arange(300, dtype=np.float32), np.arange(500, dtype=np.int64)
+    store.save({"first": first}, run=RUN, step=1)
+    store.save({"first": first, "second": second}, run=RUN, step=2)  # a second pack
+    real, opens = lmdb_backend.open_store_file, []
+
+    def second_open_fails(path: Path, flags: int, mode: int = 0o644) -> int:
+        opens.append(path)
+        if len(opens) == 2:  # the reader's second pack
+            raise OSError(errno.EMFILE, "Too many open files")
+        return real(path, flags, mode)
+
+    monkeypatch.setattr(lmdb_backend, "open_store_file", second_open_fails)
+    before = len(os.listdir("/proc/self/fd"))
+    loaded = store.load(RUN)
+    assert len(os.listdir("/proc/self/fd")) == before  # the reader closed its first pack
+    assert len(opens) == 4  # two for the reader, then both packs mapped
+    assert loaded["first"].tobytes() == first.tobytes()
+    assert loaded["second"].tobytes() == second.tobytes()

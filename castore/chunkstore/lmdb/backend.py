@@ -94,9 +94,9 @@ _PACK_HEADER, _RECORD_HEADER = PACK_HEADER, RECORD_HEADER
 # chunk_index value: length, pack id, offset of the chunk's first byte in the pack.
 _LOCATION = struct.Struct("<QQQ")
 _IOV_MAX = 512  # pieces per writev call (two iovecs per record)
-# A chunk reader holds one descriptor per pack it reads; a read that needs more packs
-# maps them instead (a map holds no descriptor), so a load never runs out of them.
-_READER_PACKS = 64
+# A chunk reader holds one descriptor per pack it reads. A read that needs more packs,
+# or finds the process out of descriptors, maps them instead (a map holds none).
+_READER_PACKS = 256
 _preadv = getattr(os, "preadv", None)  # Linux, the BSDs, macOS 11+
 
 
@@ -317,7 +317,12 @@ class LmdbBackend(ChunkBackend):
                 locations = [None if v is None else unpack_location(v) for v in found]
                 if len({where[1] for where in locations if where is not None}) > _READER_PACKS:
                     return None
-                return _PackReader.open(self, keys, locations)
+                try:
+                    return _PackReader.open(self, keys, locations)
+                except OSError as exc:
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        return None  # every descriptor it took is closed again
+                    raise
             finally:
                 txn.abort()
 
@@ -803,19 +808,18 @@ class _PackReader(ChunkReader):
             return 0
         if offset + buffer.nbytes > length:
             buffer = buffer[: max(0, length - offset)]
-        at, done = self._offsets[position] + offset, 0
-        while done < buffer.nbytes:
-            try:
+        at, size = self._offsets[position] + offset, buffer.nbytes
+        try:
+            done = got = os.preadv(fd, [buffer], at)
+            while got and done < size:  # a short read: the rest, until the file ends
                 got = os.preadv(fd, [buffer[done:]], at + done)
-            except OSError as exc:
-                raise StoreError(
-                    f"cannot read a chunk pack: {exc.strerror or exc}",
-                    phase="reading chunks",
-                    path=str(self.pack_dir),
-                ) from exc
-            if not got:
-                break
-            done += got
+                done += got
+        except OSError as exc:
+            raise StoreError(
+                f"cannot read a chunk pack: {exc.strerror or exc}",
+                phase="reading chunks",
+                path=str(self.pack_dir),
+            ) from exc
         return done
 
     def close(self) -> None:
