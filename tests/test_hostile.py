@@ -187,8 +187,8 @@ def test_the_property_catches_a_reader_that_skips_validation(
         flat[:] = 0xAB  # what "uninitialised" looks like, made visible
         return tensor, flat
 
-    def unchecked(plan: ReadPlan, entry: TensorEntry, flat: memoryview) -> None:
-        add_whole(plan, entry, flat[: entry.nbytes])  # the plan's own size check skipped
+    def unchecked(plan: ReadPlan, entry: TensorEntry, flat: memoryview, where: Any) -> None:
+        add_whole(plan, entry, flat[: entry.nbytes], where)  # the plan's own size check skipped
 
     monkeypatch.setattr(TensorEntry, "check", lambda self: None)
     monkeypatch.setattr(reading_module, "allocate", poisoned)
@@ -215,7 +215,7 @@ def test_a_load_plan_refuses_a_short_entry_even_without_the_entry_check(
     )
     with pytest.raises(CorruptObjectError, match="says 1024 bytes, its box holds 1536") as info:
         saved.load(RUN, forged)
-    assert info.value.tensor == TENSOR
+    assert (info.value.tensor, info.value.run, info.value.generation) == (TENSOR, RUN, forged)
 
 
 # -- nesting -------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Save: a tensor's flat buffer is cut into ``chunk_size`` slices (memoryviews,
 no copies) and hashed while the main thread hands each hashed chunk to the
 backend, which writes it unless it has it already; one commit per batch.
-Load: the chunks of a whole request (every tensor of a state, or every box a
-rank needs) are fetched inside one read transaction; each distinct chunk is
-verified against its name once, then copied to every place that wants it.
+Load: the chunks of a whole request (a slice, or every box a rank restores
+into live tensors) are fetched inside one read transaction; each distinct
+chunk is verified against its name once, then copied to every place that
+wants it. A load into new tensors reads through :mod:`castore.core.readplan`.
 
 Who hashes: chunks of at least ``INLINE_BYTES`` go to a thread pool (blake3
 releases the GIL) in tasks of about ``TASK_BYTES``, so they hash in parallel

@@ -348,7 +348,7 @@ def plan_tensor(
         # check put the box inside the shape. The common case, made cheap
         # for states of many small tensors.
         tensor, flat = allocate(first.dtype, first.shape, framework)
-        plan.add_whole(first, flat.data)
+        plan.add_whole(first, flat.data, where)
         return tensor
     check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
     tensor, flat = allocate(first.dtype, first.shape, framework)
@@ -359,7 +359,7 @@ def plan_tensor(
             box = Box(entry.offsets, entry.local_shape)
             plan.requests += box_requests(entry, box, whole, flat)
         else:  # the boxes tile the tensor (checked above): their runs do not overlap
-            plan.add_whole(entry, view[start : start + entry.nbytes])
+            plan.add_whole(entry, view[start : start + entry.nbytes], where)
     return tensor
 
 

@@ -65,14 +65,20 @@ class ReadPlan:
         self.starts: list[int] = []  # ... and the plan position of its chunk 0
         self.requests: list[ChunkRequest] = []  # boxes scattered in their destination
 
-    def add_whole(self, entry: TensorEntry, flat: memoryview) -> None:
-        """Every chunk of ``entry``'s box into ``flat``, its bytes: chunk i at i*chunk_size."""
+    def add_whole(
+        self, entry: TensorEntry, flat: memoryview, where: dict[str, object] | None = None
+    ) -> None:
+        """Every chunk of ``entry``'s box into ``flat``, its bytes: chunk i at i*chunk_size.
+
+        ``where`` (run, generation) goes into the error if the entry disagrees with ``flat``.
+        """
+        where = {**(where or {}), "tensor": entry.name}
         size, chunk_size, chunks = entry.nbytes, entry.chunk_size, entry.chunks
         # TensorEntry.check refuses both of these before anything is allocated;
         # checked again here, where a disagreement would leave bytes unwritten.
         if flat.nbytes != size:
             raise CorruptObjectError(
-                f"tensor entry says {size} bytes, its box holds {flat.nbytes}", tensor=entry.name
+                f"tensor entry says {size} bytes, its box holds {flat.nbytes}", **where
             )
         if not size:
             views = []
@@ -82,8 +88,7 @@ class ReadPlan:
             views = [flat[at : at + chunk_size] for at in range(0, size, chunk_size)]
         if len(views) != len(chunks):
             raise CorruptObjectError(
-                f"tensor entry lists {len(chunks)} chunks, its size needs {len(views)}",
-                tensor=entry.name,
+                f"tensor entry lists {len(chunks)} chunks, its size needs {len(views)}", **where
             )
         if views:
             self.entries.append(entry)

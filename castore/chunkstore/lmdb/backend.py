@@ -284,13 +284,9 @@ class LmdbBackend(ChunkBackend):
                         view = maps.get(pack)
                         if view is None:
                             # Moved by a reclaim since this snapshot began? Look again.
-                            now = self.locate(key)
-                            if now is not None and (now.length, now.pack, now.offset) != (
-                                length,
-                                pack,
-                                offset,
-                            ):
-                                length, pack, offset = now.length, now.pack, now.offset
+                            moved = self.locate(key)
+                            if moved is not None and moved.pack != pack:
+                                length, pack, offset = moved.length, moved.pack, moved.offset
                                 view = maps.get(pack)
                         yield None if view is None else view[offset : offset + length]
 
@@ -798,7 +794,7 @@ class _PackReader(ChunkReader):
             except FileNotFoundError:
                 self._packs[pack] = (-1, 0)
             else:
-                self._packs[pack] = (fd, -1)
+                self._packs[pack] = (fd, -1)  # recorded first: close() closes it if fstat fails
                 self._packs[pack] = (fd, os.fstat(fd).st_size)
         return self._packs[pack]
 
