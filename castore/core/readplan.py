@@ -72,13 +72,13 @@ class ReadPlan:
 
         ``where`` (run, generation) goes into the error if the entry disagrees with ``flat``.
         """
-        where = {**(where or {}), "tensor": entry.name}
         size, chunk_size, chunks = entry.nbytes, entry.chunk_size, entry.chunks
         # TensorEntry.check refuses both of these before anything is allocated;
         # checked again here, where a disagreement would leave bytes unwritten.
         if flat.nbytes != size:
             raise CorruptObjectError(
-                f"tensor entry says {size} bytes, its box holds {flat.nbytes}", **where
+                f"tensor entry says {size} bytes, its box holds {flat.nbytes}",
+                **{**(where or {}), "tensor": entry.name},
             )
         if not size:
             views = []
@@ -88,7 +88,8 @@ class ReadPlan:
             views = [flat[at : at + chunk_size] for at in range(0, size, chunk_size)]
         if len(views) != len(chunks):
             raise CorruptObjectError(
-                f"tensor entry lists {len(chunks)} chunks, its size needs {len(views)}", **where
+                f"tensor entry lists {len(chunks)} chunks, its size needs {len(views)}",
+                **{**(where or {}), "tensor": entry.name},
             )
         if views:
             self.entries.append(entry)
