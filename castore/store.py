@@ -32,7 +32,7 @@ from castore.blob.counting import BlobRequests
 from castore.chunkstore.base import ChunkBackend
 from castore.core import fencing, history, reading
 from castore.core.background import AsyncOptions, Background, PendingSave, save_async
-from castore.core.chunkio import ChunkRequest, ReadCounters
+from castore.core.chunkio import ReadCounters
 from castore.core.commit import (
     SINGLE_FAULTS,
     check_data_order,
@@ -50,6 +50,7 @@ from castore.core.reading import (
     check_framework,
     numpy_as_torch,
 )
+from castore.core.readplan import ReadPlan
 from castore.core.unchanged import VersionCache
 from castore.errors import (
     CastoreError,
@@ -716,10 +717,10 @@ class Store:
         boxes: list[TensorEntry],
         framework: str,
         where: dict[str, Any],
-        requests: list[ChunkRequest],
+        plan: ReadPlan,
     ) -> Any:
-        """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``requests``."""
-        return reading.plan_tensor(boxes, framework, where, requests)
+        """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``plan``."""
+        return reading.plan_tensor(boxes, framework, where, plan)
 
     def read_slice(
         self,

@@ -192,23 +192,28 @@ def test_the_property_catches_a_reader_that_skips_validation(
 ) -> None:
     """Broken control: without the entry checks, a short entry returns bytes nobody wrote."""
     import castore.core.reading as reading_module
+    from castore.core.readplan import ReadPlan
     from castore.format.objects import EntryTable, TensorEntry
 
-    def unchecked(table: Any, n: int) -> Any:  # where each entry's digests start, no more
+    def unchecked_table(table: Any, n: int) -> Any:  # where each entry's digests start, no more
         starts = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(-(-table._nbytes // table._chunk_size), out=starts[1:])
         return starts
 
-    allocate = reading_module.allocate
+    allocate, add_whole = reading_module.allocate, ReadPlan.add_whole
 
     def poisoned(dtype: str, shape: tuple[int, ...], framework: str) -> Any:
         tensor, flat = allocate(dtype, shape, framework)
         flat[:] = 0xAB  # what "uninitialised" looks like, made visible
         return tensor, flat
 
+    def unchecked(plan: ReadPlan, entry: TensorEntry, flat: memoryview, where: Any) -> None:
+        add_whole(plan, entry, flat[: entry.nbytes], where)  # the plan's own size check skipped
+
     monkeypatch.setattr(TensorEntry, "check", lambda self: None)
-    monkeypatch.setattr(EntryTable, "_check", unchecked)
+    monkeypatch.setattr(EntryTable, "_check", unchecked_table)
     monkeypatch.setattr(reading_module, "allocate", poisoned)
+    monkeypatch.setattr(ReadPlan, "add_whole", unchecked)
     forged = forge_entry(
         saved, RUN, TENSOR, BAD_ENTRIES["nbytes and chunks smaller than the shape"], layout=layout
     )
@@ -284,6 +289,22 @@ def test_a_store_written_with_format_1_shards_reads_unchanged(saved: Store) -> N
     assert verify_store(saved, run=RUN, deep=True).ok
     saved.save({TENSOR: ORIGINAL, "note": "intact"}, run=RUN, step=3)  # reuses every chunk
     assert saved.generations(RUN)[-1].stats.new_chunks == 0
+
+
+def test_a_load_plan_refuses_a_short_entry_even_without_the_entry_check(
+    saved: Store, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second line: the plan sizes each read by the buffer it fills, not by the entry
+    alone (the control above skips both checks and gets bytes nobody wrote)."""
+    from castore.format.objects import TensorEntry
+
+    monkeypatch.setattr(TensorEntry, "check", lambda self: None)
+    forged = forge_entry(
+        saved, RUN, TENSOR, BAD_ENTRIES["nbytes and chunks smaller than the shape"], layout="rows"
+    )
+    with pytest.raises(CorruptObjectError, match="says 1024 bytes, its box holds 1536") as info:
+        saved.load(RUN, forged)
+    assert (info.value.tensor, info.value.run, info.value.generation) == (TENSOR, RUN, forged)
 
 
 def test_read_slice_decodes_only_the_entries_it_reads(

@@ -23,7 +23,7 @@ from hypothesis.extra import numpy as hnp
 
 import castore
 from castore import GenerationNotFoundError, Store
-from castore.chunkstore.base import Namespace, ReadSink
+from castore.chunkstore.base import ChunkReader, Namespace, ReadSink
 from castore.errors import InvalidIndexError, TensorNotFoundError
 
 # -- helpers ---------------------------------------------------------------------
@@ -31,7 +31,7 @@ from castore.errors import InvalidIndexError, TensorNotFoundError
 
 @dataclass
 class ChunkReads:
-    """Chunk keys requested from the backend, one list per read_many call."""
+    """Chunk keys requested from the backend, one list per read_many or chunk_reader call."""
 
     calls: list[list[bytes]] = field(default_factory=list)
 
@@ -41,16 +41,25 @@ class ChunkReads:
 
 
 def count_chunk_reads(store: Store, monkeypatch: pytest.MonkeyPatch) -> ChunkReads:
-    """Record every chunk read of ``store``'s real backend, calling through to it."""
+    """Record every chunk read of ``store``'s real backend, calling through to it.
+
+    A load reads into new tensors through the backend's ``chunk_reader``; a slice
+    and a re-read of a chunk that did not verify go through ``read_many``.
+    """
     reads = ChunkReads()
-    real = store.backend.read_many
+    real, real_reader = store.backend.read_many, store.backend.chunk_reader
 
     def counting(namespace: Namespace, keys: Any, sink: ReadSink) -> None:
         if Namespace(namespace) is Namespace.CHUNKS:
             reads.calls.append([bytes(k) for k in keys])
         real(namespace, keys, sink)
 
+    def counting_reader(keys: Any) -> ChunkReader | None:
+        reads.calls.append([bytes(k) for k in keys])
+        return real_reader(keys)
+
     monkeypatch.setattr(store.backend, "read_many", counting)
+    monkeypatch.setattr(store.backend, "chunk_reader", counting_reader)
     return reads
 
 

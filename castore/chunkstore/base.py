@@ -75,6 +75,38 @@ class IndexCheck:
 ReadSink = Callable[[Iterator["memoryview | None"]], None]
 
 
+class ChunkReader(abc.ABC):
+    """Chunks copied straight into the caller's buffers (``pread``): no map, no staging copy.
+
+    Made by :meth:`ChunkBackend.chunk_reader` for a list of chunk keys, from one
+    snapshot of the index; ``position`` is a key's place in that list. Nothing
+    here verifies: the caller hashes what lands in its buffer, and must let
+    nothing else read the buffer before it has. ``readinto`` may be called from
+    several threads at once.
+    """
+
+    # Each key's stored length as the index names it; None where the key is absent.
+    lengths: list[int | None]
+
+    @abc.abstractmethod
+    def readinto(self, position: int, buffer: memoryview, offset: int = 0) -> int:
+        """Copy key ``position``'s bytes from ``offset`` on into ``buffer``; return how many.
+
+        Fewer than ``buffer`` holds where the stored value (or the file under
+        it) ends first; never more than its stored length from ``offset``.
+        """
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the reader holds open (files); it may not be used after."""
+
+    def __enter__(self) -> ChunkReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class ChunkBackend(abc.ABC):
     """Abstract key/value storage for chunks and objects."""
 
@@ -139,6 +171,13 @@ class ChunkBackend(abc.ABC):
     def file_bytes(self) -> int:
         """Bytes the backend occupies on disk (0 for one that uses no files)."""
         return 0
+
+    def chunk_reader(self, keys: Sequence[bytes]) -> ChunkReader | None:
+        """A reader of these chunks straight into buffers, or None: read them with ``read_many``.
+
+        For backends whose chunks lie in local files; the default has none.
+        """
+        return None
 
     def get(self, namespace: Namespace, key: bytes) -> bytes | None:
         """Return a copy of one value, or None when the key is absent."""

@@ -3,9 +3,10 @@
 Save: a tensor's flat buffer is cut into ``chunk_size`` slices (memoryviews,
 no copies) and hashed while the main thread hands each hashed chunk to the
 backend, which writes it unless it has it already; one commit per batch.
-Load: the chunks of a whole request (every tensor of a state, or every box a
-rank needs) are fetched inside one read transaction; each distinct chunk is
-verified against its name once, then copied to every place that wants it.
+Load: the chunks of a whole request (a slice, or every box a rank restores
+into live tensors) are fetched inside one read transaction; each distinct
+chunk is verified against its name once, then copied to every place that
+wants it. A load into new tensors reads through :mod:`castore.core.readplan`.
 
 Who hashes: chunks of at least ``INLINE_BYTES`` go to a thread pool (blake3
 releases the GIL) in tasks of about ``TASK_BYTES``, so they hash in parallel
@@ -26,12 +27,13 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import chain, pairwise
+from typing import TypeVar
 
 import numpy as np
 
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.errors import ChecksumMismatchError, ChunkMissingError
-from castore.format.hashing import Buffer, digest_bytes
+from castore.format.hashing import Buffer, digest_bytes, digest_here
 from castore.format.objects import TensorEntry
 from castore.format.tree import TensorLeaf
 from castore.support.faults import fault_point
@@ -338,7 +340,7 @@ def verify_chunk(
             chunk=key.hex()[:16],
             **{**where, "tensor": entry.name},
         )
-    actual = digest_bytes(value, threads=1)
+    actual = digest_here(value)
     if actual != key or len(value) != expected_length(entry, index):
         raise ChecksumMismatchError(
             f"chunk {index} of tensor {entry.name!r} is damaged",
@@ -368,6 +370,8 @@ def request_bytes(requests: Iterable[ChunkRequest]) -> int:
 
 Fetched = tuple[bytes, "memoryview | None"]
 ChunkWork = Callable[[bytes, "memoryview | None"], object]
+# What a fetched chunk is known by: its digest, or its place in a plan.
+Tag = TypeVar("Tag")
 
 
 class _Plan:
@@ -412,15 +416,19 @@ class _Plan:
             request.deliver(request.index, chunk)
 
 
-def _work_run(work: ChunkWork, run: list[Fetched]) -> None:
-    for key, value in run:
-        work(key, value)
+def _work_run(
+    work: Callable[[Tag, memoryview | None], object], run: list[tuple[Tag, memoryview | None]]
+) -> None:
+    for tag, value in run:
+        work(tag, value)
 
 
-def _apply(
-    pool: ThreadPoolExecutor, items: Iterable[Fetched], work: ChunkWork
+def apply_fetched(
+    pool: ThreadPoolExecutor,
+    items: Iterable[tuple[Tag, memoryview | None]],
+    work: Callable[[Tag, memoryview | None], object],
 ) -> BaseException | None:
-    """``work`` on every fetched chunk: small ones here, larger ones in pool runs.
+    """``work(tag, value)`` on every fetched chunk: small ones here, larger ones in pool runs.
 
     Returns the first failure in chunk order once every pool task is done (no
     worker may touch a buffer after the read transaction ends); a failure
@@ -428,14 +436,14 @@ def _apply(
     complete, so fetching (index lookups, page faults) overlaps its hashing.
     """
     futures: list[Future[None]] = []
-    run: list[Fetched] = []
+    run: list[tuple[Tag, memoryview | None]] = []
     size = 0
     failure: BaseException | None = None
     try:
-        for key, value in items:
+        for tag, value in items:
             length = 0 if value is None else len(value)
             if length >= INLINE_BYTES:
-                run.append((key, value))
+                run.append((tag, value))
                 size += length
                 if size >= TASK_BYTES:
                     futures.append(pool.submit(_work_run, work, run))
@@ -445,7 +453,7 @@ def _apply(
                 futures.append(pool.submit(_work_run, work, run))
                 run, size = [], 0
             try:
-                work(key, value)
+                work(tag, value)
             except Exception as exc:
                 failure = exc
                 break
@@ -461,14 +469,15 @@ def _apply(
     return failure
 
 
-def _counted(
-    keys: list[bytes], values: Iterator[memoryview | None], counters: ReadCounters
-) -> Iterator[Fetched]:
-    for key, value in zip(keys, values, strict=True):
+def count_fetched(
+    tags: Sequence[Tag], values: Iterator[memoryview | None], counters: ReadCounters
+) -> Iterator[tuple[Tag, memoryview | None]]:
+    """Each value fetched, with its tag (one per key asked for), counted as it goes by."""
+    for tag, value in zip(tags, values, strict=True):
         if value is not None:
             counters.chunks += 1
             counters.bytes += len(value)
-        yield key, value
+        yield tag, value
 
 
 def read_requests(
@@ -493,7 +502,7 @@ def read_requests(
     work = plan.counting(plan.verify_and_deliver, bar) if bar else plan.verify_and_deliver
 
     def visit(values: Iterator[memoryview | None]) -> None:
-        error = _apply(pool, _counted(plan.keys, values, counters), work)
+        error = apply_fetched(pool, count_fetched(plan.keys, values, counters), work)
         if error is not None:
             raise error
 
@@ -525,9 +534,9 @@ def read_agree_deliver(
                 held.append(item)
                 yield item
 
-        agree(_apply(pool, holding(_counted(plan.keys, values, counters)), plan.verify))
+        agree(apply_fetched(pool, holding(count_fetched(plan.keys, values, counters)), plan.verify))
         # `agree` raised on every party unless all verified everything.
-        error = _apply(pool, held, plan.deliver)
+        error = apply_fetched(pool, held, plan.deliver)
         if error is not None:
             raise error
 

@@ -24,7 +24,8 @@ from typing import Any
 import numpy as np
 
 from castore.chunkstore.base import ChunkBackend, Namespace
-from castore.core.chunkio import ChunkRequest, ReadCounters, read_requests, request_bytes
+from castore.core.chunkio import ChunkRequest, ReadCounters, read_requests
+from castore.core.readplan import ReadPlan, read_plan
 from castore.errors import (
     AllocationError,
     ChecksumMismatchError,
@@ -276,6 +277,23 @@ def box_requests(
     return [ChunkRequest(entry, int(i), deliver) for i in indices]
 
 
+def contiguous_start(entry: TensorEntry) -> int | None:
+    """Where a saved box's bytes start in its whole tensor, if they are one run of bytes there.
+
+    Row-major: a box is one run when every dimension after its last partial one
+    is whole and every dimension before it has extent 1 (a range of rows, say).
+    """
+    shape, local = entry.shape, entry.local_shape
+    partial = [dim for dim, (g, s) in enumerate(zip(shape, local, strict=True)) if g != s]
+    if partial and any(s != 1 for s in local[: partial[-1]]):
+        return None
+    start, stride = 0, dtypes.numpy_dtype(entry.dtype).itemsize
+    for offset, extent in zip(reversed(entry.offsets), reversed(shape), strict=True):
+        start += offset * stride
+        stride *= extent
+    return start
+
+
 # -- new tensors --------------------------------------------------------------
 
 
@@ -330,23 +348,27 @@ def plan_tensor(
     boxes: list[TensorEntry],
     framework: str,
     where: dict[str, Any],
-    requests: list[ChunkRequest],
+    plan: ReadPlan,
 ) -> Any:
-    """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``requests``."""
+    """A new, unfilled tensor for ``boxes``; the reads that fill it go on ``plan``."""
     first = boxes[0]
     if len(boxes) == 1 and first.local_shape == first.shape:
         # One box the size of the tensor covers it exactly: the entry's own
         # check put the box inside the shape. The common case, made cheap
         # for states of many small tensors.
         tensor, flat = allocate(first.dtype, first.shape, framework)
-        place = place_whole(first, flat)
-        requests += [ChunkRequest(first, i, place) for i in range(len(first.chunks))]
+        plan.add_whole(first, flat.data, where)
         return tensor
     check_coverage(boxes, where)  # before allocating: the boxes must add up to the shape
     tensor, flat = allocate(first.dtype, first.shape, framework)
-    whole = Box.whole(first.shape)
+    whole, view = Box.whole(first.shape), flat.data
     for entry in boxes:
-        requests += box_requests(entry, Box(entry.offsets, entry.local_shape), whole, flat)
+        start = contiguous_start(entry)
+        if start is None:  # scattered across the tensor: chunk by chunk, through a plan_copy
+            box = Box(entry.offsets, entry.local_shape)
+            plan.requests += box_requests(entry, box, whole, flat)
+        else:  # the boxes tile the tensor (checked above): their runs do not overlap
+            plan.add_whole(entry, view[start : start + entry.nbytes], where)
     return tensor
 
 
@@ -359,9 +381,9 @@ def read_tensor(
     bar: Bar = NO_BAR,
 ) -> Any:
     """A new tensor holding the saved boxes of one tensor, every chunk verified."""
-    requests: list[ChunkRequest] = []
-    tensor = plan_tensor(boxes, framework, where, requests)
-    read_requests(backend, requests, counters, where, bar)
+    plan = ReadPlan()
+    tensor = plan_tensor(boxes, framework, where, plan)
+    read_plan(backend, plan, counters, where, bar)
     return tensor
 
 
@@ -446,20 +468,20 @@ def load_state(
     """The whole state ``root`` saved, every rank's per-rank values included."""
     run = root.run
     where: dict[str, Any] = {"run": run, "generation": root.generation}
-    # Every tensor is planned first, then all are read in one go: one read
-    # transaction and one set of pack maps, each shared chunk verified once.
-    requests: list[ChunkRequest] = []
+    # Every tensor is planned first, then all are read in one go: one index
+    # snapshot, each pack opened once, each shared chunk verified once.
+    plan = ReadPlan()
     tensors = {
-        name: plan_tensor(boxes, framework_for(boxes[0], framework), where, requests)
+        name: plan_tensor(boxes, framework_for(boxes[0], framework), where, plan)
         for name, boxes in entries.items()
     }
     per_rank: dict[str, dict[int, Any]] = {}
     total = 0
-    if progress_wanted(progress):  # counting costs a pass over the requests: only for a bar
+    if progress_wanted(progress):  # counting costs a pass over the plan: only for a bar
         local_bytes = sum(e.nbytes for shard in shards for e in shard.local_tensors)
-        total = request_bytes(requests) + local_bytes
+        total = plan.nbytes() + local_bytes
     with progress_bar(progress, f"load {run}@{root.generation}", total) as bar:
-        read_requests(backend, requests, counters, where, bar)
+        read_plan(backend, plan, counters, where, bar)
         for shard in shards:
             for path in rank_local_skeletons(shard, where):
                 value = load_rank_local(backend, counters, shard, path, framework, where, bar)

@@ -63,3 +63,16 @@ def digest_bytes(data: Buffer, *, threads: int | None = None) -> bytes:
     if threads is None:
         threads = blake3.blake3.AUTO if view.nbytes >= _PARALLEL_THRESHOLD else 1
     return blake3.blake3(view, max_threads=threads).digest()
+
+
+def digest_here(data: Buffer) -> bytes:
+    """The raw blake3 digest of ``data``, on the calling thread alone (releases the GIL).
+
+    For callers that hash many buffers on several threads of their own.
+    """
+    return blake3.blake3(data, max_threads=1).digest()
+
+
+def hasher_here() -> Any:
+    """An incremental blake3 hasher (``update``, ``digest``) on the calling thread alone."""
+    return blake3.blake3(max_threads=1)

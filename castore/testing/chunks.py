@@ -92,3 +92,26 @@ class ChunkBackendTests:
     ) -> None:
         backend.put_many(Namespace.CHUNKS, items(4))
         assert backend.check_index(hash_bytes=True).ok
+
+    def test_a_chunk_reader_copies_exactly_what_read_many_reads(
+        self, backend: ChunkBackend
+    ) -> None:
+        """Where a backend offers a reader (``chunk_reader`` is not None)."""
+        pairs = items(3, size=300)
+        backend.put_many(Namespace.CHUNKS, pairs[:1] + pairs[2:])
+        keys = [k for k, _ in pairs]
+        reader = backend.chunk_reader(keys)
+        if reader is None:
+            pytest.skip("this backend reads chunks through read_many only")
+        with reader:
+            assert reader.lengths == [len(pairs[0][1]), None, len(pairs[2][1])]
+            value = pairs[2][1]
+            whole = bytearray(len(value))
+            assert reader.readinto(2, memoryview(whole)) == len(value)
+            assert bytes(whole) == value
+            first = pairs[0][1]  # stored before the other: something follows it
+            tail = bytearray(100)
+            assert reader.readinto(0, memoryview(tail), len(first) - 40) == 40
+            assert bytes(tail[:40]) == first[-40:]  # never past the stored value
+            assert bytes(tail[40:]) == bytes(60)
+            assert reader.readinto(1, memoryview(bytearray(10))) == 0  # absent: nothing read

@@ -49,6 +49,7 @@ import lmdb
 
 from castore.chunkstore.base import (
     ChunkBackend,
+    ChunkReader,
     IndexCheck,
     Namespace,
     PutResult,
@@ -96,6 +97,10 @@ _IOV_MAX = 512  # pieces per writev call (two iovecs per record)
 # A pack writer writes its queued records once they hold this many chunk bytes:
 # small chunks go out many to one writev, a chunk this large at once.
 _QUEUE_BYTES = 1 << 20
+# A chunk reader holds one descriptor per pack it reads. A read that needs more packs,
+# or finds the process out of descriptors, maps them instead (a map holds none).
+_READER_PACKS = 256
+_preadv = getattr(os, "preadv", None)  # Linux, the BSDs, macOS 11+
 
 
 @dataclass(frozen=True)
@@ -111,12 +116,17 @@ class PackLocation:
 
     @classmethod
     def decode(cls, value: bytes) -> PackLocation:
-        if len(value) != _LOCATION.size:
-            raise IndexCorruptError(
-                f"a chunk_index value is {len(value)} bytes, not {_LOCATION.size}: the LMDB "
-                f"file is damaged; {REPAIR_HINT}"
-            )
-        return cls(*_LOCATION.unpack(value))
+        return cls(*unpack_location(value))
+
+
+def unpack_location(value: bytes) -> tuple[int, int, int]:
+    """A chunk_index value as (length, pack, offset), refused unless it has the exact size."""
+    if len(value) != _LOCATION.size:
+        raise IndexCorruptError(
+            f"a chunk_index value is {len(value)} bytes, not {_LOCATION.size}: the LMDB "
+            f"file is damaged; {REPAIR_HINT}"
+        )
+    return _LOCATION.unpack(value)  # type: ignore[no-any-return]
 
 
 def pack_name(pack: int) -> str:
@@ -267,27 +277,53 @@ class LmdbBackend(ChunkBackend):
             try:
 
                 def values() -> Iterator[memoryview | None]:
+                    get, index = txn.get, self._index
                     for key in keys:
-                        found = txn.get(bytes(key), db=self._index)
+                        found = get(bytes(key), db=index)
                         if found is None:
                             yield None
                             continue
-                        where = PackLocation.decode(found)
-                        view = maps.get(where.pack)
+                        length, pack, offset = unpack_location(found)
+                        view = maps.get(pack)
                         if view is None:
                             # Moved by a reclaim since this snapshot began? Look again.
-                            where_now = self.locate(key)
-                            if where_now is not None and where_now != where:
-                                where, view = where_now, maps.get(where_now.pack)
-                        if view is None:
-                            yield None
-                        else:
-                            yield view[where.offset : where.offset + where.length]
+                            moved = self.locate(key)
+                            if moved is not None and moved.pack != pack:
+                                length, pack, offset = moved.length, moved.pack, moved.offset
+                                view = maps.get(pack)
+                        yield None if view is None else view[offset : offset + length]
 
                 sink(values())
             finally:
                 txn.abort()
                 maps.close()
+
+    @lmdb_guarded("look up chunks")
+    def chunk_reader(self, keys: Sequence[bytes]) -> ChunkReader | None:
+        """Chunks read with ``pread`` from their packs: each pack opened once, no map.
+
+        The index is read in one snapshot; a pack is opened (never through a
+        symlink, never a pipe) while the snapshot is held, and a descriptor keeps
+        its bytes readable even if a reclaim deletes it afterwards.
+        """
+        if _preadv is None:
+            return None
+        with self._lock:
+            txn = self._begin(write=False, buffers=True)
+            try:
+                get, index = txn.get, self._index
+                found = [get(key, db=index) for key in keys]
+                locations = [None if v is None else unpack_location(v) for v in found]
+                if len({where[1] for where in locations if where is not None}) > _READER_PACKS:
+                    return None
+                try:
+                    return _PackReader.open(self, keys, locations)
+                except OSError as exc:
+                    if exc.errno in (errno.EMFILE, errno.ENFILE):
+                        return None  # every descriptor it took is closed again
+                    raise
+            finally:
+                txn.abort()
 
     @lmdb_guarded("write values")
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
@@ -752,6 +788,91 @@ def _write_rest(fd: int, buffers: list[Any], done: int) -> None:
                 done = 0
         if views:
             done = os.writev(fd, views[:_IOV_MAX])
+
+
+class _PackReader(ChunkReader):
+    """Chunks read with ``preadv`` from packs opened once each (see LmdbBackend.chunk_reader).
+
+    A location that lies past the end of its pack is not read here (``readinto``
+    gives nothing): the caller then reads it the ordinary way, which names the damage.
+    """
+
+    def __init__(self, pack_dir: Path) -> None:
+        self.pack_dir = pack_dir
+        self.lengths: list[int | None] = []
+        self._fds: list[int] = []  # per key: its pack's descriptor, -1: not read here
+        self._offsets: list[int] = []
+        self._packs: dict[int, tuple[int, int]] = {}  # pack -> (descriptor or -1, size)
+
+    @classmethod
+    def open(
+        cls,
+        backend: LmdbBackend,
+        keys: Sequence[bytes],
+        locations: list[tuple[int, int, int] | None],
+    ) -> _PackReader:
+        reader = cls(backend.pack_dir)
+        try:
+            for key, where in zip(keys, locations, strict=True):
+                fd, size = (-1, 0) if where is None else reader._pack(where[1])
+                if where is not None and fd < 0:
+                    # Moved by a reclaim since this snapshot began? Look again.
+                    moved = backend.locate(key)
+                    where = None if moved is None else (moved.length, moved.pack, moved.offset)
+                    fd, size = (-1, 0) if where is None else reader._pack(where[1])
+                    where = where if fd >= 0 else None
+                if where is None:
+                    reader.lengths.append(None)
+                    reader._fds.append(-1)
+                    reader._offsets.append(0)
+                    continue
+                length, _, offset = where
+                reader.lengths.append(length)
+                # A chunk that runs past the end of its pack is not read here.
+                reader._fds.append(fd if offset + length <= size else -1)
+                reader._offsets.append(offset)
+        except BaseException:
+            reader.close()
+            raise
+        return reader
+
+    def _pack(self, pack: int) -> tuple[int, int]:
+        if pack not in self._packs:
+            # A symlinked or non-regular pack raises UnsafeStoreFileError (as a map does).
+            try:
+                fd = open_store_file(self.pack_dir / pack_name(pack), os.O_RDONLY)
+            except FileNotFoundError:
+                self._packs[pack] = (-1, 0)
+            else:
+                self._packs[pack] = (fd, -1)  # recorded first: close() closes it if fstat fails
+                self._packs[pack] = (fd, os.fstat(fd).st_size)
+        return self._packs[pack]
+
+    def readinto(self, position: int, buffer: memoryview, offset: int = 0) -> int:
+        fd, length = self._fds[position], self.lengths[position]
+        if fd < 0 or length is None:
+            return 0
+        if offset + buffer.nbytes > length:
+            buffer = buffer[: max(0, length - offset)]
+        at, size = self._offsets[position] + offset, buffer.nbytes
+        try:
+            done = got = os.preadv(fd, [buffer], at)
+            while got and done < size:  # a short read: the rest, until the file ends
+                got = os.preadv(fd, [buffer[done:]], at + done)
+                done += got
+        except OSError as exc:
+            raise StoreError(
+                f"cannot read a chunk pack: {exc.strerror or exc}",
+                phase="reading chunks",
+                path=str(self.pack_dir),
+            ) from exc
+        return done
+
+    def close(self) -> None:
+        packs, self._packs = self._packs, {}
+        for fd, _ in packs.values():
+            if fd >= 0:
+                os.close(fd)
 
 
 class _PackMaps:
