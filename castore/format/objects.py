@@ -474,8 +474,23 @@ class EntryTable:
         """The entries at ``indices`` (default all), in order."""
         shape, offsets, local = (column.tolist() for column in self._dims)
         dim_start = self._dim_start.tolist()
-        chunk_start = (self._chunk_start * 32).tolist()
-        chunks, nbytes, chunk_size = self._chunks, self._nbytes.tolist(), self._chunk_size.tolist()
+        chunk_start = self._chunk_start.tolist()
+        nbytes, chunk_size = self._nbytes.tolist(), self._chunk_size.tolist()
+        if indices is None:  # every digest: cut once, each entry takes a slice of the list
+            raw = self._chunks
+            every = [raw[at : at + 32] for at in range(0, len(raw), 32)]
+
+            def chunks_of(i: int) -> tuple[bytes, ...]:
+                return tuple(every[chunk_start[i] : chunk_start[i + 1]])
+        else:
+
+            def chunks_of(i: int) -> tuple[bytes, ...]:
+                raw = self._chunks
+                return tuple(
+                    raw[at : at + 32]
+                    for at in range(chunk_start[i] * 32, chunk_start[i + 1] * 32, 32)
+                )
+
         new = TensorEntry.trusted
         return tuple(
             new(
@@ -486,7 +501,7 @@ class EntryTable:
                 tuple(local[dim_start[i] : dim_start[i + 1]]),
                 nbytes[i],
                 chunk_size[i],
-                tuple(chunks[at : at + 32] for at in range(chunk_start[i], chunk_start[i + 1], 32)),
+                chunks_of(i),
                 self._frameworks[i],
             )
             for i in (range(len(self.names)) if indices is None else indices)
