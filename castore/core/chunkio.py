@@ -106,18 +106,8 @@ def _hash_run(pieces: list[memoryview]) -> list[bytes]:
 
 def _pool_runs(pieces: Sequence[memoryview]) -> Iterator[list[memoryview]]:
     """The pieces the pool hashes, in order, in runs of about ``TASK_BYTES``."""
-    run: list[memoryview] = []
-    size = 0
-    for piece in pieces:
-        if piece.nbytes < INLINE_BYTES:
-            continue
-        run.append(piece)
-        size += piece.nbytes
-        if size >= TASK_BYTES:
-            yield run
-            run, size = [], 0
-    if run:
-        yield run
+    for run in _index_runs(pieces):
+        yield [pieces[index] for index in run]
 
 
 def _in_order(pieces: Sequence[memoryview], hashing: list[Future[list[bytes]]]) -> Iterator[bytes]:
