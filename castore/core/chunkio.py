@@ -181,20 +181,25 @@ def write_leaves(
         chunks.cancel()  # a failed save stops hashing what it will not write
     digests = chunks.digests
     entries = [
-        TensorEntry(
-            name=leaf.name,
-            dtype=leaf.dtype,
-            shape=leaf.shape,
-            offsets=leaf.offsets,
-            local_shape=leaf.local_shape,
-            nbytes=leaf.data.nbytes,
-            chunk_size=chunk_size,
-            chunks=tuple(digests[start:end]),
-            framework=leaf.framework,
-        )
+        entry_of(leaf, chunk_size, tuple(digests[start:end]))
         for leaf, (start, end) in zip(leaves, pairwise([0, *ends]), strict=True)
     ]
     return entries, stats
+
+
+def entry_of(leaf: TensorLeaf, chunk_size: int, chunks: tuple[bytes, ...]) -> TensorEntry:
+    """The tensor entry of ``leaf`` cut into ``chunks`` of ``chunk_size``."""
+    return TensorEntry(
+        name=leaf.name,
+        dtype=leaf.dtype,
+        shape=leaf.shape,
+        offsets=leaf.offsets,
+        local_shape=leaf.local_shape,
+        nbytes=leaf.data.nbytes,
+        chunk_size=chunk_size,
+        chunks=chunks,
+        framework=leaf.framework,
+    )
 
 
 def _write_unknown(
@@ -215,17 +220,7 @@ def _write_unknown(
         entries[i] = entry
     for i, chunks in known.items():
         leaf = leaves[i]
-        entries[i] = TensorEntry(
-            name=leaf.name,
-            dtype=leaf.dtype,
-            shape=leaf.shape,
-            offsets=leaf.offsets,
-            local_shape=leaf.local_shape,
-            nbytes=leaf.data.nbytes,
-            chunk_size=chunk_size,
-            chunks=chunks,
-            framework=leaf.framework,
-        )
+        entries[i] = entry_of(leaf, chunk_size, chunks)
         stats.logical_bytes += leaf.data.nbytes
         stats.reused_chunks += len(chunks)
         if bar:
