@@ -404,6 +404,10 @@ def _child_main(workdir: Path, rank: int) -> int:
             world_size=world_size,
             timeout=datetime.timedelta(seconds=spec["pg_timeout"]),
         )
+        # Every rank through init before any runs its function: a rank that dies as soon
+        # as its own init returned (a test's SIGKILL) could otherwise cut a peer's gloo
+        # connectFullMesh short, and that peer would fail in init instead.
+        dist.barrier()
     except BaseException as exc:
         _write_result(result_path, _error_fields(exc, "init"))
         return 3

@@ -40,14 +40,7 @@ class HarnessProbeError(RuntimeError):
 
 
 def misbehave(rank: int, world_size: int, actions: dict[int, str]) -> str:
-    """Rank r does ``actions[r]``: "raise", "kill" (SIGKILL self), "hang", "unpicklable".
-
-    A barrier first: a rank killed the moment its own init returned could cut a peer's
-    init short (gloo's connectFullMesh still talking to it), and that peer would fail
-    there instead of doing its own action (seen once in CI-like runs)."""
-    import torch.distributed as dist
-
-    dist.barrier()
+    """Rank r does ``actions[r]``: "raise", "kill" (SIGKILL self), "hang", "unpicklable"."""
     action = actions.get(rank, "return")
     if action == "raise":
         raise HarnessProbeError(f"rank {rank} raised on purpose")
