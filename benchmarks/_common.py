@@ -65,6 +65,27 @@ def tree_bytes(path: Path) -> tuple[int, int]:
     return apparent, allocated
 
 
+def join_gloo(rank: int, port: int, world: int, timeout_s: float) -> None:
+    """Join a gloo group on the loopback as one benchmark rank: torch.distributed's
+    warnings off, one intra-op thread (the ranks share the machine's cores)."""
+    import datetime
+    import warnings
+
+    import torch
+    import torch.distributed as dist
+
+    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

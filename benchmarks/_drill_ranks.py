@@ -22,11 +22,9 @@ Commands (each answered with a dict, ``{"error": traceback}`` on failure):
 
 from __future__ import annotations
 
-import datetime
 import os
 import time
 import traceback
-import warnings
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -34,6 +32,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from _common import join_gloo
 
 import castore
 import castore.dist
@@ -301,20 +300,10 @@ def open_way(way: dict[str, Any], node: int) -> Any:
 
 
 def worker(rank: int, port: int, layout: Layout, conn: Any) -> None:
-    import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=layout.world,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
-        )
+        join_gloo(rank, port, layout.world, COLLECTIVE_TIMEOUT)
         me = Rank(layout, rank)
     except Exception:  # noqa: BLE001 - the parent must hear about it
         conn.send({"error": traceback.format_exc()})

@@ -176,7 +176,9 @@ def promotion_durable(s: Shape, k: int) -> dict[str, int]:
         "list tags": 1,
     }
     if k == 1:  # the durable tier has no history of the run yet
-        requests.update({"list logs": 3, "read_versioned refs": 4})
+        # (four lists of logs/: one more since the reflog keeps index blobs beside its
+        # records, castore.repo.blobreflog)
+        requests.update({"list logs": 4, "read_versioned refs": 4})
     else:
         requests.update(
             {"list logs": 1, "read_versioned refs": 5, "read_versioned logs": 6 if k == 2 else 5}

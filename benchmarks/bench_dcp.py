@@ -71,7 +71,6 @@ missed goal exit with status 1.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -82,12 +81,11 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import PipedRanks, disk_free, drop_caches, print_goals, tree_bytes
+from _common import PipedRanks, disk_free, drop_caches, join_gloo, print_goals, tree_bytes
 from tabulate import tabulate
 
 import castore
@@ -173,17 +171,8 @@ def worker(rank: int, port: int, layout: Layout, conn: Any) -> None:
 
     from castore.dcp import CastoreReader, CastoreWriter
 
-    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=layout.world,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
-        )
+        join_gloo(rank, port, layout.world, COLLECTIVE_TIMEOUT)
         mesh = init_device_mesh("cpu", (layout.world,))
         base = local_blocks(layout, rank)
         changed = [block + DELTA if layout.changed(i) else block for i, block in enumerate(base)]

@@ -77,7 +77,6 @@ environment makes both topologies pay the same (every large block fresh).
 from __future__ import annotations
 
 import argparse
-import datetime
 import importlib.metadata
 import json
 import math
@@ -90,13 +89,12 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from _common import PipedRanks, disk_free, drop_caches, print_goals
+from _common import PipedRanks, disk_free, drop_caches, join_gloo, print_goals
 from tabulate import tabulate
 
 import castore
@@ -333,21 +331,12 @@ def rewarm_code(store_path: str) -> None:
 
 
 def worker(rank: int, port: int, store_path: str, specs: list[TensorSpec], conn: Any) -> None:
-    import torch
     import torch.distributed as dist
 
     import castore.dist
 
-    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=SAVE_RANKS,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
-        )
+        join_gloo(rank, port, SAVE_RANKS, COLLECTIVE_TIMEOUT)
         groups = {SAVE_RANKS: None, RESHARD_RANKS: dist.new_group(list(range(RESHARD_RANKS)))}
     except Exception:  # noqa: BLE001 - the parent must hear about it
         conn.send({"error": traceback.format_exc()})

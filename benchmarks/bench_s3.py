@@ -94,7 +94,6 @@ without an S3 backend), the DCP half runs alone and the goals say so.
 from __future__ import annotations
 
 import argparse
-import datetime
 import gc
 import json
 import os
@@ -105,12 +104,11 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import PipedRanks, print_goals
+from _common import PipedRanks, join_gloo, print_goals
 from _s3proxy import CountingProxy, MotoServer
 from bench_dcp import COLS, DELTA, Layout, local_blocks, make_layout, rotate
 from tabulate import tabulate
@@ -178,17 +176,8 @@ def worker(
 
     import castore.dist
 
-    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
-    warnings.filterwarnings("ignore", category=FutureWarning)
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=layout.world,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT),
-        )
+        join_gloo(rank, port, layout.world, COLLECTIVE_TIMEOUT)
         mesh = init_device_mesh("cpu", (layout.world,))
         solo = dist.new_group([0])  # the 2->1 load's group (every rank must create it)
         base = local_blocks(layout, rank)

@@ -38,7 +38,6 @@ wall seconds on this machine (every rank shares its 2 cores): the trend only.
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import os
 import shutil
@@ -46,7 +45,6 @@ import sys
 import tempfile
 import time
 import traceback
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +53,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _scale_model as model  # noqa: E402
-from _common import PipedRanks  # noqa: E402
+from _common import PipedRanks, join_gloo  # noqa: E402
 
 import castore  # noqa: E402
 import castore.dist  # noqa: E402
@@ -128,19 +126,10 @@ def span(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
 
 
 def worker(rank: int, port: int, job: Job, conn: Any) -> None:
-    import torch
     import torch.distributed as dist
 
-    warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
-    torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"tcp://127.0.0.1:{port}",
-            rank=rank,
-            world_size=job.ranks,
-            timeout=datetime.timedelta(seconds=TIMEOUT),
-        )
+        join_gloo(rank, port, job.ranks, TIMEOUT)
     except Exception:  # noqa: BLE001 - the parent must hear about it
         conn.send({"error": traceback.format_exc()})
         return
