@@ -42,7 +42,7 @@ from typing import Any
 
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core import chunkio, shutdown
-from castore.core.chunkio import WriteStats, cut_chunks, digests_in_order
+from castore.core.chunkio import WriteStats, cut_chunks, digests_in_order, entry_of
 from castore.core.commit import (
     PublishFaults,
     build_shard,
@@ -297,7 +297,10 @@ def write_staged(
     if batch.unstaged:
         _check_unstaged(backend, batch.unstaged)
         stats.reused_chunks += len(batch.unstaged)
-    entries = [_entry(leaf, chunk_size, batch.digests[index]) for index, leaf in enumerate(leaves)]
+    entries = [
+        entry_of(leaf, chunk_size, tuple(batch.digests[index]), leaf_nbytes(leaf))
+        for index, leaf in enumerate(leaves)
+    ]
     seen = {digest for chunks in batch.digests for digest in chunks}
     job.pending.timings["write"] = time.perf_counter() - started
     job.pending.timeline = batch.timeline
@@ -366,20 +369,6 @@ def _check_unstaged(backend: ChunkBackend, digests: list[bytes]) -> None:
                 "staged, is no longer in the store (collected since?); the next save stages "
                 "every chunk"
             )
-
-
-def _entry(leaf: TensorLeaf, chunk_size: int, chunks: list[bytes]) -> TensorEntry:
-    return TensorEntry(
-        name=leaf.name,
-        dtype=leaf.dtype,
-        shape=leaf.shape,
-        offsets=leaf.offsets,
-        local_shape=leaf.local_shape,
-        nbytes=leaf_nbytes(leaf),
-        chunk_size=chunk_size,
-        chunks=tuple(chunks),
-        framework=leaf.framework,
-    )
 
 
 # -- the per-store writer ----------------------------------------------------------

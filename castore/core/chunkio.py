@@ -187,15 +187,18 @@ def write_leaves(
     return entries, stats
 
 
-def entry_of(leaf: TensorLeaf, chunk_size: int, chunks: tuple[bytes, ...]) -> TensorEntry:
-    """The tensor entry of ``leaf`` cut into ``chunks`` of ``chunk_size``."""
+def entry_of(
+    leaf: TensorLeaf, chunk_size: int, chunks: tuple[bytes, ...], nbytes: int | None = None
+) -> TensorEntry:
+    """The tensor entry of ``leaf`` cut into ``chunks`` of ``chunk_size``; ``nbytes``
+    for a leaf whose bytes are not in ``leaf.data`` (an async save's, still on its GPU)."""
     return TensorEntry(
         name=leaf.name,
         dtype=leaf.dtype,
         shape=leaf.shape,
         offsets=leaf.offsets,
         local_shape=leaf.local_shape,
-        nbytes=leaf.data.nbytes,
+        nbytes=leaf.data.nbytes if nbytes is None else nbytes,
         chunk_size=chunk_size,
         chunks=chunks,
         framework=leaf.framework,
