@@ -61,6 +61,7 @@ from castore.errors import (
     StoreError,
     UnsupportedValueError,
 )
+from castore.format.codec import check_setting
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.format.tree import encode_state
@@ -161,6 +162,7 @@ class Store:
         refs: ComposedRefStore | None = None,
         readonly: ReadOnly | None = None,
         blob_requests: Callable[[], BlobRequests] | None = None,
+        codec: str = "none",
     ) -> None:
         """A store over ``backend`` (chunks, objects) and ``refs`` (refs, reflog, tags,
         locks; default: those of the directory ``path``). ``path`` also names the
@@ -172,6 +174,9 @@ class Store:
         self.readonly_reason = readonly
         self.backend = backend
         self.chunk_size = chunk_size
+        # How this handle's saves encode new chunks (castore.format.codec): the store
+        # marker's setting unless castore.open was given another; a save may override it.
+        self.codec = codec
         self.refs = RefStore(Path(path)) if refs is None else refs
         self.read_counters = ReadCounters()
         self._open_lock: weakref.finalize | None = None
@@ -277,6 +282,7 @@ class Store:
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
         trust_versions: bool = False,
+        codec: str | None = None,
     ) -> Generation: ...
 
     @overload
@@ -293,6 +299,7 @@ class Store:
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
         trust_versions: bool = False,
+        codec: str | None = None,
     ) -> PendingSave: ...
 
     def save(
@@ -308,6 +315,7 @@ class Store:
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
         trust_versions: bool = False,
+        codec: str | None = None,
     ) -> Generation | PendingSave:
         """Save ``state`` as the next generation of ``run`` and publish it atomically.
 
@@ -329,6 +337,11 @@ class Store:
         counter has not moved since: safe only when tensors change through
         PyTorch operations, see :mod:`castore.core.unchanged`. By default every
         byte is hashed.
+
+        ``codec`` encodes this save's new chunks (``"none"``, ``"auto"``,
+        ``"zstd"``, ``"bytegroup"``; see :mod:`castore.format.codec`) instead of
+        the handle's setting (:attr:`codec`, from :func:`castore.open` or the
+        store's marker).
         """
         started = time.perf_counter()
         self.refuse_if_closed()
@@ -339,6 +352,8 @@ class Store:
             raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
         if trust_versions and not blocking:
             raise ValueError("trust_versions applies to blocking saves")
+        if codec is not None:
+            check_setting(codec)
         if blocking:
             self.background.before_blocking_save()
             return self._save_in_turn(
@@ -352,12 +367,22 @@ class Store:
                 None,
                 started,
                 trust_versions,
+                codec,
             )
         with self.background.turn(if_busy) as ours:
             if not ours:
                 return self.background.skip(run, step)
             return self._save_in_turn(
-                state, run, step, metadata, data_order, progress, blocking, async_options, started
+                state,
+                run,
+                step,
+                metadata,
+                data_order,
+                progress,
+                blocking,
+                async_options,
+                started,
+                codec=codec,
             )
 
     def _save_in_turn(
@@ -372,8 +397,10 @@ class Store:
         async_options: AsyncOptions | None,
         started: float,
         trust_versions: bool = False,
+        codec: str | None = None,
     ) -> Any:
         encoded = encode_state(state, defer_device=not blocking)
+        encoded.codec = codec
         for leaf in encoded.leaves:
             if leaf.sharded:
                 raise UnsupportedValueError(

@@ -49,6 +49,7 @@ from castore.core.commit import (
     claim_writer,
     publish_single,
 )
+from castore.core.encoding import EncodeStage, leaf_encoders
 from castore.core.history import Generation
 from castore.core.staging import (
     STAGING_MODES,
@@ -271,24 +272,38 @@ def write_staged(
     rank: int = 0,
     world: int = 1,
     midway_fault: str = "save.mid_chunks",
+    codec: str = "none",
 ) -> StagedWrite:
     """Write the job's pieces as the caller hands them; return each leaf's entry.
 
     Chunks the caller did not copy (changed-chunk staging) must still be
     present: they are checked under the save lock the caller of this holds.
+    New chunks are encoded by ``codec`` (castore.core.encoding) on the shared
+    pool, off the caller's thread.
     """
     if job.options.stagger_s and world > 1:
         time.sleep(job.options.stagger_s * rank / world)
     started = time.perf_counter()
     batch = _Batch(job, chunk_size, [[] for _ in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
+    # hash_threads=1 keeps the save to its own thread: encoding too.
+    pool = None if job.options.hash_threads == 1 else chunkio.shared_pool()
+    stage = None if codec == "none" else EncodeStage(backend, pool)
+    encoders = leaf_encoders(codec, (leaf.dtype for leaf in leaves)) if stage else []
     while not batch.ended:
         try:
-            result = backend.put_many(Namespace.CHUNKS, batch.items())
+            if stage is None:
+                result = backend.put_many(Namespace.CHUNKS, batch.items())
+                stats.new_bytes += result.written_bytes
+            else:
+                raw_before = stage.counts.new_bytes
+                items = ((d, v, encoders[batch.leaf]) for d, v in batch.items())
+                result = backend.put_many(Namespace.CHUNKS, stage.run(items))
+                stats.new_bytes += stage.counts.new_bytes - raw_before
+                stats.stored_bytes = (stats.stored_bytes or 0) + result.written_bytes
         finally:
             batch.give_back()  # durable now (or failed): the buffers may take the next pieces
         stats.new_chunks += result.written
-        stats.new_bytes += result.written_bytes
         stats.reused_chunks += batch.chunks - result.written
         fault_point(midway_fault)
         fault_point("async.mid_write")
@@ -323,6 +338,7 @@ class _Batch:
         self.held: list[Piece] = []
         self.chunks = self.bytes = 0
         self.timeline: list[tuple[float, int]] = []
+        self.leaf = 0  # the leaf of the chunk items() yielded last
 
     def items(self) -> Iterator[tuple[bytes, memoryview]]:
         """(digest, bytes) of staged chunks, piece by piece, until ``limit`` bytes or the end.
@@ -345,6 +361,7 @@ class _Batch:
                 piece.ready.synchronize()  # the device-to-host copy has landed
             views = cut_chunks(piece.buffer.array, self.chunk_size)
             named = piece.digests or digests_in_order(views, inline=self.inline)
+            self.leaf = piece.leaf
             for view, digest in zip(views, named, strict=True):
                 self.digests[piece.leaf].append(digest)
                 self.throttle.take(view.nbytes)
@@ -625,7 +642,9 @@ def save_async(
             parent = store.refs.read(pending.run)
             generation = parent.generation + 1 if parent else 1
             writer = claim_writer(store, pending.run, parent, pending.step)
-            written = write_staged(store.backend, job, leaves, store.chunk_size)
+            written = write_staged(
+                store.backend, job, leaves, store.chunk_size, codec=encoded.codec or store.codec
+            )
             clock = time.perf_counter()
             shard = build_shard(
                 run=pending.run,
@@ -655,7 +674,7 @@ def save_async(
             logical=written.stats.logical_bytes,
             staged=pending.staged_bytes,
             new=written.stats.new_bytes,
-            written=written.stats.new_bytes + len(shard.data),
+            written=written.stats.stored + len(shard.data),
         )
         return Generation.from_root(digest, root)
 

@@ -27,12 +27,15 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from itertools import chain, pairwise
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
 from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.core.encoding import EncodeStage, leaf_encoders
 from castore.errors import ChecksumMismatchError, ChunkMissingError
+from castore.format.codec import CodecError
+from castore.format.codec import decode as decode_frame
 from castore.format.hashing import Buffer, digest_bytes, digest_here
 from castore.format.objects import TensorEntry
 from castore.format.tree import TensorLeaf
@@ -51,10 +54,18 @@ _WORKERS = max(2, min(8, os.cpu_count() or 2))
 
 @dataclass
 class WriteStats:
+    """What a save's chunks cost: ``new_bytes`` of them were new (raw bytes), stored as
+    ``stored_bytes`` (less where a codec compressed them; None: as many as new)."""
+
     logical_bytes: int = 0
     new_bytes: int = 0
     new_chunks: int = 0
     reused_chunks: int = 0
+    stored_bytes: int | None = None
+
+    @property
+    def stored(self) -> int:
+        return self.new_bytes if self.stored_bytes is None else self.stored_bytes
 
     def __add__(self, other: WriteStats) -> WriteStats:
         return WriteStats(
@@ -62,6 +73,18 @@ class WriteStats:
             self.new_bytes + other.new_bytes,
             self.new_chunks + other.new_chunks,
             self.reused_chunks + other.reused_chunks,
+            self.stored + other.stored,
+        )
+
+    @classmethod
+    def from_wire(cls, wire: dict[str, Any]) -> WriteStats:
+        """The stats a rank sent (``vars`` of its WriteStats)."""
+        return cls(
+            wire["logical_bytes"],
+            wire["new_bytes"],
+            wire["new_chunks"],
+            wire["reused_chunks"],
+            wire.get("stored_bytes"),
         )
 
 
@@ -150,6 +173,7 @@ def write_leaves(
     midway_fault: str = "save.mid_chunks",
     bar: Bar = NO_BAR,
     known: dict[int, tuple[bytes, ...]] | None = None,
+    codec: str = "none",
 ) -> tuple[list[TensorEntry], WriteStats]:
     """Store every leaf's chunks (new ones only) and return their tensor entries.
 
@@ -158,23 +182,35 @@ def write_leaves(
     ``bar`` counts each chunk's bytes as the backend takes it. ``known``: leaf
     index -> chunk digests the store holds already for it, neither hashed nor
     written (castore.core.unchanged: a save that trusts version counters).
+    ``codec``: the setting new chunks are encoded by (castore.format.codec;
+    "none" stores them raw).
     """
     if known:
-        return _write_unknown(backend, leaves, chunk_size, midway_fault, bar, known)
+        return _write_unknown(backend, leaves, chunk_size, midway_fault, bar, known, codec)
     views, ends = _cut(leaves, chunk_size)
     stats = WriteStats(logical_bytes=sum(leaf.data.nbytes for leaf in leaves))
     chunks = _HashedChunks(views, shared_pool(), bar)
+    stage = None if codec == "none" else EncodeStage(backend, shared_pool())
+    encoders = _view_encoders(codec, leaves, ends) if stage is not None else []
     try:
         while chunks.handed < len(views):
             # The backend takes each chunk as its digest arrives, so writing
             # overlaps the hashing of the chunks after it.
             before = chunks.handed
-            result = backend.put_many(Namespace.CHUNKS, chunks.batch(WRITE_BATCH_BYTES))
+            batch = chunks.batch(WRITE_BATCH_BYTES)
+            if stage is None:
+                result = backend.put_many(Namespace.CHUNKS, batch)
+                stats.new_bytes += result.written_bytes
+            else:
+                raw_before = stage.counts.new_bytes
+                items = ((d, v, encoders[chunks.handed - 1]) for d, v in batch)
+                result = backend.put_many(Namespace.CHUNKS, stage.run(items))
+                stats.new_bytes += stage.counts.new_bytes - raw_before
+                stats.stored_bytes = (stats.stored_bytes or 0) + result.written_bytes
             taken = chunks.handed - before
             if not taken:
                 raise RuntimeError("chunk backend returned without taking any chunk")
             stats.new_chunks += result.written
-            stats.new_bytes += result.written_bytes
             stats.reused_chunks += taken - result.written
             fault_point(midway_fault)
     finally:
@@ -205,6 +241,16 @@ def entry_of(
     )
 
 
+def _view_encoders(codec: str, leaves: Sequence[TensorLeaf], ends: list[int]) -> list[Any]:
+    """The encoder of every chunk _cut made (its leaf's, by dtype)."""
+    found: list[Any] = []
+    for encoder, end in zip(
+        leaf_encoders(codec, (leaf.dtype for leaf in leaves)), ends, strict=True
+    ):
+        found += [encoder] * (end - len(found))
+    return found
+
+
 def _write_unknown(
     backend: ChunkBackend,
     leaves: Sequence[TensorLeaf],
@@ -212,11 +258,17 @@ def _write_unknown(
     midway_fault: str,
     bar: Bar,
     known: dict[int, tuple[bytes, ...]],
+    codec: str,
 ) -> tuple[list[TensorEntry], WriteStats]:
     """write_leaves for the leaves not in ``known``; the others' entries name their chunks."""
     rest = [i for i in range(len(leaves)) if i not in known]
     written, stats = write_leaves(
-        backend, [leaves[i] for i in rest], chunk_size, midway_fault=midway_fault, bar=bar
+        backend,
+        [leaves[i] for i in rest],
+        chunk_size,
+        midway_fault=midway_fault,
+        bar=bar,
+        codec=codec,
     )
     entries: list[TensorEntry | None] = [None] * len(leaves)
     for i, entry in zip(rest, written, strict=True):
@@ -318,8 +370,9 @@ def verify_chunk(
     """Chunk ``index`` of ``entry`` as a uint8 array, if it is present and intact.
 
     Invariant 3: the bytes must hash to the digest that named them (and have
-    the length the entry implies); a name that exists is not evidence. Errors
-    name ``where`` and the tensor.
+    the length the entry implies); a name that exists is not evidence. A
+    stored record of another length is a frame (castore.format.codec): it is
+    decoded first, within that length. Errors name ``where`` and the tensor.
     """
     key = entry.chunks[index]
     if value is None:
@@ -328,8 +381,18 @@ def verify_chunk(
             chunk=key.hex()[:16],
             **{**where, "tensor": entry.name},
         )
+    length = expected_length(entry, index)
+    if len(value) != length:
+        try:
+            value = memoryview(decode_frame(value, length))
+        except CodecError as exc:
+            raise type(exc)(
+                f"chunk {index} of tensor {entry.name!r} cannot be decoded: {exc.message}",
+                chunk=key.hex()[:16],
+                **{**where, "tensor": entry.name},
+            ) from None
     actual = digest_here(value)
-    if actual != key or len(value) != expected_length(entry, index):
+    if actual != key or len(value) != length:
         raise ChecksumMismatchError(
             f"chunk {index} of tensor {entry.name!r} is damaged",
             expected=key.hex(),
@@ -371,11 +434,15 @@ class _Plan:
             self.wanted.setdefault(request.entry.chunks[request.index], []).append(request)
         self.keys = list(self.wanted)
         self.where = where
+        # Chunks that were stored as frames, decoded by verify, for deliver.
+        self.decoded: dict[bytes, np.ndarray] = {}
 
     def verify(self, key: bytes, value: memoryview | None) -> np.ndarray:
         """Check one fetched chunk against its name, and its length for every request."""
         first, *others = self.wanted[key]
         chunk = verify_chunk(first.entry, first.index, value, self.where)
+        if value is not None and chunk.size != len(value):
+            self.decoded[key] = chunk
         for request in others:
             # Same digest, so same bytes; a manifest may still disagree on the length.
             if chunk.size != expected_length(request.entry, request.index):
@@ -399,7 +466,9 @@ class _Plan:
 
     def deliver(self, key: bytes, value: memoryview | None) -> None:
         """Copy a chunk that ``verify`` accepted to where it goes."""
-        chunk = np.frombuffer(value, dtype=np.uint8)  # type: ignore[arg-type]
+        chunk = self.decoded.get(key)
+        if chunk is None:
+            chunk = np.frombuffer(value, dtype=np.uint8)  # type: ignore[arg-type]
         for request in self.wanted[key]:
             request.deliver(request.index, chunk)
 

@@ -77,6 +77,9 @@ class StoreParts(Protocol):
     def chunk_size(self) -> int: ...
 
     @property
+    def codec(self) -> str: ...
+
+    @property
     def refs(self) -> ComposedRefStore: ...
 
     def after_publish(self, run: str, generation: int, root: Digest) -> None:
@@ -130,6 +133,7 @@ def write_shard(
             midway_fault=midway_fault,
             bar=bar,
             known=known,
+            codec=encoded.codec or store.codec,
         )
     if versions is not None:
         versions.record(run, written, entries)
@@ -273,7 +277,7 @@ def publish_single(
             shard.stats,
             seconds,
             len(manifest.tensors) + len(manifest.local_tensors),
-            written_bytes=shard.stats.new_bytes + len(shard.data),
+            written_bytes=shard.stats.stored + len(shard.data),
             held_seconds=held_seconds,
         ),
         frameworks=framework_versions(),
@@ -299,6 +303,7 @@ def root_stats(
     return {
         "logical_bytes": stats.logical_bytes,
         "new_bytes": stats.new_bytes,
+        "stored_bytes": stats.stored,
         "new_chunks": stats.new_chunks,
         "reused_chunks": stats.reused_chunks,
         "seconds": round(seconds, 6),
@@ -546,7 +551,7 @@ def publish_writes(
             state=skeleton,
             metadata=encode_metadata(metadata),
             stats=root_stats(
-                stats, seconds, checked.tensors, written_bytes=stats.new_bytes + manifests
+                stats, seconds, checked.tensors, written_bytes=stats.stored + manifests
             ),
             frameworks=framework_versions(),
             writer=writer,

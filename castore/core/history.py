@@ -64,6 +64,12 @@ class SaveStats:
     tensors: int
     written_bytes: int = 0  # new chunk bytes and shard manifests (older roots: new_bytes)
     held_seconds: float = 0.0  # the caller held by the save (older roots: seconds)
+    stored_bytes: int = 0  # the new chunks' bytes as stored, compressed (older roots: new_bytes)
+
+    @property
+    def compression(self) -> float:
+        """Stored over raw bytes of the new chunks (1.0: stored raw, or nothing new)."""
+        return self.stored_bytes / self.new_bytes if self.new_bytes else 1.0
 
     @property
     def dedup_ratio(self) -> float:
@@ -117,6 +123,7 @@ class Generation:
                 tensors=int(stats.get("tensors", 0)),
                 written_bytes=int(stats.get("written_bytes", stats.get("new_bytes", 0))),
                 held_seconds=float(stats.get("held_seconds", stats.get("seconds", 0.0))),
+                stored_bytes=int(stats.get("stored_bytes", stats.get("new_bytes", 0))),
             ),
             metadata=decode_tree(root.metadata) if root.metadata else {},
             frameworks=dict(root.frameworks),

@@ -20,7 +20,12 @@ from typing import Any
 from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.core.chunkio import DEFAULT_CHUNK_SIZE
 from castore.core.location import parse_location
-from castore.core.storeblobs import check_marker_chunk_size, open_blob_store
+from castore.core.storeblobs import (
+    check_marker_chunk_size,
+    marker_codec,
+    open_blob_store,
+    store_codec,
+)
 from castore.errors import (
     FormatVersionError,
     NotAStoreError,
@@ -30,6 +35,7 @@ from castore.errors import (
     UnsupportedBackendError,
     UnsupportedOperationError,
 )
+from castore.format.codec import check_setting
 from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.repo.base import LockHold
 from castore.repo.local import OPEN_LOCK, RefStore
@@ -40,9 +46,14 @@ from castore.support.safefs import fsync_dir, open_store_file, read_store_file, 
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
-STORE_VERSION = 2
-# Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files.
+STORE_VERSION = 4
+# Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files; format 4
+# is format 2 whose chunk records may be frames (castore.format.codec). Format 3 is
+# the layout on blobs (castore.core.storeblobs), which names its backend.
 OLDEST_STORE_VERSION = 2
+# A new local store stores chunks raw by default: on this kind of machine
+# compression costs a local save throughput (docs/PERFORMANCE.md "Compression").
+DEFAULT_LOCAL_CODEC = "none"
 _MAX_MARKER = 1 << 16
 
 
@@ -78,6 +89,7 @@ def open_store(
     map_size: int | None = None,
     shared: bool = False,
     readonly: bool | None = None,
+    codec: str | None = None,
     **blob_options: Any,
 ) -> Store:
     """Open (or create) the store at ``path``; see :func:`castore.open`.
@@ -101,7 +113,12 @@ def open_store(
                 f"map_size sizes a local store's LMDB file; {root} is a shared store (no LMDB)"
             )
         return _open_shared(
-            root, create=create, chunk_size=chunk_size, readonly=readonly, **blob_options
+            root,
+            create=create,
+            chunk_size=chunk_size,
+            readonly=readonly,
+            codec=codec,
+            **blob_options,
         )
     if blob_options:
         names = ", ".join(sorted(blob_options))
@@ -113,12 +130,19 @@ def open_store(
     reason = readonly_mode.choose(
         str(root), readonly, writable=not exists or readonly_mode.is_writable(root)
     )
+    if codec is not None:
+        check_setting(codec)
     config = _marker_or_new_store(
-        root, create=create and reason is None, chunk_size=chunk_size, found=found
+        root,
+        create=create and reason is None,
+        chunk_size=chunk_size,
+        found=found,
+        codec=codec or DEFAULT_LOCAL_CODEC,
     )
     size = chunk_size or int(config["chunk_size"])
     if reason is not None:
         return _open_readonly(root, size, reason)
+    chosen = store_codec(config, codec, str(root))
     refs = RefStore(root)
     try:
         hold = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
@@ -133,7 +157,7 @@ def open_store(
     except BaseException:
         hold.release()
         raise
-    store = Store(root, backend, size, refs=refs)
+    store = Store(root, backend, size, refs=refs, codec=chosen)
     store.hold_open_lock(hold)
     return store
 
@@ -300,7 +324,12 @@ def _check_chunk_size(chunk_size: int) -> int:
 
 
 def _marker_or_new_store(
-    root: Path, *, create: bool, chunk_size: int | None, found: dict[str, Any] | None = None
+    root: Path,
+    *,
+    create: bool,
+    chunk_size: int | None,
+    found: dict[str, Any] | None = None,
+    codec: str = DEFAULT_LOCAL_CODEC,
 ) -> dict[str, Any]:
     """The marker's settings, creating the store first if the directory is empty.
 
@@ -314,7 +343,7 @@ def _marker_or_new_store(
     if not root.exists() or _is_empty(root):
         if not create:
             raise StoreNotFoundError(f"no castore store at {root}", path=str(root))
-        return _create_store(root, chunk_size or DEFAULT_CHUNK_SIZE)
+        return _create_store(root, chunk_size or DEFAULT_CHUNK_SIZE, codec)
     # Another process may have created the store since the first look: its marker
     # is the first entry it makes, so a directory with entries and no marker now
     # has one if (and only if) it is a store being created.
@@ -357,6 +386,7 @@ def check_marker(marker: Path, config: Any) -> dict[str, Any]:
             path=str(marker.parent),
         )
     check_marker_chunk_size(marker, config.get("chunk_size"))
+    marker_codec(marker, config)
     backend = config.get("backend", "lmdb")  # markers of the first stores may lack it
     if backend != "lmdb":
         raise UnsupportedBackendError(
@@ -372,7 +402,7 @@ def _is_empty(root: Path) -> bool:
     return all(entry.name.startswith(f".{MARKER}.") for entry in root.iterdir())
 
 
-def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
+def _create_store(root: Path, chunk_size: int, codec: str = DEFAULT_LOCAL_CODEC) -> dict[str, Any]:
     """Create a store; safe when several processes (ranks) create it at once.
 
     The marker is the first thing that appears and it appears atomically
@@ -387,6 +417,7 @@ def _create_store(root: Path, chunk_size: int) -> dict[str, Any]:
         "format": STORE_FORMAT,
         "format_version": STORE_VERSION,
         "chunk_size": chunk_size,
+        "codec": codec,
         "backend": "lmdb",
         "created": time.time(),
     }

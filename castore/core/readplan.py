@@ -41,6 +41,8 @@ from castore.core.chunkio import (
     verify_chunk,
 )
 from castore.errors import CorruptObjectError
+from castore.format.codec import CodecError
+from castore.format.codec import decode as decode_frame
 from castore.format.hashing import digest_here, hasher_here
 from castore.format.objects import TensorEntry
 from castore.support.progress import NO_BAR, Bar
@@ -217,8 +219,9 @@ def _fill_run(
 def _fill(reader: ChunkReader, i: int, view: memoryview, key: bytes) -> bool:
     """Read chunk ``i`` into ``view`` in pieces, hashing each as it lands; True if intact."""
     size = view.nbytes
-    if reader.lengths[i] != size:
-        return False
+    stored = reader.lengths[i]
+    if stored != size:
+        return stored is not None and _fill_frame(reader, i, view, key, stored)
     if size <= READ_PIECE:
         return reader.readinto(i, view) == size and digest_here(view) == key
     hasher = hasher_here()
@@ -228,6 +231,24 @@ def _fill(reader: ChunkReader, i: int, view: memoryview, key: bytes) -> bool:
             return False
         hasher.update(piece)
     return bool(hasher.digest() == key)
+
+
+def _fill_frame(reader: ChunkReader, i: int, view: memoryview, key: bytes, stored: int) -> bool:
+    """Read chunk ``i``'s frame (castore.format.codec), decode and verify it, then copy it
+    into ``view``; False for anything wrong (the ordinary read then names the error)."""
+    if stored > view.nbytes:
+        return False  # a frame is always shorter than its chunk
+    frame = bytearray(stored)
+    if reader.readinto(i, memoryview(frame)) != stored:
+        return False
+    try:
+        raw = decode_frame(frame, view.nbytes)
+    except CodecError:
+        return False
+    if digest_here(raw) != key:
+        return False
+    view[:] = memoryview(raw).cast("B")
+    return True
 
 
 def _read_again(

@@ -32,7 +32,9 @@ from castore.errors import (
     NotAStoreError,
     StoreNotFoundError,
     UnsupportedBackendError,
+    UnsupportedOperationError,
 )
+from castore.format.codec import SETTINGS, check_setting
 from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
 from castore.repo.blobs import blob_refs
 from castore.repo.leases import DEFAULT_STORE_LEASE
@@ -41,7 +43,12 @@ from castore.support.readonly import ReadOnly
 
 MARKER = "castore.json"
 STORE_FORMAT = "castore-store"
-BLOB_VERSION = 3
+BLOB_VERSION = 4
+# Format 3: the same layout, before chunk records could be frames (castore.format.codec).
+OLDEST_BLOB_VERSION = 3
+# A new store on blobs compresses by default: its writes are network- or disk-bound
+# (docs/PERFORMANCE.md "Compression").
+DEFAULT_BLOB_CODEC = "auto"
 BLOB_BACKEND = "blobs"
 _MAX_MARKER = 1 << 16
 
@@ -56,6 +63,7 @@ def open_blob_store(
     store_lease: float = DEFAULT_STORE_LEASE,
     pack_bytes: int = DEFAULT_PACK_BYTES,
     readonly: ReadOnly | None = None,
+    codec: str | None = None,
 ) -> Store:
     """Open (or create) the format-3 store laid out on ``blobs``; ``where`` names it in messages.
 
@@ -69,7 +77,11 @@ def open_blob_store(
     if readonly is not None:
         blobs = ReadOnlyBlobStore(blobs, readonly)
         create = False
-    config = marker_or_new_store(blobs, where, create=create, chunk_size=chunk_size)
+    if codec is not None:
+        check_setting(codec)
+    config = marker_or_new_store(
+        blobs, where, create=create, chunk_size=chunk_size, codec=codec or DEFAULT_BLOB_CODEC
+    )
     size = chunk_size or int(config["chunk_size"])
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache = IndexCache(directory, str(config["store_id"]))
@@ -78,14 +90,25 @@ def open_blob_store(
     refs.readonly = readonly
     refs.identity = f"blobs:{config['store_id']}"
     store = Store(
-        where, backend, size, refs=refs, readonly=readonly, blob_requests=counted.requests
+        where,
+        backend,
+        size,
+        refs=refs,
+        readonly=readonly,
+        blob_requests=counted.requests,
+        codec=store_codec(config, codec, where),
     )
     backend.check_lease = refs.check_store_lock
     return store
 
 
 def marker_or_new_store(
-    blobs: BlobStore, where: str, *, create: bool, chunk_size: int | None
+    blobs: BlobStore,
+    where: str,
+    *,
+    create: bool,
+    chunk_size: int | None,
+    codec: str = DEFAULT_BLOB_CODEC,
 ) -> dict[str, Any]:
     """The marker's settings; a store is created first where there is nothing at all."""
     found = _read(blobs, where)
@@ -108,6 +131,7 @@ def marker_or_new_store(
         "format_version": BLOB_VERSION,
         "backend": BLOB_BACKEND,
         "chunk_size": chunk_size or DEFAULT_CHUNK_SIZE,
+        "codec": codec,
         "store_id": secrets.token_hex(16),
         "created": time.time(),
     }
@@ -145,14 +169,15 @@ def check_blob_marker(data: bytes, where: str) -> dict[str, Any]:
             f"{BLOB_VERSION}: upgrade castore",
             path=where,
         )
-    if version != BLOB_VERSION or config.get("backend") != BLOB_BACKEND:
+    if version < OLDEST_BLOB_VERSION or config.get("backend") != BLOB_BACKEND:
         raise UnsupportedBackendError(
             f"store marker of {where} names format {version} backend {config.get('backend')!r}; "
-            f"a store on object storage or a shared directory is format {BLOB_VERSION}, "
-            f"backend {BLOB_BACKEND!r}",
+            f"a store on object storage or a shared directory is format {OLDEST_BLOB_VERSION} "
+            f"or {BLOB_VERSION}, backend {BLOB_BACKEND!r}",
             path=where,
         )
     check_marker_chunk_size(f"{where}/{MARKER}", config.get("chunk_size"))
+    marker_codec(f"{where}/{MARKER}", config)
     store_id = config.get("store_id")
     # ASCII only: it names the per-node cache directory (a non-ASCII letter is alnum too).
     if not (
@@ -163,6 +188,45 @@ def check_blob_marker(data: bytes, where: str) -> dict[str, Any]:
     ):
         raise NotAStoreError(f"store marker of {where} has no valid store_id", path=where)
     return config
+
+
+# The first format whose chunk records may be frames (castore.format.codec), local or on blobs.
+CODEC_VERSION = 4
+
+
+def marker_codec(marker: Path | str, config: dict[str, Any]) -> str | None:
+    """The codec a marker remembers; None for a store older than chunk frames.
+
+    A marker of format 4 or later must name a codec this castore knows: one it
+    does not may write frames it cannot read, so the store is refused whole.
+    """
+    codec = config.get("codec")
+    if config.get("format_version", 0) < CODEC_VERSION:
+        return None
+    if codec not in SETTINGS:
+        raise FormatVersionError(
+            f"store marker {marker} names codec {codec!r}; this castore knows "
+            f"{', '.join(SETTINGS)}: upgrade castore",
+            path=str(marker),
+        )
+    return str(codec)
+
+
+def store_codec(config: dict[str, Any], asked: str | None, where: str) -> str:
+    """The codec a handle's saves use: ``asked`` (castore.open's ``codec=``), else the
+    marker's; a store older than chunk frames is written raw, and refuses another codec."""
+    remembered = marker_codec(f"{where}/{MARKER}", config)
+    if asked is None:
+        return remembered or "none"
+    check_setting(asked)
+    if asked != "none" and remembered is None:
+        raise UnsupportedOperationError(
+            f"{where} is a format {config.get('format_version')} store, older than chunk "
+            f"compression: it can only be written with codec='none'; to compress, copy it "
+            "into a new store (castore copy)",
+            path=where,
+        )
+    return asked
 
 
 def check_marker_chunk_size(marker: Path | str, chunk_size: Any) -> None:

@@ -424,9 +424,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
                 info = result.storage_data
                 shard_digests[info["rank"]] = info["shard"]
                 s = info["stats"]
-                stats += WriteStats(
-                    s["logical_bytes"], s["new_bytes"], s["new_chunks"], s["reused_chunks"]
-                )
+                stats += WriteStats.from_wire(s)
         with store.save_lock():
             parent = store.refs.read(run)
             generation = parent.generation + 1 if parent else 1
@@ -448,7 +446,7 @@ class CastoreWriter(_StoreUser, StorageWriter):
                     state=_skeleton(metadata),
                     metadata=encode_metadata({"dcp": _encode_metadata(metadata)}),
                     stats=root_stats(
-                        stats, 0.0, len(checked.entries), written_bytes=stats.new_bytes
+                        stats, 0.0, len(checked.entries), written_bytes=stats.stored
                     ),
                     frameworks=framework_versions(),
                     writer=writer,

@@ -67,6 +67,7 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot, encode_object
+from castore.format.codec import check_setting
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 from castore.repo.records import RefValue, validate_run_name
 from castore.dist.restore import LoadReport, LoadResult, load
@@ -159,6 +160,7 @@ def save(
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
     trust_versions: bool = False,
+    codec: str | None = None,
 ) -> Generation: ...
 
 
@@ -178,6 +180,7 @@ def save(
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
     trust_versions: bool = False,
+    codec: str | None = None,
 ) -> PendingSave: ...
 
 
@@ -197,6 +200,7 @@ def save(
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
     trust_versions: bool = False,
+    codec: str | None = None,
 ) -> Generation | PendingSave: ...
 
 
@@ -215,6 +219,7 @@ def save(
     if_busy: str = "wait",
     async_options: AsyncOptions | None = None,
     trust_versions: bool = False,
+    codec: str | None = None,
 ) -> Generation | PendingSave:
     """Save every rank's ``state`` as one generation of ``run`` (a collective call).
 
@@ -233,10 +238,16 @@ def save(
     ``trust_versions=True`` (blocking saves): each rank skips hashing and writing
     the CPU torch tensors whose version counters did not move since its last
     save through this store handle (see :mod:`castore.core.unchanged`).
+
+    ``codec`` encodes this save's new chunks (``"none"``, ``"auto"``, ``"zstd"``,
+    ``"bytegroup"``; see :mod:`castore.format.codec`) instead of the store
+    handle's setting; every rank should pass the same.
     """
     # Before any collective: every rank opened the same store, so every rank refuses.
     store.refuse_if_closed()
     store.refuse_if_readonly("save")
+    if codec is not None:
+        check_setting(codec)
     step_int = _int_if_valid_step(step)
     if not blocking:
         if trust_versions:
@@ -253,6 +264,7 @@ def save(
             timeout,
             if_busy,
             async_options or AsyncOptions(),
+            codec,
         )
     if if_busy != "wait":
         raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
@@ -261,7 +273,7 @@ def save(
     try:
         store.background.before_blocking_save()
         return _save_in_group(
-            store, state, comm, run, step_int, metadata, data_order, trust_versions
+            store, state, comm, run, step_int, metadata, data_order, trust_versions, codec
         )
     except KeyboardInterrupt as interrupt:
         # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
@@ -288,10 +300,13 @@ def _save_in_group(
     metadata: dict[str, Any] | None,
     data_order: dict[str, Any] | None,
     trust_versions: bool = False,
+    codec: str | None = None,
 ) -> Generation:
     started = time.perf_counter()
     validate_run_name(run)
     prepared, failure = attempt(lambda: _prepare(state, step, metadata, data_order))
+    if prepared is not None:
+        prepared.encoded.codec = codec
 
     def write(generation: int, mine: set[str]) -> dict[str, Any]:
         assert prepared is not None
@@ -321,7 +336,7 @@ def _commit_shard(store: Store, shard: ShardWrite, started: float) -> dict[str, 
     commit_objects(store, [(shard.digest, shard.data)])
     fault_point("dist.worker_before_ack")
     chunks = sum(len(e.chunks) for e in shard.manifest.tensors + shard.manifest.local_tensors)
-    written = shard.stats.new_bytes + len(shard.data)
+    written = shard.stats.stored + len(shard.data)
     elapsed = time.perf_counter() - started
     return {
         "shard": shard.digest,
@@ -426,6 +441,7 @@ def _save_async(
     timeout: float,
     if_busy: str,
     options: AsyncOptions,
+    codec: str | None = None,
 ) -> PendingSave:
     """``save(..., blocking=False)``: stage here, run the commit on the writer thread.
 
@@ -454,6 +470,7 @@ def _save_async(
                 metadata,
                 data_order,
                 options,
+                codec,
             )
     except KeyboardInterrupt as interrupt:
         # No rank acked a shard this rank never finished staging: the coordinator
@@ -470,6 +487,7 @@ def _start_async(
     metadata: dict[str, Any] | None,
     data_order: dict[str, Any] | None,
     options: AsyncOptions,
+    codec: str | None = None,
 ) -> PendingSave:
     """Prepare and stage this rank's state; its writer thread runs the commit."""
     run, step, started = pending.run, pending.step, pending.started
@@ -498,6 +516,7 @@ def _start_async(
                 rank=comm.rank,
                 world=comm.world_size,
                 midway_fault="dist.worker_mid_shard",
+                codec=codec or store.codec,
             )
             store.background.remember(written.seen)
             shard = build_shard(
@@ -589,9 +608,7 @@ def _validate_and_publish(
     parent_ref = None if parent is None else RefValue(run, parent[0], Digest(parent[1]), parent[2])
     stats = WriteStats()
     for ack in acks:
-        stats += WriteStats(
-            ack["logical_bytes"], ack["new_bytes"], ack["new_chunks"], ack["reused_chunks"]
-        )
+        stats += WriteStats.from_wire(ack)
     held = [ack["held"] for ack in acks if "held" in ack]
 
     def build_root(checked: CheckedShards) -> GenerationRoot:
