@@ -29,7 +29,8 @@ from castore.chunkstore.base import (
     ReadSink,
     ReclaimStats,
 )
-from castore.format.hashing import Buffer, digest_bytes
+from castore.format.codec import stored_matches
+from castore.format.hashing import Buffer
 
 
 class TieredChunkBackend(ChunkBackend):
@@ -185,4 +186,5 @@ class TieredChunkBackend(ChunkBackend):
 
 
 def _intact(key: bytes, value: Buffer) -> bool:
-    return digest_bytes(value, threads=1) == key
+    """Whether ``value`` holds chunk ``key``: its raw bytes, or a frame of them."""
+    return stored_matches(key, value)

@@ -71,6 +71,7 @@ from castore.core.holdings import held_shards, mark_elsewhere
 from castore.core.reading import count_object_reads
 from castore.dist.comm import Group, attempt, describe, raise_failures
 from castore.errors import ChunkMissingError, CorruptObjectError, RefConflictError
+from castore.format.codec import stored_matches
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import (
     TYPE_ROOT,
@@ -279,7 +280,7 @@ class NodeSession:
             values = _unframe(received.get(source, b""), len(keys))
             items = []
             for key, value in zip(keys, values, strict=True):
-                if value is None or digest_bytes(value) != key:
+                if value is None or not stored_matches(key, value):
                     raise ChunkMissingError(
                         f"rank {source} did not send an intact copy of chunk {key.hex()[:16]}",
                         rank=self.comm.rank,
@@ -537,7 +538,7 @@ class NodeSession:
                 distrust.update(
                     k
                     for k, v in zip(held, values, strict=True)
-                    if v is None or digest_bytes(v) != k
+                    if v is None or not stored_matches(k, v)
                 )
             missing.extend(k for k, h in zip(keys, here, strict=True) if not h or k in distrust)
 

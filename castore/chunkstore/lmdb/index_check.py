@@ -32,7 +32,7 @@ from castore.chunkstore.packfile import (
     read_record,
     scan_pack,
 )
-from castore.format.hashing import digest_bytes
+from castore.format.codec import stored_matches
 
 LOCATION_SIZE = 24  # length, pack id, offset: three u64
 _SHOWN = 20  # problems listed one by one; the rest are counted
@@ -125,7 +125,7 @@ def _check_named(
                 f"entry {entry.key.hex()[:16]} ({entry.length} bytes) names {where}, which "
                 f"holds {record.digest.hex()[:16]} ({record.length} bytes)"
             )
-        elif hash_bytes and digest_bytes(read_chunk(path, record)) != entry.key:
+        elif hash_bytes and not stored_matches(entry.key, read_chunk(path, record)):
             found.problem(f"entry {entry.key.hex()[:16]}: the bytes at {where} are damaged")
 
 

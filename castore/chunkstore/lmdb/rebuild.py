@@ -33,6 +33,7 @@ from castore.chunkstore.lmdb.env import DEFAULT_MAP_SIZE, INDEX_DB
 from castore.chunkstore.lmdb.file import DATA_FILE, read_committed_meta
 from castore.chunkstore.packfile import PACK_DIR, pack_id, read_chunk, scan_pack
 from castore.errors import CastoreError
+from castore.format.codec import stored_matches
 from castore.format.hashing import digest_bytes
 from castore.repo.local import RefStore
 from castore.support.progress import NO_BAR, Bar, Phases, format_size, progress_bar
@@ -203,7 +204,7 @@ def _index_from_packs(
                 counted = reached
             if record.digest in index:
                 continue
-            if digest_bytes(read_chunk(path, record)) != record.digest:
+            if not stored_matches(record.digest, read_chunk(path, record)):
                 report.records_damaged += 1
                 continue
             index[record.digest] = PackLocation(record.length, pack, record.offset)
