@@ -38,13 +38,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from castore.chunkstore.base import Namespace
-from castore.core.chunkio import expected_length, verify_chunk
+from castore.core.chunkio import expected_length, shared_pool, verify_chunk
 from castore.core.commit import PublishFaults, check_shards, publish
 from castore.core.history import GenerationSpec
 from castore.core.location import parse_location
 from castore.core.opening import open_address
 from castore.core.reading import verified_object
 from castore.errors import CorruptObjectError, RefConflictError
+from castore.format.codec import encoder_for, is_frame
 from castore.format.hashing import Digest
 from castore.format.objects import (
     TYPE_ROOT,
@@ -336,18 +337,36 @@ def _copy_chunks(
     where: dict[str, Any],
     bar: Bar = NO_BAR,
 ) -> None:
-    """Read ``keys`` from SRC, verify each against its name and length, write them to DST."""
-    verified: list[tuple[bytes, bytes]] = []
+    """Read ``keys`` from SRC, verify each against its name and length, write them to DST.
+
+    DST stores each chunk by its own codec (castore.format.codec): raw where it
+    has none; SRC's frame as it is, once verified, where both compress (the
+    chunk's name is the same whatever the codec); else encoded on the shared pool.
+    """
+    verified: list[tuple[bytes, Any]] = []
+    encode: list[tuple[int, Any, Any]] = []
 
     def keep(values: Iterator[memoryview | None]) -> None:
         for key, value in zip(keys, values, strict=True):
             entry, index = named[key]
             chunk = verify_chunk(entry, index, value, where)  # raises on missing or damaged
-            verified.append((key, chunk.tobytes()))
+            assert value is not None
+            if target.codec == "none" or is_frame(value, len(chunk)):
+                stored: Any = chunk.tobytes() if target.codec == "none" else bytes(value)
+            else:
+                stored = chunk.tobytes()
+                encoder = encoder_for(target.codec, entry.dtype)
+                if encoder is not None:
+                    encode.append((len(verified), encoder, stored))
+            verified.append((key, stored))
             if bar:
                 bar.update(len(chunk))
 
     source.backend.read_many(Namespace.CHUNKS, keys, keep)
+    if encode:
+        frames = shared_pool().map(lambda job: job[1](job[2]), encode)
+        for (position, _, _), frame in zip(encode, frames, strict=True):
+            verified[position] = (verified[position][0], frame)
     target.backend.put_many(Namespace.CHUNKS, verified)
 
 

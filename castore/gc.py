@@ -151,9 +151,15 @@ def _duration(seconds: float) -> str:
 
 
 def _references(
-    store: Store, digest: Digest, root: GenerationRoot
+    store: Store,
+    digest: Digest,
+    root: GenerationRoot,
+    raw: dict[bytes, tuple[int, str]] | None = None,
 ) -> tuple[list[bytes], set[bytes]]:
-    """A generation's object digests (root and shards) and chunk digests (verified reads)."""
+    """A generation's object digests (root and shards) and chunk digests (verified reads).
+
+    ``raw``, if given, gets each chunk's raw length and its tensor's dtype.
+    """
     where = {"run": root.run, "generation": root.generation}
     objects = [digest.raw]
     chunks: set[bytes] = set()
@@ -164,6 +170,10 @@ def _references(
         objects.append(shard_digest)
         for entry in shard.tensors + shard.local_tensors:
             chunks.update(entry.chunks)
+            if raw is not None:
+                for index, chunk in enumerate(entry.chunks):
+                    length = min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+                    raw[chunk] = (length, entry.dtype)
     return objects, chunks
 
 
@@ -530,6 +540,16 @@ class Usage:
     referenced_bytes: int  # distinct chunk bytes the listed (shown) generations reference
     garbage_bytes: int  # chunks and objects stored but referenced by no listed generation
     file_bytes: int  # LMDB data file plus pack files (dead space included; see compact)
+    raw_bytes: int = 0  # the referenced chunks' raw bytes (referenced_bytes as stored)
+    # Of the distinct chunks each run (each dtype) of the listed ones references:
+    # (raw bytes, stored bytes); stored is less where a codec compressed them.
+    by_run: dict[str, tuple[int, int]] = field(default_factory=dict)
+    by_dtype: dict[str, tuple[int, int]] = field(default_factory=dict)
+
+    @property
+    def compression(self) -> float:
+        """Stored over raw bytes of the referenced chunks (1.0: stored raw)."""
+        return self.referenced_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
     @property
     def logical_bytes(self) -> int:
@@ -537,8 +557,10 @@ class Usage:
 
     @property
     def dedup_ratio(self) -> float:
-        """Logical bytes of all generations over the distinct chunk bytes they use."""
-        return self.logical_bytes / self.referenced_bytes if self.referenced_bytes else 1.0
+        """Logical bytes of all generations over the distinct chunks' raw bytes they use
+        (compression apart: see ``compression``)."""
+        distinct = self.raw_bytes or self.referenced_bytes
+        return self.logical_bytes / distinct if distinct else 1.0
 
 
 def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
@@ -556,9 +578,10 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
     per_gen: list[tuple[str, Generation, set[bytes]]] = []
     counts: Counter[bytes] = Counter()
     referenced_objects: set[bytes] = set()
+    raw: dict[bytes, tuple[int, str]] = {}
     for run in store.runs():
         for digest, root in _run_generations(store, run):
-            objects, chunks = _references(store, digest, root)
+            objects, chunks = _references(store, digest, root, raw)
             counts.update(chunks)
             referenced_objects.update(objects)
             per_gen.append((run, Generation.from_root(digest, root), chunks))
@@ -581,12 +604,32 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
     shown_chunks = {c for run, _, chunks in per_gen if run in shown for c in chunks}
     physical = sum(chunk_sizes.values()) + sum(object_sizes.values())
     live_objects = sum(object_sizes.get(o, 0) for o in referenced_objects)
+    by_run: dict[str, set[bytes]] = {}
+    for run, _, chunks in per_gen:
+        if run in shown:
+            by_run.setdefault(run, set()).update(chunks)
+    by_dtype: dict[str, tuple[int, int]] = {}
+    for chunk in shown_chunks:
+        if chunk not in chunk_sizes:
+            continue  # missing: verify reports it
+        length, dtype = raw[chunk]
+        had = by_dtype.get(dtype, (0, 0))
+        by_dtype[dtype] = (had[0] + length, had[1] + chunk_sizes.get(chunk, 0))
     return Usage(
         generations=rows,
         physical_bytes=physical,
         referenced_bytes=sum(chunk_sizes.get(c, 0) for c in shown_chunks),
         garbage_bytes=physical - referenced - live_objects,
         file_bytes=store.backend.file_bytes(),
+        raw_bytes=sum(raw[c][0] for c in shown_chunks if c in chunk_sizes),
+        by_run={
+            run: (
+                sum(raw[c][0] for c in chunks if c in chunk_sizes),
+                sum(chunk_sizes.get(c, 0) for c in chunks),
+            )
+            for run, chunks in sorted(by_run.items())
+        },
+        by_dtype=dict(sorted(by_dtype.items())),
     )
 
 

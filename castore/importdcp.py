@@ -326,7 +326,9 @@ def _write_boxes(
 
     def add(rank: int, leaves: list[TensorLeaf]) -> None:
         nonlocal total
-        entries, stats = write_leaves(store.backend, leaves, store.chunk_size)
+        entries, stats = write_leaves(
+            store.backend, leaves, store.chunk_size, codec=store.codec
+        )
         per_rank[rank][0].extend(entries)
         per_rank[rank] = (per_rank[rank][0], per_rank[rank][1] + stats)
         total += stats

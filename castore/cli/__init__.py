@@ -24,7 +24,7 @@ import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli.args import COLLAPSE_AT, build_parser
-from castore.core.history import Generation, split_address
+from castore.core.history import Generation, SaveStats, split_address
 from castore.core.holdings import held_shards
 from castore.errors import CastoreError, GcAbortedError, ReadOnlyStoreError, ReadOnlyWarning
 from castore.format.hashing import Digest
@@ -71,7 +71,9 @@ def cmd_log(args: argparse.Namespace) -> int:
         if not rows:
             print("no generations")
             return 0
-        headers = ["id", "step", "time", "logical", "new", "written", "dedup", "held", "root"]
+        headers = [
+            "id", "step", "time", "logical", "new", "stored", "written", "dedup", "held", "root"
+        ]
         headers = (["run"] if len(runs) > 1 else []) + headers + ["tags", "here"]
         if all(row[-1] == "all" for row in rows):  # no tier holds a part elsewhere
             rows, headers = [row[:-1] for row in rows], headers[:-1]
@@ -98,12 +100,20 @@ def _log_row(gen: Generation, with_run: bool) -> list[Any]:
         _format_time(gen.time),
         format_bytes(stats.logical_bytes),
         format_bytes(stats.new_bytes),
+        _stored(stats),
         format_bytes(stats.written_bytes),
         f"{100 * stats.dedup_ratio:.1f}%",
         _format_seconds(stats.held_seconds),
         gen.root[:12],
     ]
     return [gen.run, *row] if with_run else row
+
+
+def _stored(stats: SaveStats) -> str:
+    """The new chunks' bytes as stored, with their ratio to raw where a codec shrank them."""
+    if stats.stored_bytes == stats.new_bytes or not stats.new_bytes:
+        return format_bytes(stats.stored_bytes)
+    return f"{format_bytes(stats.stored_bytes)} ({_ratio(stats.compression)})"
 
 
 def _format_seconds(seconds: float) -> str:
@@ -485,14 +495,27 @@ def cmd_du(args: argparse.Namespace) -> int:
     if rows:
         print(tabulate(rows, headers=headers))
         print()
+        sizes = [("run", run, *bytes_) for run, bytes_ in usage.by_run.items()]
+        sizes += [("dtype", dtype, *bytes_) for dtype, bytes_ in usage.by_dtype.items()]
+        table = [
+            [kind, name, format_bytes(raw), format_bytes(stored), _ratio(stored / (raw or 1))]
+            for kind, name, raw, stored in sizes
+        ]
+        print(tabulate(table, headers=["of", "", "raw chunks", "stored", "stored/raw"]))
+        print()
     print(f"logical   {format_bytes(usage.logical_bytes)} in {len(rows)} generation(s)")
     print(
         f"stored    {format_bytes(usage.referenced_bytes)} of chunks they reference "
-        f"(dedup {usage.dedup_ratio:.2f}x)"
+        f"(dedup {usage.dedup_ratio:.2f}x of raw chunk bytes)"
     )
     print(
         f"physical  {format_bytes(usage.physical_bytes)} of chunks and objects, "
         f"{format_bytes(usage.garbage_bytes)} of it garbage (castore gc frees it)"
+    )
+    print(
+        f"codec     {format_bytes(usage.referenced_bytes)} stored for "
+        f"{format_bytes(usage.raw_bytes)} of raw chunk bytes ({_ratio(usage.compression)}; "
+        f"new saves use codec {store.codec!r})"
     )
     if isinstance(store.backend, BlobPackBackend):
         print(
@@ -505,6 +528,11 @@ def cmd_du(args: argparse.Namespace) -> int:
             "(gc rewrites sparse packs; castore compact rewrites every pack and the LMDB file)"
         )
     return 0
+
+
+def _ratio(fraction: float) -> str:
+    """Stored over raw bytes, as ``0.66x``."""
+    return f"{fraction:.2f}x"
 
 
 def cmd_repair(args: argparse.Namespace) -> int:
