@@ -155,7 +155,7 @@ def test_a_resave_compresses_only_new_chunks(tmp_path, monkeypatch) -> None:
         # under MIN_CHUNK, which are stored raw).
         size = state["steps"].nbytes
         changed = [min(CHUNK, size - at) for at in range(0, size, CHUNK)]
-        assert len(calls) - first == sum(n >= codec.MIN_CHUNK for n in changed) == 2
+        assert len(calls) - first == sum(n >= codec.MIN_CHUNK for n in changed) >= 2
 
 
 def test_copy_between_stores_of_different_codecs(tmp_path) -> None:

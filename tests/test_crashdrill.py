@@ -171,6 +171,25 @@ def test_quick_drill_on_s3_passes_the_blob_rows(tmp_path: Path) -> None:
     assert "RESULT: 2/2 scenarios pass" in done.stdout
 
 
+def test_quick_drill_passes_with_compression_on(tmp_path: Path) -> None:
+    """Chunks stored as frames (castore.format.codec) through a kill mid-shard, mid-write of
+    an async save and mid-collection: the same selection, deep verify and bitwise resume."""
+    names = ["worker_mid_shard", "async_mid_write", "gc_mid_chunks"]
+    done, report = _drill(
+        tmp_path, "--codec", "auto", "--scenarios", ",".join(names), timeout=480
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert report["config"]["codec"] == "auto"
+    rows = {row["scenario"]: row for row in report["rows"]}
+    assert list(rows) == names
+    for name in names:
+        row = rows[name]
+        assert row["passed"], (name, row["failures"])
+        assert row["exit_code"] == -9, name
+        assert row["selected"] == row["resumed_generation"] == EXPECTED[name][1], name
+        assert row["verify"] and row["all_listed_load"] and row["resumed_equal"], name
+
+
 def test_blob_only_rows_are_refused_on_other_backends(tmp_path: Path) -> None:
     done = subprocess.run(
         [sys.executable, str(DRILL), "--backend", "shared", "--scenarios", "worker_mid_multipart"],

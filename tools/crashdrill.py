@@ -1005,8 +1005,9 @@ def run_drill(args: argparse.Namespace) -> dict[str, Any]:
         "blocking": True,  # the async rows' saves pass blocking=False
         "control": args.control,
         "backend": args.backend,
+        "codec": args.codec,
     }
-    with DrillBackend(args.backend, workdir) as backend:
+    with DrillBackend(args.backend, workdir, args.codec) as backend:
         return _run_rows(args, config, backend)
 
 
@@ -1140,6 +1141,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="comma list (default: all that apply to the backend): "
         + ", ".join(s.name for s in SCENARIOS)
         + f" ({', '.join(sorted(S3_ONLY))}: s3 only)",
+    )
+    parser.add_argument(
+        "--codec",
+        choices=["none", "auto", "zstd", "bytegroup"],
+        default=None,
+        help="every store compresses new chunks by this codec (default: the store's own: "
+        "none on local stores, auto on blobs)",
     )
     parser.add_argument(
         "--quick", action="store_true", help="2 ranks, 3 updates, every scenario (~35 s)"

@@ -34,10 +34,11 @@ DUMMY = "testing"
 class DrillBackend:
     """One backend of the drill: store locations, their creation and copies, the server."""
 
-    def __init__(self, kind: str, workdir: Path) -> None:
+    def __init__(self, kind: str, workdir: Path, codec: str | None = None) -> None:
         if kind not in BACKENDS:
             raise ValueError(f"unknown backend {kind!r}; known: {', '.join(BACKENDS)}")
         self.kind = kind
+        self.codec = codec  # every store's codec (castore.format.codec); None: its default
         self.workdir = workdir
         self._server: AbstractContextManager[str] | None = None
         self.endpoint: str | None = None
@@ -48,6 +49,8 @@ class DrillBackend:
             settings = {"store_lease": STORE_LEASE}
         if self.kind == "shared":
             settings["shared"] = True
+        if self.codec is not None:
+            settings["codec"] = self.codec
         if self.kind == "s3":
             self._start_server()
             os.environ.update(
@@ -136,6 +139,6 @@ def open_options(role: str) -> dict[str, Any]:
         return {}
     settings = json.loads(spec)
     options: dict[str, Any] = dict(settings["options"])
-    if options:  # a store on blobs: this process is a node with its own index cache
+    if options.keys() - {"codec"}:  # a store on blobs: a node with its own index cache
         options["cache_dir"] = str(Path(settings["caches"], f"{role}-{os.getpid()}"))
     return options

@@ -44,7 +44,16 @@ class EncodeCounts:
 
 
 Item = tuple[bytes, memoryview, "Encoder | None"]
-Queued = tuple[bytes, memoryview, "Future[Buffer] | None"]
+# A chunk handed on, and where its stored record comes from: a run being encoded
+# and the chunk's place in it, or None (the chunk itself).
+Queued = tuple[bytes, memoryview, "tuple[Future[list[Buffer]], int] | None"]
+# A pool task encodes chunks until they add up to this (one task per big chunk;
+# small ones share a task, as hashing does: a task costs tens of microseconds).
+TASK_BYTES = 1 << 20
+
+
+def _encode_run(run: list[tuple[memoryview, Encoder]]) -> list[Buffer]:
+    return [encoder(view) for view, encoder in run]
 
 
 class EncodeStage:
@@ -79,17 +88,20 @@ class EncodeStage:
                 yield self._finish(ahead.popleft())
         finally:
             # A failed or abandoned batch stops encoding what it will not write.
-            for _, _, future in ahead:
-                if future is not None:
-                    future.cancel()
+            for _, _, job in ahead:
+                if job is not None:
+                    job[0].cancel()
 
     def _start(self, window: list[Item], ahead: deque[Queued]) -> int:
-        """Queue a window's chunks, the new ones being encoded; return their bytes."""
+        """Queue a window's chunks, the new ones being encoded in runs; return their bytes."""
         if not window:
             return 0
         present = self.backend.has_many(Namespace.CHUNKS, [digest for digest, _, _ in window])
         size = 0
         counts = self.counts
+        run: list[tuple[memoryview, Encoder]] = []
+        places: list[int] = []  # the ahead positions of the run's chunks
+        run_bytes = 0
         for (digest, view, encoder), found in zip(window, present, strict=True):
             size += view.nbytes
             if found or digest in self._queued:
@@ -101,19 +113,36 @@ class EncodeStage:
             if encoder is None or view.nbytes < MIN_CHUNK:
                 counts.stored_bytes += view.nbytes
                 ahead.append((digest, view, None))
-            elif self.pool is None:
-                done: Future[Buffer] = Future()
-                done.set_result(encoder(view))
-                ahead.append((digest, view, done))
-            else:
-                ahead.append((digest, view, self.pool.submit(encoder, view)))
+                continue
+            places.append(len(ahead))
+            ahead.append((digest, view, None))  # its job is set when the run is sent
+            run.append((view, encoder))
+            run_bytes += view.nbytes
+            if run_bytes >= TASK_BYTES:
+                self._send(run, places, ahead)
+                run, places, run_bytes = [], [], 0
+        self._send(run, places, ahead)
         return size
 
+    def _send(
+        self, run: list[tuple[memoryview, Encoder]], places: list[int], ahead: deque[Queued]
+    ) -> None:
+        if not run:
+            return
+        if self.pool is None:
+            job: Future[list[Buffer]] = Future()
+            job.set_result(_encode_run(run))
+        else:
+            job = self.pool.submit(_encode_run, run)
+        for index, place in enumerate(places):
+            digest, view, _ = ahead[place]
+            ahead[place] = (digest, view, (job, index))
+
     def _finish(self, queued: Queued) -> tuple[bytes, Buffer]:
-        digest, view, future = queued
-        if future is None:
+        digest, view, job = queued
+        if job is None:
             return digest, view
-        stored = future.result()
+        stored = job[0].result()[job[1]]
         self.counts.stored_bytes += memoryview(stored).nbytes
         return digest, stored
 

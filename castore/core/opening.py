@@ -140,9 +140,9 @@ def open_store(
         codec=codec or DEFAULT_LOCAL_CODEC,
     )
     size = chunk_size or int(config["chunk_size"])
-    if reason is not None:
-        return _open_readonly(root, size, reason)
     chosen = store_codec(config, codec, str(root))
+    if reason is not None:
+        return _open_readonly(root, size, reason, chosen)
     refs = RefStore(root)
     try:
         hold = refs.hold_open(busy=f"store {root} is being compacted; try again when it finishes")
@@ -151,7 +151,8 @@ def open_store(
         # a FUSE mount, a read-only locks/): nothing was created, so read-only still holds.
         if readonly is not None or not exists or not readonly_mode.cannot_write(exc):
             raise
-        return _open_readonly(root, size, readonly_mode.choose(str(root), None, writable=False))
+        fallback = readonly_mode.choose(str(root), None, writable=False)
+        return _open_readonly(root, size, fallback, chosen)
     try:
         backend = LmdbBackend(root / "chunks", map_size=map_size)
     except BaseException:
@@ -162,7 +163,9 @@ def open_store(
     return store
 
 
-def _open_readonly(root: Path, chunk_size: int, reason: ReadOnly | None) -> Store:
+def _open_readonly(
+    root: Path, chunk_size: int, reason: ReadOnly | None, codec: str = "none"
+) -> Store:
     """A local store opened read-only: nothing in ``root`` is created or changed."""
     assert reason is not None
     refs = RefStore(root)
@@ -173,7 +176,7 @@ def _open_readonly(root: Path, chunk_size: int, reason: ReadOnly | None) -> Stor
     except BaseException:
         hold.release()
         raise
-    store = Store(root, backend, chunk_size, refs=refs, readonly=reason)
+    store = Store(root, backend, chunk_size, refs=refs, readonly=reason, codec=codec)
     store.hold_open_lock(hold)
     return store
 

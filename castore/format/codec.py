@@ -59,8 +59,9 @@ SETTINGS = ("none", "auto", "zstd", "bytegroup")
 
 # A frame is kept only when it saves at least this fraction of the chunk.
 MIN_SAVING = 1 / 32
-# Chunks smaller than this are stored raw (see castore.core.encoding).
-MIN_CHUNK = 64 << 10
+# Chunks smaller than this are stored raw: a frame's header and zstd's own would
+# eat most of what a few hundred bytes could save.
+MIN_CHUNK = 4 << 10
 # A stream is zstd-coded only when a sample of this many bytes shrinks by
 # SAMPLE_SAVING; the sample costs ~1% of coding a 4 MiB chunk's stream.
 SAMPLE_BYTES = 16 << 10
@@ -162,11 +163,8 @@ def encoder_for(setting: str, dtype: str) -> Encoder | None:
 
 def _shrinks(stream: np.ndarray) -> bool:
     """Whether a sample from the middle of ``stream`` compresses by SAMPLE_SAVING."""
-    if stream.nbytes <= SAMPLE_BYTES:
-        sample = stream
-    else:
-        start = (stream.nbytes - SAMPLE_BYTES) // 2
-        sample = stream[start : start + SAMPLE_BYTES]
+    start = (stream.nbytes - SAMPLE_BYTES) // 2
+    sample = stream[start : start + SAMPLE_BYTES]
     return len(_compressor().compress(sample)) <= sample.nbytes * (1 - SAMPLE_SAVING)
 
 
@@ -207,13 +205,14 @@ def encode(chunk: Buffer, encoder: Encoder) -> Buffer:
     stored = _FRAME.size + _STREAM.size * len(streams)
     limit = size * (1 - MIN_SAVING)
     for stream in streams:
-        if _shrinks(stream):
-            data: Buffer = _compressor().compress(stream)
-            kind = _ZSTD
-            if len(data) >= stream.nbytes:
-                data, kind = stream, _RAW
-        else:
-            data, kind = stream, _RAW
+        data: Buffer = stream
+        kind = _RAW
+        # A stream no larger than a sample is simply compressed: sampling it would be
+        # compressing it twice.
+        if stream.nbytes <= SAMPLE_BYTES or _shrinks(stream):
+            packed = _compressor().compress(stream)
+            if len(packed) <= stream.nbytes * (1 - SAMPLE_SAVING):
+                data, kind = packed, _ZSTD
         table.append(_STREAM.pack(kind, memoryview(data).nbytes))
         parts.append(data)
         stored += memoryview(data).nbytes
