@@ -377,6 +377,7 @@ def _hostile(base: Base) -> dict[str, bytes]:
         "frame shorter than a header": frame[: _HEADER.size - 1],
         "zstd stream of another length": _with_stream(parsed, index, ZSTD, other).pack(),
         "zstd stream without a content size": _with_stream(parsed, index, ZSTD, unsized).pack(),
+        "zstd stream with bytes after it": _with_stream(parsed, index, ZSTD, data + b"\0").pack(),
         "zstd stream cut short": _with_stream(parsed, index, ZSTD, data[:-1]).pack(),
         "zstd stream empty": _with_stream(parsed, index, ZSTD, b"").pack(),
         "stream of kind 7": _with_stream(parsed, index, 7, data).pack(),
