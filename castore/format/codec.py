@@ -311,7 +311,8 @@ def _decode_stream(kind: int, data: memoryview, length: int, codec: str, at: str
             f"belong{at}"
         )
     try:
-        out = _decompressor().decompress(data, max_output_size=length)
+        # Bytes after the zstd frame would go unread: refused like a padded frame.
+        out = _decompressor().decompress(data, max_output_size=length, allow_extra_data=False)
     except zstandard.ZstdError as exc:
         raise CodecError(f"a zstd stream of a {codec} frame is damaged: {exc}{at}") from None
     if len(out) != length:
