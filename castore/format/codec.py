@@ -249,7 +249,7 @@ def decode(stored: Buffer, length: int, where: str = "") -> bytes | bytearray:
     at = f" ({where})" if where else ""
     if view.nbytes < _FRAME.size:
         raise CodecError(f"a stored chunk of {view.nbytes} bytes is too short for a frame{at}")
-    magic, number, width, count, _, raw_length = _FRAME.unpack_from(view)
+    magic, number, width, count, reserved, raw_length = _FRAME.unpack_from(view)
     if magic != FRAME_MAGIC:
         raise CodecError(
             f"a stored chunk of {view.nbytes} bytes, where {length} are expected, is not "
@@ -264,6 +264,12 @@ def decode(stored: Buffer, length: int, where: str = "") -> bytes | bytearray:
     if raw_length != length:
         raise CodecError(
             f"a {codec} frame declares {raw_length} raw bytes where {length} are expected{at}"
+        )
+    if reserved or (codec == "zstd" and width):
+        # Refused, not ignored: a later format may give these bytes a meaning.
+        raise CodecError(
+            f"a {codec} frame has reserved byte {reserved} and width {width}; this castore "
+            f"writes 0 in both (and a width only for bytegroup){at}"
         )
     expected_count = width if codec == "bytegroup" else 1
     if codec == "bytegroup" and (width not in _UINT or length % width):
