@@ -215,6 +215,15 @@ class ChecksumMismatchError(IntegrityError):
         )
 
 
+class CodecError(IntegrityError):
+    """A chunk's stored frame (castore.format.codec) is damaged or hostile: it cannot be
+    decoded safely."""
+
+
+class UnknownCodecError(CodecError):
+    """A chunk was stored with a codec this castore does not know (written by a newer one)."""
+
+
 class ObjectMissingError(IntegrityError):
     """An object (manifest or root) named by a reference is not in the store."""
 

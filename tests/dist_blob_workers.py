@@ -105,10 +105,14 @@ def _load(
     if ALIGNED in names:
         boxes[ALIGNED] = ((start, 0), w.to_numpy(targets["big"]["rows"].local))
     report = result.report
+    stored_needed = None
+    if ALIGNED in names:
+        stored_needed = _stored_rows(store, op["run"], report.generation.id, start, count)
     return {
         "seconds": time.monotonic() - started,
         "generation": report.generation.id,
         "bytes_needed": report.bytes_needed,
+        "stored_needed": stored_needed,
         "boxes": boxes,
         "rank_local": w.summarize(result.state.get("rng")),
         "fetch": {
@@ -117,6 +121,23 @@ def _load(
             "chunk_bytes": after[2] - before[2],
         },
     }
+
+
+def _stored_rows(store: Any, run: str, generation: int, start: int, count: int) -> int:
+    """The stored bytes (frames where compressed) of the chunks holding rows
+    ``start..start+count`` of ``big/rows``: what a restore of them must fetch."""
+    row_bytes = ROW_ELEMENTS * 4
+    low, high = start * row_bytes, (start + count) * row_bytes
+    _, root = store.resolve_root(run, generation)
+    keys = []
+    for entry in store.tensor_entries(root)[ALIGNED]:
+        base = entry.offsets[0] * row_bytes
+        for index, key in enumerate(entry.chunks):
+            first = base + index * entry.chunk_size
+            last = first + min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+            if first < high and last > low:
+                keys.append(key)
+    return sum(where.length for where in store.backend.locate(keys))
 
 
 def _stored_bytes(store: Any) -> dict[str, int]:

@@ -459,8 +459,14 @@ def test_a_slice_read_fetches_little_more_than_its_chunks_in_few_requests(
     chunk = 8192  # a record header (40 bytes) is 0.5% of a chunk
     weights = np.arange(256 * 2048, dtype=np.float32).reshape(256, 2048)  # a row is a chunk
     blobs = MemoryBlobStore()
+    # Stored raw: the bytes fetched are the rows' own (tests/test_compression.py reads frames).
     with open_blob_store(
-        blobs, "memory://t", chunk_size=chunk, pack_bytes=32 * chunk, cache_dir=tmp_path
+        blobs,
+        "memory://t",
+        chunk_size=chunk,
+        pack_bytes=32 * chunk,
+        cache_dir=tmp_path,
+        codec="none",
     ) as store:
         store.save({"w": weights}, run="r", step=1)
     assert len(listed(blobs, PACK_PREFIX)) == 8
@@ -506,7 +512,7 @@ def test_a_shared_store_reopens_as_blobs_without_the_flag(tmp_path: Path) -> Non
     with castore.open(root, shared=True, chunk_size=CHUNK, pack_bytes=PACK) as store:
         store.save({"w": np.arange(3000.0)}, run="r", step=1)
     marker = json.loads((root / MARKER).read_bytes())
-    assert (marker["format_version"], marker["backend"]) == (3, "blobs")
+    assert (marker["format_version"], marker["backend"], marker["codec"]) == (4, "blobs", "auto")
     assert not (root / "chunks").exists()  # no LMDB environment
     with castore.open(root) as again:
         assert isinstance(again.backend, BlobPackBackend)
@@ -537,7 +543,9 @@ def marker(**changes: Any) -> bytes:
 @pytest.mark.parametrize(
     ("blob", "error", "words"),
     [
-        (marker(format_version=4), FormatVersionError, "format version 4"),
+        (marker(format_version=5), FormatVersionError, "format version 5"),
+        (marker(format_version=4), FormatVersionError, "codec None"),
+        (marker(format_version=4, codec="lz9"), FormatVersionError, "codec 'lz9'"),
         (b"{not json", NotAStoreError, "unreadable"),
         (marker(format="other"), NotAStoreError, "not a castore store marker"),
         (marker(store_id="../escape"), NotAStoreError, "store_id"),

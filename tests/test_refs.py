@@ -235,7 +235,7 @@ def test_future_store_marker_version_is_refused(store_path: Path) -> None:
     castore.open(store_path).close()
     marker = store_path / "castore.json"
     config = json.loads(marker.read_text())
-    assert config["format_version"] == 2  # control: what we are about to bump
+    assert config["format_version"] == 4  # control: what we are about to bump
     config["format_version"] = 999
     marker.write_text(json.dumps(config))
 

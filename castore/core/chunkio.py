@@ -34,7 +34,7 @@ import numpy as np
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core.encoding import EncodeStage, leaf_encoders
 from castore.errors import ChecksumMismatchError, ChunkMissingError
-from castore.format.codec import CodecError
+from castore.format.codec import CodecError, frame_codec
 from castore.format.codec import decode as decode_frame
 from castore.format.hashing import Buffer, digest_bytes, digest_here
 from castore.format.objects import TensorEntry
@@ -371,8 +371,9 @@ def verify_chunk(
 
     Invariant 3: the bytes must hash to the digest that named them (and have
     the length the entry implies); a name that exists is not evidence. A
-    stored record of another length is a frame (castore.format.codec): it is
-    decoded first, within that length. Errors name ``where`` and the tensor.
+    stored record of another length that starts as a frame does
+    (castore.format.codec) is decoded first, within that length; one that
+    does not is damaged. Errors name ``where`` and the tensor.
     """
     key = entry.chunks[index]
     if value is None:
@@ -382,7 +383,7 @@ def verify_chunk(
             **{**where, "tensor": entry.name},
         )
     length = expected_length(entry, index)
-    if len(value) != length:
+    if len(value) != length and frame_codec(value) is not None:
         try:
             value = memoryview(decode_frame(value, length))
         except CodecError as exc:

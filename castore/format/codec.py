@@ -44,7 +44,7 @@ from typing import Any
 
 import numpy as np
 
-from castore.errors import IntegrityError
+from castore.errors import CodecError, UnknownCodecError
 from castore.format.hashing import Buffer, digest_here
 
 FRAME_MAGIC = b"CSZ1"
@@ -85,14 +85,6 @@ _ZSTD_PARAMS = dict(
 _MAX_WINDOW = 1 << 24
 
 FLOAT_WIDTHS = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
-
-
-class CodecError(IntegrityError):
-    """A chunk's stored frame is damaged or hostile: it cannot be decoded safely."""
-
-
-class UnknownCodecError(CodecError):
-    """A chunk was stored with a codec this castore does not know (written by a newer one)."""
 
 
 def check_setting(codec: str) -> str:
