@@ -240,6 +240,7 @@ class TrainState:
         if_busy: str = "wait",
         async_options: AsyncOptions | None = None,
         trust_versions: bool = False,
+        codec: str | None = None,
     ) -> Any:
         """Save this update boundary as the next generation of ``run`` (collective).
 
@@ -248,7 +249,9 @@ class TrainState:
         is staged (see :func:`castore.dist.save`); training may step on at once.
         ``trust_versions=True`` (blocking saves) skips hashing the tensors whose
         version counters did not move since this store handle's last save: see
-        :mod:`castore.core.unchanged` for when that is safe.
+        :mod:`castore.core.unchanged` for when that is safe. ``codec`` encodes
+        this save's new chunks instead of the store handle's codec
+        (:mod:`castore.format.codec`).
         """
         # An async save's checks run over castore's own group (castore.dist.comm.own_groups).
         comm = Group(group if blocking else own_groups(group, timeout)[1], coordinator, timeout)
@@ -299,6 +302,7 @@ class TrainState:
             if_busy=if_busy,
             async_options=async_options,
             trust_versions=trust_versions,
+            codec=codec,
         )
 
     # -- load ----------------------------------------------------------------
