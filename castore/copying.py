@@ -45,7 +45,7 @@ from castore.core.location import parse_location
 from castore.core.opening import open_address
 from castore.core.reading import verified_object
 from castore.errors import CorruptObjectError, RefConflictError
-from castore.format.codec import encoder_for, is_frame
+from castore.format.codec import check_setting, encoder_for, is_frame
 from castore.format.hashing import Digest
 from castore.format.objects import (
     TYPE_ROOT,
@@ -125,6 +125,7 @@ def copy(
     generation: GenerationSpec | None = None,
     all_generations: bool = False,
     progress: bool = False,
+    codec: str | None = None,
 ) -> CopyReport:
     """Copy generations of ``src`` into ``dst``, publishing each with the same root digest.
 
@@ -139,6 +140,9 @@ def copy(
     know); an :class:`IntegrityError` when SRC's bytes do not match their
     names. Either way, nothing of that generation is published at DST.
     ``progress``: a bar per generation of the chunk bytes it transfers.
+    ``codec``: how DST stores the chunks it takes (castore.format.codec): the
+    codec of a DST created here, or of this copy into an existing DST; by
+    default DST's own (a frame from SRC is kept as it is once verified).
     """
     if generation is not None and all_generations:
         raise ValueError("pass a generation or all_generations, not both")
@@ -148,7 +152,7 @@ def copy(
         source = _opened(src, stack, create=False)
         if _address(dst) == _address(source):
             raise ValueError(f"source and destination are the same store ({source.path})")
-        target = _opened(dst, stack, create=True)
+        target = _opened(dst, stack, create=True, codec=codec)
         target.refuse_if_readonly("copy into it")
         report = CopyReport()
         for name in [validate_run_name(run)] if run is not None else source.refs.ref_runs():
@@ -173,10 +177,17 @@ def _address(where: StoreOrPath) -> str:
     return location.url if location.scheme == "s3" else str(location.path.resolve())
 
 
-def _opened(where: StoreOrPath, stack: ExitStack, *, create: bool) -> Store:
+def _opened(
+    where: StoreOrPath, stack: ExitStack, *, create: bool, codec: str | None = None
+) -> Store:
     if isinstance(where, Store):
+        if codec is not None:
+            check_setting(codec)
+            stack.callback(setattr, where, "codec", where.codec)  # as it was, after the copy
+            where.codec = codec
         return where
-    return stack.enter_context(open_address(where, create=create))
+    options: dict[str, Any] = {} if codec is None else {"codec": codec}
+    return stack.enter_context(open_address(where, create=create, **options))
 
 
 def _choose(

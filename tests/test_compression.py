@@ -296,3 +296,20 @@ def test_du_and_log_report_stored_bytes_and_ratios(tmp_path, capsys) -> None:
 
 def test_integrity_errors_stay_integrity_errors() -> None:
     assert issubclass(CodecError, IntegrityError) and issubclass(UnknownCodecError, CodecError)
+
+
+def test_castore_copy_takes_a_codec_for_its_destination(tmp_path) -> None:
+    from castore.cli import main
+
+    state = _state()
+    with castore.open(tmp_path / "raw", chunk_size=CHUNK) as raw:
+        raw.save(state, run="r", step=1)
+    assert main(["copy", str(tmp_path / "raw"), str(tmp_path / "zipped"), "--codec", "zstd"]) == 0
+    with castore.open(tmp_path / "zipped") as zipped:
+        assert zipped.codec == "zstd"  # the new store remembers it
+        assert _frames(zipped)[0] >= 5
+        _same(zipped.load(run="r"), state)
+    # A store passed open keeps its own codec after a copy with another.
+    with castore.open(tmp_path / "raw") as source, castore.open(tmp_path / "again") as target:
+        copy_store(source, target, codec="auto")
+        assert target.codec == "none" and _frames(target)[0] >= 5

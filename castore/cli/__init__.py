@@ -601,6 +601,7 @@ def cmd_copy(args: argparse.Namespace) -> int:
         generation=args.generation,
         all_generations=args.all_generations,
         progress=True,
+        codec=args.codec,
     )
     for gen in report.generations:
         if not gen.copied:

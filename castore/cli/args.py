@@ -443,6 +443,13 @@ def _add_copy(commands: Any) -> None:
         dest="all_generations",
         help="copy every stored generation of the run(s), oldest first",
     )
+    copy.add_argument(
+        "--codec",
+        choices=["none", "auto", "zstd", "bytegroup"],
+        help="how DST stores the chunks: compressed (auto, zstd, bytegroup) or raw (none); "
+        "default: DST's own codec, or for a new DST its default (none for a local store, "
+        "auto on S3 or a shared directory)",
+    )
 
 
 def _add_diff(commands: Any) -> None:
