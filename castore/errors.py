@@ -21,6 +21,8 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── FormatVersionError               written by a newer castore format
     ├── IntegrityError                   stored bytes are not what was named
     │   ├── ChecksumMismatchError        digest of the bytes != the name
+    │   ├── CodecError                   a compressed chunk's frame cannot be decoded safely
+    │   │   └── UnknownCodecError        a codec this castore does not know (a newer one wrote it)
     │   ├── ObjectMissingError           a referenced object is absent
     │   │   └── ChunkMissingError        a referenced chunk is absent
     │   ├── CorruptObjectError           an object's bytes do not decode

@@ -17,6 +17,7 @@ def test_public_names_are_pinned() -> None:
             "CastoreError",
             "ChecksumMismatchError",
             "ChunkMissingError",
+            "CodecError",
             "CopyReport",
             "FormatVersionError",
             "Generation",

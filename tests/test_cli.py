@@ -69,15 +69,15 @@ def test_log_lists_every_generation_of_every_run(cli_store: Path) -> None:
     result = run_cli("log", cli_store)
     assert result.returncode == 0, result.stderr
     header = result.stdout.splitlines()[0].split()
-    assert header[:7] == ["run", "id", "step", "time", "logical", "new", "written"]
-    assert header[7:] == ["dedup", "held", "root", "tags"]
+    assert header[:8] == ["run", "id", "step", "time", "logical", "new", "stored", "written"]
+    assert header[8:] == ["dedup", "held", "root", "tags"]
     table = rows(result.stdout)
     assert [(r[0], r[1], r[2]) for r in table] == [
         ("exp1", "1", "100"),
         ("exp1", "2", "200"),
         ("other", "1", "5"),
     ]
-    dedup = [r[7] for r in table]
+    dedup = [r[8] for r in table]
     assert dedup == ["0.0%", "100.0%", "0.0%"]  # the identical second save wrote nothing
     assert table[1][5] == "0 B"
     with castore.open(cli_store, create=False) as store:
@@ -91,7 +91,7 @@ def test_log_of_one_run(cli_store: Path) -> None:
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines()[0].split()[0] == "id"  # no run column
     table = rows(result.stdout)
-    assert [(r[0], r[1], r[6]) for r in table] == [("1", "100", "0.0%"), ("2", "200", "100.0%")]
+    assert [(r[0], r[1], r[7]) for r in table] == [("1", "100", "0.0%"), ("2", "200", "100.0%")]
     assert "other" not in result.stdout
     with castore.open(cli_store, create=False) as store:
         roots = [g.root[:12] for g in store.generations("exp1")]

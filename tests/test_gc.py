@@ -1063,7 +1063,7 @@ def test_cli_tag_log_untag(cli_store: Path) -> None:
     log = run_cli("log", cli_store, "--run", "exp")
     assert log.returncode == 0, log.stderr
     assert {r[0]: r[-1] for r in table_rows(log.stdout)}["2"] == "best"
-    assert [len(r) for r in table_rows(log.stdout)] == [9, 10, 9]  # only id 2 has a tags cell
+    assert [len(r) for r in table_rows(log.stdout)] == [10, 11, 10]  # only id 2 has a tags cell
 
     kept = run_cli("gc", cli_store, "--keep", "1", "--run", "exp")
     assert kept.returncode == 0, kept.stderr
@@ -1075,7 +1075,7 @@ def test_cli_tag_log_untag(cli_store: Path) -> None:
     untagged = run_cli("untag", cli_store, "exp", "best")
     assert untagged.returncode == 0, untagged.stderr
     assert untagged.stdout.strip() == "removed tag best of run exp"
-    assert all(len(r) == 9 for r in table_rows(run_cli("log", cli_store, "--run", "exp").stdout))
+    assert all(len(r) == 10 for r in table_rows(run_cli("log", cli_store, "--run", "exp").stdout))
     assert run_cli("gc", cli_store, "--keep", "1").returncode == 0
     with castore.open(cli_store, create=False) as store:
         assert ids(store, "exp") == [3]
@@ -1122,7 +1122,7 @@ def test_cli_du(cli_store: Path) -> None:
     assert [r[5] for r in table[:3]] == ["10.0 KiB"] * 3  # each head is only its own
     lines = {line.split()[0]: line for line in result.stdout.splitlines() if line.strip()}
     assert lines["logical"].startswith("logical   ") and "in 4 generation(s)" in lines["logical"]
-    assert f"(dedup {usage.dedup_ratio:.2f}x)" in lines["stored"]
+    assert f"(dedup {usage.dedup_ratio:.2f}x of raw chunk bytes)" in lines["stored"]
     assert usage.dedup_ratio == pytest.approx(
         (3 * STATE_BYTES + 3 * CHUNK) / (BACKBONE_CHUNKS * CHUNK + 3 * HEAD_BYTES + 3 * CHUNK)
     )
