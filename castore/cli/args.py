@@ -331,10 +331,12 @@ def _add_collection(commands: Any) -> None:
     du = _command(
         commands,
         "du",
-        "logical and physical bytes, per generation",
+        "logical and physical bytes, per generation; compression per run and dtype",
         "Storage accounting: per generation its logical bytes, the chunk bytes it\n"
-        "references, and the bytes only it references (what dropping it frees); then\n"
-        "the store's logical, stored (deduplicated), physical and on-disk totals.",
+        "references, and the bytes only it references (what dropping it frees); per run\n"
+        "and per dtype, the raw bytes of the chunks they reference against those bytes as\n"
+        "stored (less where a codec compressed them); then the store's logical, stored\n"
+        "(deduplicated), physical and on-disk totals, and the codec new saves use.",
         "castore du ./ckpt\ncastore du ./ckpt --run exp1",
     )
     du.add_argument("--run", help="only this run's generations")
@@ -419,6 +421,7 @@ def _add_copy(commands: Any) -> None:
                 "castore copy ./ckpt /mnt/backup/ckpt --run exp1 --all",
                 "castore copy ./ckpt /mnt/backup/ckpt --run exp1 --generation release",
                 "castore copy ./ckpt s3://backups/ckpt            # a second failure domain",
+                "castore copy ./ckpt ./ckpt-small --codec auto     # compressed (remembered)",
             )
         ),
         formatter_class=_HelpFormatter,
