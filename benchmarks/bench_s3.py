@@ -5,6 +5,7 @@ Run from the repository root (``make bench-s3`` installs what it needs)::
     .venv/bin/python benchmarks/bench_s3.py [--state-mib 512] [--tensors 40] [--repeats 3]
                                             [--warmup 1] [--quiet 3] [--json OUT] [--check]
     .venv/bin/python benchmarks/bench_s3.py --state-mib 64 --repeats 1   # smoke run
+    .venv/bin/python benchmarks/bench_s3.py --state-mib 64 --codecs none,auto --dtype bf16
 
 Needs ``moto[server]`` and boto3 (the ``dev`` extra) and s3fs (the ``bench``
 extra): ``pip install -e ".[torch,dev,bench]"``, which ``make bench-s3`` runs.
@@ -87,6 +88,20 @@ first ``--warmup`` repetitions are untimed; the first one checks every loaded
 value. Tables show medians over the timed repetitions; ratios are castore
 over DCP, from the same repetitions.
 
+``--codecs LIST`` (e.g. ``none,auto``) runs castore once per chunk codec, each
+a system of its own ("castore [auto]") in its own store, created with
+``castore.open(url, codec=...)``, taking turns with DCP and the other codecs in
+every phase. A codec table gives each codec's bytes uploaded and downloaded and
+its throughput over ``none``'s, and, when both ran, goals for the default codec
+of stores on blobs (``auto``): a full save uploads <= 0.75x the bytes of the
+same save with ``none``, at >= 1.0x its throughput. Without ``--codecs``,
+castore runs once with the store's default codec (``auto`` on S3), as before.
+``--dtype`` (fp32, the default, or bf16) sets the tensors' dtype: fp32 blocks
+are ``randn`` as above; bf16 blocks are ``randn * 0.02`` rounded to bf16 (the
+scale of trained weights), ``--state-mib`` in all either way. Random fp32
+mantissas do not compress; a bf16 tensor has half as many mantissa bits per
+byte, so codecs that keep the mantissa raw and code the exponent save more.
+
 If ``castore.open("s3://...")`` raises UnsupportedBackendError (a castore
 without an S3 backend), the DCP half runs alone and the goals say so.
 """
@@ -124,6 +139,9 @@ REGION = "us-east-1"
 DUMMY_KEY = "testing"
 COLLECTIVE_TIMEOUT = 600.0
 SYSTEMS = ["DCP", "castore"]
+CODECS = ("none", "auto", "zstd", "bytegroup")  # castore.format.codec.SETTINGS
+DTYPES = {"fp32": 4, "bf16": 2}  # --dtype: element size
+BF16_SCALE = 0.02  # bf16 blocks: randn * this, the scale of trained weights
 PHASES = ["full save", "load", "re-save", "2->1 load"]
 
 # Goals (on medians, castore against DCP/s3fs in the same run)
@@ -131,6 +149,9 @@ FULL_SAVE_BYTES_GOAL = 1.02  # castore full-save bytes uploaded <= 1.02x DCP's
 RESAVE_BYTES_GOAL = 0.12  # castore 10%-changed re-save bytes uploaded <= 0.12x DCP's
 THROUGHPUT_GOAL = 1.0  # castore save and load throughput >= 1.0x DCP's
 RESHARD_FETCH_GOAL = 1.01  # castore 2->1 load: bytes fetched / bytes needed <= 1.01
+# Goals of the default codec on blobs (auto) against none, both in the same run (--codecs)
+CODEC_BYTES_GOAL = 0.75  # auto full-save bytes uploaded <= 0.75x none's
+CODEC_THROUGHPUT_GOAL = 1.0  # auto full-save throughput >= 1.0x none's
 
 
 # -- the ranks ---------------------------------------------------------------
@@ -151,7 +172,29 @@ def open_castore(
     return castore.open(url, create=create, **options)
 
 
-def full_tensor(layout: Layout, index: int, changed: bool) -> Any:
+def is_castore(system: str) -> bool:
+    """``castore`` or ``castore [codec]`` (``--codecs``)."""
+    return system.split(" ")[0] == "castore"
+
+
+def system_codec(system: str) -> str | None:
+    """The codec of ``castore [codec]``; None for ``castore`` (the store's default)."""
+    return system.partition("[")[2].rstrip("]") or None
+
+
+def as_dtype(block: Any, dtype: str) -> Any:
+    """A fp32 randn block as ``dtype``'s (fp32: itself; bf16: scaled and rounded)."""
+    import torch
+
+    return block if dtype == "fp32" else (block * BF16_SCALE).to(torch.bfloat16)
+
+
+def state_blocks(layout: Layout, rank: int, dtype: str) -> list[Any]:
+    """This rank's block of every tensor (bench_dcp.py's, as ``dtype``)."""
+    return [as_dtype(block, dtype) for block in local_blocks(layout, rank)]
+
+
+def full_tensor(layout: Layout, index: int, changed: bool, dtype: str) -> Any:
     """Tensor ``index`` whole, as the ranks built it (for checking a 2->1 load)."""
     import torch
 
@@ -159,13 +202,19 @@ def full_tensor(layout: Layout, index: int, changed: bool) -> Any:
     parts = []
     for rank in range(layout.world):
         gen = torch.Generator().manual_seed(1_000_003 * index + rank)
-        block = torch.randn((rows, COLS), generator=gen)
+        block = as_dtype(torch.randn((rows, COLS), generator=gen), dtype)
         parts.append(block + DELTA if changed and layout.changed(index) else block)
     return torch.cat(parts)
 
 
 def worker(
-    rank: int, port: int, layout: Layout, endpoint: str, cache: dict[str, Any], conn: Any
+    rank: int,
+    port: int,
+    layout: Layout,
+    endpoint: str,
+    cache: dict[str, Any],
+    dtype: str,
+    conn: Any,
 ) -> None:
     import torch
     import torch.distributed as dist
@@ -180,7 +229,7 @@ def worker(
         join_gloo(rank, port, layout.world, COLLECTIVE_TIMEOUT)
         mesh = init_device_mesh("cpu", (layout.world,))
         solo = dist.new_group([0])  # the 2->1 load's group (every rank must create it)
-        base = local_blocks(layout, rank)
+        base = state_blocks(layout, rank, dtype)
         changed = [block + DELTA if layout.changed(i) else block for i, block in enumerate(base)]
     except Exception:  # noqa: BLE001 - the parent must hear about it
         conn.send({"error": traceback.format_exc()})
@@ -219,7 +268,7 @@ def worker(
         return [layout.name(i) for i, t in enumerate(loaded) if not torch.equal(t, expected(i))]
 
     def save(system: str, url: str, which: str, step: int, options: dict[str, Any]) -> dict:
-        state = states[(system, which)]
+        state = states[("DCP" if system == "DCP" else "castore", which)]
         if system == "DCP":
             writer = FsspecWriter(url, sync_files=False, **s3fs_options(endpoint, cache))
             seconds, _ = timed(lambda: dcp.save(state, storage_writer=writer))
@@ -255,7 +304,9 @@ def worker(
     def load_whole(system: str, url: str, which: str, verify: bool, options: dict) -> dict:
         if rank != 0:
             return {"idle": True}
-        fresh = [torch.full(shape, float("nan")) for _ in range(layout.tensors)]
+        fresh = [
+            torch.full(shape, float("nan"), dtype=base[0].dtype) for _ in range(layout.tensors)
+        ]
         out: dict[str, Any] = {}
         if system == "DCP":
             targets = {layout.name(i): t for i, t in enumerate(fresh)}
@@ -274,7 +325,7 @@ def worker(
                 )
             out.update(bytes_read=result.report.bytes_read, bytes_needed=result.report.bytes_needed)
         if verify:
-            out["bad"] = check(fresh, lambda i: full_tensor(layout, i, which == "changed"))
+            out["bad"] = check(fresh, lambda i: full_tensor(layout, i, which == "changed", dtype))
         return out
 
     handlers = {"save": save, "load": load, "load_whole": load_whole}
@@ -291,8 +342,10 @@ def worker(
 
 
 class Ranks(PipedRanks):
-    def __init__(self, layout: Layout, endpoint: str, s3fs_cache: dict[str, Any]) -> None:
-        super().__init__(layout.world, worker, (layout, endpoint, s3fs_cache), "bench-s3")
+    def __init__(
+        self, layout: Layout, endpoint: str, s3fs_cache: dict[str, Any], dtype: str
+    ) -> None:
+        super().__init__(layout.world, worker, (layout, endpoint, s3fs_cache, dtype), "bench-s3")
 
 
 # -- the parent: S3 set-up ---------------------------------------------------
@@ -415,21 +468,27 @@ def run_phase(ctx: Context, command: tuple[Any, ...], what: str) -> Phase:
 
 def one_rep(ctx: Context, label: str, rep: int, results: Results) -> None:
     prefix = f"s3://{BUCKET}/{label}"
-    urls = {
-        ("DCP", 1): f"{prefix}/dcp-1",
-        ("DCP", 2): f"{prefix}/dcp-2",
-        ("castore", 1): f"{prefix}/castore",
-        ("castore", 2): f"{prefix}/castore",
-    }
+    urls = {("DCP", 1): f"{prefix}/dcp-1", ("DCP", 2): f"{prefix}/dcp-2"}
+    for system in ctx.systems:
+        if is_castore(system):  # one store per codec; generation 2 in the same one
+            codec = system_codec(system)
+            url = f"{prefix}/castore" + (f"-{codec}" if codec else "")
+            urls.update({(system, 1): url, (system, 2): url})
     cache = ctx.cache_root / label
 
     def options(system: str, node: str) -> dict[str, Any]:
         # The ranks fill in {rank}: each its own chunk-index cache, as on its own node.
-        return {"cache_dir": str(cache / node)} if system == "castore" else {}
+        if not is_castore(system):
+            return {}
+        codec = system_codec(system)
+        dirs = {"cache_dir": str(cache / (node if codec is None else f"{codec}-{node}"))}
+        return dirs if codec is None else {**dirs, "codec": codec}
 
-    if "castore" in ctx.systems:  # empty, before the ranks open it
-        with open_castore(urls[("castore", 1)], options("castore", "parent"), 0, True) as store:
-            results.notes.setdefault("chunk_size", store.chunk_size)
+    for system in ctx.systems:
+        if is_castore(system):  # empty, before the ranks open it
+            with open_castore(urls[(system, 1)], options(system, "parent"), 0, True) as store:
+                results.notes.setdefault("chunk_size", store.chunk_size)
+                results.notes.setdefault(f"{system} store codec", getattr(store, "codec", None))
     order = rotate(ctx.systems, rep)
     plan: list[tuple[str, str, tuple[Any, ...]]] = []
     for system in order:
@@ -448,8 +507,8 @@ def one_rep(ctx: Context, label: str, rep: int, results: Results) -> None:
         for phase, system, command in plan:
             outcome = run_phase(ctx, command, f"{system} {phase}")
             results.add(f"{system} {phase}", outcome)
-            if system == "castore" and command[0] == "save":
-                results.notes.setdefault(f"castore {phase} stats", outcome.replies[0]["stats"])
+            if is_castore(system) and command[0] == "save":
+                results.notes.setdefault(f"{system} {phase} stats", outcome.replies[0]["stats"])
     finally:
         empty_bucket(ctx.admin)
         shutil.rmtree(cache, ignore_errors=True)
@@ -478,8 +537,10 @@ def ratio_rows(results: Results, systems: list[str], logical: int) -> list[list[
     return rows
 
 
-def comparisons(results: Results, logical: int) -> list[dict[str, Any]]:
-    """castore over DCP, from medians of the same repetitions."""
+def comparisons(
+    results: Results, logical: int, system: str = "castore", reference: str = "DCP"
+) -> list[dict[str, Any]]:
+    """``system`` over ``reference`` (castore over DCP), from medians of the same repetitions."""
 
     def med(system: str, phase: str, what: str) -> float:
         return results.median(f"{system} {phase}", what)
@@ -487,29 +548,106 @@ def comparisons(results: Results, logical: int) -> list[dict[str, Any]]:
     out = []
     for phase in PHASES:
         entry: dict[str, Any] = {"phase": phase}
+        if system != "castore":
+            entry["system"] = system
         for what in ("bytes_up", "bytes_down", "requests"):
-            dcp_value = med("DCP", phase, what)
-            entry[what] = med("castore", phase, what) / dcp_value if dcp_value else None
-        entry["throughput"] = med("DCP", phase, "seconds") / med("castore", phase, "seconds")
+            ref_value = med(reference, phase, what)
+            entry[what] = med(system, phase, what) / ref_value if ref_value else None
+        entry["throughput"] = med(reference, phase, "seconds") / med(system, phase, "seconds")
         out.append(entry)
     return out
 
 
 def castore_report_line(results: Results, systems: list[str]) -> str:
     """castore's own account of the 2->1 load (its LoadReport), next to the proxy's."""
-    if "castore" not in systems:
-        return ""
-    ratios = [
-        p.replies[0]["bytes_read"] / p.replies[0]["bytes_needed"]
-        for p in results.phases["castore 2->1 load"]
-    ]
-    return (
-        f"\ncastore's LoadReport for it: bytes_read / bytes_needed = "
-        f"{statistics.median(ratios):.4f} (chunk payloads only, no requests' framing)."
+    lines = []
+    for system in filter(is_castore, systems):
+        ratios = [
+            p.replies[0]["bytes_read"] / p.replies[0]["bytes_needed"]
+            for p in results.phases[f"{system} 2->1 load"]
+        ]
+        lines.append(
+            f"\n{system}'s LoadReport for it: bytes_read / bytes_needed = "
+            f"{statistics.median(ratios):.4f} (chunk payloads only, no requests' framing)."
+        )
+    return "".join(lines)
+
+
+def codec_table(
+    results: Results, systems: list[str], logical: int
+) -> tuple[list[list[str]], list[dict]]:
+    """Per codec (``castore [codec]`` systems): bytes and throughput over ``none``'s."""
+    rows, records = [], []
+    coded = [s for s in systems if is_castore(s) and system_codec(s)]
+    reference = "castore [none]" if "castore [none]" in coded else None
+    for system in coded:
+        stats = results.notes.get(f"{system} full save stats", {})
+        stored, new = stats.get("stored_bytes"), stats.get("new_bytes")
+        record: dict[str, Any] = {
+            "codec": system_codec(system),
+            "full_save_stored_over_raw": stored / new if stored is not None and new else None,
+        }
+        cells = [str(record["codec"]), _ratio(record["full_save_stored_over_raw"])]
+        for phase, what in (
+            ("full save", "bytes_up"),
+            ("re-save", "bytes_up"),
+            ("load", "bytes_down"),
+            ("full save", "throughput"),
+            ("re-save", "throughput"),
+            ("load", "throughput"),
+            ("2->1 load", "throughput"),
+        ):
+            if what == "throughput":
+                mine = results.median(f"{system} {phase}", "seconds")
+                value = (
+                    results.median(f"{reference} {phase}", "seconds") / mine if reference else None
+                )
+                cells.append(f"{_ratio(value)} ({logical / GIB / mine:.3f})")
+            else:
+                mine = results.median(f"{system} {phase}", what)
+                value = mine / results.median(f"{reference} {phase}", what) if reference else None
+                cells.append(f"{_ratio(value)} ({mine / MIB:.1f})")
+            record[f"{phase} {what} over none"] = value
+            record[f"{phase} {what}"] = mine
+        rows.append(cells)
+        records.append(record)
+    return rows, records
+
+
+def _ratio(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"
+
+
+def codec_goals(results: Results, systems: list[str]) -> list[dict[str, Any]]:
+    """The default codec on blobs (auto) against none, when both ran (``--codecs``)."""
+    auto, none = "castore [auto]", "castore [none]"
+    if auto not in systems or none not in systems:
+        return []
+    up = results.median(f"{auto} full save", "bytes_up") / results.median(
+        f"{none} full save", "bytes_up"
     )
+    speed = results.median(f"{none} full save", "seconds") / results.median(
+        f"{auto} full save", "seconds"
+    )
+    return [
+        {
+            "goal": f"auto full save: bytes uploaded <= {CODEC_BYTES_GOAL}x none's",
+            "measured": f"{up:.3f}x",
+            "value": up,
+            "met": up <= CODEC_BYTES_GOAL,
+        },
+        {
+            "goal": f"auto full save throughput >= {CODEC_THROUGHPUT_GOAL}x none's",
+            "measured": f"{speed:.3f}x",
+            "value": speed,
+            "met": speed >= CODEC_THROUGHPUT_GOAL,
+        },
+    ]
 
 
-def evaluate_goals(results: Results, logical: int, problem: str | None) -> list[dict[str, Any]]:
+def evaluate_goals(
+    results: Results, logical: int, problem: str | None, system: str = "castore"
+) -> list[dict[str, Any]]:
     goals = [
         ("full save", "bytes_up", "<=", FULL_SAVE_BYTES_GOAL, "full save: bytes uploaded"),
         ("re-save", "bytes_up", "<=", RESAVE_BYTES_GOAL, "10%-changed re-save: bytes uploaded"),
@@ -517,24 +655,25 @@ def evaluate_goals(results: Results, logical: int, problem: str | None) -> list[
         ("load", "throughput", ">=", THROUGHPUT_GOAL, "load throughput (2 ranks)"),
     ]
     verdicts: list[dict[str, Any]] = []
+    tag = system[len("castore") :]
     for phase, what, sense, bound, text in goals:
-        goal = f"{text} {sense} {bound}x DCP's"
+        goal = f"{text} {sense} {bound}x DCP's{tag}"
         if problem:
             verdicts.append({"goal": goal, "measured": problem, "value": None, "met": False})
             continue
         if what == "throughput":
             value = results.median(f"DCP {phase}", "seconds") / results.median(
-                f"castore {phase}", "seconds"
+                f"{system} {phase}", "seconds"
             )
         else:
-            value = results.median(f"castore {phase}", what) / results.median(f"DCP {phase}", what)
+            value = results.median(f"{system} {phase}", what) / results.median(f"DCP {phase}", what)
         met = value <= bound if sense == "<=" else value >= bound
         verdicts.append({"goal": goal, "measured": f"{value:.3f}x", "value": value, "met": met})
-    goal = f"2->1 load: bytes fetched / bytes needed <= {RESHARD_FETCH_GOAL}"
+    goal = f"2->1 load: bytes fetched / bytes needed <= {RESHARD_FETCH_GOAL}{tag}"
     if problem:
         verdicts.append({"goal": goal, "measured": problem, "value": None, "met": False})
     else:
-        value = results.median("castore 2->1 load", "bytes_down") / logical
+        value = results.median(f"{system} 2->1 load", "bytes_down") / logical
         verdicts.append(
             {
                 "goal": goal,
@@ -554,6 +693,16 @@ def s3fs_read_cache(args: argparse.Namespace) -> dict[str, Any]:
     if args.s3fs_block_mib is not None:
         options["default_block_size"] = int(args.s3fs_block_mib * MIB)
     return options
+
+
+def parse_codecs(text: str) -> list[str]:
+    codecs = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in codecs if c not in CODECS]
+    if not codecs or unknown or len(set(codecs)) != len(codecs):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a comma-separated list of distinct codecs from {', '.join(CODECS)}"
+        )
+    return codecs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -581,12 +730,23 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--json", type=Path, default=None, help="write results as JSON here")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
+    parser.add_argument(
+        "--codecs",
+        type=parse_codecs,
+        default=None,
+        help="castore once per codec, e.g. none,auto (default: once, the store's default)",
+    )
+    parser.add_argument(
+        "--dtype", choices=sorted(DTYPES), default="fp32", help="tensor dtype (default fp32)"
+    )
     args = parser.parse_args(argv)
     if args.tensors < 10 or args.ranks < 2 or args.repeats < 1 or args.warmup < 0:
         parser.error("need --tensors >= 10, --ranks >= 2, --repeats >= 1, --warmup >= 0")
 
-    layout = make_layout(args.state_mib, args.tensors, args.ranks)
-    logical = layout.logical_bytes
+    # make_layout sizes fp32 rows: ask for as many elements as --state-mib holds in dtype
+    element = DTYPES[args.dtype]
+    layout = make_layout(args.state_mib * 4 // element, args.tensors, args.ranks)
+    logical = layout.logical_bytes * element // 4
     moto = MotoServer()
     proxy = CountingProxy(moto.address)
     set_client_environment(proxy.endpoint)
@@ -594,8 +754,11 @@ def main(argv: list[str] | None = None) -> int:
     admin.create_bucket(Bucket=BUCKET)
     problems = {"DCP": s3fs_problem(), "castore": castore_backend_problem()}
     systems = [s for s in SYSTEMS if problems[s] is None]
+    if args.codecs is not None and "castore" in systems:
+        systems.remove("castore")
+        systems += [f"castore [{codec}]" for codec in args.codecs]
     print(
-        f"{layout.tensors} fp32 tensors of ({layout.rows}, {COLS}), split by rows over "
+        f"{layout.tensors} {args.dtype} tensors of ({layout.rows}, {COLS}), split by rows over "
         f"{layout.world} gloo ranks: {logical / MIB:.1f} MiB in all; the re-save changes "
         f"every 10th tensor\nS3: moto (an emulator, in memory on this machine) at "
         f"{moto.address}, behind the counting proxy at {proxy.endpoint}\n"
@@ -615,7 +778,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     ranks: Ranks | None = None
     try:
-        ranks = Ranks(layout, proxy.endpoint, s3fs_read_cache(args))
+        ranks = Ranks(layout, proxy.endpoint, s3fs_read_cache(args), args.dtype)
         print(f"{layout.world} ranks up in {time.perf_counter() - started:.1f} s", flush=True)
         for rep in range(-args.warmup, args.repeats):
             rep_start = time.perf_counter()
@@ -650,12 +813,13 @@ def main(argv: list[str] | None = None) -> int:
         )
     )
     problem = problems["castore"] or problems["DCP"]
-    compared = [] if problem else comparisons(results, logical)
+    castores = [s for s in systems if is_castore(s)]
+    compared = [] if problem else [c for s in castores for c in comparisons(results, logical, s)]
     if compared:
         print()
         rows = [
             [
-                c["phase"],
+                f"{c['system'][len('castore ') :]} {c['phase']}" if "system" in c else c["phase"],
                 f"{c['bytes_up']:.3f}x" if c["bytes_up"] is not None else "-",
                 f"{c['bytes_down']:.3f}x" if c["bytes_down"] is not None else "-",
                 f"{c['requests']:.2f}x",
@@ -683,12 +847,44 @@ def main(argv: list[str] | None = None) -> int:
         )
         + castore_report_line(results, systems)
     )
-    verdicts = evaluate_goals(results, logical, problem)
+    codec_rows, codec_records = codec_table(results, systems, logical)
+    if codec_rows:
+        print()
+        print(
+            tabulate(
+                codec_rows,
+                headers=[
+                    "codec",
+                    "stored/raw",
+                    "full save up (MiB)",
+                    "re-save up (MiB)",
+                    "load down (MiB)",
+                    "full save thr. (GiB/s)",
+                    "re-save thr. (GiB/s)",
+                    "load thr. (GiB/s)",
+                    "2->1 load thr. (GiB/s)",
+                ],
+                tablefmt="github",
+                disable_numparse=True,
+            )
+        )
+        print(
+            "\nEach codec over none, from medians of the same repetitions (bytes: this "
+            "codec's / none's; thr.: none's time / this codec's, >1 = faster); in brackets "
+            "this codec's own median. stored/raw: the full save's stats.stored_bytes / "
+            "new_bytes (rank 0)."
+        )
+    verdicts = [v for s in castores for v in evaluate_goals(results, logical, problem, s)]
+    if not castores:
+        verdicts = evaluate_goals(results, logical, problem)
+    verdicts += codec_goals(results, systems)
     print()
     print_goals(verdicts)
     print(f"\ntotal time {time.perf_counter() - started:.0f} s")
     if args.json:
-        write_json(args, layout, results, systems, problems, compared, verdicts)
+        write_json(
+            args, layout, logical, results, systems, problems, compared, codec_records, verdicts
+        )
         print(f"wrote {args.json}")
     return 1 if args.check and not all(v["met"] for v in verdicts) else 0
 
@@ -696,10 +892,12 @@ def main(argv: list[str] | None = None) -> int:
 def write_json(
     args: argparse.Namespace,
     layout: Layout,
+    logical: int,
     results: Results,
     systems: list[str],
     problems: dict[str, str | None],
     compared: list[dict[str, Any]],
+    codecs: list[dict[str, Any]],
     verdicts: list[dict[str, Any]],
 ) -> None:
     phases = {
@@ -717,7 +915,9 @@ def write_json(
     payload = {
         "server": "moto (emulator), in memory, on this machine",
         "state_mib": args.state_mib,
-        "logical_bytes": layout.logical_bytes,
+        "logical_bytes": logical,
+        "dtype": args.dtype,
+        "codecs": args.codecs,
         "tensors": layout.tensors,
         "tensor_shape": [layout.rows, COLS],
         "ranks": layout.world,
@@ -731,6 +931,7 @@ def write_json(
         "cpus": os.cpu_count(),
         "phases": phases,
         "castore_over_dcp": compared,
+        "codecs_over_none": codecs,
         "notes": results.notes,
         "goals": verdicts,
     }

@@ -7,6 +7,7 @@ Run from the repository root::
                                                    [--reps 3] [--warmup 1] [--dir DIR]
                                                    [--json OUT] [--settle 15]
                                                    [--warm-only] [--check]
+                                                   [--codecs none,auto]
 
 One fp32 state is built once, of one of these shapes (``--all-shapes``: each
 in turn, one table each):
@@ -62,11 +63,25 @@ state. The goals are checked against the same medians; ``--check`` makes a
 missed goal exit with status 1. A last line gives the re-saves' time as a
 fraction of castore's own full save: what a save costs beyond the bytes it
 writes.
+
+``--codecs LIST`` (default ``none``) measures castore once per chunk codec
+(``none``, ``auto``, ``zstd``, ``bytegroup``; see castore.format.codec), each
+its own method in every repetition, rotated with the others: "castore save
+[auto]", "castore load [auto] (warm)", its re-saves, each codec into its own
+store (created with ``castore.open(path, codec=...)``). A codec table then
+gives, per codec, the bytes its store holds (the full save's
+``stats.stored_bytes`` and ``written_bytes``, and the store's size on disk)
+and its medians, each against ``none``'s. Without ``--codecs`` the run, its
+method names and its tables are what they were before codecs existed: one
+castore method, with the local store's default codec (``none``); a ``none``
+store is opened without ``codec=``, so the script also runs on a castore
+from before codecs (to compare a commit with an older one).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -85,7 +100,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import disk_free, drop_caches, print_goals
+from _common import disk_free, drop_caches, print_goals, tree_bytes
 from tabulate import tabulate
 
 import castore
@@ -110,6 +125,7 @@ SMALL_TENSOR_GOALS = [
     ("load throughput >= 1.0x torch.load", "castore load", "torch.load", "speedup", 1.0),
 ]
 SHAPES = ("transformer", "llm", "many-small")
+CODECS = ("none", "auto", "zstd", "bytegroup")  # castore.format.codec.SETTINGS
 DEFAULT_SIZE_MIB = {"transformer": 1024, "llm": 256}
 DEFAULT_TENSORS = 20_000
 LLM_LAYERS = 100
@@ -238,9 +254,18 @@ def changed_copy(
 # -- methods -----------------------------------------------------------------
 
 
-def castore_save(state: dict[str, torch.Tensor], path: Path) -> tuple[castore.Generation, int]:
-    store = castore.open(path)
+def castore_save(
+    state: dict[str, torch.Tensor], path: Path, codec: str = "none"
+) -> tuple[castore.Generation, int]:
+    """Save into the store at ``path`` (created if new) with ``codec``.
+
+    ``none`` opens the store without ``codec=`` (a local store's default), so
+    this runs on a castore from before codecs too; the handle must agree.
+    """
+    store = castore.open(path) if codec == "none" else castore.open(path, codec=codec)
     try:
+        if getattr(store, "codec", "none") != codec:
+            raise RuntimeError(f"{path}: the store saves with {store.codec!r}, not {codec!r}")
         return store.save(state, run=RUN, step=0), store.chunk_size
     finally:
         store.close()
@@ -324,21 +349,34 @@ def one_rep(
     cold: bool,
     verify: bool,
     settle: float,
+    tags: dict[str, str],
 ) -> None:
     """Every method once. The order of the saves, and of the loads, rotates with ``rep``:
     how fast this disk writes depends on whether the blocks were freed just before,
     and a fixed order would hand the same position to the same method every time.
+    ``tags`` maps each codec to measure to its methods' tag (``""``: no ``--codecs``).
     """
     out = work / f"rep{rep}"
     out.mkdir(parents=True)
-    store, pt_file, dcp_dir = out / "castore", out / "state.pt", out / "dcp"
+    stores = {codec: out / f"castore-{codec}" for codec in tags}
+    pt_file, dcp_dir = out / "state.pt", out / "dcp"
     try:
 
-        def save_castore() -> None:
-            seconds, (gen, chunk_size) = timed(lambda: castore_save(state, store))
-            results.add("castore save", seconds)
+        def save_castore(codec: str) -> None:
+            store, tag = stores[codec], tags[codec]
+            seconds, (gen, chunk_size) = timed(lambda: castore_save(state, store, codec))
+            results.add(f"castore save{tag}", seconds)
             results.notes.setdefault("castore_chunk_size", chunk_size)
-            results.notes.setdefault("castore_save_new_bytes", gen.new_bytes)
+            results.notes.setdefault(f"castore_save_new_bytes{tag}", gen.new_bytes)
+            # untimed: what the codec stored (getattr: a castore from before codecs)
+            stats = gen.stats
+            results.notes.setdefault(
+                f"castore_save_stored_bytes{tag}", getattr(stats, "stored_bytes", stats.new_bytes)
+            )
+            results.notes.setdefault(f"castore_save_written_bytes{tag}", stats.written_bytes)
+            apparent, allocated = tree_bytes(store)
+            results.notes.setdefault(f"castore_store_apparent_bytes{tag}", apparent)
+            results.notes.setdefault(f"castore_store_allocated_bytes{tag}", allocated)
 
         def save_torch() -> None:
             results.add("torch.save", timed(lambda: torch_save(state, pt_file))[0])
@@ -346,12 +384,16 @@ def one_rep(
         def save_dcp() -> None:
             results.add("DCP save", timed(lambda: dcp_save(state, dcp_dir))[0])
 
-        for save in rotate([save_castore, save_torch, save_dcp], rep):
+        saves = [functools.partial(save_castore, codec) for codec in tags]
+        for save in rotate([*saves, save_torch, save_dcp], rep):
             save()
 
         # loads: cold (if the cache can be dropped), then warm
         loaders: list[tuple[str, Callable[[], Any]]] = [
-            ("castore load", lambda: castore_load(store)),
+            (f"castore load{tags[codec]}", lambda s=stores[codec]: castore_load(s))
+            for codec in tags
+        ]
+        loaders += [
             ("torch.load", lambda: torch_load(pt_file)),
             ("DCP load", lambda: dcp_load(state, dcp_dir)),
         ]
@@ -371,33 +413,49 @@ def one_rep(
             del loaded
 
         # re-saves with ~10% of the bytes changed into the store holding the full save:
-        # first with the store out of the page cache, then (other changes) with it in
+        # first with the store out of the page cache, then (other changes) with it in;
+        # each codec's pair in turn, the codecs' order rotating too
         modes = ["(cold store)", "(warm store)"] if cold else ["(warm store)"]
-        for generation, (mode, new_state) in enumerate(
-            zip(modes, changed[: len(modes)], strict=True), start=2
-        ):
-            if mode == "(cold store)":
-                if not drop_caches():
-                    raise RuntimeError("dropping the page cache stopped working")
-            else:
-                castore_load(store)  # bring the whole store into the page cache
-            seconds, (gen, _) = timed(lambda s=new_state: castore_save(s, store))
-            results.add(f"castore re-save {mode}", seconds)
-            results.notes.setdefault("castore_resave_new_bytes", gen.new_bytes)
-            results.notes.setdefault("castore_resave_reused_chunks", gen.stats.reused_chunks)
-            if verify:
-                with castore.open(store, create=False) as opened:
-                    loaded = opened.load(RUN, generation, framework="torch")
-                assert_same(f"castore re-save {mode}", loaded, new_state)
-                del loaded
+        for codec in rotate(list(tags), rep):
+            store, tag = stores[codec], tags[codec]
+            for generation, (mode, new_state) in enumerate(
+                zip(modes, changed[: len(modes)], strict=True), start=2
+            ):
+                if mode == "(cold store)":
+                    if not drop_caches():
+                        raise RuntimeError("dropping the page cache stopped working")
+                else:
+                    castore_load(store)  # bring the whole store into the page cache
+                seconds, (gen, _) = timed(
+                    lambda s=new_state, p=store, c=codec: castore_save(s, p, c)
+                )
+                results.add(f"castore re-save{tag} {mode}", seconds)
+                results.notes.setdefault(f"castore_resave_new_bytes{tag}", gen.new_bytes)
+                results.notes.setdefault(
+                    f"castore_resave_reused_chunks{tag}", gen.stats.reused_chunks
+                )
+                results.notes.setdefault(
+                    f"castore_resave_stored_bytes{tag}",
+                    getattr(gen.stats, "stored_bytes", gen.new_bytes),
+                )
+                if verify:
+                    with castore.open(store, create=False) as opened:
+                        loaded = opened.load(RUN, generation, framework="torch")
+                    assert_same(f"castore re-save{tag} {mode}", loaded, new_state)
+                    del loaded
     finally:
         shutil.rmtree(out, ignore_errors=True)
         os.sync()
         time.sleep(settle)  # let the freed blocks' discards go through (see the docstring)
 
 
-def summarize(results: Results, logical: int, cold: bool) -> tuple[list[list[Any]], list[dict]]:
-    """Table rows and JSON rows: median, GiB/s and speedups against the matching reference."""
+def summarize(
+    results: Results, logical: int, cold: bool, tags: list[str]
+) -> tuple[list[list[Any]], list[dict]]:
+    """Table rows and JSON rows: median, GiB/s and speedups against the matching reference.
+
+    ``tags``: the castore methods' codec tags, in order (``[""]``: no ``--codecs``).
+    """
 
     def refs(method: str) -> tuple[str, str]:
         if "save" in method:
@@ -406,9 +464,14 @@ def summarize(results: Results, logical: int, cold: bool) -> tuple[list[list[Any
         return f"DCP load {mode}", f"torch.load {mode}"
 
     modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
-    order = ["castore save", "castore re-save (cold store)", "castore re-save (warm store)"]
+    order = [
+        f"castore {what}{tag}{mode}"
+        for tag in tags
+        for what, mode in (("save", ""), ("re-save", " (cold store)"), ("re-save", " (warm store)"))
+    ]
     order += ["torch.save", "DCP save"]
-    order += [f"{m} {mode}" for mode in modes for m in ("castore load", "torch.load", "DCP load")]
+    loads = [f"castore load{tag}" for tag in tags] + ["torch.load", "DCP load"]
+    order += [f"{m} {mode}" for mode in modes for m in loads]
     rows, records = [], []
     for method in order:
         if method not in results.times:
@@ -440,18 +503,20 @@ def summarize(results: Results, logical: int, cold: bool) -> tuple[list[list[Any
 
 
 def evaluate_goals(
-    results: Results, cold: bool, goals: list[tuple[str, str, str, str, float]]
+    results: Results, cold: bool, goals: list[tuple[str, str, str, str, float]], tag: str = ""
 ) -> list[dict[str, Any]]:
+    """Each goal for the castore methods tagged ``tag`` (one codec; ``""``: no ``--codecs``)."""
     load_modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
     store_modes = ["(cold store)", "(warm store)"] if cold else ["(warm store)"]
     verdicts = []
-    for label, method, reference, kind, threshold in goals:
-        if method.endswith("load"):
-            pairs = [(f"{method} {m}", f"{reference} {m}", f"{label} {m}") for m in load_modes]
-        elif method.endswith("re-save"):
-            pairs = [(f"{method} {m}", reference, f"{label} {m}") for m in store_modes]
+    for label, base, reference, kind, threshold in goals:
+        method = base + tag
+        if base.endswith("load"):
+            pairs = [(f"{method} {m}", f"{reference} {m}", f"{label}{tag} {m}") for m in load_modes]
+        elif base.endswith("re-save"):
+            pairs = [(f"{method} {m}", reference, f"{label}{tag} {m}") for m in store_modes]
         else:
-            pairs = [(method, reference, label)]
+            pairs = [(method, reference, label + tag)]
         for m, r, text in pairs:
             ratio = results.median(r) / results.median(m)
             if kind == "time":
@@ -465,14 +530,59 @@ def evaluate_goals(
     return verdicts
 
 
-def resave_fractions(results: Results) -> dict[str, float]:
-    """Each re-save's median time over castore's full-save median."""
-    full = results.median("castore save")
+def resave_fractions(results: Results, tag: str = "") -> dict[str, float]:
+    """Each re-save's median time over castore's full-save median (codec ``tag``'s)."""
+    full = results.median(f"castore save{tag}")
+    prefix = f"castore re-save{tag} ("
     return {
         method: results.median(method) / full
         for method in results.times
-        if method.startswith("castore re-save")
+        if method.startswith(prefix)
     }
+
+
+def codec_rows(
+    results: Results, tags: dict[str, str], cold: bool
+) -> tuple[list[list[str]], list[dict[str, Any]]]:
+    """Per codec: the bytes its store holds and its medians, each over ``none``'s (if run)."""
+    notes = results.notes
+    ref = tags.get("none")
+    modes = ["(cold)", "(warm)"] if cold else ["(warm)"]
+    rows, records = [], []
+    for codec, tag in tags.items():
+        record: dict[str, Any] = {"codec": codec}
+        for what in ("save_stored", "save_written", "store_allocated", "resave_stored"):
+            key = f"castore_{what}_bytes{tag}"
+            record[f"{what}_bytes"] = notes[key]
+            record[f"{what}_over_none"] = (
+                notes[key] / notes[f"castore_{what}_bytes{ref}"] if ref is not None else None
+            )
+        times = {"save": f"castore save{tag}"}
+        times.update({f"load {m}": f"castore load{tag} {m}" for m in modes})
+        for what, method in times.items():
+            # throughput over none's: none's median time / this codec's
+            record[f"{what} throughput_over_none"] = (
+                results.median(method.replace(tag, ref, 1)) / results.median(method)
+                if ref is not None
+                else None
+            )
+        rows.append(
+            [
+                codec,
+                f"{notes[f'castore_save_stored_bytes{tag}'] / MIB:.1f}",
+                _times(record["save_stored_over_none"]),
+                f"{notes[f'castore_store_allocated_bytes{tag}'] / MIB:.1f}",
+                _times(record["store_allocated_over_none"]),
+                f"{notes[f'castore_resave_stored_bytes{tag}'] / MIB:.1f}",
+            ]
+            + [_times(record[f"{what} throughput_over_none"]) for what in times]
+        )
+        records.append(record)
+    return rows, records
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}x"
 
 
 def run_shape(shape: str, args: argparse.Namespace, base: Path, cold: bool) -> dict[str, Any]:
@@ -492,7 +602,8 @@ def run_shape(shape: str, args: argparse.Namespace, base: Path, cold: bool) -> d
         f"\nscratch: {base}, reps: {args.reps} (+{args.warmup} untimed warm-up)",
         flush=True,
     )
-    need = int(3.5 * logical)
+    tags = codec_tags(args.codecs)
+    need = int((2.5 + len(tags)) * logical)
     if disk_free(base) < need:
         raise SystemExit(f"not enough disk under {base}: need {need / GIB:.1f} GiB")
 
@@ -512,6 +623,7 @@ def run_shape(shape: str, args: argparse.Namespace, base: Path, cold: bool) -> d
                 cold,
                 rep == -args.warmup,
                 args.settle,
+                tags,
             )
             label = f"rep {rep + 1}/{args.reps}" if rep >= 0 else "warm-up (untimed)"
             print(f"{label}: {time.perf_counter() - rep_start:.1f} s", flush=True)
@@ -519,29 +631,45 @@ def run_shape(shape: str, args: argparse.Namespace, base: Path, cold: bool) -> d
         shutil.rmtree(work, ignore_errors=True)
     print("verified once: every load equals what was saved\n")
 
-    rows, records = summarize(results, logical, cold)
+    rows, records = summarize(results, logical, cold, list(tags.values()))
     headers = ["method", "median s", "min s", "GiB/s", "x DCP", "x torch.save"]
     print(tabulate(rows, headers=headers, tablefmt="github", disable_numparse=True))
     print(
         "\nGiB/s is the whole state's size over time (the re-save too). 'x DCP' and "
         "'x torch.save' are speedups over the matching save or load (>1 = faster)."
     )
-    print(
-        f"castore re-save wrote {results.notes['castore_resave_new_bytes'] / MIB:.1f} MiB "
-        f"of new chunks ({results.notes['castore_resave_reused_chunks']} chunks reused)"
-    )
-    fractions = resave_fractions(results)
-    print(
-        "castore re-save time / castore full save time: "
-        + ", ".join(
-            f"{method[len('castore re-save ') :]} {f:.2f}" for method, f in fractions.items()
+    fractions: dict[str, float] = {}
+    for tag in tags.values():
+        notes = results.notes
+        print(
+            f"castore re-save{tag} wrote {notes[f'castore_resave_new_bytes{tag}'] / MIB:.1f} MiB "
+            f"of new chunks ({notes[f'castore_resave_reused_chunks{tag}']} chunks reused)"
         )
-        + "\n"
-    )
+        these = resave_fractions(results, tag)
+        prefix = f"castore re-save{tag} "
+        print(
+            f"castore re-save{tag} time / castore full save{tag} time: "
+            + ", ".join(f"{method[len(prefix) :]} {f:.2f}" for method, f in these.items())
+        )
+        fractions.update(these)
+    print()
+    codec_table: list[dict[str, Any]] = []
+    if args.codecs is not None:
+        table, codec_table = codec_rows(results, tags, cold)
+        modes = ["cold", "warm"] if cold else ["warm"]
+        headers = ["codec", "stored MiB", "x none", "store du MiB", "x none", "re-save MiB"]
+        headers += ["save thr. x none"] + [f"load {m} thr. x none" for m in modes]
+        print(tabulate(table, headers=headers, tablefmt="github", disable_numparse=True))
+        print(
+            "\nstored: the full save's new chunks as stored (stats.stored_bytes; raw: "
+            f"{results.notes[f'castore_save_new_bytes{next(iter(tags.values()))}'] / MIB:.1f} "
+            "MiB); store du: the store's allocated size on disk after it; re-save: the "
+            "first re-save's stored bytes. thr. x none: none's median time / this codec's "
+            "(>1 = faster than none).\n"
+        )
 
-    verdicts = evaluate_goals(
-        results, cold, GOALS if shape == "transformer" else SMALL_TENSOR_GOALS
-    )
+    goals = GOALS if shape == "transformer" else SMALL_TENSOR_GOALS
+    verdicts = [v for tag in tags.values() for v in evaluate_goals(results, cold, goals, tag)]
     print_goals(verdicts)
     print(f"\nshape {shape}: total time {time.perf_counter() - started:.0f} s\n", flush=True)
     return {
@@ -554,9 +682,28 @@ def run_shape(shape: str, args: argparse.Namespace, base: Path, cold: bool) -> d
         "changed_bytes": changed_bytes,
         "results": records,
         "resave_over_full_save": fractions,
+        "codecs": list(tags),
+        "codec_table": codec_table,
         "notes": results.notes,
         "goals": verdicts,
     }
+
+
+def codec_tags(codecs: list[str] | None) -> dict[str, str]:
+    """Each codec to measure and its methods' tag: ``{"none": ""}`` without ``--codecs``."""
+    if codecs is None:
+        return {"none": ""}
+    return {codec: f" [{codec}]" for codec in codecs}
+
+
+def parse_codecs(text: str) -> list[str]:
+    codecs = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in codecs if c not in CODECS]
+    if not codecs or unknown or len(set(codecs)) != len(codecs):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a comma-separated list of distinct codecs from {', '.join(CODECS)}"
+        )
+    return codecs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -580,6 +727,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--warm-only", action="store_true", help="do not drop the page cache")
     parser.add_argument("--check", action="store_true", help="exit 1 when a goal is not met")
+    parser.add_argument(
+        "--codecs",
+        type=parse_codecs,
+        default=None,
+        help="castore once per codec, e.g. none,auto (default: none, untagged)",
+    )
     args = parser.parse_args(argv)
     warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
 
@@ -606,6 +759,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__,
                 "castore": castore.__version__,
             },
+            "castore_path": str(Path(castore.__file__).parent),
             "cpus": os.cpu_count(),
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
