@@ -313,3 +313,31 @@ def test_castore_copy_takes_a_codec_for_its_destination(tmp_path) -> None:
     with castore.open(tmp_path / "raw") as source, castore.open(tmp_path / "again") as target:
         copy_store(source, target, codec="auto")
         assert target.codec == "none" and _frames(target)[0] >= 5
+
+
+def test_a_compressing_save_to_blobs_lists_no_more_than_a_raw_one(tmp_path, monkeypatch) -> None:
+    """The encoder's presence check per window must not list the store each time."""
+    from castore.blob.posix import PosixBlobStore
+    from castore.core import encoding
+
+    monkeypatch.setattr(encoding, "WINDOW_CHUNKS", 2)  # many windows in a small save
+    listings = {"n": 0}
+    for name in ("list", "list_sizes"):
+        real = getattr(PosixBlobStore, name)
+
+        def counted(self, *args, _real=real, **kwargs):
+            listings["n"] += 1
+            return _real(self, *args, **kwargs)
+
+        monkeypatch.setattr(PosixBlobStore, name, counted)
+    state = _state()
+    counts = {}
+    for setting in ("none", "auto"):
+        with castore.open(
+            tmp_path / setting, shared=True, chunk_size=CHUNK, codec=setting
+        ) as store:
+            listings["n"] = 0
+            gen = store.save(state, run="r", step=1)
+            counts[setting] = listings["n"]
+            assert gen.stats.new_chunks >= 10  # several windows of 2 chunks
+    assert counts["auto"] == counts["none"], counts

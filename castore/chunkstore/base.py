@@ -118,6 +118,16 @@ class ChunkBackend(abc.ABC):
     def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
         """Return, for each key, whether it is present (without reading values)."""
 
+    def known_chunks(self, keys: Sequence[bytes]) -> list[bool]:
+        """Which chunks this handle knows to be present, without a round trip where it can.
+
+        For decisions that only save work (a save's encoder skips compressing a
+        chunk the backend will skip anyway): a chunk present but not known yet
+        may read as absent; a True must be as true as ``has_many``'s. Backends
+        whose ``has_many`` is a local lookup need not override it.
+        """
+        return self.has_many(Namespace.CHUNKS, keys)
+
     @abc.abstractmethod
     def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
         """Call ``sink(values)`` once; ``values`` yields each key's value (None if absent).

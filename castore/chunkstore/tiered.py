@@ -160,6 +160,9 @@ class TieredChunkBackend(ChunkBackend):
     def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:
         return self.primary.has_many(namespace, keys)
 
+    def known_chunks(self, keys: Sequence[bytes]) -> list[bool]:
+        return self.primary.known_chunks(keys)
+
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
         return self.primary.put_many(namespace, items)
 

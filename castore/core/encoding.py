@@ -2,8 +2,9 @@
 
 A save hands the backend ``(digest, chunk)`` pairs in order. With a codec on
 (castore.format.codec), :class:`EncodeStage` sits between: it asks the
-backend which of a window of chunks it lacks (one ``has_many`` per window, on
-the calling thread, which holds the backend's locks), sends each new chunk of
+backend which of a window of chunks it knows it has (one ``known_chunks``
+per window, on the calling thread, which holds the backend's locks; no
+listing of a store on blobs), sends each new chunk of
 at least ``MIN_CHUNK`` bytes to the shared pool to be encoded (zstd releases
 the GIL), and yields the pairs in their order with each new chunk's stored
 record: its frame, or the chunk itself when a frame would not save enough.
@@ -22,7 +23,7 @@ from collections.abc import Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.chunkstore.base import ChunkBackend
 from castore.format.codec import MIN_CHUNK, Encoder, encoder_for
 from castore.format.hashing import Buffer
 
@@ -96,7 +97,8 @@ class EncodeStage:
         """Queue a window's chunks, the new ones being encoded in runs; return their bytes."""
         if not window:
             return 0
-        present = self.backend.has_many(Namespace.CHUNKS, [digest for digest, _, _ in window])
+        # No listing per window on a store on blobs: its put_many listed as it began.
+        present = self.backend.known_chunks([digest for digest, _, _ in window])
         size = 0
         counts = self.counts
         run: list[tuple[memoryview, Encoder]] = []

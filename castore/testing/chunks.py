@@ -43,6 +43,16 @@ class ChunkBackendTests:
         assert (again.written, again.already_present, again.written_bytes) == (0, 1, 0)
         assert backend.get(Namespace.CHUNKS, key) == value
 
+    def test_known_chunks_never_claims_an_absent_chunk(self, backend: ChunkBackend) -> None:
+        pairs = items(4)
+        backend.put_many(Namespace.CHUNKS, pairs[:2])
+        backend.put_many(Namespace.OBJECTS, pairs[2:3])  # an object is not a chunk
+        known = backend.known_chunks([k for k, _ in pairs])
+        assert known[2:] == [False, False]
+        # What it claims is present is present (it may not know of all that is).
+        present = backend.has_many(Namespace.CHUNKS, [k for k, _ in pairs])
+        assert all(p for k, p in zip(known, present, strict=True) if k)
+
     def test_namespaces_are_separate(self, backend: ChunkBackend) -> None:
         key, value = items(1)[0]
         backend.put_many(Namespace.OBJECTS, [(key, value)])
