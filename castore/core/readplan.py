@@ -23,6 +23,7 @@ by :func:`~castore.core.chunkio.read_requests` after the whole chunks.
 
 from __future__ import annotations
 
+import threading
 from bisect import bisect_right
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
@@ -238,17 +239,27 @@ def _fill_frame(reader: ChunkReader, i: int, view: memoryview, key: bytes, store
     into ``view``; False for anything wrong (the ordinary read then names the error)."""
     if stored > view.nbytes:
         return False  # a frame is always shorter than its chunk
-    frame = bytearray(stored)
-    if reader.readinto(i, memoryview(frame)) != stored:
+    frame = _scratch(stored)
+    if reader.readinto(i, frame) != stored:
         return False
     try:
-        raw = decode_frame(frame, view.nbytes)
+        # Straight into its place: a new tensor nobody reads before the load returns.
+        decode_frame(frame, view.nbytes, out=view)
     except CodecError:
         return False
-    if digest_here(raw) != key:
-        return False
-    view[:] = memoryview(raw).cast("B")
-    return True
+    return digest_here(view) == key
+
+
+_local = threading.local()
+
+
+def _scratch(size: int) -> memoryview:
+    """A buffer of ``size`` bytes for this thread's frames, reused (no page faults per
+    chunk); grown to the largest frame read so far, at most a chunk."""
+    buffer: bytearray | None = getattr(_local, "scratch", None)
+    if buffer is None or len(buffer) < size:
+        buffer = _local.scratch = bytearray(size)
+    return memoryview(buffer)[:size]
 
 
 def _read_again(

@@ -231,11 +231,13 @@ def frame_codec(stored: Buffer) -> str | None:
     return CODEC_NAMES.get(number, f"unknown codec #{number}")
 
 
-def decode(stored: Buffer, length: int, where: str = "") -> bytes | bytearray:
+def decode(stored: Buffer, length: int, where: str = "", out: Buffer | None = None) -> Buffer:
     """The raw bytes a frame holds, which must be ``length`` bytes; CodecError otherwise.
 
     Nothing larger than ``length`` (plus the frame's own size) is allocated,
-    whatever the frame claims. The caller still verifies the digest.
+    whatever the frame claims. The caller still verifies the digest. ``out``:
+    a writable buffer of ``length`` bytes to decode into (returned); it may
+    hold anything after a CodecError.
     """
     view = memoryview(stored).cast("B")
     at = f" ({where})" if where else ""
@@ -285,8 +287,11 @@ def decode(stored: Buffer, length: int, where: str = "") -> bytes | bytearray:
         position += size
         decoded.append(_decode_stream(kind, data, stream_length, codec, at))
     if codec == "zstd":
-        return decoded[0]  # type: ignore[no-any-return]
-    return _ungroup(decoded, width, length)
+        if out is None:
+            return decoded[0]
+        memoryview(out).cast("B")[:] = memoryview(decoded[0]).cast("B")
+        return out
+    return _ungroup(decoded, width, length, out)
 
 
 def _decode_stream(kind: int, data: memoryview, length: int, codec: str, at: str) -> Buffer:
@@ -320,11 +325,13 @@ def _decode_stream(kind: int, data: memoryview, length: int, codec: str, at: str
     return out  # type: ignore[no-any-return]
 
 
-def _ungroup(streams: list[Buffer], width: int, length: int) -> bytearray:
-    """The elements the streams hold, interleaved again and rotated back (in place)."""
+def _ungroup(streams: list[Buffer], width: int, length: int, out: Buffer | None) -> Buffer:
+    """The elements the streams hold, interleaved again and rotated back, in ``out`` (or a
+    new buffer): every step in place."""
     kind = _UINT[width]
-    out = bytearray(length)
-    rotated = np.frombuffer(out, dtype=kind)
+    if out is None:
+        out = bytearray(length)
+    rotated = np.frombuffer(out, dtype=np.uint8).view(kind)
     if width == 2:
         np.copyto(rotated, np.frombuffer(streams[0], dtype=np.uint8), casting="unsafe")
         spare = np.frombuffer(streams[1], dtype=np.uint8).astype(np.uint16)
