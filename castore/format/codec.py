@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import struct
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -382,7 +381,3 @@ def raw_length(stored: Buffer) -> int | None:
     if frame_codec(view) is None:
         return None
     return int(_FRAME.unpack_from(view)[5])
-
-
-# A function that makes one chunk's stored record (a frame or the chunk itself).
-ChunkEncoder = Callable[[Buffer], Buffer]
