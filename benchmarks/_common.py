@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import multiprocessing as mp
 import os
 import socket
@@ -149,3 +150,18 @@ class PipedRanks:
             if proc.is_alive():
                 proc.kill()  # our own child, by its handle
                 proc.join()
+
+
+# --codecs of the save/load and S3 benchmarks: castore.format.codec.SETTINGS.
+CODECS = ("none", "auto", "zstd", "bytegroup")
+
+
+def parse_codecs(text: str) -> list[str]:
+    """``--codecs``: a comma-separated list of distinct codecs."""
+    codecs = [c.strip() for c in text.split(",") if c.strip()]
+    unknown = [c for c in codecs if c not in CODECS]
+    if not codecs or unknown or len(set(codecs)) != len(codecs):
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: a comma-separated list of distinct codecs from {', '.join(CODECS)}"
+        )
+    return codecs

@@ -123,7 +123,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from _common import PipedRanks, join_gloo, print_goals
+from _common import PipedRanks, join_gloo, parse_codecs, print_goals
 from _s3proxy import CountingProxy, MotoServer
 from bench_dcp import COLS, DELTA, Layout, local_blocks, make_layout, rotate
 from tabulate import tabulate
@@ -139,7 +139,6 @@ REGION = "us-east-1"
 DUMMY_KEY = "testing"
 COLLECTIVE_TIMEOUT = 600.0
 SYSTEMS = ["DCP", "castore"]
-CODECS = ("none", "auto", "zstd", "bytegroup")  # castore.format.codec.SETTINGS
 DTYPES = {"fp32": 4, "bf16": 2}  # --dtype: element size
 BF16_SCALE = 0.02  # bf16 blocks: randn * this, the scale of trained weights
 PHASES = ["full save", "load", "re-save", "2->1 load"]
@@ -693,16 +692,6 @@ def s3fs_read_cache(args: argparse.Namespace) -> dict[str, Any]:
     if args.s3fs_block_mib is not None:
         options["default_block_size"] = int(args.s3fs_block_mib * MIB)
     return options
-
-
-def parse_codecs(text: str) -> list[str]:
-    codecs = [c.strip() for c in text.split(",") if c.strip()]
-    unknown = [c for c in codecs if c not in CODECS]
-    if not codecs or unknown or len(set(codecs)) != len(codecs):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: a comma-separated list of distinct codecs from {', '.join(CODECS)}"
-        )
-    return codecs
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -100,7 +100,7 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from _common import disk_free, drop_caches, print_goals, tree_bytes
+from _common import disk_free, drop_caches, parse_codecs, print_goals, tree_bytes
 from tabulate import tabulate
 
 import castore
@@ -125,7 +125,6 @@ SMALL_TENSOR_GOALS = [
     ("load throughput >= 1.0x torch.load", "castore load", "torch.load", "speedup", 1.0),
 ]
 SHAPES = ("transformer", "llm", "many-small")
-CODECS = ("none", "auto", "zstd", "bytegroup")  # castore.format.codec.SETTINGS
 DEFAULT_SIZE_MIB = {"transformer": 1024, "llm": 256}
 DEFAULT_TENSORS = 20_000
 LLM_LAYERS = 100
@@ -694,16 +693,6 @@ def codec_tags(codecs: list[str] | None) -> dict[str, str]:
     if codecs is None:
         return {"none": ""}
     return {codec: f" [{codec}]" for codec in codecs}
-
-
-def parse_codecs(text: str) -> list[str]:
-    codecs = [c.strip() for c in text.split(",") if c.strip()]
-    unknown = [c for c in codecs if c not in CODECS]
-    if not codecs or unknown or len(set(codecs)) != len(codecs):
-        raise argparse.ArgumentTypeError(
-            f"{text!r}: a comma-separated list of distinct codecs from {', '.join(CODECS)}"
-        )
-    return codecs
 
 
 def main(argv: list[str] | None = None) -> int:

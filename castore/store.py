@@ -18,6 +18,7 @@ which imports torch only when it sees one.
 
 from __future__ import annotations
 
+import functools
 import operator
 import reprlib
 import time
@@ -354,36 +355,16 @@ class Store:
             raise ValueError("trust_versions applies to blocking saves")
         if codec is not None:
             check_setting(codec)
+        save = functools.partial(
+            self._save_in_turn, state, run, step, metadata, data_order, progress, blocking
+        )
         if blocking:
             self.background.before_blocking_save()
-            return self._save_in_turn(
-                state,
-                run,
-                step,
-                metadata,
-                data_order,
-                progress,
-                blocking,
-                None,
-                started,
-                trust_versions,
-                codec,
-            )
+            return save(None, started, trust_versions, codec)
         with self.background.turn(if_busy) as ours:
             if not ours:
                 return self.background.skip(run, step)
-            return self._save_in_turn(
-                state,
-                run,
-                step,
-                metadata,
-                data_order,
-                progress,
-                blocking,
-                async_options,
-                started,
-                codec=codec,
-            )
+            return save(async_options, started, codec=codec)
 
     def _save_in_turn(
         self,
