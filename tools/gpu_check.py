@@ -124,25 +124,32 @@ def mutate(state: dict[str, torch.Tensor]) -> None:
 # -- the checks ----------------------------------------------------------------------
 
 
-def check_async(root: Path, staging: str) -> str:
-    run = f"async-{staging}"
+def check_async(root: Path, staging: str, codec: str = "none") -> str:
+    run = f"async-{staging}-{codec}"
     # Staging bound under the state's size: several pieces, pinned buffers reused.
     options = castore.AsyncOptions(staging=staging, staging_bytes=2 << 20)
     state = cuda_state(1)
     expected = []
-    with castore.open(root / "async", chunk_size=CHUNK) as store:
+    with castore.open(root / f"async-{codec}", chunk_size=CHUNK, codec=codec) as store:
         for step in (1, 2):
             expected.append(host_copy(state))
             pending = store.save(state, run=run, step=step, blocking=False, async_options=options)
             mutate(state)
             generation = pending.result(timeout=60)
             assert generation is not None and generation.step == step, generation
+            stats = generation.stats
+            if codec != "none":  # staged off the GPU, then compressed on the writer
+                assert stats.stored_bytes < stats.new_bytes, stats
         for step, values in enumerate(expected, start=1):
             loaded = store.load(run, step, framework="torch")
             require_same(loaded, values, f"{run} generation {step}")
         peak = pending.peak_staging_bytes
     assert peak <= 2 << 20, f"staging peaked at {peak} bytes over a bound of {2 << 20}"
-    return f"2 saves, bitwise; staged as {pending.staging!r}, peak staging {peak >> 10} KiB"
+    ratio = stats.stored_bytes / stats.new_bytes
+    stored = f"; stored {ratio:.2f}x of new" if codec != "none" else ""
+    return (
+        f"2 saves, bitwise; staged as {pending.staging!r}, peak staging {peak >> 10} KiB{stored}"
+    )
 
 
 def check_blocking_and_cuda_targets(root: Path) -> str:
@@ -288,6 +295,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: {name}, torch {torch.__version__}", flush=True)
         for staging in ("full", "changed"):
             run_check(rows, f"async_cuda_{staging}", partial(check_async, root, staging))
+        # Compressed chunks: staged from the GPU, encoded on the writer, decoded on load.
+        run_check(rows, "async_cuda_codec_auto", partial(check_async, root, "full", "auto"))
         run_check(rows, "blocking_cuda_and_targets", lambda: check_blocking_and_cuda_targets(root))
         run_check(rows, "train_state_cuda_rng", lambda: check_train_rng(root))
         if args.no_dist:
