@@ -34,6 +34,7 @@ from castore.errors import (
     CastoreError,
     ChecksumMismatchError,
     ChunkMissingError,
+    CodecError,
     CorruptObjectError,
     CorruptRefError,
     IntegrityError,
@@ -55,6 +56,8 @@ EXPECTED: dict[str, tuple[type[CastoreError] | None, int, tuple[int, ...]]] = {
     "chunk-missing": (ChunkMissingError, 2, (3,)),
     "chunk-truncated": (ChecksumMismatchError, 2, (3,)),
     "chunk-checksum": (ChecksumMismatchError, 2, (3,)),
+    # A compressed frame that claims 2**60 raw bytes: refused before anything is allocated.
+    "chunk-hostile-frame": (CodecError, 2, (3,)),
     "shard-stale-generation": (CorruptObjectError, 2, (3,)),
     "shard-stale-run": (CorruptObjectError, 2, (3,)),
     "shard-bytes-swapped": (ChecksumMismatchError, 2, (3,)),

@@ -22,6 +22,7 @@ import dataclasses
 import json
 import os
 import shutil
+import struct
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -45,6 +46,7 @@ from castore.errors import (
     CastoreError,
     ChecksumMismatchError,
     ChunkMissingError,
+    CodecError,
     CorruptObjectError,
     CorruptRefError,
     InjectedFault,
@@ -361,6 +363,15 @@ def damage_chunk_checksum(fixture: Fixture) -> None:
     raw_put(fixture.store, Namespace.CHUNKS, key, flipped(value, 17))
 
 
+def damage_chunk_hostile_frame(fixture: Fixture) -> None:
+    """A chunk's record replaced by a compressed frame (castore.format.codec) that claims
+    2**60 raw bytes: a reader must refuse it before allocating anything."""
+    key = chunk_to_damage(fixture)
+    header = struct.pack("<4sBBBBQ", b"CSZ1", 1, 0, 1, 0, 1 << 60)  # zstd, one stream
+    stream = struct.pack("<BQ", 1, 16) + bytes(16)  # a zstd stream of 16 bytes
+    raw_put(fixture.store, Namespace.CHUNKS, key, header + stream)
+
+
 def damage_shard_stale_generation(fixture: Fixture) -> None:
     stale = fixture.root(NEWEST - 1)[1].shards[0]
     substitute_root(fixture, shards=(stale,))
@@ -555,6 +566,21 @@ CASES: tuple[Case, ...] = (
             ChecksumMismatchError,
             ("chunk {chunk} of tensor '{tensor}' is damaged",),
             (*_CHUNK_CONTEXT, ("expected", "{chunk_hex}")),
+            verify_words=("chunk {chunk} of tensor '{tensor}' is damaged",),
+        ),
+    ),
+    Case(
+        "chunk-hostile-frame",
+        "single",
+        "a chunk of model/w @3 replaced by a 41-byte compressed frame claiming 2**60 raw bytes",
+        damage_chunk_hostile_frame,
+        Expect(
+            CodecError,
+            (
+                "chunk {chunk} of tensor '{tensor}' cannot be decoded",
+                "declares 1152921504606846976",
+            ),
+            _CHUNK_CONTEXT,
             verify_words=("chunk {chunk} of tensor '{tensor}' is damaged",),
         ),
     ),
