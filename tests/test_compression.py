@@ -341,3 +341,32 @@ def test_a_compressing_save_to_blobs_lists_no_more_than_a_raw_one(tmp_path, monk
             counts[setting] = listings["n"]
             assert gen.stats.new_chunks >= 10  # several windows of 2 chunks
     assert counts["auto"] == counts["none"], counts
+
+
+def test_repair_keeps_intact_frames_and_removes_a_damaged_one(tmp_path) -> None:
+    from castore.repair import repair_store
+
+    with castore.open(tmp_path / "s", chunk_size=CHUNK, codec="auto") as s:
+        s.save(_state(), run="r", step=1)
+        framed_before, _ = _frames(s)
+        key, value = _framed_chunk(s, "w32")
+        raw_put(s, Namespace.CHUNKS, key, _damaged(value, "flipped byte"))
+        report = repair_store(s)
+        # Only the damaged frame goes: every intact frame decodes to its name.
+        assert report.corrupt_chunks == [key]
+        assert _frames(s)[0] == framed_before - 1
+
+
+def test_export_reads_a_compressed_store_bitwise(tmp_path) -> None:
+    from safetensors.numpy import load_file
+
+    from castore.export import to_safetensors
+
+    state = {k: v for k, v in _state().items() if k != "w16"}  # numpy safetensors: no bf16
+    with castore.open(tmp_path / "s", chunk_size=CHUNK, codec="auto") as s:
+        s.save(state, run="r", step=1)
+        assert _frames(s)[0] >= 4
+        to_safetensors(s, "r", out_dir=tmp_path / "out")
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name, value in state.items():
+        assert exported[name].tobytes() == value.tobytes(), name
