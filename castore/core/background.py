@@ -42,7 +42,13 @@ from typing import Any
 
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core import chunkio, shutdown
-from castore.core.chunkio import WriteStats, cut_chunks, digests_in_order, entry_of
+from castore.core.chunkio import (
+    WriteStats,
+    cut_chunks,
+    digests_in_order,
+    entry_of,
+    put_counted,
+)
 from castore.core.commit import (
     PublishFaults,
     build_shard,
@@ -292,15 +298,7 @@ def write_staged(
     encoders = leaf_encoders(codec, (leaf.dtype for leaf in leaves)) if stage else []
     while not batch.ended:
         try:
-            if stage is None:
-                result = backend.put_many(Namespace.CHUNKS, batch.items())
-                stats.new_bytes += result.written_bytes
-            else:
-                raw_before = stage.counts.new_bytes
-                items = ((d, v, encoders[batch.leaf]) for d, v in batch.items())
-                result = backend.put_many(Namespace.CHUNKS, stage.run(items))
-                stats.new_bytes += stage.counts.new_bytes - raw_before
-                stats.stored_bytes = (stats.stored_bytes or 0) + result.written_bytes
+            result = put_counted(backend, stage, batch.items(), lambda: encoders[batch.leaf], stats)
         finally:
             batch.give_back()  # durable now (or failed): the buffers may take the next pieces
         stats.new_chunks += result.written

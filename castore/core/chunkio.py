@@ -31,10 +31,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.chunkstore.base import ChunkBackend, Namespace, PutResult
 from castore.core.encoding import EncodeStage, leaf_encoders
 from castore.errors import ChecksumMismatchError, ChunkMissingError
-from castore.format.codec import CodecError, frame_codec
+from castore.format.codec import CodecError, Encoder, frame_codec
 from castore.format.codec import decode as decode_frame
 from castore.format.hashing import Buffer, digest_bytes, digest_here
 from castore.format.objects import TensorEntry
@@ -198,15 +198,7 @@ def write_leaves(
             # overlaps the hashing of the chunks after it.
             before = chunks.handed
             batch = chunks.batch(WRITE_BATCH_BYTES)
-            if stage is None:
-                result = backend.put_many(Namespace.CHUNKS, batch)
-                stats.new_bytes += result.written_bytes
-            else:
-                raw_before = stage.counts.new_bytes
-                items = ((d, v, encoders[chunks.handed - 1]) for d, v in batch)
-                result = backend.put_many(Namespace.CHUNKS, stage.run(items))
-                stats.new_bytes += stage.counts.new_bytes - raw_before
-                stats.stored_bytes = (stats.stored_bytes or 0) + result.written_bytes
+            result = put_counted(backend, stage, batch, lambda: encoders[chunks.handed - 1], stats)
             taken = chunks.handed - before
             if not taken:
                 raise RuntimeError("chunk backend returned without taking any chunk")
@@ -239,6 +231,27 @@ def entry_of(
         chunks=chunks,
         framework=leaf.framework,
     )
+
+
+def put_counted(
+    backend: ChunkBackend,
+    stage: EncodeStage | None,
+    pairs: Iterator[tuple[bytes, memoryview]],
+    encoder_now: Callable[[], Encoder | None],
+    stats: WriteStats,
+) -> PutResult:
+    """One ``put_many`` of ``pairs`` (through ``stage`` when a codec is on; ``encoder_now``
+    names the encoder of the pair just taken), its new and stored bytes added to ``stats``."""
+    if stage is None:
+        result = backend.put_many(Namespace.CHUNKS, pairs)
+        stats.new_bytes += result.written_bytes
+        return result
+    raw_before = stage.counts.new_bytes
+    items = ((digest, view, encoder_now()) for digest, view in pairs)
+    result = backend.put_many(Namespace.CHUNKS, stage.run(items))
+    stats.new_bytes += stage.counts.new_bytes - raw_before
+    stats.stored_bytes = (stats.stored_bytes or 0) + result.written_bytes
+    return result
 
 
 def _view_encoders(codec: str, leaves: Sequence[TensorLeaf], ends: list[int]) -> list[Any]:
