@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing $(TORCH_SPEC) (CPU build, ~200 MB) into $(VENV): a few minutes the first time ..."
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	@echo "installing castore and its dev tools (pytest, ruff, mypy, boto3, moto, safetensors) into $(VENV) ..."
-	$(PY) -m pip install --quiet -e ".[torch,dev]"
+	@echo "installing castore, its dev tools (pytest, ruff, mypy, boto3, moto, safetensors) and the lightning extra into $(VENV) ..."
+	$(PY) -m pip install --quiet -e ".[torch,dev,lightning]"
 	touch $@
 
 demo: $(VENV)/.installed

@@ -51,6 +51,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── TensorNotFoundError              (LookupError) no such tensor in a generation
     ├── InvalidNameError                 (ValueError) an unsafe run or tag name, a bad RUN@GEN
     ├── InvalidIndexError                (IndexError) a bad read_slice index
+    ├── NotAPointerError                 (ValueError) a checkpoint path without castore's pointer
     ├── UnsupportedValueError            (TypeError) a value castore cannot encode
     │   └── ImportSourceError            (ValueError) a source to import is missing or unsafe
     ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
@@ -351,6 +352,11 @@ class InvalidNameError(CastoreError, ValueError):
 
 class InvalidIndexError(CastoreError, IndexError):
     """A ``read_slice`` index is malformed or out of bounds."""
+
+
+class NotAPointerError(CastoreError, ValueError):
+    """A checkpoint path a framework integration reads (castore.integrations) holds
+    something other than castore's pointer file: another plugin's checkpoint."""
 
 
 class UnsupportedValueError(CastoreError, TypeError):

@@ -1,0 +1,188 @@
+"""Lightning's checkpoints as castore generations: ``Trainer(plugins=[CastoreCheckpointIO(...)])``.
+
+Lightning decides when to save and which checkpoints to keep (``ModelCheckpoint``:
+``save_top_k``, ``save_last``, ``every_n_*``) and names each by a file path;
+this plugin stores the checkpoint dict as a generation of one run of a
+castore store, deduplicated against every earlier one, and leaves at the path
+a small **pointer file** (JSON, no pickle) naming the generation. So every
+path Lightning knows still exists as a file: ``ckpt_path="last"``, a path to
+a given checkpoint, ``ModelCheckpoint``'s own bookkeeping and a restart that
+finds the files all work unchanged, and loading a pointer reads the
+generation (every byte verified) instead of a ``.ckpt`` file.
+
+Each pointer's generation is tagged by the file's name, so retention keeps
+it; ``remove_checkpoint`` (``save_top_k`` dropping one) deletes the pointer
+and the tag, never a chunk: ``castore gc`` frees what no kept generation
+names. A checkpoint value castore cannot store without pickle (an
+``argparse.Namespace`` in ``hyper_parameters``, an object in a callback's
+state) raises :class:`~castore.errors.UnsupportedValueError` naming its key
+path before anything is written: convert it to plain values (a dict) first.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+
+import castore
+from castore import gc as castore_gc
+from castore.errors import GenerationNotFoundError, NotAPointerError
+from castore.store import Store
+from castore.support.safefs import write_all
+
+POINTER_FORMAT = "castore-lightning-pointer"
+_MAX_POINTER = 1 << 16
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+class CastoreCheckpointIO(CheckpointIO):
+    """Lightning ``CheckpointIO`` that stores checkpoints in a castore store.
+
+    ``store``: a path or URL for :func:`castore.open` (opened on first use, in
+    the process that saves or loads) or an open :class:`~castore.Store`.
+    ``run``: the run every checkpoint becomes a generation of. ``codec`` and
+    ``open_options`` go to :func:`castore.open`.
+    """
+
+    def __init__(
+        self,
+        store: str | os.PathLike[str] | Store,
+        *,
+        run: str = "lightning",
+        codec: str | None = None,
+        **open_options: Any,
+    ) -> None:
+        super().__init__()
+        self._given = store if isinstance(store, Store) else None
+        self._address = store.path if isinstance(store, Store) else os.fspath(store)
+        self._store: Store | None = self._given
+        self.run = run
+        self._open_options = {**open_options, **({"codec": codec} if codec else {})}
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = castore.open(self._address, **self._open_options)
+        return self._store
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
+    ) -> None:
+        """Save ``checkpoint`` as the next generation; tag it and point ``path`` at it."""
+        if storage_options is not None:
+            raise TypeError(
+                f"{type(self).__name__} takes no storage_options: the store's settings "
+                "are castore.open's (codec=, ...)"
+            )
+        target = Path(path)
+        step = int(checkpoint.get("global_step", 0))
+        generation = self.store.save(checkpoint, run=self.run, step=step)
+        castore_gc.tag(self.store, self.run, generation.id, tag_name(target))
+        target.parent.mkdir(parents=True, exist_ok=True)
+        pointer = {
+            "format": POINTER_FORMAT,
+            "version": 1,
+            "store": str(self._address),
+            "run": self.run,
+            "generation": generation.id,
+            "root": generation.root,
+        }
+        _write_atomically(target, (json.dumps(pointer, indent=2) + "\n").encode())
+
+    def load_checkpoint(
+        self, path: Any, map_location: Any = None, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        """The checkpoint ``path``'s pointer names, as Lightning's dict of torch tensors."""
+        pointer = read_pointer(Path(path))
+        loaded: dict[str, Any] = self.store.load(
+            pointer["run"], pointer["root"], framework="torch"
+        )
+        device = _device(map_location)
+        if device is not None and device.type != "cpu":
+            loaded = _to_device(loaded, device)
+        return loaded
+
+    def remove_checkpoint(self, path: Any) -> None:
+        """Delete ``path``'s pointer and the tag that kept its generation (never a chunk)."""
+        target = Path(path)
+        if not target.exists():
+            return
+        pointer = read_pointer(target)
+        try:
+            castore_gc.untag(self.store, pointer["run"], tag_name(target))
+        except GenerationNotFoundError:
+            pass  # untagged already
+        target.unlink()
+
+    def teardown(self) -> None:
+        if self._store is not None and self._given is None:
+            self._store.close()
+            self._store = None
+
+
+def tag_name(path: Path) -> str:
+    """The castore tag a checkpoint file's generation is kept under: its file name made safe
+    (``epoch=1-step=20.ckpt`` -> ``ckpt-epoch_1-step_20``)."""
+    stem = _UNSAFE.sub("_", path.name.removesuffix(".ckpt")).strip("._-") or "checkpoint"
+    return f"ckpt-{stem}"[:128].replace("..", "_")
+
+
+def read_pointer(path: Path) -> dict[str, Any]:
+    """The pointer file at ``path``, checked; NotAPointerError for anything else."""
+    try:
+        with open(path, "rb") as handle:
+            data = handle.read(_MAX_POINTER + 1)
+        pointer = json.loads(data) if len(data) <= _MAX_POINTER else None
+    except FileNotFoundError:
+        raise
+    except (OSError, ValueError) as exc:
+        raise NotAPointerError(
+            f"{path} is not a castore checkpoint pointer: {exc}", path=str(path)
+        ) from None
+    fields = {"run": str, "generation": int, "root": str}
+    if (
+        not isinstance(pointer, dict)
+        or pointer.get("format") != POINTER_FORMAT
+        or any(not isinstance(pointer.get(k), t) for k, t in fields.items())
+    ):
+        raise NotAPointerError(
+            f"{path} is not a castore checkpoint pointer (a .ckpt file from another "
+            "CheckpointIO? load it with that plugin, or castore import it)",
+            path=str(path),
+        )
+    return pointer
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    temp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        write_all(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp, path)
+
+
+def _device(map_location: Any) -> torch.device | None:
+    if isinstance(map_location, (str, torch.device)):
+        return torch.device(map_location)
+    return None  # a function or a mapping: tensors load on the CPU, where castore puts them
+
+
+def _to_device(value: Any, device: torch.device) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_to_device(v, device) for v in value]
+    if isinstance(value, tuple):
+        return tuple(_to_device(v, device) for v in value)
+    return value

@@ -1,0 +1,139 @@
+"""castore as Lightning's CheckpointIO, with the real package training a small model on CPU.
+
+Skipped only when the ``lightning`` extra is not installed (``make test`` installs it).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+L = pytest.importorskip("lightning", reason="the lightning extra is not installed")
+torch = pytest.importorskip("torch")
+
+from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+
+import castore  # noqa: E402
+from castore.errors import NotAPointerError, UnsupportedValueError  # noqa: E402
+from castore.integrations.lightning import CastoreCheckpointIO, tag_name  # noqa: E402
+
+RUN = "lightning"
+
+
+class Regressor(L.LightningModule):  # type: ignore[misc, name-defined]
+    def __init__(self, hparams: Any = None) -> None:
+        super().__init__()
+        layers = [torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1)]
+        self.net = torch.nn.Sequential(*layers)
+        self.save_hyperparameters(hparams or {"width": 16})
+
+    def training_step(self, batch: Any, index: int) -> Any:
+        x, y = batch
+        loss = torch.nn.functional.mse_loss(self.net(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.01)
+
+
+def _data() -> Any:
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 8, generator=generator)
+    return torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(x, x.sum(1, keepdim=True)), batch_size=16
+    )
+
+
+def _trainer(epochs: int, plugins: list[Any], callbacks: list[Any]) -> Any:
+    return L.Trainer(
+        max_epochs=epochs,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        plugins=plugins,
+        callbacks=callbacks,
+        enable_checkpointing=bool(callbacks),
+    )
+
+
+def _fit(epochs: int, tmp_path: Path, ckpt_path: Any = None, top_k: int = 2) -> Any:
+    L.seed_everything(0, verbose=False)
+    model = Regressor()
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / "ckpts", save_top_k=top_k, monitor="train_loss", save_last=True
+    )
+    io = CastoreCheckpointIO(tmp_path / "store")
+    _trainer(epochs, [io], [checkpoints]).fit(model, _data(), ckpt_path=ckpt_path)
+    return model, checkpoints
+
+
+def _uninterrupted(epochs: int) -> Any:
+    L.seed_everything(0, verbose=False)
+    model = Regressor()
+    _trainer(epochs, [], []).fit(model, _data())
+    return model
+
+
+def _same_weights(a: Any, b: Any) -> bool:
+    pairs = zip(a.state_dict().values(), b.state_dict().values(), strict=True)
+    return all(torch.equal(x, y) for x, y in pairs)
+
+
+def test_checkpoints_are_generations_and_top_k_removal_is_an_untag(tmp_path: Path) -> None:
+    _, checkpoints = _fit(4, tmp_path)
+    files = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
+    kept = {Path(p).name for p in checkpoints.best_k_models} | {"last.ckpt"}
+    assert set(files) == kept and len(files) == 3  # top 2 and last: the others were removed
+    with castore.open(tmp_path / "store") as store:
+        generations = store.generations(RUN)
+        assert len(generations) >= 4  # one save per epoch at least (last, top-k)
+        tags = store.refs.tags(RUN)
+        # Each file still there keeps its generation by a tag; removed files left none.
+        assert set(tags) == {tag_name(Path(name)) for name in files}
+        for name in files:
+            pointer = json.loads((tmp_path / "ckpts" / name).read_text())
+            assert tags[tag_name(Path(name))].root.hex == pointer["root"]
+        # Saves after the first write only what changed (the optimizer's step counters,
+        # weights, moments): nothing of a save that repeats a step.
+        assert generations[-1].stats.logical_bytes > 0
+
+
+def test_resume_from_last_matches_an_uninterrupted_run_bitwise(tmp_path: Path) -> None:
+    _fit(2, tmp_path)
+    resumed, _ = _fit(4, tmp_path, ckpt_path="last")
+    assert _same_weights(resumed, _uninterrupted(4))
+
+
+def test_resume_from_a_given_checkpoint_path(tmp_path: Path) -> None:
+    _, checkpoints = _fit(2, tmp_path, top_k=-1)  # every epoch's checkpoint kept
+    first = sorted((tmp_path / "ckpts").glob("epoch=0*.ckpt"))[0]
+    resumed, _ = _fit(3, tmp_path, ckpt_path=str(first), top_k=-1)
+    # From the end of epoch 0, two more epochs: the uninterrupted 3-epoch run.
+    assert _same_weights(resumed, _uninterrupted(3))
+
+
+def test_a_value_castore_cannot_store_is_refused_naming_its_key(tmp_path: Path) -> None:
+    L.seed_everything(0, verbose=False)
+    model = Regressor({"width": 16, "activation": torch.nn.ReLU()})  # an object: pickle only
+    io = CastoreCheckpointIO(tmp_path / "store")
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_last=True)
+    with pytest.raises(UnsupportedValueError, match="hyper_parameters"):
+        _trainer(1, [io], [checkpoints]).fit(model, _data())
+    with castore.open(tmp_path / "store") as store:
+        assert RUN not in store.runs()  # nothing published
+    assert not (tmp_path / "ckpts" / "last.ckpt").exists()
+
+
+def test_a_file_that_is_not_a_pointer_is_refused(tmp_path: Path) -> None:
+    other = tmp_path / "model.ckpt"
+    torch.save({"state_dict": {}}, other)
+    io = CastoreCheckpointIO(tmp_path / "store")
+    with pytest.raises(NotAPointerError, match="not a castore checkpoint pointer"):
+        io.load_checkpoint(other)
+    io.teardown()
