@@ -137,3 +137,39 @@ def test_a_file_that_is_not_a_pointer_is_refused(tmp_path: Path) -> None:
     with pytest.raises(NotAPointerError, match="not a castore checkpoint pointer"):
         io.load_checkpoint(other)
     io.teardown()
+
+
+@pytest.mark.slow
+def test_a_run_killed_mid_save_resumes_from_last_bitwise(tmp_path: Path) -> None:
+    """SIGKILL inside the castore save at the end of epoch 2 (before its ref advances):
+    last.ckpt still names epoch 1's generation, and resuming from it through Lightning's
+    own ``ckpt_path="last"`` ends where an uninterrupted run ends, bit for bit."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+    store, ckpts = tmp_path / "store", tmp_path / "ckpts"
+
+    def run(epochs: int, kill_at: int, resume: bool) -> subprocess.CompletedProcess[str]:
+        out = tmp_path / f"weights-{kill_at}-{int(resume)}.npz"
+        args = [str(store), str(ckpts), str(epochs), str(kill_at), str(int(resume)), str(out)]
+        return subprocess.run(
+            [sys.executable, str(worker), *args], capture_output=True, text=True, timeout=300
+        )
+
+    killed = run(5, 2, False)
+    assert killed.returncode == -9, killed.stdout + killed.stderr  # died by SIGKILL mid-save
+    with castore.open(store) as opened:
+        steps = [g.step for g in opened.generations(RUN)]
+    pointer = json.loads((ckpts / "last.ckpt").read_text())
+    assert steps == sorted(steps) and pointer["generation"] == len(steps)
+    # Every published save is epoch 0's or 1's (two files each: epoch=N and last).
+    assert max(steps) == 2 * 4  # 4 batches an epoch: the end of epoch 1
+    resumed = run(5, -1, True)
+    assert resumed.returncode == 0, resumed.stderr
+    got = np.load(tmp_path / "weights--1-1.npz")
+    want = _uninterrupted(5).state_dict()
+    for name, value in want.items():
+        assert got[name].tobytes() == value.detach().numpy().tobytes(), name

@@ -1,0 +1,64 @@
+"""A Lightning training run for tests/test_lightning.py, as its own process (SIGKILL tests).
+
+    python tests/lightning_workers.py STORE CKPT_DIR EPOCHS KILL_AT_EPOCH RESUME OUT
+
+trains the tests' small regressor for EPOCHS epochs with castore as its CheckpointIO
+and a checkpoint at every epoch's end (and ``last.ckpt``); with KILL_AT_EPOCH >= 0
+the castore save at the end of that epoch is SIGKILLed before its ref advances
+(castore's fault point); RESUME=1 starts from ``ckpt_path="last"``. At the end, the
+weights go to OUT (``numpy.savez``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import numpy as np
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+
+from castore.integrations.lightning import CastoreCheckpointIO
+from castore.support import faults
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_lightning import Regressor, _data  # noqa: E402
+
+
+class KillAtEpoch(Callback):  # type: ignore[misc]
+    """Arms the kill as epoch ``epoch`` ends: ModelCheckpoint (always the last callback)
+    then saves, and the castore save dies before it publishes."""
+
+    def __init__(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
+        if trainer.current_epoch == self.epoch:
+            faults.arm("save.before_ref_advance", "kill")
+
+
+def main(argv: list[str]) -> int:
+    store, ckpt_dir, epochs, kill_at, resume, out = argv
+    L.seed_everything(0, verbose=False)
+    model = Regressor()
+    callbacks: list[Any] = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, save_last=True)]
+    if int(kill_at) >= 0:
+        callbacks.insert(0, KillAtEpoch(int(kill_at)))
+    trainer = L.Trainer(
+        max_epochs=int(epochs),
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        plugins=[CastoreCheckpointIO(store)],
+        callbacks=callbacks,
+    )
+    trainer.fit(model, _data(), ckpt_path="last" if resume == "1" else None)
+    np.savez(out, **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
