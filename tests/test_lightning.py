@@ -62,13 +62,15 @@ def _trainer(epochs: int, plugins: list[Any], callbacks: list[Any]) -> Any:
     )
 
 
-def _fit(epochs: int, tmp_path: Path, ckpt_path: Any = None, top_k: int = 2) -> Any:
+def _fit(
+    epochs: int, tmp_path: Path, ckpt_path: Any = None, top_k: int = 2, blocking: bool = True
+) -> Any:
     L.seed_everything(0, verbose=False)
     model = Regressor()
     checkpoints = ModelCheckpoint(
         dirpath=tmp_path / "ckpts", save_top_k=top_k, monitor="train_loss", save_last=True
     )
-    io = CastoreCheckpointIO(tmp_path / "store")
+    io = CastoreCheckpointIO(tmp_path / "store", blocking=blocking)
     _trainer(epochs, [io], [checkpoints]).fit(model, _data(), ckpt_path=ckpt_path)
     return model, checkpoints
 
@@ -85,8 +87,11 @@ def _same_weights(a: Any, b: Any) -> bool:
     return all(torch.equal(x, y) for x, y in pairs)
 
 
-def test_checkpoints_are_generations_and_top_k_removal_is_an_untag(tmp_path: Path) -> None:
-    _, checkpoints = _fit(4, tmp_path)
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_checkpoints_are_generations_and_top_k_removal_is_an_untag(
+    tmp_path: Path, blocking: bool
+) -> None:
+    _, checkpoints = _fit(4, tmp_path, blocking=blocking)
     files = sorted(p.name for p in (tmp_path / "ckpts").iterdir())
     kept = {Path(p).name for p in checkpoints.best_k_models} | {"last.ckpt"}
     assert set(files) == kept and len(files) == 3  # top 2 and last: the others were removed
@@ -104,9 +109,12 @@ def test_checkpoints_are_generations_and_top_k_removal_is_an_untag(tmp_path: Pat
         assert generations[-1].stats.logical_bytes > 0
 
 
-def test_resume_from_last_matches_an_uninterrupted_run_bitwise(tmp_path: Path) -> None:
-    _fit(2, tmp_path)
-    resumed, _ = _fit(4, tmp_path, ckpt_path="last")
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_resume_from_last_matches_an_uninterrupted_run_bitwise(
+    tmp_path: Path, blocking: bool
+) -> None:
+    _fit(2, tmp_path, blocking=blocking)
+    resumed, _ = _fit(4, tmp_path, ckpt_path="last", blocking=blocking)
     assert _same_weights(resumed, _uninterrupted(4))
 
 
@@ -173,3 +181,19 @@ def test_a_run_killed_mid_save_resumes_from_last_bitwise(tmp_path: Path) -> None
     want = _uninterrupted(5).state_dict()
     for name, value in want.items():
         assert got[name].tobytes() == value.detach().numpy().tobytes(), name
+
+
+def test_async_saves_go_through_castores_writer_and_publish_before_fit_returns(
+    tmp_path: Path,
+) -> None:
+    with castore.open(tmp_path / "store") as store:
+        L.seed_everything(0, verbose=False)
+        io = CastoreCheckpointIO(store, blocking=False)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1, save_last=True)
+        _trainer(3, [io], [checkpoints]).fit(Regressor(), _data())
+        saves = len(store.generations(RUN))
+        # Every save was an async one, and every one was published by teardown.
+        assert store.background.counters["started"] == saves == 6  # epoch file and last, x3
+        assert store.background.counters["published"] == saves
+        pointer = json.loads((tmp_path / "ckpts" / "last.ckpt").read_text())
+        assert pointer["generation"] == saves

@@ -48,6 +48,13 @@ class CastoreCheckpointIO(CheckpointIO):
     the process that saves or loads) or an open :class:`~castore.Store`.
     ``run``: the run every checkpoint becomes a generation of. ``codec`` and
     ``open_options`` go to :func:`castore.open`.
+
+    ``blocking=False``: each save returns once castore has snapshotted the
+    checkpoint (``Store.save(..., blocking=False)``), and is written and
+    published on castore's writer thread while training runs on; its pointer
+    file and tag appear when it is published, which the plugin waits for at
+    the next save, load, removal or teardown. A save that never publishes (the
+    process killed) leaves no pointer: ``last.ckpt`` still names the one before.
     """
 
     def __init__(
@@ -56,6 +63,7 @@ class CastoreCheckpointIO(CheckpointIO):
         *,
         run: str = "lightning",
         codec: str | None = None,
+        blocking: bool = True,
         **open_options: Any,
     ) -> None:
         super().__init__()
@@ -63,7 +71,9 @@ class CastoreCheckpointIO(CheckpointIO):
         self._address = store.path if isinstance(store, Store) else os.fspath(store)
         self._store: Store | None = self._given
         self.run = run
+        self.blocking = blocking
         self._open_options = {**open_options, **({"codec": codec} if codec else {})}
+        self._pending: tuple[Any, Path] | None = None  # an async save and its pointer path
 
     @property
     def store(self) -> Store:
@@ -80,9 +90,26 @@ class CastoreCheckpointIO(CheckpointIO):
                 f"{type(self).__name__} takes no storage_options: the store's settings "
                 "are castore.open's (codec=, ...)"
             )
+        self.finish()
         target = Path(path)
         step = int(checkpoint.get("global_step", 0))
-        generation = self.store.save(checkpoint, run=self.run, step=step)
+        if not self.blocking:
+            pending = self.store.save(checkpoint, run=self.run, step=step, blocking=False)
+            self._pending = (pending, target)
+            return
+        self._point(self.store.save(checkpoint, run=self.run, step=step), target)
+
+    def finish(self) -> None:
+        """Wait for the async save in flight, then tag it and write its pointer."""
+        if self._pending is None:
+            return
+        pending, target = self._pending
+        self._pending = None
+        generation = pending.result()  # raises the writer's error, if it failed
+        if generation is not None:
+            self._point(generation, target)
+
+    def _point(self, generation: Any, target: Path) -> None:
         castore_gc.tag(self.store, self.run, generation.id, tag_name(target))
         target.parent.mkdir(parents=True, exist_ok=True)
         pointer = {
@@ -99,6 +126,7 @@ class CastoreCheckpointIO(CheckpointIO):
         self, path: Any, map_location: Any = None, weights_only: bool | None = None
     ) -> dict[str, Any]:
         """The checkpoint ``path``'s pointer names, as Lightning's dict of torch tensors."""
+        self.finish()
         pointer = read_pointer(Path(path))
         loaded: dict[str, Any] = self.store.load(
             pointer["run"], pointer["root"], framework="torch"
@@ -110,6 +138,7 @@ class CastoreCheckpointIO(CheckpointIO):
 
     def remove_checkpoint(self, path: Any) -> None:
         """Delete ``path``'s pointer and the tag that kept its generation (never a chunk)."""
+        self.finish()
         target = Path(path)
         if not target.exists():
             return
@@ -121,6 +150,7 @@ class CastoreCheckpointIO(CheckpointIO):
         target.unlink()
 
     def teardown(self) -> None:
+        self.finish()
         if self._store is not None and self._given is None:
             self._store.close()
             self._store = None
