@@ -1,12 +1,13 @@
 """A Lightning training run for tests/test_lightning.py, as its own process (SIGKILL tests).
 
-    python tests/lightning_workers.py STORE CKPT_DIR EPOCHS KILL_AT_EPOCH RESUME OUT
+    python tests/lightning_workers.py STORE CKPT_DIR EPOCHS KILL_AT_EPOCH RESUME OUT [RANKS]
 
 trains the tests' small regressor for EPOCHS epochs with castore as its CheckpointIO
 and a checkpoint at every epoch's end (and ``last.ckpt``); with KILL_AT_EPOCH >= 0
 the castore save at the end of that epoch is SIGKILLed before its ref advances
 (castore's fault point); RESUME=1 starts from ``ckpt_path="last"``. At the end, the
-weights go to OUT (``numpy.savez``).
+weights go to OUT (``numpy.savez``, from rank 0). RANKS > 1 trains with Lightning's
+``ddp`` strategy on CPU (gloo), which starts the other ranks by running this script again.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ class KillAtEpoch(Callback):  # type: ignore[misc]
 
 
 def main(argv: list[str]) -> int:
-    store, ckpt_dir, epochs, kill_at, resume, out = argv
+    store, ckpt_dir, epochs, kill_at, resume, out, *rest = argv
+    ranks = int(rest[0]) if rest else 1
     L.seed_everything(0, verbose=False)
     model = Regressor()
     callbacks: list[Any] = [ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, save_last=True)]
@@ -54,9 +56,12 @@ def main(argv: list[str]) -> int:
         deterministic=True,
         plugins=[CastoreCheckpointIO(store)],
         callbacks=callbacks,
+        devices=ranks,
+        strategy="ddp" if ranks > 1 else "auto",
     )
     trainer.fit(model, _data(), ckpt_path="last" if resume == "1" else None)
-    np.savez(out, **{k: v.detach().numpy() for k, v in model.state_dict().items()})
+    if trainer.global_rank == 0:
+        np.savez(out, **{k: v.detach().numpy() for k, v in model.state_dict().items()})
     return 0
 
 

@@ -197,3 +197,37 @@ def test_async_saves_go_through_castores_writer_and_publish_before_fit_returns(
         assert store.background.counters["published"] == saves
         pointer = json.loads((tmp_path / "ckpts" / "last.ckpt").read_text())
         assert pointer["generation"] == saves
+
+
+@pytest.mark.slow
+def test_two_ddp_ranks_on_gloo_save_once_and_resume_bitwise(tmp_path: Path) -> None:
+    """Lightning's ddp strategy on CPU: rank 0 saves each checkpoint (one generation),
+    both ranks load it through the pointer on resume; 2 + 2 epochs end where 4 do."""
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+
+    def run(name: str, epochs: int, resume: bool) -> Any:
+        out = tmp_path / f"{name}.npz"
+        args = [str(tmp_path / name), str(tmp_path / f"{name}-ckpts"), str(epochs), "-1"]
+        done = subprocess.run(
+            [sys.executable, str(worker), *args, str(int(resume)), str(out), "2"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=tmp_path,
+        )
+        assert done.returncode == 0, done.stdout + done.stderr
+        return np.load(out)
+
+    run("split", 2, False)
+    with castore.open(tmp_path / "split") as store:
+        first = store.generations(RUN)
+    assert len(first) == 4  # epoch file and last, per epoch: rank 0 alone saved
+    resumed = run("split", 4, True)
+    whole = run("whole", 4, False)
+    for name in whole.files:
+        assert resumed[name].tobytes() == whole[name].tobytes(), name
