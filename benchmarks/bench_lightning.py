@@ -272,6 +272,7 @@ def main() -> int:
 
     logging.getLogger("lightning.pytorch").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    warnings.filterwarnings("ignore", ".*LeafSpec.*")
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
     work = Path(tempfile.mkdtemp(prefix="castore-bench-lightning-", dir=args.workdir))
