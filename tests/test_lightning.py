@@ -144,6 +144,15 @@ def test_a_file_that_is_not_a_pointer_is_refused(tmp_path: Path) -> None:
     io = CastoreCheckpointIO(tmp_path / "store")
     with pytest.raises(NotAPointerError, match="not a castore checkpoint pointer"):
         io.load_checkpoint(other)
+    # A pointer naming "latest" (or a tag) instead of a root digest is refused too.
+    forged = tmp_path / "forged.ckpt"
+    forged.write_text(
+        json.dumps(
+            {"format": "castore-lightning-pointer", "run": RUN, "generation": 1, "root": "latest"}
+        )
+    )
+    with pytest.raises(NotAPointerError):
+        io.load_checkpoint(forged)
     io.teardown()
 
 

@@ -39,6 +39,7 @@ from castore.support.safefs import write_all
 POINTER_FORMAT = "castore-lightning-pointer"
 _MAX_POINTER = 1 << 16
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_ROOT = re.compile(r"[0-9a-f]{64}")
 
 
 class CastoreCheckpointIO(CheckpointIO):
@@ -180,6 +181,7 @@ def read_pointer(path: Path) -> dict[str, Any]:
         not isinstance(pointer, dict)
         or pointer.get("format") != POINTER_FORMAT
         or any(not isinstance(pointer.get(k), t) for k, t in fields.items())
+        or not _ROOT.fullmatch(pointer["root"])  # a root digest, never a tag or "latest"
     ):
         raise NotAPointerError(
             f"{path} is not a castore checkpoint pointer (a .ckpt file from another "
