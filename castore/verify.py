@@ -25,8 +25,8 @@ from castore.core.chunkio import expected_length, shared_pool
 from castore.core.holdings import held_shards
 from castore.core.reading import check_coverage, check_rank_local
 from castore.errors import CastoreError, GenerationNotFoundError
-from castore.format.codec import raw_length, stored_matches
-from castore.format.hashing import Digest, digest_bytes
+from castore.format.codec import held_length
+from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot, TensorEntry
 from castore.format.tree import decode_tree, tensor_names
 from castore.repo.records import validate_run_name
@@ -130,12 +130,9 @@ class _ChunkStatus:
         def one(key: bytes, value: memoryview | None) -> tuple[str, int]:
             if value is None:
                 return "missing", 0
-            if digest_bytes(value, threads=1) == key:
-                return "ok", len(value)
-            # A frame (castore.format.codec): intact if it decodes to the named bytes.
-            if stored_matches(key, value):
-                return "ok", raw_length(value) or 0
-            return "damaged", len(value)
+            # Raw, or a frame (castore.format.codec) that decodes to the named bytes.
+            length = held_length(key, value)
+            return ("damaged", len(value)) if length is None else ("ok", length)
 
         def visit(values: Iterator[memoryview | None]) -> None:
             pool = shared_pool()

@@ -355,24 +355,31 @@ def raw_bytes(stored: Buffer, length: int, where: str = "") -> Buffer:
     return stored if not is_frame(stored, length) else decode(stored, length, where)
 
 
-def stored_matches(key: bytes, stored: Buffer, *, limit: int = 1 << 30) -> bool:
-    """Whether a stored record holds the chunk named ``key`` (raw, or a frame that decodes to it).
+def held_length(key: bytes, stored: Buffer, *, limit: int = 1 << 30) -> int | None:
+    """The length of the chunk named ``key`` that a stored record holds (raw, or a frame that
+    decodes to it); None when it holds no such chunk.
 
     For readers that do not know the chunk's length; ``limit`` bounds what a
-    frame may declare.
+    frame may declare. The record is hashed once as raw bytes, then decoded
+    only if it starts as a frame.
     """
-    if digest_here(stored) == key:
-        return True
     view = memoryview(stored).cast("B")
-    if frame_codec(view) is None or view.nbytes < _FRAME.size:
-        return False
-    declared = _FRAME.unpack_from(view)[5]
+    if digest_here(view) == key:
+        return view.nbytes
+    if frame_codec(view) is None:
+        return None
+    declared = int(_FRAME.unpack_from(view)[5])
     if declared > limit:
-        return False
+        return None
     try:
-        return digest_here(decode(view, declared)) == key
+        return declared if digest_here(decode(view, declared)) == key else None
     except CodecError:
-        return False
+        return None
+
+
+def stored_matches(key: bytes, stored: Buffer, *, limit: int = 1 << 30) -> bool:
+    """Whether a stored record holds the chunk named ``key`` (see :func:`held_length`)."""
+    return held_length(key, stored, limit=limit) is not None
 
 
 def raw_length(stored: Buffer) -> int | None:
