@@ -1,0 +1,179 @@
+"""Accelerate's ``save_state``/``load_state`` into castore: :class:`CastoreState`.
+
+``Accelerator.save_state(dir)`` writes the models (safetensors), optimizers,
+schedulers, scaler, samplers, every process's RNG state and the objects
+registered with ``register_for_checkpointing`` as a directory, and
+``load_state(dir)`` reads one back. Accelerate's hooks
+(``register_save_state_pre_hook``) can change what is saved but not where it
+goes, so this is a thin wrapper around both calls: ``CastoreState.save()``
+has Accelerate write the state to a staging directory, stores it as the next
+generation of one castore run (deduplicated against every earlier save) and
+removes the staging copy; ``CastoreState.load()`` materialises a generation
+(every byte verified) into staging and has Accelerate load it.
+
+The pickled files are read only with ``torch.load(weights_only=True)`` and the
+safe globals Accelerate itself allows when it loads them; a file that loader
+refuses (a ``custom_checkpoint_N.pkl`` whose ``state_dict`` holds an object,
+which Accelerate itself loads with ``weights_only=False``) stops the save
+with :class:`~castore.errors.ImportSourceError` naming it, before anything is
+stored.
+
+Multi-process runs: every process calls ``save()`` and ``load()`` (as with
+``save_state``); the staging directory must be one every process of the
+machine sees, and the main process alone stores and materialises it.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from accelerate.utils import broadcast_object_list
+from accelerate.utils.other import TORCH_SAFE_GLOBALS
+
+import castore
+from castore import gc as castore_gc
+from castore.core.history import Generation
+from castore.errors import GenerationNotFoundError
+from castore.integrations.checkpoint_dirs import read_checkpoint_dir, write_checkpoint_dir
+from castore.store import Store
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+_TAG = re.compile(r"state-(\d+)")
+
+
+class CastoreState:
+    """Save and load an ``Accelerator``'s state as generations of ``run`` in a castore store.
+
+    ``store``: a path or URL for :func:`castore.open` (opened on first use, in
+    the main process) or an open :class:`~castore.Store`. ``codec`` and
+    ``open_options`` go to :func:`castore.open`. ``keep``: tag the newest
+    ``keep`` saves (``state-STEP``) so that ``castore gc`` never drops them,
+    untagging older ones; default: the ``total_limit`` of the Accelerator's
+    ``ProjectConfiguration``, and no tags when that is unset too.
+    ``staging_dir``: where Accelerate writes a state before castore stores it
+    (default: the system's temporary directory).
+    """
+
+    def __init__(
+        self,
+        accelerator: Any,
+        store: str | os.PathLike[str] | Store,
+        *,
+        run: str = "accelerate",
+        codec: str | None = None,
+        keep: int | None = None,
+        staging_dir: str | os.PathLike[str] | None = None,
+        **open_options: Any,
+    ) -> None:
+        self.accelerator = accelerator
+        self._given = store if isinstance(store, Store) else None
+        self._address = store.path if isinstance(store, Store) else os.fspath(store)
+        self._store: Store | None = self._given
+        self.run = run
+        total_limit = getattr(accelerator.project_configuration, "total_limit", None)
+        self.keep = keep if keep is not None else total_limit
+        if self.keep is not None and self.keep < 1:
+            raise ValueError(f"keep must be at least 1, got {self.keep!r}")
+        root = Path(staging_dir) if staging_dir is not None else Path(tempfile.gettempdir())
+        self._staging = root / f".castore-accelerate-{_UNSAFE.sub('_', run)}"
+        self._open_options = {**open_options, **({"codec": codec} if codec else {})}
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = castore.open(self._address, **self._open_options)
+        return self._store
+
+    def save(self, step: int | None = None, **save_state_options: Any) -> Generation | None:
+        """``accelerator.save_state`` into the store, as the next generation at ``step``
+        (default: the Accelerator's ``step``); the generation on the main process, None
+        on the others. ``save_state_options`` go to ``save_state``."""
+        accelerator = self.accelerator
+        staging = self._staging / "save"
+        if accelerator.is_main_process:
+            shutil.rmtree(staging, ignore_errors=True)
+        accelerator.wait_for_everyone()
+        written = Path(accelerator.save_state(str(staging), **save_state_options))
+        accelerator.wait_for_everyone()  # every process's RNG file is written
+        generation = None
+        error: BaseException | None = None
+        if accelerator.is_main_process:
+            try:
+                generation = self._store_dir(written, accelerator.step if step is None else step)
+            except BaseException as exc:  # every process must reach the barrier below
+                error = exc
+            finally:
+                shutil.rmtree(staging, ignore_errors=True)
+        failed = _agree(accelerator, error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("castore: the main process failed to store this state")
+        return generation
+
+    def _store_dir(self, directory: Path, step: int) -> Generation:
+        tree = read_checkpoint_dir(directory, safe_globals=TORCH_SAFE_GLOBALS)
+        metadata = {"framework": "accelerate"}
+        generation = self.store.save(tree, run=self.run, step=int(step), metadata=metadata)
+        if self.keep is not None:
+            castore_gc.tag(self.store, self.run, generation.id, f"state-{int(step)}")
+            tagged = sorted(
+                (int(found.group(1)), name)
+                for name in self.store.refs.tags(self.run)
+                if (found := _TAG.fullmatch(name))
+            )
+            for _, name in tagged[: max(len(tagged) - self.keep, 0)]:
+                try:
+                    castore_gc.untag(self.store, self.run, name)
+                except GenerationNotFoundError:
+                    pass
+        return generation
+
+    def load(self, generation: int | str = "latest", **load_state_options: Any) -> int:
+        """``accelerator.load_state`` from ``run@generation``; the step it was saved at
+        (on every process). ``load_state_options`` go to ``load_state``."""
+        accelerator = self.accelerator
+        staging = self._staging / "load"
+        found: list[Any] = [None]
+        error: BaseException | None = None
+        if accelerator.is_main_process:
+            try:
+                resolved = self.store.resolve(self.run, generation)
+                tree = self.store.load(self.run, resolved.root, framework="auto")
+                write_checkpoint_dir(tree, staging)
+                found[0] = resolved.step
+            except BaseException as exc:
+                error = exc
+        failed = _agree(accelerator, error is not None)
+        if error is not None:
+            raise error
+        if failed:
+            raise RuntimeError("castore: the main process failed to read the state to load")
+        try:
+            accelerator.load_state(str(staging), **load_state_options)
+            accelerator.wait_for_everyone()
+        finally:
+            if accelerator.is_main_process:
+                shutil.rmtree(staging, ignore_errors=True)
+        if accelerator.num_processes > 1:
+            broadcast_object_list(found)
+        return int(found[0])
+
+    def close(self) -> None:
+        if self._store is not None and self._given is None:
+            self._store.close()
+            self._store = None
+
+
+def _agree(accelerator: Any, failed: bool) -> bool:
+    """Whether any process failed; every process waits here."""
+    if accelerator.num_processes == 1:
+        return failed
+    flags = [failed]
+    broadcast_object_list(flags)  # the main process is the only one that can fail
+    return bool(flags[0])

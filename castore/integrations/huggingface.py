@@ -1,0 +1,249 @@
+"""Hugging Face ``Trainer`` checkpoints as castore generations, through a ``TrainerCallback``.
+
+The Trainer decides when to save (``save_strategy``, ``save_steps``) and
+writes each checkpoint as ``OUTPUT_DIR/checkpoint-STEP``: safetensors weights,
+the optimizer, scheduler, scaler and RNG states (``torch.save`` files), and
+``trainer_state.json``. :class:`CastoreCallback` stores that directory, once
+the Trainer has written it, as the next generation of one castore run,
+deduplicated against every earlier save: a fine-tune with a frozen backbone
+stores the backbone once, where the Trainer writes it again in every
+``checkpoint-*`` directory. Each generation is tagged ``checkpoint-STEP``;
+``save_total_limit`` keeps the tags of the newest checkpoints (and of the
+best one), as the Trainer keeps their directories, and ``castore gc`` frees
+what no kept generation names.
+
+The way back is the Trainer's own: :func:`restore_checkpoint` materialises a
+stored generation (every byte verified) as the ``checkpoint-STEP``
+directory the Trainer expects, and ``trainer.train(resume_from_checkpoint=path)``
+resumes from it. Only a published generation is ever materialised: a save
+killed half-way, by the Trainer or by castore, is never taken for a checkpoint.
+
+The pickled files are read only with ``torch.load(weights_only=True)`` and the
+safe globals the Trainer itself allows (numpy's RNG state); a file that loader
+refuses stops the save with :class:`~castore.errors.ImportSourceError` naming
+it (leave it out with ``skip=``). ``training_args.bin`` (a pickle of the
+``TrainingArguments`` object, which the Trainer writes for reference and never
+reads to resume) is not stored: its values are in the generation's metadata
+as JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+import castore
+from castore import gc as castore_gc
+from castore.errors import GenerationNotFoundError, ImportSourceError
+from castore.integrations.checkpoint_dirs import MARKER, read_checkpoint_dir, write_checkpoint_dir
+from castore.store import Store
+
+TRAINING_ARGS_FILE = "training_args.bin"
+_STEP = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
+
+
+def trainer_safe_globals() -> list[Any]:
+    """The globals the Trainer allows ``torch.load(weights_only=True)`` when it reads its
+    RNG state (numpy's ``_reconstruct``, ``ndarray``, ``dtype``, ``UInt32DType``)."""
+    import numpy as np
+
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
+
+
+class CastoreCallback(TrainerCallback):  # type: ignore[misc]
+    """A ``TrainerCallback`` that stores every checkpoint the Trainer writes in a castore store.
+
+    ``store``: a path or URL for :func:`castore.open` (opened on first use, in
+    the process that saves) or an open :class:`~castore.Store`. ``run``: the run
+    every checkpoint becomes a generation of. ``codec`` and ``open_options`` go
+    to :func:`castore.open`.
+
+    ``keep_local``: how many of the newest ``checkpoint-*`` directories to leave
+    on local disk once castore holds them; ``None`` (the default) leaves them
+    as the Trainer does, ``0`` removes each once stored (the store is then the
+    only copy; :func:`restore_checkpoint` brings one back). The best
+    checkpoint's directory (``load_best_model_at_end``) is always left.
+
+    ``blocking=False``: the callback reads the directory (the tensors stay
+    memory-mapped), castore snapshots it and training goes on while castore's
+    writer thread stores and publishes it; the callback waits for it at the
+    next save and at the end of training.
+
+    ``skip``: relative file names (``"scaler.pt"``) not to store.
+
+    Multi-process training (DDP): every rank's RNG file is in the directory the
+    Trainer writes, so the world's first process stores it, after a barrier;
+    the output directory must be one all ranks write (one node, or a shared
+    file system), as the Trainer itself assumes.
+    """
+
+    def __init__(
+        self,
+        store: str | os.PathLike[str] | Store,
+        *,
+        run: str = "hf-trainer",
+        codec: str | None = None,
+        blocking: bool = True,
+        keep_local: int | None = None,
+        skip: Iterable[str] = (),
+        **open_options: Any,
+    ) -> None:
+        if keep_local is not None and keep_local < 0:
+            raise ValueError(f"keep_local must be None or at least 0, got {keep_local!r}")
+        self._given = store if isinstance(store, Store) else None
+        self._address = store.path if isinstance(store, Store) else os.fspath(store)
+        self._store: Store | None = self._given
+        self.run = run
+        self.blocking = blocking
+        self.keep_local = keep_local
+        self.skip = frozenset(skip) | {TRAINING_ARGS_FILE}
+        self._open_options = {**open_options, **({"codec": codec} if codec else {})}
+        self._pending: tuple[Any, Path, Any, Any] | None = None
+
+    @property
+    def store(self) -> Store:
+        if self._store is None:
+            self._store = castore.open(self._address, **self._open_options)
+        return self._store
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        _barrier()  # every rank has written its RNG file
+        if not state.is_world_process_zero:
+            return
+        self.finish()
+        folder = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        if not folder.is_dir():
+            raise ImportSourceError(
+                f"the Trainer's checkpoint {folder} is not there to store (a "
+                "hyper-parameter search writes elsewhere: castore stores output_dir's)"
+            )
+        tree = read_checkpoint_dir(
+            folder, safe_globals=trainer_safe_globals(), skip=self.skip.__contains__
+        )
+        metadata = {
+            "framework": "transformers.Trainer",
+            "checkpoint": folder.name,
+            "training_args": json.loads(args.to_json_string()),
+        }
+        step = int(state.global_step)
+        if self.blocking:
+            generation = self.store.save(tree, run=self.run, step=step, metadata=metadata)
+            self._published(generation, folder, args, state)
+        else:
+            pending = self.store.save(
+                tree, run=self.run, step=step, metadata=metadata, blocking=False
+            )
+            self._pending = (pending, folder, args, state)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            self.finish()
+            if self._store is not None and self._given is None:
+                self._store.close()
+                self._store = None
+
+    def finish(self) -> None:
+        """Wait for the async save in flight, then tag it and apply retention."""
+        if self._pending is None:
+            return
+        pending, folder, args, state = self._pending
+        self._pending = None
+        generation = pending.result()  # raises the writer's error, if it failed
+        if generation is not None:
+            self._published(generation, folder, args, state)
+
+    def _published(self, generation: Any, folder: Path, args: Any, state: Any) -> None:
+        castore_gc.tag(self.store, self.run, generation.id, folder.name)
+        best = Path(state.best_model_checkpoint).name if state.best_model_checkpoint else None
+        if args.save_total_limit is not None:
+            _keep_newest_tags(self.store, self.run, args.save_total_limit, best)
+        if self.keep_local is not None:
+            _prune_local(folder.parent, self.keep_local, best, stored_up_to=generation.step)
+
+
+def _keep_newest_tags(store: Store, run: str, limit: int, best: str | None) -> None:
+    """Untag all but the newest ``limit`` checkpoint tags (and the best one), as the
+    Trainer's rotation deletes all but the newest ``limit`` directories."""
+    tagged = sorted(
+        (int(found.group(1)), name)
+        for name in store.refs.tags(run)
+        if (found := _STEP.fullmatch(name))
+    )
+    for _, name in tagged[: max(len(tagged) - max(limit, 1), 0)]:
+        if name != best:
+            try:
+                castore_gc.untag(store, run, name)
+            except GenerationNotFoundError:
+                pass  # untagged meanwhile
+
+
+def _prune_local(output_dir: Path, keep: int, best: str | None, stored_up_to: int) -> None:
+    """Remove all but the newest ``keep`` checkpoint directories castore holds (those
+    up to the step just published: a newer one may not be stored yet), and the best."""
+    found = sorted(
+        (int(m.group(1)), path)
+        for path in output_dir.iterdir()
+        if path.is_dir() and (m := _STEP.fullmatch(path.name)) and int(m.group(1)) <= stored_up_to
+    )
+    for _, path in found[: max(len(found) - keep, 0)]:
+        if path.name != best:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def restore_checkpoint(
+    store: str | os.PathLike[str] | Store,
+    output_dir: str | os.PathLike[str],
+    *,
+    run: str = "hf-trainer",
+    generation: int | str = "latest",
+) -> str:
+    """Materialise ``run@generation`` as ``OUTPUT_DIR/checkpoint-STEP``; its path, for
+    ``trainer.train(resume_from_checkpoint=...)``.
+
+    Every byte is verified before anything is written; the directory appears
+    whole (written beside it, then renamed), replacing one of the same name (a
+    checkpoint the Trainer had begun to write when it was killed). A directory
+    already materialised from the same generation is left as it is, so every
+    rank may call this (``with args.main_process_first(): ...``).
+    """
+    opened = store if isinstance(store, Store) else castore.open(store)
+    try:
+        found = opened.resolve(run, generation)
+        name = found.metadata.get("checkpoint") or f"{PREFIX_CHECKPOINT_DIR}-{found.step}"
+        if not isinstance(name, str) or not _STEP.fullmatch(name):
+            name = f"{PREFIX_CHECKPOINT_DIR}-{found.step}"
+        destination = Path(output_dir) / name
+        marker = {"store": str(opened.path), "run": run, "generation": found.id, "root": found.root}
+        if _marked(destination) == marker:
+            return str(destination)
+        tree = opened.load(run, found.root, framework="auto")
+        write_checkpoint_dir(tree, destination, marker=marker)
+        return str(destination)
+    finally:
+        if opened is not store:
+            opened.close()
+
+
+def _marked(directory: Path) -> Any:
+    try:
+        return json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _barrier() -> None:
+    try:
+        import torch.distributed as dist
+    except ImportError:  # pragma: no cover - torch without distributed
+        return
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
