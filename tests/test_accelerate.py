@@ -148,7 +148,48 @@ def launch(args: list[str], cwd: Path, processes: int = 1) -> subprocess.Complet
     return subprocess.CompletedProcess(command, child.returncode, out, err)
 
 
-# -- resume after a crash ---------------------------------------------------------
+# -- two processes (MULTI_CPU, gloo); first in the file: the longest test starts first --
+
+
+@pytest.mark.slow
+def test_two_processes_on_gloo_save_every_rng_and_resume_bitwise_after_a_kill(
+    tmp_path: Path,
+) -> None:
+    """Two processes under torchrun: ``load()`` on the empty store raises castore's
+    error on both (no hang); the main process is SIGKILLed inside the save at step 10;
+    the stored generation of step 5 holds both processes' RNG files; a 2-process
+    resume ends where an uninterrupted 2-process run ends, bit for bit (4 batches an
+    epoch per process: step 5 is mid-epoch). The uninterrupted run is the first launch's
+    first work, in fresh processes, to save a third launch: anything it left behind in
+    them could only make the resume differ, never make it match."""
+    common = ["store", "staging"]
+    killed = launch(
+        [*common, "killed.npz", "--reference", "whole.npz", "--probe", "--kill-at", "10"],
+        tmp_path,
+        processes=2,
+    )
+    output = killed.stdout + killed.stderr
+    assert killed.returncode != 0 and "SIGKILL" in output, output
+    for rank in (0, 1):
+        probe = json.loads((tmp_path / f"killed.npz.probe-{rank}.json").read_text())
+        assert probe["raised"] == "GenerationNotFoundError", (rank, probe)
+        assert "has no generations" in probe["message"], (rank, probe)
+    with castore.open(tmp_path / "store") as store:
+        assert [g.step for g in store.generations(RUN)] == [5]
+        files = store.load(RUN, "latest")["files"]
+        assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)
+        for rank in (0, 1):  # each process's torch, numpy and python RNG streams
+            held = files[f"random_states_{rank}.pkl"]["value"]
+            assert len(held["torch_manual_seed"]) == torch.get_rng_state().numel()
+            assert held["numpy_random_seed"][0] == "MT19937" and held["random_state"][0] == 3
+
+    resumed = launch([*common, "resumed.npz", "--resume"], tmp_path, processes=2)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    whole = np.load(tmp_path / "whole.npz")
+    assert_same_weights(np.load(tmp_path / "resumed.npz"), {k: whole[k] for k in whole.files})
+
+
+# -- one process: a kill inside a save, and resume ---------------------------------
 
 
 @pytest.mark.slow
@@ -314,42 +355,3 @@ def test_loading_a_run_with_no_such_generation_is_a_castore_error(tmp_path: Path
         state.load(7)
     assert leftovers(tmp_path) == []
     state.close()
-
-
-# -- two processes (MULTI_CPU, gloo) ----------------------------------------------
-
-
-@pytest.mark.slow
-def test_two_processes_on_gloo_save_every_rng_and_resume_bitwise_after_a_kill(
-    tmp_path: Path,
-) -> None:
-    """Two processes under torchrun: ``load()`` on the empty store raises castore's
-    error on both (no hang); the main process is SIGKILLed inside the save at step 10;
-    the stored generation of step 5 holds both processes' RNG files; a 2-process
-    resume ends where an uninterrupted 2-process run ends, bit for bit (4 batches an
-    epoch per process: step 5 is mid-epoch)."""
-    common = ["store", "staging"]
-    killed = launch(
-        [*common, "killed.npz", "--reference", "whole.npz", "--probe", "--kill-at", "10"],
-        tmp_path,
-        processes=2,
-    )
-    output = killed.stdout + killed.stderr
-    assert killed.returncode != 0 and "SIGKILL" in output, output
-    for rank in (0, 1):
-        probe = json.loads((tmp_path / f"killed.npz.probe-{rank}.json").read_text())
-        assert probe["raised"] == "GenerationNotFoundError", (rank, probe)
-        assert "has no generations" in probe["message"], (rank, probe)
-    with castore.open(tmp_path / "store") as store:
-        assert [g.step for g in store.generations(RUN)] == [5]
-        files = store.load(RUN, "latest")["files"]
-        assert {"random_states_0.pkl", "random_states_1.pkl"} <= set(files)
-        for rank in (0, 1):  # each process's torch, numpy and python RNG streams
-            held = files[f"random_states_{rank}.pkl"]["value"]
-            assert len(held["torch_manual_seed"]) == torch.get_rng_state().numel()
-            assert held["numpy_random_seed"][0] == "MT19937" and held["random_state"][0] == 3
-
-    resumed = launch([*common, "resumed.npz", "--resume"], tmp_path, processes=2)
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    whole = np.load(tmp_path / "whole.npz")
-    assert_same_weights(np.load(tmp_path / "resumed.npz"), {k: whole[k] for k in whole.files})
