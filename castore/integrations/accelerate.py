@@ -20,7 +20,9 @@ stored.
 
 Multi-process runs: every process calls ``save()`` and ``load()`` (as with
 ``save_state``); the staging directory must be one every process of the
-machine sees, and the main process alone stores and materialises it.
+machine sees, and the main process alone stores and materialises it. When that
+fails, every process raises: the main process its error, the others the same castore
+error type (:class:`~castore.errors.RankFailedError` for any other kind).
 """
 
 from __future__ import annotations
@@ -36,9 +38,10 @@ from accelerate.utils import broadcast_object_list
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
 import castore
+from castore import errors
 from castore import gc as castore_gc
 from castore.core.history import Generation
-from castore.errors import GenerationNotFoundError
+from castore.errors import CastoreError, GenerationNotFoundError, RankFailedError
 from castore.integrations.checkpoint_dirs import read_checkpoint_dir, write_checkpoint_dir
 from castore.store import Store
 
@@ -109,11 +112,11 @@ class CastoreState:
                 error = exc
             finally:
                 shutil.rmtree(staging, ignore_errors=True)
-        failed = _agree(accelerator, error is not None)
+        failed = _agree(accelerator, error)
         if error is not None:
             raise error
-        if failed:
-            raise RuntimeError("castore: the main process failed to store this state")
+        if failed is not None:
+            raise failed
         return generation
 
     def _store_dir(self, directory: Path, step: int) -> Generation:
@@ -149,11 +152,11 @@ class CastoreState:
                 found[0] = resolved.step
             except BaseException as exc:
                 error = exc
-        failed = _agree(accelerator, error is not None)
+        failed = _agree(accelerator, error)
         if error is not None:
             raise error
-        if failed:
-            raise RuntimeError("castore: the main process failed to read the state to load")
+        if failed is not None:
+            raise failed
         try:
             accelerator.load_state(str(staging), **load_state_options)
             accelerator.wait_for_everyone()
@@ -170,10 +173,20 @@ class CastoreState:
             self._store = None
 
 
-def _agree(accelerator: Any, failed: bool) -> bool:
-    """Whether any process failed; every process waits here."""
+def _agree(accelerator: Any, error: BaseException | None) -> CastoreError | None:
+    """On the other processes, the main process's error (the only one that can fail) as
+    the same castore type, so that ``except GenerationNotFoundError`` holds on every
+    process (RankFailedError for an error of another kind); None where there was none.
+    Every process waits here."""
     if accelerator.num_processes == 1:
-        return failed
-    flags = [failed]
-    broadcast_object_list(flags)  # the main process is the only one that can fail
-    return bool(flags[0])
+        return None
+    described = [None if error is None else (type(error).__name__, str(error))]
+    broadcast_object_list(described)
+    if error is not None or described[0] is None:
+        return None
+    name, message = described[0]
+    message = f"the main process failed: {message}"
+    kind = getattr(errors, name, None)
+    if isinstance(kind, type) and issubclass(kind, CastoreError):
+        return kind.from_remote(message, failed_rank=0)
+    return RankFailedError.from_remote(f"{message} ({name})", failed_rank=0)
