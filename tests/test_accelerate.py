@@ -80,10 +80,10 @@ def castore_state(run: workers.Training, tmp_path: Path, **options: Any) -> Cast
 
 
 def leftovers(tmp_path: Path) -> list[str]:
-    """What CastoreState left in its staging directory once it returned: nothing but
-    empty directories (its own, to stage the next save or load in)."""
+    """What CastoreState left in its staging directory once it returned: nothing (each
+    save or load stages in a new directory of its own and removes it)."""
     found = (tmp_path / "staging").rglob("*")
-    return sorted(str(p.relative_to(tmp_path)) for p in found if not p.is_dir() or any(p.iterdir()))
+    return sorted(str(p.relative_to(tmp_path)) for p in found)
 
 
 def assert_same_weights(got: Any, want: dict[str, np.ndarray]) -> None:
@@ -355,3 +355,57 @@ def test_loading_a_run_with_no_such_generation_is_a_castore_error(tmp_path: Path
         state.load(7)
     assert leftovers(tmp_path) == []
     state.close()
+
+
+def test_a_state_missing_a_process_rng_file_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A process whose files land where the main process does not look (several nodes,
+    a staging directory that is not shared) would lose its RNG state: refused by name."""
+    run = fresh()
+    state = castore_state(run, tmp_path)
+    state.save(5)
+    save_state = run.accelerator.save_state
+
+    def elsewhere(directory: str, **options: Any) -> Any:
+        written = save_state(directory, **options)
+        (Path(written) / "random_states_0.pkl").unlink()
+        return written
+
+    monkeypatch.setattr(run.accelerator, "save_state", elsewhere)
+    with pytest.raises(ImportSourceError, match=r"lacks random_states_0\.pkl.*staging_dir="):
+        state.save(10)
+    assert [g.step for g in state.store.generations(RUN)] == [5]
+    assert leftovers(tmp_path) == []
+    state.close()
+
+
+def test_two_states_on_one_machine_stage_apart(tmp_path: Path) -> None:
+    """Each save stages in a directory of its own: a second job with the same run name
+    and the same staging root never deletes or mixes the first one's files."""
+    run = fresh()
+    first, second = (
+        castore_state(run, tmp_path),
+        CastoreState(
+            run.accelerator, tmp_path / "store2", run=RUN, staging_dir=tmp_path / "staging"
+        ),
+    )
+    seen: list[str] = []
+    save_state = run.accelerator.save_state
+
+    def record(directory: str, **options: Any) -> Any:
+        seen.append(directory)
+        return save_state(directory, **options)
+
+    run.accelerator.save_state = record  # type: ignore[method-assign]
+    try:
+        first.save(5)
+        second.save(5)
+        first.save(10)
+    finally:
+        del run.accelerator.save_state
+    assert len(set(seen)) == 3 and all(Path(d).parent == tmp_path / "staging" for d in seen)
+    assert [g.step for g in first.store.generations(RUN)] == [5, 10]
+    assert leftovers(tmp_path) == []
+    first.close()
+    second.close()

@@ -35,13 +35,19 @@ from pathlib import Path
 from typing import Any
 
 from accelerate.utils import broadcast_object_list
+from accelerate.utils.constants import RNG_STATE_NAME
 from accelerate.utils.other import TORCH_SAFE_GLOBALS
 
 import castore
 from castore import errors
 from castore import gc as castore_gc
 from castore.core.history import Generation
-from castore.errors import CastoreError, GenerationNotFoundError, RankFailedError
+from castore.errors import (
+    CastoreError,
+    GenerationNotFoundError,
+    ImportSourceError,
+    RankFailedError,
+)
 from castore.integrations.checkpoint_dirs import read_checkpoint_dir, write_checkpoint_dir
 from castore.store import Store
 
@@ -58,8 +64,10 @@ class CastoreState:
     ``keep`` saves (``state-STEP``) so that ``castore gc`` never drops them,
     untagging older ones; default: the ``total_limit`` of the Accelerator's
     ``ProjectConfiguration``, and no tags when that is unset too.
-    ``staging_dir``: where Accelerate writes a state before castore stores it
-    (default: the system's temporary directory).
+    ``staging_dir``: where Accelerate writes a state before castore stores it, in
+    a new directory each time, removed once stored (default: the system's
+    temporary directory); on several nodes, one on a file system every node
+    shares, since each process writes its RNG state there.
     """
 
     def __init__(
@@ -82,8 +90,7 @@ class CastoreState:
         self.keep = keep if keep is not None else total_limit
         if self.keep is not None and self.keep < 1:
             raise ValueError(f"keep must be at least 1, got {self.keep!r}")
-        root = Path(staging_dir) if staging_dir is not None else Path(tempfile.gettempdir())
-        self._staging = root / f".castore-accelerate-{_UNSAFE.sub('_', run)}"
+        self._staging_root = Path(staging_dir) if staging_dir is not None else None
         self._open_options = {**open_options, **({"codec": codec} if codec else {})}
 
     @property
@@ -92,34 +99,67 @@ class CastoreState:
             self._store = castore.open(self._address, **self._open_options)
         return self._store
 
-    def save(self, step: int | None = None, **save_state_options: Any) -> Generation | None:
+    def save(self, step: int, **save_state_options: Any) -> Generation | None:
         """``accelerator.save_state`` into the store, as the next generation at ``step``
-        (default: the Accelerator's ``step``); the generation on the main process, None
-        on the others. ``save_state_options`` go to ``save_state``."""
+        (the training step: resuming returns it); the generation on the main process,
+        None on the others. ``save_state_options`` go to ``save_state``."""
         accelerator = self.accelerator
-        staging = self._staging / "save"
-        if accelerator.is_main_process:
-            shutil.rmtree(staging, ignore_errors=True)
-        accelerator.wait_for_everyone()
-        written = Path(accelerator.save_state(str(staging), **save_state_options))
-        accelerator.wait_for_everyone()  # every process's RNG file is written
+        staging = self._staging("save")
         generation = None
         error: BaseException | None = None
-        if accelerator.is_main_process:
-            try:
-                generation = self._store_dir(written, accelerator.step if step is None else step)
-            except BaseException as exc:  # every process must reach the barrier below
-                error = exc
-            finally:
+        try:
+            written = Path(accelerator.save_state(str(staging), **save_state_options))
+            accelerator.wait_for_everyone()  # every process's RNG file is written
+            if accelerator.is_main_process:
+                try:
+                    generation = self._store_dir(written, int(step))
+                except BaseException as exc:  # every process must reach the barrier below
+                    error = exc
+            failed = _agree(accelerator, error)
+        finally:
+            if accelerator.is_main_process:
                 shutil.rmtree(staging, ignore_errors=True)
-        failed = _agree(accelerator, error)
         if error is not None:
             raise error
         if failed is not None:
             raise failed
         return generation
 
+    def _staging(self, purpose: str) -> Path:
+        """A new directory every process of the job writes to: made by the main process
+        (unique, so two jobs on one machine never share one), its path sent to the rest."""
+        accelerator = self.accelerator
+        made: list[Any] = [None]
+        error: BaseException | None = None
+        if accelerator.is_main_process:
+            try:
+                root = self._staging_root or Path(tempfile.gettempdir())
+                root.mkdir(parents=True, exist_ok=True)
+                prefix = f".castore-accelerate-{_UNSAFE.sub('_', self.run)}-{purpose}-"
+                made[0] = tempfile.mkdtemp(prefix=prefix, dir=root)
+            except OSError as exc:
+                error = exc
+        failed = _agree(accelerator, error)
+        if error is not None:
+            raise error
+        if failed is not None:
+            raise failed
+        if accelerator.num_processes > 1:
+            broadcast_object_list(made)
+        return Path(made[0])
+
     def _store_dir(self, directory: Path, step: int) -> Generation:
+        missing = [
+            name
+            for name in (f"{RNG_STATE_NAME}_{i}.pkl" for i in range(self.accelerator.num_processes))
+            if not (directory / name).is_file()
+        ]
+        if missing:
+            raise ImportSourceError(
+                f"{directory} lacks {', '.join(missing)}: the processes that write them do "
+                "not see this directory (several nodes? pass staging_dir= on a file system "
+                "every node shares)"
+            )
         tree = read_checkpoint_dir(directory, safe_globals=TORCH_SAFE_GLOBALS)
         metadata = {"framework": "accelerate"}
         generation = self.store.save(tree, run=self.run, step=int(step), metadata=metadata)
@@ -141,23 +181,23 @@ class CastoreState:
         """``accelerator.load_state`` from ``run@generation``; the step it was saved at
         (on every process). ``load_state_options`` go to ``load_state``."""
         accelerator = self.accelerator
-        staging = self._staging / "load"
+        staging = self._staging("load")
         found: list[Any] = [None]
         error: BaseException | None = None
-        if accelerator.is_main_process:
-            try:
-                resolved = self.store.resolve(self.run, generation)
-                tree = self.store.load(self.run, resolved.root, framework="auto")
-                write_checkpoint_dir(tree, staging)
-                found[0] = resolved.step
-            except BaseException as exc:
-                error = exc
-        failed = _agree(accelerator, error)
-        if error is not None:
-            raise error
-        if failed is not None:
-            raise failed
         try:
+            if accelerator.is_main_process:
+                try:
+                    resolved = self.store.resolve(self.run, generation)
+                    tree = self.store.load(self.run, resolved.root, framework="auto")
+                    write_checkpoint_dir(tree, staging)
+                    found[0] = resolved.step
+                except BaseException as exc:
+                    error = exc
+            failed = _agree(accelerator, error)
+            if error is not None:
+                raise error
+            if failed is not None:
+                raise failed
             accelerator.load_state(str(staging), **load_state_options)
             accelerator.wait_for_everyone()
         finally:
