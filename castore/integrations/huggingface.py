@@ -171,19 +171,26 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
 
 
 def _keep_newest_tags(store: Store, run: str, limit: int, best: str | None) -> None:
-    """Untag all but the newest ``limit`` checkpoint tags (and the best one), as the
-    Trainer's rotation deletes all but the newest ``limit`` directories."""
-    tagged = sorted(
-        (int(found.group(1)), name)
+    """Untag the checkpoints the Trainer's rotation deletes: it keeps ``limit``
+    directories in all, the newest and the best always among them."""
+    steps = {
+        name: int(found.group(1))
         for name in store.refs.tags(run)
         if (found := _STEP.fullmatch(name))
-    )
-    for _, name in tagged[: max(len(tagged) - max(limit, 1), 0)]:
-        if name != best:
-            try:
-                castore_gc.untag(store, run, name)
-            except GenerationNotFoundError:
-                pass  # untagged meanwhile
+    }
+    tagged = sorted(steps, key=steps.__getitem__)
+    protected = {tagged[-1], best} & set(tagged) if tagged else set()
+    remaining = len(tagged)
+    for name in tagged:
+        if remaining <= max(limit, len(protected)):
+            break
+        if name in protected:
+            continue
+        remaining -= 1
+        try:
+            castore_gc.untag(store, run, name)
+        except GenerationNotFoundError:
+            pass  # untagged meanwhile
 
 
 def _prune_local(output_dir: Path, keep: int, best: str | None, stored_up_to: int) -> None:
