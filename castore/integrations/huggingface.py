@@ -42,7 +42,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import castore
 from castore import gc as castore_gc
+from castore.core import fencing
 from castore.errors import GenerationNotFoundError, ImportSourceError
+from castore.format.hashing import Digest
 from castore.integrations.checkpoint_dirs import MARKER, read_checkpoint_dir, write_checkpoint_dir
 from castore.store import Store
 
@@ -231,6 +233,10 @@ def restore_checkpoint(
         destination = Path(output_dir) / name
         marker = {"store": str(opened.path), "run": run, "generation": found.id, "root": found.root}
         if _marked(destination) == marker:
+            # Left as it is, yet a resume all the same, as the load below records: this
+            # process's saves continue the run from here (a lower step than the run's
+            # latest is not taken for another job's: castore.core.fencing).
+            fencing.record_loaded(opened.refs, run, Digest.from_hex(found.root), found.step)
             return str(destination)
         tree = opened.load(run, found.root, framework="auto")
         write_checkpoint_dir(tree, destination, marker=marker)
