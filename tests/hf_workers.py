@@ -8,6 +8,11 @@ of the checkpoint at STEP, before its ref advances (castore's fault point:
 ``save.before_ref_advance``, or ``async.before_ref_advance`` in the background
 writer's thread); it never returns.
 
+    python tests/hf_workers.py restore STORE OUT GENERATION
+
+restores RUN@GENERATION of STORE as OUT/checkpoint-STEP, as an earlier attempt
+of a job would have, and exits.
+
     python tests/hf_workers.py ddp WORKDIR
 
 is one rank of a 2-rank DDP run on gloo (RANK, WORLD_SIZE, LOCAL_RANK,
@@ -63,6 +68,11 @@ def kill(store: str, out: str, blocking: str, step: str) -> int:
     return 1  # not reached: the save of STEP kills the process
 
 
+def restore(store: str, out: str, generation: str) -> int:
+    restore_checkpoint(store, out, run=RUN, generation=generation)
+    return 0
+
+
 def ddp(workdir: str) -> int:
     work = Path(workdir)
     store = work / "store"
@@ -82,7 +92,7 @@ def ddp(workdir: str) -> int:
 
 def main(argv: list[str]) -> int:
     mode, *args = argv
-    return {"kill": kill, "ddp": ddp}[mode](*args)
+    return {"kill": kill, "restore": restore, "ddp": ddp}[mode](*args)
 
 
 if __name__ == "__main__":

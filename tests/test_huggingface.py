@@ -401,3 +401,25 @@ def test_two_ddp_ranks_on_gloo_store_both_rng_files_and_resume_bitwise(tmp_path:
             assert "rng_state.pth" not in files
     whole, resumed = np.load(tmp_path / "whole.npz"), np.load(tmp_path / "resumed.npz")
     assert_same_weights(resumed, dict(whole))
+
+
+@pytest.mark.slow
+def test_a_checkpoint_an_earlier_attempt_restored_still_resumes_the_run(
+    reference: Reference, tmp_path: Path
+) -> None:
+    """Back to checkpoint-8 of a run that reached step 16, in a job whose earlier attempt
+    (another process) restored it already: restore_checkpoint leaves the directory as it
+    is, and this process resumes the run from there all the same (its saves of steps 12
+    and 16 are a resume, not another job's lower steps: no StepOrderError)."""
+    store, out = tmp_path / "store", tmp_path / "out"
+    shutil.copytree(reference.store, store)
+    earlier = start_worker(tmp_path / "log", "restore", store, out, "checkpoint-8")
+    assert finished(earlier) == 0, (tmp_path / "log").read_text()[-3000:]
+    marker = (out / "checkpoint-8" / MARKER).stat()
+    path = restore_checkpoint(store, out, run=RUN, generation="checkpoint-8")
+    assert path == str(out / "checkpoint-8")
+    assert (Path(path) / MARKER).stat().st_ino == marker.st_ino  # left as it was
+    resumed = train(out, [CastoreCallback(store, run=RUN)], resume=path)
+    assert_same_weights(weights(resumed), reference.weights)
+    with castore.open(store) as opened:
+        assert [g.step for g in opened.generations(RUN)] == [*STEPS, 12, 16]
