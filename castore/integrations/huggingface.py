@@ -42,7 +42,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 import castore
 from castore import gc as castore_gc
+from castore.core import fencing
 from castore.errors import GenerationNotFoundError, ImportSourceError
+from castore.format.hashing import Digest
 from castore.integrations.checkpoint_dirs import MARKER, read_checkpoint_dir, write_checkpoint_dir
 from castore.store import Store
 
@@ -171,19 +173,26 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
 
 
 def _keep_newest_tags(store: Store, run: str, limit: int, best: str | None) -> None:
-    """Untag all but the newest ``limit`` checkpoint tags (and the best one), as the
-    Trainer's rotation deletes all but the newest ``limit`` directories."""
-    tagged = sorted(
-        (int(found.group(1)), name)
+    """Untag the checkpoints the Trainer's rotation deletes: it keeps ``limit``
+    directories in all, the newest and the best always among them."""
+    steps = {
+        name: int(found.group(1))
         for name in store.refs.tags(run)
         if (found := _STEP.fullmatch(name))
-    )
-    for _, name in tagged[: max(len(tagged) - max(limit, 1), 0)]:
-        if name != best:
-            try:
-                castore_gc.untag(store, run, name)
-            except GenerationNotFoundError:
-                pass  # untagged meanwhile
+    }
+    tagged = sorted(steps, key=steps.__getitem__)
+    protected = {tagged[-1], best} & set(tagged) if tagged else set()
+    remaining = len(tagged)
+    for name in tagged:
+        if remaining <= max(limit, len(protected)):
+            break
+        if name in protected:
+            continue
+        remaining -= 1
+        try:
+            castore_gc.untag(store, run, name)
+        except GenerationNotFoundError:
+            pass  # untagged meanwhile
 
 
 def _prune_local(output_dir: Path, keep: int, best: str | None, stored_up_to: int) -> None:
@@ -224,6 +233,10 @@ def restore_checkpoint(
         destination = Path(output_dir) / name
         marker = {"store": str(opened.path), "run": run, "generation": found.id, "root": found.root}
         if _marked(destination) == marker:
+            # Left as it is, yet a resume all the same, as the load below records: this
+            # process's saves continue the run from here (a lower step than the run's
+            # latest is not taken for another job's: castore.core.fencing).
+            fencing.record_loaded(opened.refs, run, Digest.from_hex(found.root), found.step)
             return str(destination)
         tree = opened.load(run, found.root, framework="auto")
         write_checkpoint_dir(tree, destination, marker=marker)

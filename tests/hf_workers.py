@@ -1,0 +1,99 @@
+"""Hugging Face Trainer runs for tests/test_huggingface.py, as their own processes.
+
+    python tests/hf_workers.py kill STORE OUT BLOCKING STEP
+
+trains the tests' tiny GPT-2 with a :class:`CastoreCallback` on STORE
+(``blocking=BLOCKING``, 1 or 0) and SIGKILLs the process inside castore's save
+of the checkpoint at STEP, before its ref advances (castore's fault point:
+``save.before_ref_advance``, or ``async.before_ref_advance`` in the background
+writer's thread); it never returns.
+
+    python tests/hf_workers.py restore STORE OUT GENERATION
+
+restores RUN@GENERATION of STORE as OUT/checkpoint-STEP, as an earlier attempt
+of a job would have, and exits.
+
+    python tests/hf_workers.py ddp WORKDIR
+
+is one rank of a 2-rank DDP run on gloo (RANK, WORLD_SIZE, LOCAL_RANK,
+MASTER_ADDR and MASTER_PORT set by the test; the Trainer joins the group). It
+trains with the callback on WORKDIR/store, a checkpoint every 2 steps; rank 0
+removes the whole output directory (the node is lost); every rank restores the
+checkpoint of step 4 from castore (``args.main_process_first()``: rank 0
+writes it, rank 1 finds it there) and resumes from it. Rank 0 writes the final
+weights of both runs to WORKDIR/whole.npz and WORKDIR/resumed.npz.
+"""
+
+from __future__ import annotations
+
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+from castore.integrations.huggingface import CastoreCallback, restore_checkpoint
+from castore.support import faults
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_huggingface import RUN, train, weights  # noqa: E402
+
+
+class KillInsideSaveAt(TrainerCallback):  # type: ignore[misc]
+    """Placed before the CastoreCallback (callbacks run in order): at ``step``'s save it
+    arms the kill that castore's save of that checkpoint then reaches."""
+
+    def __init__(self, step: int, castore_callback: CastoreCallback) -> None:
+        self.step = step
+        self.castore_callback = castore_callback
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step != self.step:
+            return
+        if self.castore_callback.blocking:
+            faults.arm("save.before_ref_advance", "kill")
+        else:
+            # The previous checkpoint's save may still be in flight: let it publish,
+            # so the one killed is this step's.
+            self.castore_callback.finish()
+            faults.arm("async.before_ref_advance", "kill")
+
+
+def kill(store: str, out: str, blocking: str, step: str) -> int:
+    callback = CastoreCallback(store, run=RUN, blocking=blocking == "1")
+    train(Path(out), [KillInsideSaveAt(int(step), callback), callback])
+    return 1  # not reached: the save of STEP kills the process
+
+
+def restore(store: str, out: str, generation: str) -> int:
+    restore_checkpoint(store, out, run=RUN, generation=generation)
+    return 0
+
+
+def ddp(workdir: str) -> int:
+    work = Path(workdir)
+    store = work / "store"
+    whole = train(work / "split", [CastoreCallback(store, run=RUN)], save_steps=2)
+    if whole.args.process_index == 0:
+        shutil.rmtree(work / "split")
+    dist.barrier()
+    with whole.args.main_process_first():
+        path = restore_checkpoint(store, work / "resumed", run=RUN, generation="checkpoint-4")
+    resumed = train(work / "resumed", [CastoreCallback(store, run=RUN)], path, save_steps=2)
+    if whole.args.process_index == 0:
+        np.savez(work / "whole.npz", **weights(whole))
+        np.savez(work / "resumed.npz", **weights(resumed))
+    dist.barrier()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    mode, *args = argv
+    return {"kill": kill, "restore": restore, "ddp": ddp}[mode](*args)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
