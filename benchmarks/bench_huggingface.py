@@ -5,13 +5,13 @@ Run from the repository root (needs the ``huggingface`` extra: transformers, acc
 
     .venv/bin/python benchmarks/bench_huggingface.py [--saves 10] [--every 5] [--layers 12]
                                                      [--no-codec-run] [--workdir DIR]
-                                                     [--json OUT] [--quick]
+                                                     [--repeats 2] [--json OUT] [--quick]
 
 A fine-tuning run with a frozen backbone on CPU (issue 28: dedup where
 frameworks write full copies). The model is a ``GPT2LMHeadModel`` from a
 ``GPT2Config`` shaped like GPT-2 small scaled down (12 blocks of width 128, 4
 heads, vocabulary 8192, 64 positions, dropout 0; the head tied to the token
-embedding: 3.43 M fp32 parameters, 13.7 MB), every parameter frozen
+embedding: 3.44 M fp32 parameters, 13.75 MB), every parameter frozen
 (``requires_grad_(False)``) except the last block's; AdamW on those, so only
 the last block's weights and its two moments change between saves. The data
 is synthetic (random token ids, fixed seed); every run is seeded the same.
@@ -50,8 +50,16 @@ AdamW and a ``LinearLR`` schedule prepared), saving every ``every`` steps:
                   staging directory, castore stores it and deletes it)
   castore-auto    the same with ``codec="auto"``
 
-timed with ``perf_counter`` around each call; castore's time is split the same
-way (Accelerate's ``save_state`` into staging, then castore).
+each from a fresh ``Accelerator`` and the same seed, timed with
+``perf_counter`` around each call; castore's time is split the same way
+(Accelerate's ``save_state`` into staging, then castore).
+
+Every run goes ``--repeats`` rounds (default 2; the odd rounds run the
+configurations in reverse order, so warm-up and bursts of load from other
+processes fall on each side in turn); a time is the median over every round's
+saves after its first, a first save's time the median of the rounds'. The
+machine's load average is printed with the environment: on a shared machine
+the times move between invocations, the bytes do not.
 
 castore's store is opened lazily inside the first save, so that open is part
 of the first save's time. Bytes per save are each checkpoint directory's size
@@ -60,7 +68,7 @@ chunk bytes and manifests as stored). Totals are ``tree_bytes`` of the
 frameworks' output directories, or of the store plus whatever the castore
 runs left in theirs, after ``os.sync()``: apparent (sum of file sizes) and
 allocated (``st_blocks * 512``, as ``du``). Ratios are castore over the
-framework alone from the same invocation. Medians of the saves after the first.
+framework alone from the same invocation.
 
 Note: the Trainer and Accelerate write without ``fsync``; castore's saves are
 durable (fsynced) when they return. Afterwards each castore run's last
@@ -85,6 +93,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -366,6 +375,51 @@ def run_accelerate_castore(
     return _castore_result(name, clock, store, staging, RUN_ACCELERATE, fit_s), final
 
 
+# ---- rounds: every run once, checked ----
+
+
+def trainer_round(
+    work: Path, saves: int, every: int, layers: int, codec_runs: list[str], reverse: bool
+) -> dict[str, dict[str, Any]]:
+    shape = (saves, every, layers)
+    runs: list[tuple[str, Callable[[], dict[str, Any]]]] = [
+        ("trainer", partial(run_trainer, work, *shape)),
+        ("castore", partial(run_trainer_castore, work, "castore", *shape)),
+        (
+            "castore-async",
+            partial(run_trainer_castore, work, "castore-async", *shape, blocking=False),
+        ),
+    ]
+    runs += [
+        (name, partial(run_trainer_castore, work, name, *shape, codec="auto"))
+        for name in codec_runs
+    ]
+    results = {name: run() for name, run in (runs[::-1] if reverse else runs)}
+    check_trainer(work, [name for name, _ in runs[1:]])
+    return {name: results[name] for name, _ in runs}
+
+
+def accelerate_round(
+    work: Path, saves: int, every: int, layers: int, codec_runs: list[str], reverse: bool
+) -> dict[str, dict[str, Any]]:
+    work, shape = work / "accelerate", (saves, every, layers)
+    runs: list[tuple[str, Callable[[], Any]]] = [
+        ("accelerate", partial(run_accelerate, work, *shape)),
+        ("castore", partial(run_accelerate_castore, work, "castore", *shape)),
+    ]
+    runs += [
+        (name, partial(run_accelerate_castore, work, name, *shape, codec="auto"))
+        for name in codec_runs
+    ]
+    done = {name: run() for name, run in (runs[::-1] if reverse else runs)}
+    final = done["accelerate"][1]
+    for name, (_, castore_final) in done.items():
+        if not _same(final, castore_final):
+            raise RuntimeError(f"accelerate {name}: training diverged from the plain run")
+    check_accelerate(work, [name for name, _ in runs[1:]], final, layers, saves * every)
+    return {name: done[name][0] for name, _ in runs}
+
+
 # ---- results ----
 
 
@@ -397,6 +451,22 @@ def _result(
         "total_apparent": apparent,
         "total_allocated": allocated,
     }
+
+
+def _merge(rounds: list[dict[str, Any]]) -> dict[str, Any]:
+    """One run's rounds as one result: the bytes of the first round (every round writes
+    the same), times pooled (medians of every round's saves after its first)."""
+    merged = dict(rounds[0])
+    for key in ("save_s", "framework_save_s", "castore_save_s"):
+        merged[f"{key}_by_round"] = [r[key] for r in rounds]
+        merged[key] = [t for r in rounds for t in r[key][1:]]
+    merged["median_later_save_s"] = statistics.median(merged["save_s"])
+    merged["median_later_framework_s"] = statistics.median(merged["framework_save_s"])
+    merged["median_later_castore_s"] = statistics.median(merged["castore_save_s"])
+    for key in ("first_save_s", "end_wait_s", "fit_s"):
+        merged[key] = statistics.median(r[key] for r in rounds)
+    merged["rounds"] = len(rounds)
+    return merged
 
 
 def _castore_result(
@@ -557,41 +627,38 @@ def main() -> int:
     parser.add_argument("--no-codec-run", action="store_true", help="skip castore codec=auto")
     parser.add_argument("--workdir", type=Path, default=None, help="where the scratch dir goes")
     parser.add_argument("--json", type=Path, default=None, help="also write the results as JSON")
-    parser.add_argument("--quick", action="store_true", help="3 saves every 2 steps, 2 blocks")
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="rounds of every run, medians pooled (2)"
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="3 saves every 2 steps, 2 blocks, 1 round"
+    )
     args = parser.parse_args()
     if args.quick:
-        args.saves, args.every, args.layers = 3, 2, 2
-    if args.saves < 2 or args.every < 1 or args.layers < 1:
-        parser.error("--saves must be at least 2, --every and --layers at least 1")
+        args.saves, args.every, args.layers, args.repeats = 3, 2, 2, 1
+    if args.saves < 2 or min(args.every, args.layers, args.repeats) < 1:
+        parser.error("--saves must be at least 2, --every, --layers and --repeats at least 1")
     _quiet()
     torch.set_num_threads(max(1, min(4, os.cpu_count() or 1)))
 
     saves, every, layers = args.saves, args.every, args.layers
     codec_runs = [] if args.no_codec_run else ["castore-auto"]
     work = Path(tempfile.mkdtemp(prefix="castore-bench-hf-", dir=args.workdir))
-    start = time.perf_counter()
+    start, load = time.perf_counter(), os.getloadavg()
+    trainer_rounds, acc_rounds = [], []
     try:
-        trainer = [run_trainer(work, saves, every, layers)]
-        trainer.append(run_trainer_castore(work, "castore", saves, every, layers))
-        trainer.append(
-            run_trainer_castore(work, "castore-async", saves, every, layers, blocking=False)
-        )
-        for name in codec_runs:
-            trainer.append(run_trainer_castore(work, name, saves, every, layers, codec="auto"))
-        check_trainer(work, ["castore", "castore-async", *codec_runs])
-
-        result, final = run_accelerate(work / "acc", saves, every, layers)
-        acc = [result]
-        for name, options in [("castore", {}), *((n, {"codec": "auto"}) for n in codec_runs)]:
-            result, castore_final = run_accelerate_castore(
-                work / "acc", name, saves, every, layers, **options
-            )
-            if not _same(final, castore_final):
-                raise RuntimeError(f"accelerate {name}: training diverged from the plain run")
-            acc.append(result)
-        check_accelerate(work / "acc", ["castore", *codec_runs], final, layers, saves * every)
+        for index in range(args.repeats):
+            # Odd rounds run the configurations in reverse: warm-up and bursts of load
+            # from other processes fall on each side in turn.
+            reverse = index % 2 == 1
+            here = work / f"round-{index}"
+            trainer_rounds.append(trainer_round(here, saves, every, layers, codec_runs, reverse))
+            acc_rounds.append(accelerate_round(here, saves, every, layers, codec_runs, reverse))
+            shutil.rmtree(here, ignore_errors=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    trainer = [_merge([r[name] for r in trainer_rounds]) for name in trainer_rounds[0]]
+    acc = [_merge([r[name] for r in acc_rounds]) for name in acc_rounds[0]]
     elapsed = time.perf_counter() - start
 
     model = build_model(layers)
@@ -600,13 +667,15 @@ def main() -> int:
     print(
         f"GPT2LMHeadModel ({layers} blocks, width {WIDTH}, vocabulary {VOCAB}): "
         f"{params / 1e6:.2f} M fp32 parameters ({_mb(params * 4)}), all frozen but the last "
-        f"block ({trainable / 1e6:.2f} M); {saves} saves every {every} steps"
+        f"block ({trainable / 1e6:.2f} M); {saves} saves every {every} steps; "
+        f"{args.repeats} round(s) of each run, medians of the later saves of all rounds"
     )
     print(
         f"environment: Python {platform.python_version()}, torch {torch.__version__}, "
         f"transformers {transformers.__version__}, accelerate {accelerate.__version__}, "
         f"castore {getattr(castore, '__version__', '?')}, {os.cpu_count()} CPUs, "
-        f"{platform.machine()} {platform.system()}"
+        f"{platform.machine()} {platform.system()}; load average {load[0]:.1f} at start, "
+        f"{os.getloadavg()[0]:.1f} at end"
     )
     print("\nTrainer (ratios against the Trainer alone):\n")
     print_table(trainer, "Trainer")
