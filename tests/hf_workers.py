@@ -4,9 +4,9 @@
 
 trains the tests' tiny GPT-2 with a :class:`CastoreCallback` on STORE
 (``blocking=BLOCKING``, 1 or 0) and SIGKILLs the process inside castore's save
-of the checkpoint at STEP, before its ref advances (castore's fault point:
-``save.before_ref_advance``, or ``async.before_ref_advance`` in the background
-writer's thread); it never returns.
+of the checkpoint at STEP, before its ref advances (castore's fault point
+``save.before_ref_advance``, reached on the training thread or, with
+``blocking=False``, on the callback's own); it never returns.
 
     python tests/hf_workers.py restore STORE OUT GENERATION
 
@@ -59,7 +59,7 @@ class KillInsideSaveAt(TrainerCallback):  # type: ignore[misc]
             # The previous checkpoint's save may still be in flight: let it publish,
             # so the one killed is this step's.
             self.castore_callback.finish()
-            faults.arm("async.before_ref_advance", "kill")
+            faults.arm("save.before_ref_advance", "kill")  # on the callback's thread
 
 
 def kill(store: str, out: str, blocking: str, step: str) -> int:

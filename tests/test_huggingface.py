@@ -5,6 +5,7 @@ Skipped only when the ``transformers`` extra is not installed (``make test`` ins
 
 from __future__ import annotations
 
+import errno
 import filecmp
 import os
 import shutil
@@ -36,6 +37,7 @@ from castore.errors import (  # noqa: E402
     UnsupportedValueError,
 )
 from castore.gc import RetentionPolicy, collect_garbage  # noqa: E402
+from castore.integrations import huggingface  # noqa: E402
 from castore.integrations.checkpoint_dirs import MARKER  # noqa: E402
 from castore.integrations.huggingface import CastoreCallback, restore_checkpoint  # noqa: E402
 from castore.testing.zygote import TORCH_PRELOAD, ForkedProcess, ZygoteMismatch  # noqa: E402
@@ -295,20 +297,34 @@ def test_the_best_checkpoint_keeps_its_tag(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("keep_local", "blocking"),
-    [(0, True), (0, False), (1, False)],
-    ids=["none-kept", "none-kept-async", "newest-kept-async"],
+    ("keep_local", "blocking", "links"),
+    [(0, True, True), (0, False, True), (1, False, True), (0, False, False)],
+    ids=["none-kept", "none-kept-async", "newest-kept-async", "none-kept-async-no-links"],
 )
 def test_keep_local_removes_only_directories_castore_holds(
-    reference: Reference, tmp_path: Path, keep_local: int, blocking: bool
+    reference: Reference,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    keep_local: int,
+    blocking: bool,
+    links: bool,
 ) -> None:
     """Async, the directory of the save in flight is not stored yet: it must survive
-    until castore published it (removing it made that save fail: "not there to store")."""
+    until castore published it (removing it made that save fail: "not there to store").
+    Without hard links, async saves read on the training thread and castore's writer
+    stores them; with them, nothing is left linked aside."""
+    if not links:
+
+        def cross_device(source: Any, target: Any) -> None:
+            raise OSError(errno.EXDEV, "Invalid cross-device link", str(target))
+
+        monkeypatch.setattr(huggingface, "_hard_link", cross_device)
     store_path, out = tmp_path / "store", tmp_path / "out"
     callback = CastoreCallback(store_path, run=RUN, keep_local=keep_local, blocking=blocking)
     trainer = train(out, [callback])
     assert_same_weights(weights(trainer), reference.weights)
     assert checkpoint_dirs(out) == ["checkpoint-16"][:keep_local]
+    assert not list(out.glob(".castore-*")), "a checkpoint was left linked aside"
     with castore.open(store_path) as store:
         generations = store.generations(RUN)
         assert [g.step for g in generations] == STEPS

@@ -29,11 +29,13 @@ as JSON.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
 import shutil
-from collections.abc import Iterable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +51,9 @@ from castore.integrations.checkpoint_dirs import MARKER, read_checkpoint_dir, wr
 from castore.store import Store
 
 TRAINING_ARGS_FILE = "training_args.bin"
+# blocking=False: a checkpoint's files hard-linked aside, under OUTPUT_DIR, while stored.
+_ASIDE = ".castore-storing-"
+_hard_link = os.link  # the tests replace it to take the path without hard links
 _STEP = re.compile(rf"{PREFIX_CHECKPOINT_DIR}-(\d+)")
 
 
@@ -75,10 +80,13 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
     only copy; :func:`restore_checkpoint` brings one back). The best
     checkpoint's directory (``load_best_model_at_end``) is always left.
 
-    ``blocking=False``: the callback reads the directory (the tensors stay
-    memory-mapped), castore snapshots it and training goes on while castore's
-    writer thread stores and publishes it; the callback waits for it at the
-    next save and at the end of training.
+    ``blocking=False``: the callback hard-links the directory's files aside
+    (the Trainer's rotation may delete the directory meanwhile; the Trainer
+    writes a new file, never into an old one) and training goes on while a
+    thread of the callback reads, stores and publishes them; the callback
+    waits for it at the next save and at the end of training. Where hard
+    links are not possible, it reads the files on the training thread and
+    castore's async writer stores them.
 
     ``skip``: relative file names (``"scaler.pt"``) not to store.
 
@@ -128,23 +136,43 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
                 f"the Trainer's checkpoint {folder} is not there to store (a "
                 "hyper-parameter search writes elsewhere: castore stores output_dir's)"
             )
-        tree = read_checkpoint_dir(
-            folder, safe_globals=trainer_safe_globals(), skip=self.skip.__contains__
-        )
         metadata = {
             "framework": "transformers.Trainer",
             "checkpoint": folder.name,
             "training_args": json.loads(args.to_json_string()),
         }
         step = int(state.global_step)
+        store = self.store  # opened here, on the training thread
         if self.blocking:
-            generation = self.store.save(tree, run=self.run, step=step, metadata=metadata)
+            generation = store.save(self._read(folder), run=self.run, step=step, metadata=metadata)
             self._published(generation, folder, args, state)
-        else:
-            pending = self.store.save(
-                tree, run=self.run, step=step, metadata=metadata, blocking=False
+            return
+        linked = _link_aside(folder)
+        if linked is None:  # no hard links here: read now, castore's writer stores it
+            pending: Any = store.save(
+                self._read(folder), run=self.run, step=step, metadata=metadata, blocking=False
             )
-            self._pending = (pending, folder, args, state)
+        else:
+            pending = _Background(
+                lambda: self._store_linked(linked, step, metadata), f"castore {folder.name}"
+            )
+        self._pending = (pending, folder, args, state)
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero and Path(args.output_dir).is_dir():
+            for stale in Path(args.output_dir).glob(f"{_ASIDE}*"):  # a killed run's
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _read(self, folder: Path) -> dict[str, Any]:
+        return read_checkpoint_dir(
+            folder, safe_globals=trainer_safe_globals(), skip=self.skip.__contains__
+        )
+
+    def _store_linked(self, linked: Path, step: int, metadata: dict[str, Any]) -> Any:
+        try:
+            return self.store.save(self._read(linked), run=self.run, step=step, metadata=metadata)
+        finally:
+            shutil.rmtree(linked, ignore_errors=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
@@ -170,6 +198,52 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
             _keep_newest_tags(self.store, self.run, args.save_total_limit, best)
         if self.keep_local is not None:
             _prune_local(folder.parent, self.keep_local, best, stored_up_to=generation.step)
+
+
+class _Background:
+    """One store of a checkpoint on a thread of its own; ``result()`` joins it and
+    raises what it raised. Not a daemon: a process that ends while it runs waits for
+    the save to publish."""
+
+    def __init__(self, work: Callable[[], Any], name: str) -> None:
+        self._work = work
+        self._outcome: tuple[bool, Any] = (False, None)
+        self._thread = threading.Thread(target=self._run, name=name)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcome = (True, self._work())
+        except BaseException as exc:  # handed to result()
+            self._outcome = (False, exc)
+
+    def result(self) -> Any:
+        self._thread.join()
+        done, value = self._outcome
+        if not done:
+            raise value
+        return value
+
+
+def _link_aside(folder: Path) -> Path | None:
+    """``folder``'s files hard-linked into a new hidden directory beside it; None where
+    the file system has no hard links."""
+    aside = folder.with_name(f"{_ASIDE}{folder.name}-{os.getpid()}")
+    shutil.rmtree(aside, ignore_errors=True)
+    try:
+        for path in folder.rglob("*"):
+            target = aside / path.relative_to(folder)
+            if path.is_dir():
+                target.mkdir(parents=True, exist_ok=True)
+            else:
+                target.parent.mkdir(parents=True, exist_ok=True)
+                _hard_link(path, target)
+    except OSError as exc:
+        shutil.rmtree(aside, ignore_errors=True)
+        if exc.errno in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP, errno.EOPNOTSUPP):
+            return None
+        raise
+    return aside
 
 
 def _keep_newest_tags(store: Store, run: str, limit: int, best: str | None) -> None:
