@@ -24,8 +24,9 @@ keeping history would. The runs:
   trainer         the Trainer alone (its ``checkpoint-*`` directories)
   castore         ``+ CastoreCallback(store, keep_local=0)``: each directory stored as a
                   generation once the Trainer has written it, then deleted
-  castore-async   the same with ``blocking=False`` (stored by castore's writer thread
-                  while training goes on; waited for at the next save and at the end)
+  castore-async   the same with ``blocking=False`` (the directory hard-linked aside and
+                  stored on the callback's thread while training goes on; waited for
+                  at the next save and at the end)
   castore-auto    the same as castore with ``codec="auto"`` (compression on)
 
 The castore callback does not replace the Trainer's write, it follows it: the
@@ -48,6 +49,8 @@ AdamW and a ``LinearLR`` schedule prepared), saving every ``every`` steps:
   accelerate      ``accelerator.save_state(DIR/step-N)``, every directory kept
   castore         ``CastoreState(accelerator, store).save(step)`` (Accelerate writes a
                   staging directory, castore stores it and deletes it)
+  castore-async   the same with ``blocking=False`` (stored and deleted on a thread while
+                  training goes on; waited for at the next save and at the end)
   castore-auto    the same with ``codec="auto"``
 
 each from a fresh ``Accelerator`` and the same seed, timed with
@@ -368,6 +371,9 @@ def run_accelerate_castore(
 
     try:
         fit_s, final = _loop(saves, every, layers, saver)
+        start = time.perf_counter()
+        states[-1].finish()  # blocking=False: the last save, still in flight
+        clock.end_wait_s = time.perf_counter() - start
     finally:
         for state in states:
             state.close()
@@ -406,6 +412,10 @@ def accelerate_round(
     runs: list[tuple[str, Callable[[], Any]]] = [
         ("accelerate", partial(run_accelerate, work, *shape)),
         ("castore", partial(run_accelerate_castore, work, "castore", *shape)),
+        (
+            "castore-async",
+            partial(run_accelerate_castore, work, "castore-async", *shape, blocking=False),
+        ),
     ]
     runs += [
         (name, partial(run_accelerate_castore, work, name, *shape, codec="auto"))

@@ -133,6 +133,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--kill-at", type=int, default=-1)
     parser.add_argument("--probe", action="store_true")
     parser.add_argument("--reference")
+    parser.add_argument("--async", dest="background", action="store_true")
     args = parser.parse_args(argv)
     if args.reference:
         reference = prepare()
@@ -140,7 +141,13 @@ def main(argv: list[str]) -> int:
         if reference.accelerator.is_main_process:
             np.savez(args.reference, **weights(reference))
     run = prepare()
-    state = CastoreState(run.accelerator, args.store, run=RUN, staging_dir=args.staging)
+    state = CastoreState(
+        run.accelerator,
+        args.store,
+        run=RUN,
+        staging_dir=args.staging,
+        blocking=not args.background,
+    )
     if args.probe:
         _probe(state, args.out)
     start = state.load() if args.resume else 0
@@ -148,6 +155,9 @@ def main(argv: list[str]) -> int:
     def save(step: int) -> None:
         if step % SAVE_EVERY == 0:
             if step == args.kill_at:
+                # Async, the save before may still be in flight: let it publish, so the
+                # one killed (on the main process's storing thread) is this step's.
+                state.finish()
                 faults.arm("save.before_ref_advance", "kill")
             state.save(step)
 

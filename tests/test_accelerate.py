@@ -193,13 +193,16 @@ def test_two_processes_on_gloo_save_every_rng_and_resume_bitwise_after_a_kill(
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_a_run_killed_inside_a_save_resumes_bitwise(
-    tmp_path: Path, uninterrupted: dict[str, np.ndarray]
+    tmp_path: Path, uninterrupted: dict[str, np.ndarray], blocking: bool
 ) -> None:
-    """SIGKILL inside castore's save at step 15, before its ref advances: the store's
-    latest generation is step 10's, and a run resumed from it with ``load()`` ends where
-    a run that never saved ends, bit for bit (mid-epoch: 8 batches an epoch)."""
-    killed = launch(["store", "staging", "killed.npz", "--kill-at", "15"], tmp_path)
+    """SIGKILL inside castore's save at step 15, before its ref advances (async: on the
+    thread that stores it while training goes on): the store's latest generation is
+    step 10's, and a run resumed from it with ``load()`` ends where a run that never
+    saved ends, bit for bit (mid-epoch: 8 batches an epoch)."""
+    flags = ["--kill-at", "15"] + ([] if blocking else ["--async"])
+    killed = launch(["store", "staging", "killed.npz", *flags], tmp_path)
     assert killed.returncode == -9, killed.stdout + killed.stderr
     assert not (tmp_path / "killed.npz").exists()
     with castore.open(tmp_path / "store") as store:
@@ -409,3 +412,30 @@ def test_two_states_on_one_machine_stage_apart(tmp_path: Path) -> None:
     assert leftovers(tmp_path) == []
     first.close()
     second.close()
+
+
+def test_async_saves_publish_in_order_and_a_failure_surfaces_at_the_next_call(
+    tmp_path: Path,
+) -> None:
+    """``blocking=False``: each save is stored on a thread while training goes on; the
+    next call waits for it, so the run's generations are the saves in order, tagged as
+    with blocking saves, and a save that fails there raises at the next call."""
+    run = fresh()
+    state = castore_state(run, tmp_path, blocking=False, keep=2)
+    for step in (5, 10, 15):
+        workers.train(run, start=step - 5, stop=step)
+        assert state.save(step) is None  # stored on the thread, not yet published
+    generation = state.finish()
+    assert generation is not None and generation.step == 15
+    assert state.finish() is None  # nothing left in flight
+    assert [g.step for g in state.store.generations(RUN)] == [5, 10, 15]
+    assert set(state.store.refs.tags(RUN)) == {"state-10", "state-15"}
+    assert leftovers(tmp_path) == []
+
+    run.accelerator.register_for_checkpointing(Registered({"kind": Opaque()}))
+    state.save(20)  # refused on the thread: raised by the next call
+    with pytest.raises(ImportSourceError, match="custom_checkpoint_0.pkl"):
+        state.close()
+    assert [g.step for g in state.store.generations(RUN)] == [5, 10, 15]
+    assert leftovers(tmp_path) == []
+    state.close()

@@ -383,6 +383,37 @@ def test_skip_leaves_a_file_out(tmp_path: Path) -> None:
     assert_same_checkpoint(path, written)
 
 
+def test_a_rank_rng_file_missing_from_the_checkpoint_is_refused(
+    reference: Reference, tmp_path: Path
+) -> None:
+    """Ranks on other nodes writing to their own disks: the directory rank 0 sees lacks
+    their RNG files, and a checkpoint stored without them would not resume those ranks.
+    Refused by name before anything is stored."""
+    from types import SimpleNamespace
+
+    out = tmp_path / "out"
+    shutil.copytree(reference.output_dir / "checkpoint-4", out / "checkpoint-4")
+    (out / "checkpoint-4" / "rng_state.pth").rename(out / "checkpoint-4" / "rng_state_0.pth")
+    args = SimpleNamespace(
+        output_dir=str(out),
+        world_size=2,
+        save_only_model=False,
+        save_total_limit=None,
+        to_json_string=lambda: "{}",
+    )
+    state = SimpleNamespace(is_world_process_zero=True, global_step=4, best_model_checkpoint=None)
+    callback = CastoreCallback(tmp_path / "store", run=RUN)
+    with pytest.raises(ImportSourceError, match=r"lacks rng_state_1\.pth"):
+        callback.on_save(args, state, None)
+    assert callback.store.runs() == []
+    (out / "checkpoint-4" / "rng_state_1.pth").write_bytes(
+        (out / "checkpoint-4" / "rng_state_0.pth").read_bytes()
+    )
+    callback.on_save(args, state, None)  # every rank's file there: stored
+    assert [g.step for g in callback.store.generations(RUN)] == [4]
+    callback.store.close()
+
+
 @pytest.mark.slow
 def test_two_ddp_ranks_on_gloo_store_both_rng_files_and_resume_bitwise(tmp_path: Path) -> None:
     """The Trainer's DDP on CPU (gloo), 2 ranks: rank 0 stores each checkpoint after every

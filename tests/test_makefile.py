@@ -26,7 +26,11 @@ fi
 # Each pip step, and words the line printed before it must hold.
 ANNOUNCED = {
     "-m pip install --quiet torch==2.13.0": ["installing torch==2.13.0", "CPU build", "MB"],
-    "-m pip install --quiet -e .[torch,dev,lightning]": ["installing castore", "dev tools"],
+    "-m pip install --quiet -e .[torch,dev,lightning,transformers,accelerate]": [
+        "installing castore",
+        "dev tools",
+        "transformers",
+    ],
     "-m pip install --quiet -e .[torch,dev,bench]": ["installing the bench extra"],
     "-m pip install --quiet -e .[torch,dev,cadence]": ["installing the cadence extra"],
 }

@@ -48,7 +48,11 @@ from castore.errors import (
     ImportSourceError,
     RankFailedError,
 )
-from castore.integrations.checkpoint_dirs import read_checkpoint_dir, write_checkpoint_dir
+from castore.integrations.checkpoint_dirs import (
+    Background,
+    read_checkpoint_dir,
+    write_checkpoint_dir,
+)
 from castore.store import Store
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
@@ -68,6 +72,11 @@ class CastoreState:
     a new directory each time, removed once stored (default: the system's
     temporary directory); on several nodes, one on a file system every node
     shares, since each process writes its RNG state there.
+
+    ``blocking=False``: ``save`` returns once Accelerate has written the state
+    to staging, and the main process stores, publishes and removes it on a
+    thread of its own while training goes on; the next ``save``, ``load`` or
+    ``close`` (or :meth:`finish`) waits for it and raises its error, if any.
     """
 
     def __init__(
@@ -79,9 +88,12 @@ class CastoreState:
         codec: str | None = None,
         keep: int | None = None,
         staging_dir: str | os.PathLike[str] | None = None,
+        blocking: bool = True,
         **open_options: Any,
     ) -> None:
         self.accelerator = accelerator
+        self.blocking = blocking
+        self._pending: Background | None = None
         self._given = store if isinstance(store, Store) else None
         self._address = store.path if isinstance(store, Store) else os.fspath(store)
         self._store: Store | None = self._given
@@ -101,29 +113,55 @@ class CastoreState:
 
     def save(self, step: int, **save_state_options: Any) -> Generation | None:
         """``accelerator.save_state`` into the store, as the next generation at ``step``
-        (the training step: resuming returns it); the generation on the main process,
-        None on the others. ``save_state_options`` go to ``save_state``."""
+        (the training step: resuming returns it); the generation on the main process
+        (None on the others, and with ``blocking=False``: :meth:`finish` gives it).
+        ``save_state_options`` go to ``save_state``."""
         accelerator = self.accelerator
         staging = self._staging("save")
         generation = None
         error: BaseException | None = None
+        handed_off = False
         try:
             written = Path(accelerator.save_state(str(staging), **save_state_options))
             accelerator.wait_for_everyone()  # every process's RNG file is written
             if accelerator.is_main_process:
                 try:
-                    generation = self._store_dir(written, int(step))
+                    self.finish()  # the save before, published (or its error raised)
+                    if self.blocking:
+                        generation = self._store_dir(written, int(step))
+                    else:
+                        _ = self.store  # opened here, on the training thread
+                        self._pending = Background(
+                            lambda: self._store_and_remove(written, int(step), staging),
+                            f"castore {self.run}@{int(step)}",
+                        )
+                        handed_off = True
                 except BaseException as exc:  # every process must reach the barrier below
                     error = exc
             failed = _agree(accelerator, error)
         finally:
-            if accelerator.is_main_process:
+            if accelerator.is_main_process and not handed_off:
                 shutil.rmtree(staging, ignore_errors=True)
         if error is not None:
             raise error
         if failed is not None:
             raise failed
         return generation
+
+    def finish(self) -> Generation | None:
+        """Wait for the save ``blocking=False`` left in flight (main process): its
+        generation, or the error that stopped it; None when there is none."""
+        if self._pending is None:
+            return None
+        pending, self._pending = self._pending, None
+        generation: Generation = pending.result()
+        return generation
+
+    def _store_and_remove(self, directory: Path, step: int, staging: Path) -> Generation:
+        try:
+            return self._store_dir(directory, step)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     def _staging(self, purpose: str) -> Path:
         """A new directory every process of the job writes to: made by the main process
@@ -187,6 +225,7 @@ class CastoreState:
         try:
             if accelerator.is_main_process:
                 try:
+                    self.finish()
                     resolved = self.store.resolve(self.run, generation)
                     tree = self.store.load(self.run, resolved.root, framework="auto")
                     write_checkpoint_dir(tree, staging)
@@ -208,9 +247,13 @@ class CastoreState:
         return int(found[0])
 
     def close(self) -> None:
-        if self._store is not None and self._given is None:
-            self._store.close()
-            self._store = None
+        """Finish the save in flight (raising its error) and close a store this opened."""
+        try:
+            self.finish()
+        finally:
+            if self._store is not None and self._given is None:
+                self._store.close()
+                self._store = None
 
 
 def _agree(accelerator: Any, error: BaseException | None) -> CastoreError | None:

@@ -28,6 +28,7 @@ import json
 import os
 import shutil
 import struct
+import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -101,6 +102,31 @@ def _safetensors_header(path: Path) -> bytes:
         if length > _HEADER_LIMIT:
             raise ImportSourceError(f"{path} is not a safetensors file: header of {length} bytes")
         return head + handle.read(length)
+
+
+class Background:
+    """One store of a checkpoint directory on a thread of its own; ``result()`` joins it and
+    raises what it raised. Not a daemon: a process that ends while it runs waits for
+    the save to publish."""
+
+    def __init__(self, work: Callable[[], Any], name: str) -> None:
+        self._work = work
+        self._outcome: tuple[bool, Any] = (False, None)
+        self._thread = threading.Thread(target=self._run, name=name)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._outcome = (True, self._work())
+        except BaseException as exc:  # handed to result()
+            self._outcome = (False, exc)
+
+    def result(self) -> Any:
+        self._thread.join()
+        done, value = self._outcome
+        if not done:
+            raise value
+        return value
 
 
 def write_checkpoint_dir(

@@ -34,8 +34,7 @@ import json
 import os
 import re
 import shutil
-import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +46,12 @@ from castore import gc as castore_gc
 from castore.core import fencing
 from castore.errors import GenerationNotFoundError, ImportSourceError
 from castore.format.hashing import Digest
-from castore.integrations.checkpoint_dirs import MARKER, read_checkpoint_dir, write_checkpoint_dir
+from castore.integrations.checkpoint_dirs import (
+    MARKER,
+    Background,
+    read_checkpoint_dir,
+    write_checkpoint_dir,
+)
 from castore.store import Store
 
 TRAINING_ARGS_FILE = "training_args.bin"
@@ -136,6 +140,18 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
                 f"the Trainer's checkpoint {folder} is not there to store (a "
                 "hyper-parameter search writes elsewhere: castore stores output_dir's)"
             )
+        if args.world_size > 1 and not args.save_only_model:
+            missing = [
+                name
+                for name in (f"rng_state_{i}.pth" for i in range(args.world_size))
+                if not (folder / name).is_file()
+            ]
+            if missing:
+                raise ImportSourceError(
+                    f"{folder} lacks {', '.join(missing)}: the ranks that write them do not "
+                    "see this output_dir (several nodes? castore stores a checkpoint every "
+                    "rank wrote into one directory, on a file system every node shares)"
+                )
         metadata = {
             "framework": "transformers.Trainer",
             "checkpoint": folder.name,
@@ -153,7 +169,7 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
                 self._read(folder), run=self.run, step=step, metadata=metadata, blocking=False
             )
         else:
-            pending = _Background(
+            pending = Background(
                 lambda: self._store_linked(linked, step, metadata), f"castore {folder.name}"
             )
         self._pending = (pending, folder, args, state)
@@ -194,35 +210,10 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
     def _published(self, generation: Any, folder: Path, args: Any, state: Any) -> None:
         castore_gc.tag(self.store, self.run, generation.id, folder.name)
         best = Path(state.best_model_checkpoint).name if state.best_model_checkpoint else None
-        if args.save_total_limit is not None:
+        if args.save_total_limit is not None and args.save_total_limit > 0:  # as the Trainer
             _keep_newest_tags(self.store, self.run, args.save_total_limit, best)
         if self.keep_local is not None:
             _prune_local(folder.parent, self.keep_local, best, stored_up_to=generation.step)
-
-
-class _Background:
-    """One store of a checkpoint on a thread of its own; ``result()`` joins it and
-    raises what it raised. Not a daemon: a process that ends while it runs waits for
-    the save to publish."""
-
-    def __init__(self, work: Callable[[], Any], name: str) -> None:
-        self._work = work
-        self._outcome: tuple[bool, Any] = (False, None)
-        self._thread = threading.Thread(target=self._run, name=name)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._outcome = (True, self._work())
-        except BaseException as exc:  # handed to result()
-            self._outcome = (False, exc)
-
-    def result(self) -> Any:
-        self._thread.join()
-        done, value = self._outcome
-        if not done:
-            raise value
-        return value
 
 
 def _link_aside(folder: Path) -> Path | None:

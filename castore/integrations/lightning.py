@@ -129,9 +129,7 @@ class CastoreCheckpointIO(CheckpointIO):
         """The checkpoint ``path``'s pointer names, as Lightning's dict of torch tensors."""
         self.finish()
         pointer = read_pointer(Path(path))
-        loaded: dict[str, Any] = self.store.load(
-            pointer["run"], pointer["root"], framework="torch"
-        )
+        loaded: dict[str, Any] = self.store.load(pointer["run"], pointer["root"], framework="torch")
         device = _device(map_location)
         if device is not None and device.type != "cpu":
             loaded = _to_device(loaded, device)
