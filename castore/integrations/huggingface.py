@@ -23,8 +23,8 @@ safe globals the Trainer itself allows (numpy's RNG state); a file that loader
 refuses stops the save with :class:`~castore.errors.ImportSourceError` naming
 it (leave it out with ``skip=``). ``training_args.bin`` (a pickle of the
 ``TrainingArguments`` object, which the Trainer writes for reference and never
-reads to resume) is not stored: its values are in the generation's metadata
-as JSON.
+reads to resume) is not stored: its values are in the generation, as plain
+values under ``training_args``.
 """
 
 from __future__ import annotations
@@ -152,25 +152,28 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
                     "see this output_dir (several nodes? castore stores a checkpoint every "
                     "rank wrote into one directory, on a file system every node shares)"
                 )
-        metadata = {
-            "framework": "transformers.Trainer",
-            "checkpoint": folder.name,
-            "training_args": json.loads(args.to_json_string()),
-        }
+        metadata = {"framework": "transformers.Trainer", "checkpoint": folder.name}
+        arguments = json.loads(args.to_json_string())  # secrets masked, as the Trainer logs them
         step = int(state.global_step)
         store = self.store  # opened here, on the training thread
         if self.blocking:
-            generation = store.save(self._read(folder), run=self.run, step=step, metadata=metadata)
+            tree = self._read(folder, arguments)
+            generation = store.save(tree, run=self.run, step=step, metadata=metadata)
             self._published(generation, folder, args, state)
             return
         linked = _link_aside(folder)
         if linked is None:  # no hard links here: read now, castore's writer stores it
             pending: Any = store.save(
-                self._read(folder), run=self.run, step=step, metadata=metadata, blocking=False
+                self._read(folder, arguments),
+                run=self.run,
+                step=step,
+                metadata=metadata,
+                blocking=False,
             )
         else:
             pending = Background(
-                lambda: self._store_linked(linked, step, metadata), f"castore {folder.name}"
+                lambda: self._store_linked(linked, arguments, step, metadata),
+                f"castore {folder.name}",
             )
         self._pending = (pending, folder, args, state)
 
@@ -179,14 +182,21 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
             for stale in Path(args.output_dir).glob(f"{_ASIDE}*"):  # a killed run's
                 shutil.rmtree(stale, ignore_errors=True)
 
-    def _read(self, folder: Path) -> dict[str, Any]:
-        return read_checkpoint_dir(
+    def _read(self, folder: Path, arguments: dict[str, Any]) -> dict[str, Any]:
+        """The directory as a state, with the ``TrainingArguments`` as plain values
+        (``training_args.bin``, their pickle, is not stored)."""
+        tree = read_checkpoint_dir(
             folder, safe_globals=trainer_safe_globals(), skip=self.skip.__contains__
         )
+        tree["training_args"] = arguments
+        return tree
 
-    def _store_linked(self, linked: Path, step: int, metadata: dict[str, Any]) -> Any:
+    def _store_linked(
+        self, linked: Path, arguments: dict[str, Any], step: int, metadata: dict[str, Any]
+    ) -> Any:
         try:
-            return self.store.save(self._read(linked), run=self.run, step=step, metadata=metadata)
+            tree = self._read(linked, arguments)
+            return self.store.save(tree, run=self.run, step=step, metadata=metadata)
         finally:
             shutil.rmtree(linked, ignore_errors=True)
 
