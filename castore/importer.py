@@ -114,8 +114,9 @@ def index_files(index: Path) -> list[str]:
     return sorted(names)
 
 
-def map_safetensors(path: Path) -> dict[str, np.ndarray]:
-    """Every tensor of one safetensors file, as a read-only view of the mapped file."""
+def safetensors_header_bytes(path: Path) -> bytes:
+    """The 8-byte length and the JSON header of a safetensors file, as written; a length
+    over safetensors' own bound is refused before anything is read."""
     with path.open("rb") as handle:
         head = handle.read(8)
         if len(head) < 8:
@@ -123,10 +124,17 @@ def map_safetensors(path: Path) -> dict[str, np.ndarray]:
         (length,) = struct.unpack("<Q", head)
         if length > _HEADER_LIMIT:
             raise ImportSourceError(f"{path} is not a safetensors file: header of {length} bytes")
-        try:
-            header = json.loads(handle.read(length))
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ImportSourceError(f"{path} is not a safetensors file: {exc}") from None
+        return head + handle.read(length)
+
+
+def map_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """Every tensor of one safetensors file, as a read-only view of the mapped file."""
+    raw = safetensors_header_bytes(path)
+    (length,) = struct.unpack("<Q", raw[:8])
+    try:
+        header = json.loads(raw[8:])
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ImportSourceError(f"{path} is not a safetensors file: {exc}") from None
     if not isinstance(header, dict):
         raise ImportSourceError(f"{path} is not a safetensors file: its header is not a map")
     start = 8 + length

@@ -177,11 +177,7 @@ class CastoreState:
                 made[0] = tempfile.mkdtemp(prefix=prefix, dir=root)
             except OSError as exc:
                 error = exc
-        failed = _agree(accelerator, error)
-        if error is not None:
-            raise error
-        if failed is not None:
-            raise failed
+        _settle(accelerator, error)
         if accelerator.num_processes > 1:
             broadcast_object_list(made)
         return Path(made[0])
@@ -232,11 +228,7 @@ class CastoreState:
                     found[0] = resolved.step
                 except BaseException as exc:
                     error = exc
-            failed = _agree(accelerator, error)
-            if error is not None:
-                raise error
-            if failed is not None:
-                raise failed
+            _settle(accelerator, error)
             accelerator.load_state(str(staging), **load_state_options)
             accelerator.wait_for_everyone()
         finally:
@@ -254,6 +246,16 @@ class CastoreState:
             if self._store is not None and self._given is None:
                 self._store.close()
                 self._store = None
+
+
+def _settle(accelerator: Any, error: BaseException | None) -> None:
+    """Raise on every process what the main process raised (``error`` there), if it did;
+    every process waits here."""
+    failed = _agree(accelerator, error)
+    if error is not None:
+        raise error
+    if failed is not None:
+        raise failed
 
 
 def _agree(accelerator: Any, error: BaseException | None) -> CastoreError | None:

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from castore.errors import CorruptObjectError, ImportSourceError
-from castore.importer import load_weights_only, map_safetensors
+from castore.importer import load_weights_only, map_safetensors, safetensors_header_bytes
 from castore.support.safefs import fsync_dir, write_all
 
 FORMAT = "castore-checkpoint-dir"
@@ -47,7 +47,6 @@ MARKER = ".castore-checkpoint.json"
 # Files at most this large are stored as plain bytes in the state; larger ones as a
 # uint8 tensor, chunked and deduplicated like every other tensor.
 _INLINE_LIMIT = 64 << 10
-_HEADER_LIMIT = 100 << 20
 
 
 def read_checkpoint_dir(
@@ -78,7 +77,7 @@ def _read_file(path: Path, safe_globals: list[Any]) -> dict[str, Any]:
     if path.suffix == ".safetensors":
         return {
             "kind": "safetensors",
-            "header": _safetensors_header(path),
+            "header": safetensors_header_bytes(path),
             "tensors": map_safetensors(path),
         }
     if path.suffix in PICKLE_SUFFIXES:
@@ -90,18 +89,6 @@ def _read_file(path: Path, safe_globals: list[Any]) -> dict[str, Any]:
     if len(data) > _INLINE_LIMIT:
         return {"kind": "bytes", "data": np.frombuffer(data, dtype=np.uint8)}
     return {"kind": "bytes", "data": data}
-
-
-def _safetensors_header(path: Path) -> bytes:
-    """The 8-byte length and the JSON header of a safetensors file, as written."""
-    with path.open("rb") as handle:
-        head = handle.read(8)
-        if len(head) < 8:
-            raise ImportSourceError(f"{path} is not a safetensors file: too short")
-        (length,) = struct.unpack("<Q", head)
-        if length > _HEADER_LIMIT:
-            raise ImportSourceError(f"{path} is not a safetensors file: header of {length} bytes")
-        return head + handle.read(length)
 
 
 class Background:
