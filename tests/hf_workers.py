@@ -8,6 +8,11 @@ of the checkpoint at STEP, before its ref advances (castore's fault point
 ``save.before_ref_advance``, reached on the training thread or, with
 ``blocking=False``, on the callback's own); it never returns.
 
+    python tests/hf_workers.py crash STORE OUT REFUSE
+
+trains with ``blocking=False`` and fails by an exception in the step after the
+save at step 4, that save still in flight (REFUSE=1: one castore refuses).
+
     python tests/hf_workers.py restore STORE OUT GENERATION
 
 restores RUN@GENERATION of STORE as OUT/checkpoint-STEP, as an earlier attempt
@@ -90,9 +95,32 @@ def ddp(workdir: str) -> int:
     return 0
 
 
+class CrashAfterSave(TrainerCallback):  # type: ignore[misc]
+    """Training fails in the step after the save of ``step``: on_train_end never runs."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step == self.step:
+            raise RuntimeError("training failed")
+
+
+def crash(store: str, out: str, refuse: str) -> int:
+    """A blocking=False run that dies of an exception right after the save at step 4,
+    its store still in flight: refuse=1 makes that store fail (a pickle the
+    weights_only loader refuses in the optimizer's state)."""
+    from test_huggingface import Note, noted_sgd
+
+    callback = CastoreCallback(store, run=RUN, blocking=False)
+    optimizer = noted_sgd(Note()) if refuse == "1" else None
+    train(Path(out), [callback, CrashAfterSave(4)], optimizer=optimizer)
+    return 1  # not reached: train raises
+
+
 def main(argv: list[str]) -> int:
     mode, *args = argv
-    return {"kill": kill, "restore": restore, "ddp": ddp}[mode](*args)
+    return {"kill": kill, "restore": restore, "ddp": ddp, "crash": crash}[mode](*args)
 
 
 if __name__ == "__main__":

@@ -373,6 +373,29 @@ def test_a_value_castore_cannot_encode_is_refused_naming_file_and_key(tmp_path: 
         assert RUN not in store.runs()
 
 
+@pytest.mark.parametrize("refuse", [False, True], ids=["published", "refused"])
+def test_an_async_save_in_flight_when_training_dies_is_published_or_said(
+    tmp_path: Path, refuse: bool
+) -> None:
+    """Training ends by an exception (no on_train_end) while the save of checkpoint-4 is
+    on the callback's thread: the process waits for it at exit, and it is published and
+    tagged; or, when it fails, stderr says that it was not published."""
+    log = tmp_path / "log"
+    process = start_worker(log, "crash", tmp_path / "store", tmp_path / "out", int(refuse))
+    assert finished(process) == 1, log.read_text()
+    said = log.read_text()
+    assert "training failed" in said
+    with castore.open(tmp_path / "store") as store:
+        if refuse:
+            assert RUN not in store.runs()
+            assert "castore's store of checkpoint-4 failed and was not published" in said
+            assert "optimizer.pt is not loadable with weights_only" in said
+        else:
+            assert [g.step for g in store.generations(RUN)] == [4]
+            assert set(store.refs.tags(RUN)) == {"checkpoint-4"}
+            assert "was not published" not in said
+
+
 def test_skip_leaves_a_file_out(tmp_path: Path) -> None:
     callback = CastoreCallback(tmp_path / "store", run=RUN, skip=("optimizer.pt",))
     train(tmp_path / "out", [callback], optimizer=noted_sgd(Note()), max_steps=4)

@@ -24,10 +24,12 @@ at the destination is always whole.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import shutil
 import struct
+import sys
 import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -65,9 +67,11 @@ def read_checkpoint_dir(
     files: dict[str, Any] = {}
     for path in sorted(directory.rglob("*")):
         relative = path.relative_to(directory).as_posix()
+        if path.is_symlink():  # checked first: a link to a directory is not walked
+            raise ImportSourceError(f"{path} is a symbolic link: castore stores only files")
         if path.is_dir() or path.name == MARKER or skip(relative):
             continue
-        if path.is_symlink() or not path.is_file():
+        if not path.is_file():
             raise ImportSourceError(f"{path} is not a regular file: castore stores only files")
         files[relative] = _read_file(path, list(safe_globals))
     return {"format": FORMAT, "version": VERSION, "files": files}
@@ -94,12 +98,15 @@ def _read_file(path: Path, safe_globals: list[Any]) -> dict[str, Any]:
 class Background:
     """One store of a checkpoint directory on a thread of its own; ``result()`` joins it and
     raises what it raised. Not a daemon: a process that ends while it runs waits for
-    the save to publish."""
+    the save to publish, and if it failed and nobody asked, says so on stderr at exit."""
 
     def __init__(self, work: Callable[[], Any], name: str) -> None:
         self._work = work
+        self.name = name
         self._outcome: tuple[bool, Any] = (False, None)
+        self._collected = False
         self._thread = threading.Thread(target=self._run, name=name)
+        _UNCOLLECTED.add(self)
         self._thread.start()
 
     def _run(self) -> None:
@@ -110,10 +117,28 @@ class Background:
 
     def result(self) -> Any:
         self._thread.join()
+        _UNCOLLECTED.discard(self)
         done, value = self._outcome
         if not done:
             raise value
         return value
+
+
+_UNCOLLECTED: set[Background] = set()
+
+
+@atexit.register
+def _say_what_failed() -> None:
+    """Runs after the interpreter joined every non-daemon thread: a store nobody waited
+    for (training ended by an exception) that failed did not publish; say so."""
+    for job in list(_UNCOLLECTED):
+        done, value = job._outcome
+        if not done:
+            print(
+                f"castore: {job.name} failed and was not published: "
+                f"{type(value).__name__}: {value}",
+                file=sys.stderr,
+            )
 
 
 def write_checkpoint_dir(
@@ -173,8 +198,8 @@ def _safe_relative(relative: Any) -> str:
 def _write_file(target: Path, relative: str, entry: Any) -> None:
     kind = entry.get("kind") if isinstance(entry, dict) else None
     if kind == "safetensors":
-        _write_safetensors(target, relative, entry["header"], entry["tensors"])
-    elif kind == "torch":
+        _write_safetensors(target, relative, entry.get("header"), entry.get("tensors"))
+    elif kind == "torch" and "value" in entry:
         import torch
 
         torch.save(entry["value"], target)  # by path: the archive is named as the original
@@ -183,7 +208,7 @@ def _write_file(target: Path, relative: str, entry: Any) -> None:
             os.fsync(fd)
         finally:
             os.close(fd)
-    elif kind == "bytes" and isinstance(entry["data"], (bytes, np.ndarray)):
+    elif kind == "bytes" and isinstance(entry.get("data"), (bytes, np.ndarray)):
         data = entry["data"]
         _write_bytes(target, data if isinstance(data, bytes) else _raw(data))
     else:
@@ -200,7 +225,7 @@ def _write_safetensors(target: Path, relative: str, header: Any, tensors: Any) -
             for name, info in entries.items()
             if name != "__metadata__"
         )
-    except (TypeError, ValueError, KeyError, IndexError, struct.error) as exc:
+    except (AttributeError, TypeError, ValueError, KeyError, IndexError, struct.error) as exc:
         raise CorruptObjectError(f"checkpoint file {relative!r}: a bad header ({exc!r})") from None
     if (
         length != len(header) - 8
@@ -228,6 +253,8 @@ def _write_safetensors(target: Path, relative: str, header: Any, tensors: Any) -
 def _raw(array: Any) -> np.ndarray:
     """The bytes of a numpy array or a torch tensor, as a flat uint8 array."""
     if not isinstance(array, np.ndarray):
+        if not hasattr(array, "contiguous"):  # a stored tree with a plain value here
+            raise CorruptObjectError(f"a checkpoint tensor is a {type(array).__name__}")
         array = array.contiguous().view(-1).view(dtype=_torch_uint8()).numpy()
     return np.ascontiguousarray(array).reshape(-1).view(np.uint8)
 

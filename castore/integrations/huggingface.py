@@ -121,7 +121,8 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
         self.keep_local = keep_local
         self.skip = frozenset(skip) | {TRAINING_ARGS_FILE}
         self._open_options = {**open_options, **({"codec": codec} if codec else {})}
-        self._pending: tuple[Any, Path, Any, Any] | None = None
+        # An async save and what to do once it is published (None: its thread does it).
+        self._pending: tuple[Any, tuple[Path, Any, Any] | None] | None = None
 
     @property
     def store(self) -> Store:
@@ -171,11 +172,15 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
                 blocking=False,
             )
         else:
+            # Tagged and pruned on that thread too: a process whose training ends by an
+            # exception (no on_train_end) still leaves the save published and kept.
             pending = Background(
-                lambda: self._store_linked(linked, arguments, step, metadata),
-                f"castore {folder.name}",
+                lambda: self._store_linked(
+                    linked, arguments, step, metadata, (folder, args, state)
+                ),
+                f"castore's store of {folder.name}",
             )
-        self._pending = (pending, folder, args, state)
+        self._pending = (pending, None if linked is not None else (folder, args, state))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero and Path(args.output_dir).is_dir():
@@ -192,13 +197,20 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
         return tree
 
     def _store_linked(
-        self, linked: Path, arguments: dict[str, Any], step: int, metadata: dict[str, Any]
+        self,
+        linked: Path,
+        arguments: dict[str, Any],
+        step: int,
+        metadata: dict[str, Any],
+        then: tuple[Path, Any, Any],
     ) -> Any:
         try:
             tree = self._read(linked, arguments)
-            return self.store.save(tree, run=self.run, step=step, metadata=metadata)
+            generation = self.store.save(tree, run=self.run, step=step, metadata=metadata)
         finally:
             shutil.rmtree(linked, ignore_errors=True)
+        self._published(generation, *then)
+        return generation
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
@@ -208,14 +220,14 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
                 self._store = None
 
     def finish(self) -> None:
-        """Wait for the async save in flight, then tag it and apply retention."""
+        """Wait for the async save in flight (tagged, and retention applied, once published)."""
         if self._pending is None:
             return
-        pending, folder, args, state = self._pending
+        pending, then = self._pending
         self._pending = None
         generation = pending.result()  # raises the writer's error, if it failed
-        if generation is not None:
-            self._published(generation, folder, args, state)
+        if generation is not None and then is not None:
+            self._published(generation, *then)
 
     def _published(self, generation: Any, folder: Path, args: Any, state: Any) -> None:
         castore_gc.tag(self.store, self.run, generation.id, folder.name)
