@@ -133,7 +133,7 @@ class CastoreState:
                         _ = self.store  # opened here, on the training thread
                         self._pending = Background(
                             lambda: self._store_and_remove(written, int(step), staging),
-                            f"castore {self.run}@{int(step)}",
+                            f"castore's store of {self.run} at step {int(step)}",
                         )
                         handed_off = True
                 except BaseException as exc:  # every process must reach the barrier below

@@ -183,9 +183,11 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
         self._pending = (pending, None if linked is not None else (folder, args, state))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if state.is_world_process_zero and Path(args.output_dir).is_dir():
-            for stale in Path(args.output_dir).glob(f"{_ASIDE}*"):  # a killed run's
-                shutil.rmtree(stale, ignore_errors=True)
+        if state.is_world_process_zero:
+            self.finish()  # a save an earlier train() left in flight (it ended by an error)
+            if Path(args.output_dir).is_dir():
+                for stale in Path(args.output_dir).glob(f"{_ASIDE}*"):  # a killed run's
+                    shutil.rmtree(stale, ignore_errors=True)
 
     def _read(self, folder: Path, arguments: dict[str, Any]) -> dict[str, Any]:
         """The directory as a state, with the ``TrainingArguments`` as plain values
