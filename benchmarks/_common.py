@@ -7,6 +7,8 @@ import multiprocessing as mp
 import os
 import socket
 import stat
+import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -165,3 +167,48 @@ def parse_codecs(text: str) -> list[str]:
             f"{text!r}: a comma-separated list of distinct codecs from {', '.join(CODECS)}"
         )
     return codecs
+
+
+# -- the framework benchmarks (bench_lightning.py, bench_huggingface.py) -------------
+
+
+def median_later(values: list[float]) -> float:
+    """The median of every value after the first (a first save opens and warms up)."""
+    return statistics.median(values[1:]) if len(values) > 1 else values[0]
+
+
+def same_state(a: Any, b: Any) -> bool:
+    """Two states equal bit for bit: torch tensors and numpy arrays by dtype and
+    value, containers by their keys and items, plain values by ``==``."""
+    import numpy as np
+
+    torch = sys.modules.get("torch")  # a torch tensor only where torch is imported
+    if torch is not None and isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, np.ndarray):
+        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, dict):
+        return (
+            isinstance(b, dict) and a.keys() == b.keys() and all(same_state(a[k], b[k]) for k in a)
+        )
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(same_state(x, y) for x, y in zip(a, b, strict=True))
+    return bool(a == b)
+
+
+def add_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each run's totals, bytes per later save and time per later save over the first
+    run's (the framework alone), as ``ratio_*`` fields for the JSON record."""
+    base = results[0]
+    for r in results:
+        r["ratio_total_allocated"] = r["total_allocated"] / base["total_allocated"]
+        r["ratio_total_apparent"] = r["total_apparent"] / base["total_apparent"]
+        r["ratio_median_later_save_bytes"] = (
+            r["median_later_save_bytes"] / base["median_later_save_bytes"]
+        )
+        r["ratio_median_later_save_s"] = r["median_later_save_s"] / base["median_later_save_s"]
+    return results
+
+
+def mb(n: float) -> str:
+    return f"{n / 1e6:.2f} MB"

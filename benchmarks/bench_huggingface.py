@@ -103,10 +103,9 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import accelerate  # noqa: E402
-import numpy as np  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
-from _common import tree_bytes  # noqa: E402
+from _common import add_ratios, mb, median_later, same_state, tree_bytes  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from transformers import (  # noqa: E402
     GPT2Config,
@@ -424,17 +423,13 @@ def accelerate_round(
     done = {name: run() for name, run in (runs[::-1] if reverse else runs)}
     final = done["accelerate"][1]
     for name, (_, castore_final) in done.items():
-        if not _same(final, castore_final):
+        if not same_state(final, castore_final):
             raise RuntimeError(f"accelerate {name}: training diverged from the plain run")
     check_accelerate(work, [name for name, _ in runs[1:]], final, layers, saves * every)
     return {name: done[name][0] for name, _ in runs}
 
 
 # ---- results ----
-
-
-def _median_later(values: list[float]) -> float:
-    return statistics.median(values[1:]) if len(values) > 1 else values[0]
 
 
 def _result(
@@ -452,12 +447,12 @@ def _result(
         "castore_save_s": clock.castore_s,
         "end_wait_s": clock.end_wait_s,
         "first_save_s": times[0],
-        "median_later_save_s": _median_later(times),
-        "median_later_framework_s": _median_later(clock.framework_s),
-        "median_later_castore_s": _median_later(clock.castore_s),
+        "median_later_save_s": median_later(times),
+        "median_later_framework_s": median_later(clock.framework_s),
+        "median_later_castore_s": median_later(clock.castore_s),
         "bytes_per_save": per_save,
         "first_save_bytes": per_save[0],
-        "median_later_save_bytes": _median_later([float(b) for b in per_save]),
+        "median_later_save_bytes": median_later([float(b) for b in per_save]),
         "total_apparent": apparent,
         "total_allocated": allocated,
     }
@@ -499,18 +494,6 @@ def _castore_result(
 # ---- checks: the last checkpoint comes back as the framework wrote it ----
 
 
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
-
-
 def _files(directory: Path) -> dict[str, Path]:
     return {
         p.relative_to(directory).as_posix(): p
@@ -526,7 +509,7 @@ def _same_checkpoint(reference: Path, restored: Path) -> str | None:
         return f"files {sorted(expected)} != {sorted(got)}"
     for name, path in expected.items():
         if path.suffix in PICKLES:
-            same = _same(
+            same = same_state(
                 torch.load(path, weights_only=False), torch.load(got[name], weights_only=False)
             )
         else:
@@ -566,17 +549,13 @@ def check_accelerate(
             step = state.load()
         finally:
             state.close()
-        if step != steps or not _same(final, _snapshot(model, optimizer, schedule)):
+        if step != steps or not same_state(final, _snapshot(model, optimizer, schedule)):
             raise RuntimeError(
                 f"{name}: the state loaded from the last save differs from Accelerate's"
             )
 
 
 # ---- output ----
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
 
 
 def _ms(s: float) -> str:
@@ -598,27 +577,15 @@ def print_table(results: list[dict[str, Any]], framework: str) -> None:
         castore_part = "" if r is base else f" + {_ms(r['median_later_castore_s'])}"
         end_wait = _ms(r["end_wait_s"]) if r is not base and r["end_wait_s"] else "-"
         print(
-            f"| {r['name']} | {r['saves']} | {_mb(r['total_allocated'])} "
-            f"| {_mb(r['total_apparent'])} | {_mb(r['first_save_bytes'])} "
-            f"| {_mb(r['median_later_save_bytes'])} | {_ms(r['first_save_s'])} "
+            f"| {r['name']} | {r['saves']} | {mb(r['total_allocated'])} "
+            f"| {mb(r['total_apparent'])} | {mb(r['first_save_bytes'])} "
+            f"| {mb(r['median_later_save_bytes'])} | {_ms(r['first_save_s'])} "
             f"| {_ms(r['median_later_save_s'])} "
             f"| {_ms(r['median_later_framework_s'])}{castore_part} | {end_wait} "
             f"| {ratio_b:.3f} | {ratio_t:.2f} |"
         )
     left = [f"{r['name']} {r['left_local_bytes']['allocated']} B" for r in results[1:]]
     print(f"\nleft on local disk by the castore runs besides the store: {', '.join(left)}")
-
-
-def _with_ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    base = results[0]
-    for r in results:
-        r["ratio_total_allocated"] = r["total_allocated"] / base["total_allocated"]
-        r["ratio_total_apparent"] = r["total_apparent"] / base["total_apparent"]
-        r["ratio_median_later_save_bytes"] = (
-            r["median_later_save_bytes"] / base["median_later_save_bytes"]
-        )
-        r["ratio_median_later_save_s"] = r["median_later_save_s"] / base["median_later_save_s"]
-    return results
 
 
 def _quiet() -> None:
@@ -676,7 +643,7 @@ def main() -> int:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     print(
         f"GPT2LMHeadModel ({layers} blocks, width {WIDTH}, vocabulary {VOCAB}): "
-        f"{params / 1e6:.2f} M fp32 parameters ({_mb(params * 4)}), all frozen but the last "
+        f"{params / 1e6:.2f} M fp32 parameters ({mb(params * 4)}), all frozen but the last "
         f"block ({trainable / 1e6:.2f} M); {saves} saves every {every} steps; "
         f"{args.repeats} round(s) of each run, medians of the later saves of all rounds"
     )
@@ -712,8 +679,8 @@ def main() -> int:
                 "cpus": os.cpu_count(),
             },
             "elapsed_s": elapsed,
-            "trainer": _with_ratios(trainer),
-            "accelerate": _with_ratios(acc),
+            "trainer": add_ratios(trainer),
+            "accelerate": add_ratios(acc),
         }
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps(payload, indent=2) + "\n")

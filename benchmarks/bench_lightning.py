@@ -50,7 +50,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -61,7 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
-from _common import tree_bytes  # noqa: E402
+from _common import add_ratios, mb, median_later, same_state, tree_bytes  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from lightning.pytorch.plugins.io import TorchCheckpointIO  # noqa: E402
 
@@ -145,22 +144,8 @@ def _fit(io: Any, ckpts: Path, saves: int, every: int, layers: int) -> float:
     return time.perf_counter() - start
 
 
-def _median_later(values: list[float]) -> float:
-    return statistics.median(values[1:]) if len(values) > 1 else values[0]
-
-
 def _last(ckpts: Path) -> Path:
     return max(ckpts.glob("*.ckpt"), key=lambda p: int(p.stem.rsplit("step=", 1)[1]))
-
-
-def _same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b, strict=True))
-    return bool(a == b)
 
 
 def run_lightning(work: Path, saves: int, every: int, layers: int) -> dict[str, Any]:
@@ -204,10 +189,10 @@ def _result(
         "fit_s": fit_s,
         "save_s": times,
         "first_save_s": times[0],
-        "median_later_save_s": _median_later(times),
+        "median_later_save_s": median_later(times),
         "bytes_per_save": per_save,
         "first_save_bytes": per_save[0],
-        "median_later_save_bytes": _median_later([float(b) for b in per_save]),
+        "median_later_save_bytes": median_later([float(b) for b in per_save]),
         "total_apparent": apparent,
         "total_allocated": allocated,
     }
@@ -223,12 +208,8 @@ def check_last(work: Path, names: list[str]) -> None:
         finally:
             io.teardown()
         for key in ("state_dict", "optimizer_states", "global_step", "epoch"):
-            if not _same(reference[key], loaded[key]):
+            if not same_state(reference[key], loaded[key]):
                 raise RuntimeError(f"{name}: last checkpoint's {key} differs from Lightning's")
-
-
-def _mb(n: float) -> str:
-    return f"{n / 1e6:.2f} MB"
 
 
 def print_table(results: list[dict[str, Any]]) -> None:
@@ -243,9 +224,9 @@ def print_table(results: list[dict[str, Any]]) -> None:
         ratio_b = r["total_allocated"] / base["total_allocated"]
         ratio_t = r["median_later_save_s"] / base["median_later_save_s"]
         print(
-            f"| {r['name']} | {r['saves']} | {_mb(r['total_allocated'])} "
-            f"| {_mb(r['total_apparent'])} | {_mb(r['first_save_bytes'])} "
-            f"| {_mb(r['median_later_save_bytes'])} | {r['first_save_s'] * 1e3:.1f} ms "
+            f"| {r['name']} | {r['saves']} | {mb(r['total_allocated'])} "
+            f"| {mb(r['total_apparent'])} | {mb(r['first_save_bytes'])} "
+            f"| {mb(r['median_later_save_bytes'])} | {r['first_save_s'] * 1e3:.1f} ms "
             f"| {r['median_later_save_s'] * 1e3:.1f} ms | {ratio_b:.3f} | {ratio_t:.2f} |"
         )
 
@@ -294,20 +275,13 @@ def main() -> int:
     params = sum(p.numel() for p in FrozenBackboneClassifier(args.layers).parameters())
     print(
         f"frozen TransformerEncoder ({args.layers} layers, d_model {D_MODEL}) + Linear head: "
-        f"{params / 1e6:.2f} M fp32 parameters ({_mb(params * 4)}); "
+        f"{params / 1e6:.2f} M fp32 parameters ({mb(params * 4)}); "
         f"{args.saves} saves every {args.every} steps; ratios against lightning"
     )
     print_table(results)
     print(f"last checkpoints equal bitwise; ran {elapsed:.1f} s")
     if args.json:
-        base = results[0]
-        for r in results:
-            r["ratio_total_allocated"] = r["total_allocated"] / base["total_allocated"]
-            r["ratio_total_apparent"] = r["total_apparent"] / base["total_apparent"]
-            r["ratio_median_later_save_bytes"] = (
-                r["median_later_save_bytes"] / base["median_later_save_bytes"]
-            )
-            r["ratio_median_later_save_s"] = r["median_later_save_s"] / base["median_later_save_s"]
+        add_ratios(results)
         payload = {
             "benchmark": "bench_lightning",
             "args": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
