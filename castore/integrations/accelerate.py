@@ -19,10 +19,12 @@ with :class:`~castore.errors.ImportSourceError` naming it, before anything is
 stored.
 
 Multi-process runs: every process calls ``save()`` and ``load()`` (as with
-``save_state``); the staging directory must be one every process of the
-machine sees, and the main process alone stores and materialises it. When that
-fails, every process raises: the main process its error, the others the same castore
-error type (:class:`~castore.errors.RankFailedError` for any other kind).
+``save_state``); the staging directory must be one every process of the job
+sees (on several nodes, a shared file system: a state missing a process's RNG
+file is refused), and the main process alone stores and materialises it. When
+that fails, every process raises: the main process its error, the others the
+same castore error type (:class:`~castore.errors.RankFailedError` for any other
+kind).
 """
 
 from __future__ import annotations
