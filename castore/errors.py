@@ -36,6 +36,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── CollectiveError              the group stopped answering (a rank died)
     │   │   └── CollectiveTimeoutError   no answer within the timeout
     │   ├── LayoutMismatchError          ranks or targets disagree with the saved layout
+    │   ├── ReplicaMismatchError         a value passed as replicated differs between ranks
     │   └── RankLocalMismatchError       per-rank state asked of a different world size
     ├── RefConflictError                 the ref moved under a compare-and-swap
     │   ├── BlobConflictError            a blob's version moved under a compare-and-swap
@@ -280,6 +281,11 @@ class CollectiveTimeoutError(CollectiveError):
 
 class LayoutMismatchError(DistributedError):
     """Ranks disagree on a state's layout, or a target disagrees with what was saved."""
+
+
+class ReplicaMismatchError(DistributedError):
+    """A value every rank passes as replicated (a tensor without a Shard, a plain value)
+    differs between ranks; nothing was published. ``keys``: the values that differ."""
 
 
 class RankLocalMismatchError(DistributedError):

@@ -143,15 +143,19 @@ def _in_order(pieces: Sequence[memoryview], hashing: list[Future[list[bytes]]]) 
 def digests_in_order(views: Sequence[memoryview], *, inline: bool = False) -> Iterator[bytes]:
     """Every view's blake3 digest, in order: the big ones on the shared pool, unless ``inline``.
 
-    ``inline`` hashes on the calling thread only: a background save that must
-    not take more than one core from training.
+    The pool starts on the big ones at the call, so a caller may do other work
+    (write another rank's chunks) before it reads the digests. ``inline``
+    hashes on the calling thread only: a background save that must not take
+    more than one core from training.
     """
     if inline:
-        for view in views:
-            yield digest_bytes(view, threads=1)
-        return
+        return (digest_bytes(view, threads=1) for view in views)
     pool = shared_pool()
     hashing = [pool.submit(_hash_run, run) for run in _pool_runs(views)]
+    return _collected(views, hashing)
+
+
+def _collected(views: Sequence[memoryview], hashing: list[Future[list[bytes]]]) -> Iterator[bytes]:
     try:
         yield from _in_order(views, hashing)
     finally:

@@ -70,6 +70,7 @@ from castore.format.objects import GenerationRoot, encode_object
 from castore.format.codec import check_setting
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, encode_state
 from castore.repo.records import RefValue, validate_run_name
+from castore.dist.replicas import ReplicaDigests, check_replicas
 from castore.dist.restore import LoadReport, LoadResult, load
 from castore.store import Store, annotate_interrupt, check_step, digests_of
 from castore.support.faults import fault_point
@@ -88,6 +89,7 @@ class _Prepared:
     layout: str  # digest of the tensors' names, kinds, dtypes and global shapes
     replicated: list[tuple[str, int]]  # (name, nbytes) of tensors written by one rank
     sharded_bytes: int
+    replicas: ReplicaDigests  # compared across ranks before the publish
     # The global tensors this rank writes, when fixed before the ranks meet
     # (async saves stage only those); None: assigned from every rank's load.
     owned: set[str] | None = None
@@ -98,6 +100,7 @@ def _prepare(
     step: SupportsIndex,
     metadata: dict[str, Any] | None,
     data_order: dict[str, Any] | None,
+    chunk_size: int,
     *,
     owner: tuple[int, int] | None = None,
 ) -> _Prepared:
@@ -129,6 +132,7 @@ def _prepare(
         layout=digest_bytes(msgpack.packb(layout)).hex(),
         replicated=replicated,
         sharded_bytes=sum(leaf_nbytes(leaf) for leaf in encoded.leaves if leaf.sharded),
+        replicas=ReplicaDigests(encoded, chunk_size),
         owned=owned,
     )
 
@@ -304,12 +308,16 @@ def _save_in_group(
 ) -> Generation:
     started = time.perf_counter()
     validate_run_name(run)
-    prepared, failure = attempt(lambda: _prepare(state, step, metadata, data_order))
+    prepared, failure = attempt(
+        lambda: _prepare(state, step, metadata, data_order, store.chunk_size)
+    )
     if prepared is not None:
         prepared.encoded.codec = codec
 
     def write(generation: int, mine: set[str]) -> dict[str, Any]:
         assert prepared is not None
+        if comm.world_size > 1:  # hashed on the pool while this rank writes its own
+            prepared.replicas.start(mine)
         shard = write_shard(
             store,
             prepared.encoded,
@@ -321,7 +329,8 @@ def _save_in_group(
             versions=store.versions if trust_versions else None,
         )
         store.background.remember(digests_of(shard.manifest))  # for a changed-chunk save next
-        return _commit_shard(store, shard, started)
+        prepared.replicas.add_written(shard.manifest.tensors)
+        return {**_commit_shard(store, shard, started), "replicas": prepared.replicas.combined()}
 
     digest = _commit_in_group(store, comm, run, step, prepared, failure, write, started)
     return Generation.from_root(digest, store.read_root(digest, run=run))
@@ -402,6 +411,13 @@ def _commit_in_group(
         ack, failure = attempt(locked_write)
         acks = comm.all_gather({"error": describe(failure), **(ack or {})}, "save: write shards")
         raise_failures(acks, comm, failure)
+        check_replicas(
+            [ack["replicas"] for ack in acks],
+            comm,
+            prepared.replicas,
+            run=run,
+            generation=generation,
+        )
         if session is not None:
             session.replicate(acks)
 
@@ -495,7 +511,13 @@ def _start_async(
 
     def prepare() -> _Prepared:
         validate_run_name(run)
-        return _prepare(state, step, metadata, data_order, owner=(comm.rank, comm.world_size))
+        prepared = _prepare(
+            state, step, metadata, data_order, store.chunk_size, owner=(comm.rank, comm.world_size)
+        )
+        if comm.world_size > 1:  # only what this rank writes is staged: digest the rest now
+            prepared.replicas.start(prepared.owned or set())
+            prepared.replicas.settle()
+        return prepared
 
     prepared, failure = attempt(prepare)
     leaves: list[TensorLeaf] = []
@@ -529,6 +551,9 @@ def _start_async(
                 stats=written.stats,
             )
             ack = _commit_shard(store, shard, started)
+            assert prepared is not None
+            prepared.replicas.add_written(shard.manifest.tensors)
+            ack["replicas"] = prepared.replicas.combined()
             clock[0] = time.perf_counter()
             pending.bytes = SaveBytes(
                 written.stats.logical_bytes,

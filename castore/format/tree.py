@@ -24,6 +24,7 @@ from castore.format.dtypes import (
     name_of_torch_dtype,
     numpy_dtype,
 )
+from castore.format.hashing import digest_bytes
 from castore.format.shard import RankLocal, Shard
 
 EXT_TUPLE = 1
@@ -508,6 +509,42 @@ def check_depth(value: Any, what: str, limit: int = MAX_DEPTH) -> None:
         if depth > limit:
             raise CorruptObjectError(f"{what} nests more than {limit} levels deep")
         stack.extend((child, depth + 1) for child in children)
+
+
+def value_digests(skeleton: bytes) -> dict[str, bytes]:
+    """The blake3 digest of each plain value in a state's skeleton, by key path.
+
+    Tensors and per-rank values appear as their references (their names), so
+    two skeletons whose plain values are equal give equal maps, whatever order
+    their dicts list keys in; each container adds its kind at its own path, so
+    ``{}`` and ``[]`` differ. For a skeleton this process encoded (its depth
+    was bounded then), never for bytes read from a store.
+    """
+    found: dict[str, bytes] = {}
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, msgpack.ExtType) and node.code in (EXT_TUPLE, EXT_ORDERED_DICT):
+            kind = "tuple" if node.code == EXT_TUPLE else "ordered-dict"
+            items = _unpack_raw(node.data)
+            pairs = enumerate(items) if node.code == EXT_TUPLE else items
+        elif isinstance(node, dict):
+            kind, pairs = "dict", node.items()
+        elif isinstance(node, list):
+            kind, pairs = "list", enumerate(node)
+        else:
+            found[path] = digest_bytes(_pack(node))
+            return
+        found[path] = digest_bytes(kind.encode())
+        for key, value in pairs:
+            walk(value, join_path(path, key))
+
+    walk(_unpack_raw(skeleton), "")
+    return found
+
+
+def _unpack_raw(data: bytes) -> Any:
+    """msgpack with extension types left as they are (their payloads unread)."""
+    return msgpack.unpackb(data, raw=False, strict_map_key=False)
 
 
 def tensor_names(data: bytes) -> list[tuple[str, str]]:

@@ -1,0 +1,181 @@
+"""Replicated values compared across ranks before a publish.
+
+A tensor passed to ``castore.dist.save`` without :class:`~castore.Shard`, and
+every plain value, is saved once, as replicated: one rank writes it and a
+restore gives it to every rank. Each rank digests its own copy and the ranks
+compare before the coordinator publishes. Replicas that differ are a user
+error (a rank's block passed as a whole tensor) or silent data corruption;
+either way nothing is published, and every rank raises
+:class:`~castore.errors.ReplicaMismatchError` naming the values and the ranks.
+
+What it costs: a rank hashes the replicated tensors another rank writes, on
+the shared hash pool while it writes its own chunks; those it writes are
+digested from their chunk names, which the write computes anyway. Each rank's
+acknowledgement, which the ranks exchange already, carries one 32-byte digest
+of all its replicated values; only when those differ do the ranks exchange a
+digest per value, to name what differs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import msgpack
+import numpy as np
+
+from castore.core.chunkio import cut_chunks, digests_in_order
+from castore.dist.comm import Group
+from castore.errors import ReplicaMismatchError
+from castore.format.hashing import digest_bytes
+from castore.format.objects import TensorEntry
+from castore.format.tree import EncodedTree, TensorLeaf, value_digests
+
+# The longest list of differing values one error names.
+_NAMED = 5
+
+
+def tensor_digest(chunks: Iterable[bytes]) -> bytes:
+    """A replicated tensor's digest: of its chunk names, in order (a write's own names)."""
+    return digest_bytes(b"".join(chunks))
+
+
+class ReplicaDigests:
+    """This rank's digest of each value it passes as replicated."""
+
+    def __init__(self, encoded: EncodedTree, chunk_size: int) -> None:
+        self.skeleton = encoded.skeleton
+        self.leaves = [leaf for leaf in encoded.leaves if not leaf.sharded]
+        self.chunk_size = chunk_size
+        self.tensors: dict[str, bytes] = {}
+        self._hashing: list[tuple[str, Iterator[bytes]]] = []
+
+    def start(self, written: set[str]) -> None:
+        """Start hashing the replicated tensors this rank does not write (``written``)."""
+        for leaf in self.leaves:
+            if leaf.name not in written:
+                views = cut_chunks(_host_bytes(leaf), self.chunk_size)
+                self._hashing.append((leaf.name, digests_in_order(views)))
+
+    def settle(self) -> None:
+        """Wait for the hashing :meth:`start` began (an async save: before training moves on)."""
+        for name, digests in self._hashing:
+            self.tensors[name] = tensor_digest(digests)
+        self._hashing.clear()
+
+    def add_written(self, entries: Iterable[TensorEntry]) -> None:
+        """The replicated tensors this rank wrote, from their chunk names."""
+        replicated = {leaf.name for leaf in self.leaves}
+        for entry in entries:
+            if entry.name in replicated:
+                self.tensors[entry.name] = tensor_digest(entry.chunks)
+
+    def combined(self) -> bytes:
+        """One digest of every replicated value: what the ranks compare first."""
+        self.settle()
+        packed = msgpack.packb([digest_bytes(self.skeleton), sorted(self.tensors.items())])
+        return digest_bytes(packed)
+
+    def per_value(self) -> dict[str, bytes]:
+        """Each value's digest by key path (a tensor's bytes where it stands)."""
+        self.settle()
+        return {**value_digests(self.skeleton), **self.tensors}
+
+
+def _host_bytes(leaf: TensorLeaf) -> np.ndarray:
+    if leaf.device_bytes is not None:  # an async save's GPU tensor: its bytes come over
+        return np.asarray(leaf.device_bytes.cpu().numpy())
+    return leaf.data
+
+
+def check_replicas(
+    combined: list[bytes], comm: Group, mine: ReplicaDigests, *, run: str, generation: int
+) -> None:
+    """Raise ReplicaMismatchError on every rank if the ranks' replicated values differ.
+
+    ``combined``: every rank's :meth:`ReplicaDigests.combined`, in rank order (the
+    same list on every rank, so every rank takes the same branch). Where they
+    differ the ranks exchange a digest per value; values equal but for the order
+    of a dict's keys are equal.
+    """
+    if len(set(combined)) <= 1:
+        return
+    details = comm.all_gather(mine.per_value(), "save: compare replicas")
+    differing = differing_values(details)
+    if differing:
+        raise ReplicaMismatchError(
+            _message(differing, details, set(mine.tensors), run, generation),
+            run=run,
+            generation=generation,
+            rank=comm.rank,
+            keys=[path for path, _ in differing],
+        )
+
+
+def differing_values(details: list[dict[str, bytes]]) -> list[tuple[str, list[list[int]]]]:
+    """Each key path whose digest is not the same on every rank, with the ranks grouped
+    by what they hold: the largest group first, the ranks that lack the key last."""
+    paths = sorted(set().union(*details))
+    differing = []
+    for path in paths:
+        groups: dict[bytes | None, list[int]] = {}
+        for rank, digests in enumerate(details):
+            groups.setdefault(digests.get(path), []).append(rank)
+        if len(groups) > 1:
+            absent = groups.pop(None, [])
+            held = sorted(groups.values(), key=lambda g: (-len(g), g[0]))
+            differing.append((path, held + ([absent] if absent else [])))
+    return differing
+
+
+def _message(
+    differing: list[tuple[str, list[list[int]]]],
+    details: list[dict[str, bytes]],
+    tensors: set[str],
+    run: str,
+    generation: int,
+) -> str:
+    path, groups = differing[0]
+    what = "tensor" if path in tensors else "value"
+    named = f"{what} {path or '<root>'!r}"
+    others = [p or "<root>" for p, _ in differing[1:_NAMED]]
+    more = f" (and {len(differing) - 1}: {', '.join(map(repr, others))}" if others else ""
+    if others:
+        more += ", ..." if len(differing) > _NAMED else ""
+        more += ")"
+    lacking = path not in details[groups[-1][0]]
+    return (
+        f"replicated {named}{more} differs between ranks: {_who(groups, lacking)}; nothing "
+        f"of generation {generation} of run {run!r} is published. A tensor passed without "
+        "castore.Shard, and every plain value, is saved once and must be the same on every "
+        "rank: pass a rank's block of a sharded tensor as castore.Shard(local, offsets, "
+        "global_shape), and a value meant to differ between ranks as castore.RankLocal(value)"
+    )
+
+
+def _who(groups: list[list[int]], lacking: bool) -> str:
+    """Which ranks differ; ``lacking``: the last group lacks the value."""
+    if lacking:
+        holders = sorted(rank for group in groups[:-1] for rank in group)
+        held = "it" if len(groups) == 2 else f"{len(groups) - 1} different copies"
+        return f"{_ranks(groups[-1])} {_verb('lack', groups[-1])} it; {_ranks(holders)} {_verb('hold', holders)} {held}"
+    if len(groups) == 2:
+        return f"{_ranks(groups[1])} {_verb('differ', groups[1])} from {_ranks(groups[0])}"
+    return f"{len(groups)} different copies, held by " + "; ".join(_ranks(g) for g in groups)
+
+
+def _verb(verb: str, ranks: list[int]) -> str:
+    return verb + "s" if len(ranks) == 1 else verb
+
+
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-2, 5``."""
+    spans: list[str] = []
+    start = previous = ranks[0]
+    for rank in [*ranks[1:], None]:
+        if rank is not None and rank == previous + 1:
+            previous = rank
+            continue
+        spans.append(str(start) if start == previous else f"{start}-{previous}")
+        if rank is not None:
+            start = previous = rank
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(spans)
