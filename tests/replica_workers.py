@@ -86,3 +86,43 @@ def run_cases(rank: int, world: int, path: str, cases: list[str], blocking: bool
         out["loaded_w"] = loaded.state["w"].numpy()
         out["loaded_mine"] = loaded.state["mine"].numpy()
     return out
+
+
+def trusting_saves(rank: int, world: int, path: str) -> list[dict[str, Any]]:
+    """Saves that trust version counters: an unchanged replicated tensor is not hashed
+    again to compare, and one changed in place on one rank alone is still caught."""
+    import torch
+
+    from castore.dist import replicas
+
+    hashed: list[int] = []
+    hash_views = replicas.digests_in_order
+
+    def counting(views: Any, **options: Any) -> Any:
+        hashed.append(len(views))
+        return hash_views(views, **options)
+
+    replicas.digests_in_order = counting  # type: ignore[assignment]
+    state = {"a": torch.zeros(4000), "b": torch.zeros(4000)}
+    for tensor in state.values():
+        tensor.add_(1.0)  # a counter at 0 is never trusted
+    steps = [
+        ("first", lambda: None),
+        ("unchanged", lambda: None),
+        ("one_rank_moved", lambda: state["a"].add_(1.0) if rank == world - 1 else None),
+        ("all_moved", lambda: state["a"].add_(1.0) if rank != world - 1 else None),
+    ]
+    out = []
+    with castore.open(path) as store:
+        for step, (case, change) in enumerate(steps, start=1):
+            change()
+            hashed.clear()
+            result: dict[str, Any] = {"case": case}
+            try:
+                castore.dist.save(store, state, run="T", step=step, trust_versions=True)
+                result["published"] = True
+            except castore.CastoreError as exc:
+                result["error"] = type(exc).__name__
+            result["hashed_to_compare"] = sum(hashed)
+            out.append(result)
+    return out

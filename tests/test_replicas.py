@@ -43,7 +43,7 @@ PUBLISHED = {"equal", "key_order"}
 def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
     """Every case saved by 2 ranks (blocking), 3 ranks (blocking) and 2 ranks (async)."""
     base = tmp_path_factory.mktemp("replicas")
-    launches = {"two": (2, True), "three": (3, True), "async": (2, False)}
+    launches = {"two": (2, True), "three": (3, True), "async": (2, False), "trusting": (2, None)}
     paths = {}
     for name in launches:
         paths[name] = str(base / name)
@@ -51,6 +51,8 @@ def groups(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str,
     outcomes = run_groups(
         [
             (world, rw.run_cases, (paths[name], CASES, blocking), {"timeout": 150.0})
+            if blocking is not None
+            else (world, rw.trusting_saves, (paths[name],), {"timeout": 150.0})
             for name, (world, blocking) in launches.items()
         ]
     )
@@ -116,8 +118,8 @@ def test_every_differing_value_is_named(groups: dict[str, list[dict[str, Any]]])
 def test_the_published_state_and_rank_local_values_load_back(
     groups: dict[str, list[dict[str, Any]]],
 ) -> None:
-    for per_rank in groups.values():
-        for rank, out in enumerate(per_rank):
+    for launch in ("two", "three", "async"):
+        for rank, out in enumerate(groups[launch]):
             np.testing.assert_array_equal(out["loaded_w"], np.arange(16.0).reshape(4, 4))
             np.testing.assert_array_equal(out["loaded_mine"], np.full(3, float(rank)))
 
@@ -133,3 +135,15 @@ def test_a_single_process_save_checks_nothing(tmp_path: Path) -> None:
     with castore.open(tmp_path / "s") as store:
         generation = castore.dist.save(store, {"w": np.arange(4.0), "lr": 0.1}, run="R", step=1)
     assert generation.id == 1
+
+
+def test_a_trusting_save_hashes_only_what_moved_and_still_compares(
+    groups: dict[str, list[dict[str, Any]]],
+) -> None:
+    """Each rank writes one of the two tensors and hashes the other (4000 fp32: 4 chunks)."""
+    first, unchanged, one_moved, all_moved = zip(*groups["trusting"], strict=True)
+    assert [r["hashed_to_compare"] for r in first] == [4, 4]
+    assert {r.get("published") for r in first + unchanged + all_moved} == {True}
+    assert [r["hashed_to_compare"] for r in unchanged] == [0, 0]
+    assert {r.get("error") for r in one_moved} == {"ReplicaMismatchError"}
+    assert sum(r["hashed_to_compare"] for r in one_moved) <= 4  # 'a' on one rank at most

@@ -87,23 +87,35 @@ class VersionCache:
         Only where the store still holds every chunk: the caller holds the save
         lock, so garbage collection cannot remove them before it publishes.
         """
-        seen = self._runs.get(run)
-        if not seen:
-            return {}
-        known: dict[int, tuple[bytes, ...]] = {}
-        for index, leaf in enumerate(leaves):
-            record = seen.get(leaf.name)
-            if record is not None and record.holds(leaf, chunk_size):
-                known[index] = record.entry.chunks
+        known = self.unmoved(run, leaves, chunk_size)
         keys = list({key for chunks in known.values() for key in chunks})
         present = dict(zip(keys, backend.has_many(Namespace.CHUNKS, keys), strict=True))
         return {i: chunks for i, chunks in known.items() if all(present[k] for k in chunks)}
 
+    def unmoved(
+        self, run: str, leaves: Sequence[TensorLeaf], chunk_size: int
+    ) -> dict[int, tuple[bytes, ...]]:
+        """Leaf index -> the chunk digests it was last recorded as, for the leaves that
+        have not moved since (whether the store holds those chunks or not)."""
+        seen = self._runs.get(run, {})
+        return {
+            index: record.entry.chunks
+            for index, leaf in enumerate(leaves)
+            if (record := seen.get(leaf.name)) is not None and record.holds(leaf, chunk_size)
+        }
+
     def record(
-        self, run: str, leaves: Sequence[TensorLeaf], entries: Sequence[TensorEntry]
+        self,
+        run: str,
+        leaves: Sequence[TensorLeaf],
+        entries: Sequence[TensorEntry],
+        *,
+        add: bool = False,
     ) -> None:
-        """Remember what a published save wrote for each plain torch tensor of ``run``."""
-        seen: dict[str, _Seen] = {}
+        """Remember what a published save wrote for each plain torch tensor of ``run``
+        (``add``: beside what was recorded of this save already, e.g. the replicated
+        tensors this rank hashed to compare but another rank wrote)."""
+        seen: dict[str, _Seen] = self._runs.get(run, {}) if add else {}
         for leaf, entry in zip(leaves, entries, strict=False):
             source = leaf.source
             if source is None or leaf.version < 1 or source._version != leaf.version:

@@ -316,8 +316,9 @@ def _save_in_group(
 
     def write(generation: int, mine: set[str]) -> dict[str, Any]:
         assert prepared is not None
+        versions = store.versions if trust_versions else None
         if comm.world_size > 1:  # hashed on the pool while this rank writes its own
-            prepared.replicas.start(mine)
+            prepared.replicas.start(mine, versions, run)
         shard = write_shard(
             store,
             prepared.encoded,
@@ -326,9 +327,10 @@ def _save_in_group(
             rank=comm.rank,
             own=mine,
             midway_fault="dist.worker_mid_shard",
-            versions=store.versions if trust_versions else None,
+            versions=versions,
         )
         store.background.remember(digests_of(shard.manifest))  # for a changed-chunk save next
+        prepared.replicas.settle(versions, run)  # after write_shard, which records anew
         prepared.replicas.add_written(shard.manifest.tensors)
         return {**_commit_shard(store, shard, started), "replicas": prepared.replicas.combined()}
 

@@ -23,7 +23,8 @@ from collections.abc import Iterable, Iterator
 import msgpack
 import numpy as np
 
-from castore.core.chunkio import cut_chunks, digests_in_order
+from castore.core.chunkio import cut_chunks, digests_in_order, entry_of
+from castore.core.unchanged import VersionCache
 from castore.dist.comm import Group
 from castore.errors import ReplicaMismatchError
 from castore.format.hashing import digest_bytes
@@ -47,20 +48,35 @@ class ReplicaDigests:
         self.leaves = [leaf for leaf in encoded.leaves if not leaf.sharded]
         self.chunk_size = chunk_size
         self.tensors: dict[str, bytes] = {}
-        self._hashing: list[tuple[str, Iterator[bytes]]] = []
+        self._hashing: list[tuple[TensorLeaf, Iterator[bytes]]] = []
 
-    def start(self, written: set[str]) -> None:
-        """Start hashing the replicated tensors this rank does not write (``written``)."""
-        for leaf in self.leaves:
-            if leaf.name not in written:
+    def start(self, written: set[str], versions: VersionCache | None = None, run: str = "") -> None:
+        """Start hashing the replicated tensors this rank does not write (``written``).
+
+        ``versions`` (a save that trusts version counters): a tensor that has not
+        moved since this handle last digested it is not hashed again.
+        """
+        others = [leaf for leaf in self.leaves if leaf.name not in written]
+        trusted = versions.unmoved(run, others, self.chunk_size) if versions else {}
+        for index, leaf in enumerate(others):
+            if index in trusted:
+                self._hashing.append((leaf, iter(trusted[index])))
+            else:
                 views = cut_chunks(_host_bytes(leaf), self.chunk_size)
-                self._hashing.append((leaf.name, digests_in_order(views)))
+                self._hashing.append((leaf, digests_in_order(views)))
 
-    def settle(self) -> None:
-        """Wait for the hashing :meth:`start` began (an async save: before training moves on)."""
-        for name, digests in self._hashing:
-            self.tensors[name] = tensor_digest(digests)
+    def settle(self, versions: VersionCache | None = None, run: str = "") -> None:
+        """Wait for the hashing :meth:`start` began (an async save: before training moves
+        on); ``versions``: remember each tensor's chunks (hashed or trusted) for the next
+        save, beside what this save's write recorded."""
+        hashed = [(leaf, tuple(digests)) for leaf, digests in self._hashing]
         self._hashing.clear()
+        for leaf, chunks in hashed:
+            self.tensors[leaf.name] = tensor_digest(chunks)
+        if versions is not None:
+            leaves = [leaf for leaf, _ in hashed]
+            entries = [entry_of(leaf, self.chunk_size, chunks) for leaf, chunks in hashed]
+            versions.record(run, leaves, entries, add=True)
 
     def add_written(self, entries: Iterable[TensorEntry]) -> None:
         """The replicated tensors this rank wrote, from their chunk names."""

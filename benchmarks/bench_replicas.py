@@ -1,0 +1,215 @@
+"""What comparing replicated values across ranks costs a castore.dist save.
+
+Run from the repository root::
+
+    .venv/bin/python benchmarks/bench_replicas.py [--state-mib 256] [--tensors 32] [--ranks 2]
+                                                  [--repeats 5] [--quiet 2] [--dir DIR]
+                                                  [--json OUT]
+
+``--ranks`` spawned processes join one gloo group and stay alive for the whole
+run (process start and imports are never timed). Each passes the same state,
+as a data-parallel job does: ``--tensors`` fp32 tensors of random values
+(seeded per tensor, the same on every rank), ``--state-mib`` in all, every one
+passed as replicated (no ``castore.Shard``). castore writes each replicated
+tensor once, on one rank; since the check, every rank also digests the
+replicated tensors the other ranks write, and the ranks compare one digest
+each before the publish (castore.dist.replicas).
+
+Each repetition, in a fresh scratch folder, times (in an order that rotates):
+
+  torch.save       rank 0 ``torch.save`` of the state to one file, fsynced
+  DCP              ``dcp.save`` with ``FileSystemWriter(sync_files=True)`` (DCP
+                   writes one replica of each plain tensor and never compares them)
+  castore          ``castore.dist.save`` into a new store (every chunk new)
+  unchecked        the same with the comparison switched off in the ranks (the
+                   save as it was before the check), into another new store
+
+then, for both castore variants, a re-save of the unchanged state into the
+same store (generation 2: every chunk hashed, none written).
+
+A time is the slowest rank's call after a barrier. The parent syncs and pauses
+``--quiet`` seconds before each step. Prints medians and ratios, and the goal
+of the check's issue: the check costs at most 5% of a save with replicated state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from _common import PipedRanks, join_gloo, print_goals
+from tabulate import tabulate
+
+import castore
+import castore.dist
+
+MIB = 1 << 20
+COLLECTIVE_TIMEOUT = 300.0
+METHODS = ["torch.save", "DCP", "castore", "unchecked"]
+GOAL = 1.05  # castore's save time <= 1.05x the unchecked save's (first save and re-save)
+
+
+def make_state(state_mib: int, tensors: int) -> dict[str, Any]:
+    import torch
+
+    numel = state_mib * MIB // 4 // tensors
+    return {
+        f"layers.{i:03d}.weight": torch.randn(numel, generator=torch.Generator().manual_seed(i))
+        for i in range(tensors)
+    }
+
+
+def switch_off_the_check() -> None:
+    """The save as it was before replicated values were compared (this process only)."""
+    from castore.dist import replicas
+
+    def start(self: Any, written: set[str]) -> None:
+        pass
+
+    replicas.ReplicaDigests.start = start  # type: ignore[method-assign]
+    castore.dist.check_replicas = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+
+
+def worker(rank: int, port: int, world: int, state_mib: int, tensors: int, conn: Any) -> None:
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    try:
+        join_gloo(rank, port, world, COLLECTIVE_TIMEOUT)
+        state = make_state(state_mib, tensors)
+        conn.send({"ready": True})
+    except Exception:  # noqa: BLE001 - the parent must hear about it
+        conn.send({"error": traceback.format_exc()})
+        return
+
+    def timed(method: str, path: str, step: int) -> float:
+        dist.barrier()
+        started = time.perf_counter()
+        if method == "torch.save":
+            if rank == 0:
+                with open(path, "wb") as handle:
+                    torch.save(state, handle)
+                    handle.flush()
+                    os.fsync(handle.fileno())
+        elif method == "DCP":
+            dcp.save(state, storage_writer=dcp.FileSystemWriter(path, sync_files=True))
+        else:
+            with castore.open(path, create=False) as store:
+                castore.dist.save(store, state, run="bench", step=step, timeout=COLLECTIVE_TIMEOUT)
+        seconds = time.perf_counter() - started
+        dist.barrier()
+        return seconds
+
+    while True:
+        command = conn.recv()
+        if command[0] == "stop":
+            return
+        try:
+            _, method, path, step = command
+            if method == "unchecked":
+                switch_off_the_check()
+            try:
+                conn.send({"seconds": timed(method, path, step)})
+            finally:
+                castore.dist.check_replicas = CHECK  # type: ignore[attr-defined]
+                castore.dist.replicas.ReplicaDigests.start = START  # type: ignore[method-assign]
+        except Exception:  # noqa: BLE001
+            conn.send({"error": traceback.format_exc()})
+
+
+START = castore.dist.replicas.ReplicaDigests.start
+CHECK = castore.dist.check_replicas  # type: ignore[attr-defined]
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    ranks = PipedRanks(args.ranks, worker, (args.ranks, args.state_mib, args.tensors), "replicas")
+    times: dict[str, list[float]] = {
+        m: [] for m in [*METHODS, "castore re-save", "unchecked re-save"]
+    }
+    try:
+        for rep in range(args.repeats):
+            scratch = Path(tempfile.mkdtemp(prefix="bench-replicas-", dir=args.dir))
+            try:
+                order = METHODS[rep % len(METHODS) :] + METHODS[: rep % len(METHODS)]
+                for method in order:
+                    path = scratch / method.replace(".", "-")
+                    if method in ("castore", "unchecked"):
+                        castore.open(path).close()
+                    times[method].append(step(ranks, method, path, 1, args.quiet))
+                for method in ("castore", "unchecked") if rep % 2 else ("unchecked", "castore"):
+                    path = scratch / method
+                    times[f"{method} re-save"].append(step(ranks, method, path, 2, args.quiet))
+            finally:
+                shutil.rmtree(scratch)
+    finally:
+        ranks.close()
+    return {name: statistics.median(values) for name, values in times.items()} | {"all": times}
+
+
+def step(ranks: PipedRanks, method: str, path: Path, number: int, quiet: float) -> float:
+    os.sync()
+    time.sleep(quiet)
+    return max(reply["seconds"] for reply in ranks.command("save", method, str(path), number))
+
+
+def report(medians: dict[str, Any], args: argparse.Namespace) -> list[dict[str, Any]]:
+    gib = args.state_mib / 1024
+    rows = []
+    for name in [*METHODS, "castore re-save", "unchecked re-save"]:
+        seconds = medians[name]
+        rows.append([name, f"{seconds:.3f}", f"{gib / seconds:.2f}", *ratios(medians, name)])
+    print(
+        f"{args.state_mib} MiB in {args.tensors} replicated fp32 tensors, {args.ranks} ranks, "
+        f"{args.repeats} repetitions (medians)"
+    )
+    headers = ["save", "s", "GiB/s", "/ torch.save", "/ DCP", "/ unchecked"]
+    print(tabulate(rows, headers=headers, tablefmt="github"))
+    first = medians["castore"] / medians["unchecked"]
+    again = medians["castore re-save"] / medians["unchecked re-save"]
+    verdicts = [
+        {"goal": "check <= 5% of a first save", "measured": f"{first:.3f}x", "met": first <= GOAL},
+        {"goal": "check <= 5% of a re-save", "measured": f"{again:.3f}x", "met": again <= GOAL},
+    ]
+    print_goals(verdicts)
+    return verdicts
+
+
+def ratios(medians: dict[str, Any], name: str) -> list[str]:
+    seconds = medians[name]
+    unchecked = medians["unchecked re-save" if "re-save" in name else "unchecked"]
+    return [
+        f"{seconds / medians['torch.save']:.2f}x",
+        f"{seconds / medians['DCP']:.2f}x",
+        f"{seconds / unchecked:.3f}x" if name.startswith(("castore", "unchecked")) else "",
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--state-mib", type=int, default=256)
+    parser.add_argument("--tensors", type=int, default=32)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quiet", type=float, default=2.0, help="seconds to pause before a step")
+    parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
+    parser.add_argument("--json", default=None, help="write the medians and verdicts here")
+    args = parser.parse_args()
+    medians = run(args)
+    verdicts = report(medians, args)
+    if args.json:
+        Path(args.json).write_text(
+            json.dumps({"args": vars(args), **medians, "goals": verdicts}, indent=1)
+        )
+
+
+if __name__ == "__main__":
+    main()
