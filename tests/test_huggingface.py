@@ -396,6 +396,23 @@ def test_an_async_save_in_flight_when_training_dies_is_published_or_said(
             assert "was not published" not in said
 
 
+@pytest.mark.slow
+def test_an_async_save_killed_right_after_it_published_is_tagged(tmp_path: Path) -> None:
+    """No hard links (castore's async writer stores the checkpoint): SIGKILL once the
+    save of checkpoint-4 has published, before the training thread waited for it. Its
+    tag is there (it was written only at the next save or the end of training, and an
+    untagged generation is one ``castore gc`` past ``keep_last`` drops)."""
+    log = tmp_path / "log"
+    process = start_worker(log, "published", tmp_path / "store", tmp_path / "out")
+    assert finished(process) == -signal.SIGKILL, log.read_text()[-3000:]
+    with castore.open(tmp_path / "store") as store:
+        generations = store.generations(RUN)
+        assert [g.step for g in generations] == [4]
+        tags = store.refs.tags(RUN)
+        assert set(tags) == {"checkpoint-4"}
+        assert tags["checkpoint-4"].root.hex == generations[0].root
+
+
 def test_skip_leaves_a_file_out(tmp_path: Path) -> None:
     callback = CastoreCallback(tmp_path / "store", run=RUN, skip=("optimizer.pt",))
     train(tmp_path / "out", [callback], optimizer=noted_sgd(Note()), max_steps=4)
