@@ -229,6 +229,40 @@ def test_a_restored_checkpoint_is_left_alone_and_a_partial_one_replaced(
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-16"]  # no temporary left
 
 
+def flip_last_byte(path: Path) -> None:
+    """Change ``path`` in place, its size and modification time kept."""
+    before = path.stat()
+    with path.open("r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last[0] ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+EDITS = {
+    # Under 1 MiB (this model's weights too): its digest is in the marker.
+    "changed": lambda path: flip_last_byte(path / "model.safetensors"),
+    "truncated": lambda path: os.truncate(path / "optimizer.pt", 100),
+    "removed": lambda path: (path / "rng_state.pth").unlink(),
+    "added": lambda path: (path / "pytorch_model.bin").write_bytes(b"not the Trainer's"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_restored_checkpoint_edited_since_is_restored_again(
+    reference: Reference, tmp_path: Path, edit: str
+) -> None:
+    """The marker promises the files as they were written: a directory that no longer
+    holds them (a file changed, truncated, removed or added) is not handed to the
+    Trainer as it is, but restored again, whole."""
+    out = tmp_path / "out"
+    path = Path(restore_checkpoint(reference.store, out, run=RUN, generation="checkpoint-8"))
+    EDITS[edit](path)
+    assert restore_checkpoint(reference.store, out, run=RUN, generation="checkpoint-8") == str(path)
+    assert_same_checkpoint(path, reference.output_dir / "checkpoint-8")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_a_run_killed_inside_a_save_resumes_from_castore_bitwise(

@@ -48,8 +48,8 @@ from castore.core.background import PendingSave
 from castore.errors import GenerationNotFoundError, ImportSourceError
 from castore.format.hashing import Digest
 from castore.integrations.checkpoint_dirs import (
-    MARKER,
     Background,
+    holds_marked,
     read_checkpoint_dir,
     write_checkpoint_dir,
 )
@@ -310,8 +310,10 @@ def restore_checkpoint(
     Every byte is verified before anything is written; the directory appears
     whole (written beside it, then renamed), replacing one of the same name (a
     checkpoint the Trainer had begun to write when it was killed). A directory
-    already materialised from the same generation is left as it is, so every
-    rank may call this (``with args.main_process_first(): ...``).
+    already materialised from the same generation, and holding still the files
+    its marker lists as they were written (:func:`holds_marked`), is left as
+    it is, so every rank may call this (``with args.main_process_first():
+    ...``); one changed, truncated or missing a file since is restored again.
     """
     opened = store if isinstance(store, Store) else castore.open(store)
     try:
@@ -321,7 +323,7 @@ def restore_checkpoint(
             name = f"{PREFIX_CHECKPOINT_DIR}-{found.step}"
         destination = Path(output_dir) / name
         marker = {"store": str(opened.path), "run": run, "generation": found.id, "root": found.root}
-        if _marked(destination) == marker:
+        if holds_marked(destination, marker):
             # Left as it is, yet a resume all the same, as the load below records: this
             # process's saves continue the run from here (a lower step than the run's
             # latest is not taken for another job's: castore.core.fencing).
@@ -333,13 +335,6 @@ def restore_checkpoint(
     finally:
         if opened is not store:
             opened.close()
-
-
-def _marked(directory: Path) -> Any:
-    try:
-        return json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _barrier() -> None:
