@@ -23,6 +23,8 @@ at the destination is always whole. Its marker file names the generation and
 lists every file it wrote (size, modification time, and the blake3 digest of
 each file up to 1 MiB); :func:`holds_marked` checks a directory still holds
 exactly that, so one changed, truncated or removed since is restored again.
+A file over 1 MiB edited with its size and modification time kept is the one
+change not seen: it is not read, so that a check costs no pass over the weights.
 """
 
 from __future__ import annotations
