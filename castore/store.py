@@ -32,7 +32,14 @@ from typing import Any, Literal, SupportsIndex, overload
 from castore.blob.counting import BlobRequests
 from castore.chunkstore.base import ChunkBackend
 from castore.core import fencing, history, reading
-from castore.core.background import AsyncOptions, Background, PendingSave, save_async
+from castore.core.background import (
+    AsyncOptions,
+    Background,
+    OnPublish,
+    PendingSave,
+    follow_publish,
+    save_async,
+)
 from castore.core.chunkio import ReadCounters
 from castore.core.commit import (
     SINGLE_FAULTS,
@@ -284,6 +291,7 @@ class Store:
         async_options: AsyncOptions | None = None,
         trust_versions: bool = False,
         codec: str | None = None,
+        on_publish: OnPublish | None = None,
     ) -> Generation: ...
 
     @overload
@@ -301,6 +309,7 @@ class Store:
         async_options: AsyncOptions | None = None,
         trust_versions: bool = False,
         codec: str | None = None,
+        on_publish: OnPublish | None = None,
     ) -> PendingSave: ...
 
     def save(
@@ -317,6 +326,7 @@ class Store:
         async_options: AsyncOptions | None = None,
         trust_versions: bool = False,
         codec: str | None = None,
+        on_publish: OnPublish | None = None,
     ) -> Generation | PendingSave:
         """Save ``state`` as the next generation of ``run`` and publish it atomically.
 
@@ -343,6 +353,12 @@ class Store:
         ``"zstd"``, ``"bytegroup"``; see :mod:`castore.format.codec`) instead of
         the handle's setting (:attr:`codec`, from :func:`castore.open` or the
         store's marker).
+
+        ``on_publish(generation)`` runs right after the ref advanced: before a
+        blocking save returns, and on the writer thread before an async save's
+        handle is done, so what it writes (a framework's pointer file, a tag)
+        keeps up with what is published even if the process dies later. Its
+        error is raised (by ``result()``, async) with the generation published.
         """
         started = time.perf_counter()
         self.refuse_if_closed()
@@ -360,11 +376,17 @@ class Store:
         )
         if blocking:
             self.background.before_blocking_save()
-            return save(None, started, trust_versions, codec)
+            generation: Generation = save(None, started, trust_versions, codec)
+            if (
+                on_publish is not None
+                and (error := follow_publish(on_publish, generation, run)) is not None
+            ):
+                raise error
+            return generation
         with self.background.turn(if_busy) as ours:
             if not ours:
                 return self.background.skip(run, step)
-            return save(async_options, started, codec=codec)
+            return save(async_options, started, codec=codec, on_publish=on_publish)
 
     def _save_in_turn(
         self,
@@ -379,6 +401,7 @@ class Store:
         started: float,
         trust_versions: bool = False,
         codec: str | None = None,
+        on_publish: OnPublish | None = None,
     ) -> Any:
         encoded = encode_state(state, defer_device=not blocking)
         encoded.codec = codec
@@ -399,7 +422,7 @@ class Store:
                 return save_async(
                     self,
                     encoded,
-                    PendingSave(run, step, started=started),
+                    PendingSave(run, step, started=started, on_publish=on_publish),
                     metadata_bytes,
                     order,
                     async_options or AsyncOptions(),

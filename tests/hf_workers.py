@@ -13,6 +13,12 @@ of the checkpoint at STEP, before its ref advances (castore's fault point
 trains with ``blocking=False`` and fails by an exception in the step after the
 save at step 4, that save still in flight (REFUSE=1: one castore refuses).
 
+    python tests/hf_workers.py published STORE OUT
+
+trains with ``blocking=False`` where hard links fail (castore's async writer
+stores each checkpoint) and, as the step after the save at step 4 begins, waits
+for that save to publish and SIGKILLs the process.
+
     python tests/hf_workers.py restore STORE OUT GENERATION
 
 restores RUN@GENERATION of STORE as OUT/checkpoint-STEP, as an earlier attempt
@@ -31,7 +37,10 @@ weights of both runs to WORKDIR/whole.npz and WORKDIR/resumed.npz.
 
 from __future__ import annotations
 
+import errno
+import os
 import shutil
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,6 +49,7 @@ import numpy as np
 import torch.distributed as dist
 from transformers import TrainerCallback
 
+from castore.integrations import huggingface
 from castore.integrations.huggingface import CastoreCallback, restore_checkpoint
 from castore.support import faults
 
@@ -118,9 +128,37 @@ def crash(store: str, out: str, refuse: str) -> int:
     return 1  # not reached: train raises
 
 
+class KillOncePublished(TrainerCallback):  # type: ignore[misc]
+    """As the step after ``step``'s save begins: that save published, then SIGKILL."""
+
+    def __init__(self, step: int, castore_callback: CastoreCallback) -> None:
+        self.step = step
+        self.castore_callback = castore_callback
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if state.global_step != self.step:
+            return
+        background = self.castore_callback.store.background
+        assert background.counters["started"] == 1  # stored by castore's async writer
+        if (pending := background.in_flight()) is not None:
+            pending.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def published(store: str, out: str) -> int:
+    def cross_device(source: Any, target: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link", str(target))
+
+    huggingface._hard_link = cross_device  # no hard links: castore's writer stores it
+    callback = CastoreCallback(store, run=RUN, blocking=False)
+    train(Path(out), [callback, KillOncePublished(4, callback)])
+    return 1  # not reached: killed after the save at step 4
+
+
 def main(argv: list[str]) -> int:
     mode, *args = argv
-    return {"kill": kill, "restore": restore, "ddp": ddp, "crash": crash}[mode](*args)
+    modes = {"kill": kill, "restore": restore, "ddp": ddp, "crash": crash, "published": published}
+    return modes[mode](*args)
 
 
 if __name__ == "__main__":

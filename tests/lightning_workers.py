@@ -8,10 +8,18 @@ the castore save at the end of that epoch is SIGKILLed before its ref advances
 (castore's fault point); RESUME=1 starts from ``ckpt_path="last"``. At the end, the
 weights go to OUT (``numpy.savez``, from rank 0). RANKS > 1 trains with Lightning's
 ``ddp`` strategy on CPU (gloo), which starts the other ranks by running this script again.
+
+    python tests/lightning_workers.py published STORE CKPT_DIR EPOCH
+
+trains with ``CastoreCheckpointIO(blocking=False)`` and, as epoch EPOCH starts, waits
+for the async save in flight (``last.ckpt`` of the epoch before) to publish and
+SIGKILLs the process: nothing on the training thread has touched the save since.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -39,7 +47,47 @@ class KillAtEpoch(Callback):  # type: ignore[misc]
             faults.arm("save.before_ref_advance", "kill")
 
 
+class KillOncePublished(Callback):  # type: ignore[misc]
+    """As epoch ``epoch`` starts: the save in flight published, then SIGKILL."""
+
+    def __init__(self, epoch: int, io: CastoreCheckpointIO) -> None:
+        self.epoch = epoch
+        self.io = io
+
+    def on_train_epoch_start(self, trainer: Any, module: Any) -> None:
+        if trainer.current_epoch != self.epoch:
+            return
+        background = self.io.store.background
+        assert background.counters["started"] == 2 * self.epoch  # epoch file and last
+        if (pending := background.in_flight()) is not None:
+            pending.wait()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def published(store: str, ckpt_dir: str, epoch: str) -> int:
+    L.seed_everything(0, verbose=False)
+    io = CastoreCheckpointIO(store, blocking=False)
+    callbacks = [
+        KillOncePublished(int(epoch), io),
+        ModelCheckpoint(dirpath=ckpt_dir, save_top_k=-1, save_last=True),
+    ]
+    trainer = L.Trainer(
+        max_epochs=int(epoch) + 1,
+        accelerator="cpu",
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        deterministic=True,
+        plugins=[io],
+        callbacks=callbacks,
+    )
+    trainer.fit(Regressor(), _data())
+    return 1  # not reached: killed as EPOCH starts
+
+
 def main(argv: list[str]) -> int:
+    if argv[0] == "published":
+        return published(*argv[1:])
     store, ckpt_dir, epochs, kill_at, resume, out, *rest = argv
     ranks = int(rest[0]) if rest else 1
     L.seed_everything(0, verbose=False)

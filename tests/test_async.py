@@ -239,6 +239,43 @@ def test_a_failed_async_save_raises_from_result_publishes_nothing_and_is_raised_
     store.close()
 
 
+def test_on_publish_runs_on_the_writer_once_published_and_its_error_is_the_handles(
+    store: Store,
+) -> None:
+    """What follows a publish (a framework's pointer, a tag) runs on the writer thread
+    right after the ref advanced, before the handle is done: nothing the training
+    thread does later is needed for it. Its error is raised by result(), the
+    generation published all the same; a blocking save raises it too."""
+    seen: list[tuple[int, int | None, str]] = []
+
+    def note(generation: castore.Generation) -> None:
+        ref = store.refs.read(RUN)
+        thread = threading.current_thread().name
+        seen.append((generation.id, ref.generation if ref else None, thread))
+
+    pending = store.save(array_state(8192), run=RUN, step=1, blocking=False, on_publish=note)
+    assert pending.wait(timeout=30) and seen == [(1, 1, "castore-writer")]
+
+    def fail(generation: castore.Generation) -> None:
+        raise OSError(f"no pointer for generation {generation.id}")
+
+    state = array_state(8192, seed=2)
+    pending = store.save(state, run=RUN, step=2, blocking=False, on_publish=fail)
+    said = store.background.wait_for_exit()  # what exit says if nobody asked: not "NOT published"
+    assert said is not None and "published generation 2, but what was to follow it failed" in said
+    with pytest.raises(OSError, match="no pointer for generation 2") as raised:
+        pending.result(timeout=30)
+    if sys.version_info >= (3, 11):
+        assert "generation 2 of run 'run' is published" in str(raised.value.__notes__)
+    assert latest_id(store) == 2 and store.background.counters["published"] == 2
+    assert "published, then on_publish failed" in repr(pending)
+    with pytest.raises(OSError, match="no pointer for generation 3"):
+        store.save(array_state(8192, seed=3), run=RUN, step=3, on_publish=fail)
+    assert latest_id(store) == 3
+    store.save(array_state(8192, seed=4), run=RUN, step=4, on_publish=note)
+    assert seen[-1][:2] == (4, 4)
+
+
 def test_an_unobserved_failure_is_raised_by_the_next_save_which_does_not_happen(
     handle: Callable[[], Store], faults: Callable[[str], None]
 ) -> None:

@@ -15,7 +15,9 @@ import pytest
 from castore.errors import CorruptObjectError, ImportSourceError
 from castore.integrations.checkpoint_dirs import (
     FORMAT,
+    MARKER,
     VERSION,
+    holds_marked,
     read_checkpoint_dir,
     write_checkpoint_dir,
 )
@@ -130,3 +132,38 @@ def test_a_generation_that_is_not_a_checkpoint_directory_is_refused(
     with pytest.raises(CorruptObjectError):
         write_checkpoint_dir(value, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_marked_directory_holds_what_its_marker_lists(tmp_path: Path) -> None:
+    """Files up to 1 MiB are checked by digest, larger ones by size and modification
+    time: an edit that keeps a large file's size and time is the one not seen."""
+    files = {
+        "big.bin.txt": {"kind": "bytes", "data": np.full(2 << 20, 7, dtype=np.uint8)},
+        "a.json": {"kind": "bytes", "data": b"{}"},
+    }
+    marker = {"run": "r", "generation": 3}
+    path = write_checkpoint_dir(tree(files), tmp_path / "checkpoint-3", marker=marker)
+    assert holds_marked(path, marker)
+    assert not holds_marked(path, {**marker, "generation": 4})
+    assert json.loads((path / MARKER).read_text())["files"]["a.json"]["size"] == 2
+
+    def edit(name: str, *, time_kept: bool) -> None:
+        before = (path / name).stat()
+        with (path / name).open("r+b") as handle:
+            handle.write(b"[]")  # same size
+        later = before.st_mtime_ns + (0 if time_kept else 1_000_000_000)
+        os.utime(path / name, ns=(before.st_atime_ns, later))
+
+    edit("big.bin.txt", time_kept=False)  # a later edit: its time moved
+    assert not holds_marked(path, marker)
+    write_checkpoint_dir(tree(files), path, marker=marker)
+    edit("a.json", time_kept=True)
+    assert not holds_marked(path, marker)
+    write_checkpoint_dir(tree(files), path, marker=marker)
+    edit("big.bin.txt", time_kept=True)
+    assert holds_marked(path, marker)  # the limit the module text states
+    write_checkpoint_dir(tree(files), path, marker=marker)
+    (path / "link").symlink_to(path / "a.json")
+    assert not holds_marked(path, marker)
+    (path / MARKER).write_text("not json")
+    assert not holds_marked(path, marker)

@@ -229,6 +229,40 @@ def test_a_restored_checkpoint_is_left_alone_and_a_partial_one_replaced(
     assert sorted(p.name for p in out.iterdir()) == ["checkpoint-16"]  # no temporary left
 
 
+def flip_last_byte(path: Path) -> None:
+    """Change ``path`` in place, its size and modification time kept."""
+    before = path.stat()
+    with path.open("r+b") as handle:
+        handle.seek(-1, os.SEEK_END)
+        last = handle.read(1)
+        handle.seek(-1, os.SEEK_END)
+        handle.write(bytes([last[0] ^ 0xFF]))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+
+
+EDITS = {
+    # Under 1 MiB (this model's weights too): its digest is in the marker.
+    "changed": lambda path: flip_last_byte(path / "model.safetensors"),
+    "truncated": lambda path: os.truncate(path / "optimizer.pt", 100),
+    "removed": lambda path: (path / "rng_state.pth").unlink(),
+    "added": lambda path: (path / "pytorch_model.bin").write_bytes(b"not the Trainer's"),
+}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_a_restored_checkpoint_edited_since_is_restored_again(
+    reference: Reference, tmp_path: Path, edit: str
+) -> None:
+    """The marker promises the files as they were written: a directory that no longer
+    holds them (a file changed, truncated, removed or added) is not handed to the
+    Trainer as it is, but restored again, whole."""
+    out = tmp_path / "out"
+    path = Path(restore_checkpoint(reference.store, out, run=RUN, generation="checkpoint-8"))
+    EDITS[edit](path)
+    assert restore_checkpoint(reference.store, out, run=RUN, generation="checkpoint-8") == str(path)
+    assert_same_checkpoint(path, reference.output_dir / "checkpoint-8")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
 def test_a_run_killed_inside_a_save_resumes_from_castore_bitwise(
@@ -394,6 +428,23 @@ def test_an_async_save_in_flight_when_training_dies_is_published_or_said(
             assert [g.step for g in store.generations(RUN)] == [4]
             assert set(store.refs.tags(RUN)) == {"checkpoint-4"}
             assert "was not published" not in said
+
+
+@pytest.mark.slow
+def test_an_async_save_killed_right_after_it_published_is_tagged(tmp_path: Path) -> None:
+    """No hard links (castore's async writer stores the checkpoint): SIGKILL once the
+    save of checkpoint-4 has published, before the training thread waited for it. Its
+    tag is there (it was written only at the next save or the end of training, and an
+    untagged generation is one ``castore gc`` past ``keep_last`` drops)."""
+    log = tmp_path / "log"
+    process = start_worker(log, "published", tmp_path / "store", tmp_path / "out")
+    assert finished(process) == -signal.SIGKILL, log.read_text()[-3000:]
+    with castore.open(tmp_path / "store") as store:
+        generations = store.generations(RUN)
+        assert [g.step for g in generations] == [4]
+        tags = store.refs.tags(RUN)
+        assert set(tags) == {"checkpoint-4"}
+        assert tags["checkpoint-4"].root.hex == generations[0].root
 
 
 def test_skip_leaves_a_file_out(tmp_path: Path) -> None:

@@ -192,6 +192,41 @@ def test_a_run_killed_mid_save_resumes_from_last_bitwise(tmp_path: Path) -> None
         assert got[name].tobytes() == value.detach().numpy().tobytes(), name
 
 
+@pytest.mark.slow
+def test_an_async_save_killed_right_after_it_published_is_what_last_names(
+    tmp_path: Path,
+) -> None:
+    """blocking=False, SIGKILL as epoch 3 starts, once the save in flight (last.ckpt at
+    the end of epoch 2, generation 6) has published and before anything on the training
+    thread waited for it: last.ckpt and its tag name generation 6 (they named 4, written
+    only at the next save, and ``ckpt_path="last"`` redid an epoch)."""
+    import subprocess
+    import sys
+
+    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+    store, ckpts = tmp_path / "store", tmp_path / "ckpts"
+    killed = subprocess.run(
+        [sys.executable, str(worker), "published", str(store), str(ckpts), "3"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    with castore.open(store) as opened:
+        generations = opened.generations(RUN)
+        tags = opened.refs.tags(RUN)
+    assert [g.step for g in generations] == [4, 4, 8, 8, 12, 12]  # epoch file, then last
+    named = {"last.ckpt": generations[5], "epoch=2-step=12.ckpt": generations[4]}
+    for name, published in named.items():
+        pointer = json.loads((ckpts / name).read_text())
+        assert (pointer["generation"], pointer["root"]) == (published.id, published.root), name
+        assert tags[tag_name(Path(name))].root.hex == published.root, name
+    # Resumed through Lightning's own path: from step 12, so the next saves are step 16's.
+    _fit(4, tmp_path, ckpt_path="last", blocking=False)
+    with castore.open(store) as opened:
+        assert [g.step for g in opened.generations(RUN)][6:] == [16, 16]
+
+
 def test_async_saves_go_through_castores_writer_and_publish_before_fit_returns(
     tmp_path: Path,
 ) -> None:

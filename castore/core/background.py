@@ -13,6 +13,11 @@ publishes nothing and the previous generation stays latest.
 - **Errors never vanish.** A background failure is raised by the handle's
   ``result()``; if nobody asked it, by the next save call and by
   ``Store.close()`` (once: whichever comes first).
+- **What follows a publish runs on the writer.** ``on_publish(generation)``
+  (``Store.save``'s) runs on the writer thread right after the ref advanced,
+  before the handle is done: a pointer or tag it writes is there however the
+  process ends later. Its error is the handle's error, the generation still
+  published (``result()`` raises it; the note on it says so).
 - **At exit** (the main thread ending, ``sys.exit``, an exception, Ctrl-C,
   or SIGTERM while castore's handler is in place) a save in flight is waited
   for, at most ``exit_wait_s``, before the hashing pools stop
@@ -73,6 +78,7 @@ from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
 from castore.support.faults import fault_point
 
 IF_BUSY = ("wait", "skip")
+OnPublish = Callable[[Generation], None]
 # Changed-chunk staging stages whole when more than this fraction of the chunks of
 # the handle's last save differed from the save before: hashing on the caller's
 # thread then costs more than the copy it saves (under AdamW every chunk changes).
@@ -137,11 +143,18 @@ class PendingSave:
     """A save running in the background; see the module text."""
 
     def __init__(
-        self, run: str, step: int, *, skipped: bool = False, started: float | None = None
+        self,
+        run: str,
+        step: int,
+        *,
+        skipped: bool = False,
+        started: float | None = None,
+        on_publish: OnPublish | None = None,
     ) -> None:
         self.run = run
         self.step = step
         self.skipped = skipped
+        self.on_publish = on_publish  # run by the writer once published, before done()
         # Seconds per phase: "held" (the caller, in all), "busy_wait" (for the save
         # before), "snapshot" (copying), "staging_wait" (for free buffers), "write"
         # (chunks), "publish" (manifests, commit, ref), "total" (call to publish).
@@ -165,6 +178,8 @@ class PendingSave:
         state = (
             "skipped"
             if self.skipped
+            else "published, then on_publish failed"
+            if self._error and self._generation
             else "failed"
             if self._error
             else "published"
@@ -182,7 +197,8 @@ class PendingSave:
         return self._finished.wait(timeout)
 
     def result(self, timeout: float | None = None) -> Generation | None:
-        """The published generation (None if skipped); raises the save's error if it failed.
+        """The published generation (None if skipped); raises the save's error if it failed,
+        or ``on_publish``'s if that failed (the generation is then published all the same).
 
         Raises TimeoutError if it has not finished within ``timeout`` seconds.
         """
@@ -518,6 +534,8 @@ class Background:
             job.pending.peak_staging_bytes = self.pool.peak
             self.pool.trim()
         self.counters["published" if error is None else "failed"] += 1
+        if generation is not None and job.pending.on_publish is not None:
+            error = follow_publish(job.pending.on_publish, generation, job.pending.run)
         job.pending._finish(generation, error)
 
     def in_flight_here(self) -> shutdown.InFlight | None:
@@ -545,9 +563,14 @@ class Background:
                     current, f"still in flight after exit_wait_s={self.exit_wait_s:g}s at exit"
                 )
         last = self._last
-        if last is not None and (error := last._unobserved_error) is not None:
-            return self._lost(last, f"it failed in the background: {error}")
-        return None
+        if last is None or (error := last._unobserved_error) is None:
+            return None
+        if last._generation is not None:
+            return (
+                f"castore: the save of {last.run} step {last.step} to {self.name} published "
+                f"generation {last._generation.id}, but what was to follow it failed: {error}"
+            )
+        return self._lost(last, f"it failed in the background: {error}")
 
     def _writes_here(self) -> bool:
         writer = self._writer
@@ -679,6 +702,21 @@ def save_async(
     return run_async(
         background, pending, leaves, chunk_size=store.chunk_size, options=options, body=body
     )
+
+
+def follow_publish(on_publish: OnPublish, generation: Generation, run: str) -> BaseException | None:
+    """Run ``on_publish(generation)``; its error, noted as following a publish, or None."""
+    try:
+        on_publish(generation)
+    except BaseException as exc:  # noqa: BLE001 - handed to the handle, never lost
+        note = getattr(exc, "add_note", None)  # Python 3.11+
+        if note is not None:
+            note(
+                f"castore: generation {generation.id} of run {run!r} is published; "
+                "this failed in what was to follow its publish (on_publish)"
+            )
+        return exc
+    return None
 
 
 def report_failure(

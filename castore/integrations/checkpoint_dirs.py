@@ -19,7 +19,12 @@ kind, so its tensors are chunked and deduplicated against every earlier save:
 
 :func:`write_checkpoint_dir` materialises a stored tree as the directory the
 framework reads, into a temporary sibling renamed into place, so a directory
-at the destination is always whole.
+at the destination is always whole. Its marker file names the generation and
+lists every file it wrote (size, modification time, and the blake3 digest of
+each file up to 1 MiB); :func:`holds_marked` checks a directory still holds
+exactly that, so one changed, truncated or removed since is restored again.
+A file over 1 MiB edited with its size and modification time kept is the one
+change not seen: it is not read, so that a check costs no pass over the weights.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import atexit
 import json
 import os
 import shutil
+import stat
 import struct
 import sys
 import threading
@@ -38,6 +44,7 @@ from typing import Any
 import numpy as np
 
 from castore.errors import CorruptObjectError, ImportSourceError
+from castore.format.hashing import digest_of
 from castore.importer import load_weights_only, map_safetensors, safetensors_header_bytes
 from castore.support.safefs import fsync_dir, write_all
 
@@ -46,6 +53,10 @@ VERSION = 1
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl")
 # A materialised directory names the generation it holds in this file (never stored).
 MARKER = ".castore-checkpoint.json"
+# Files at most this large have their digest in the marker: checked at every restore
+# for the cost of reading them (the RNG states, the scheduler, JSON); larger ones
+# (weights, optimizer) by size and modification time.
+_DIGESTED_LIMIT = 1 << 20
 # Files at most this large are stored as plain bytes in the state; larger ones as a
 # uint8 tensor, chunked and deduplicated like every other tensor.
 _INLINE_LIMIT = 64 << 10
@@ -157,6 +168,7 @@ def write_checkpoint_dir(
             target.parent.mkdir(parents=True, exist_ok=True)
             _write_file(target, relative, entry)
         if marker is not None:
+            marker = {**marker, "files": inventory(temp)}
             _write_bytes(temp / MARKER, (json.dumps(marker, indent=2) + "\n").encode())
         fsync_dir(temp)
         if destination.exists():
@@ -172,6 +184,39 @@ def write_checkpoint_dir(
         shutil.rmtree(temp, ignore_errors=True)
         raise
     return destination
+
+
+def holds_marked(directory: Path, marker: dict[str, Any]) -> bool:
+    """Whether ``directory`` is one :func:`write_checkpoint_dir` wrote with ``marker``
+    and still holds exactly the files it wrote there (none changed, added or removed)."""
+    try:
+        found = json.loads((directory / MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    if not isinstance(found, dict) or {k: found.get(k) for k in marker} != marker:
+        return False
+    try:
+        return inventory(directory) == found.get("files")
+    except OSError:  # removed or replaced while we looked: not what was written
+        return False
+
+
+def inventory(directory: Path) -> dict[str, Any] | None:
+    """Each file under ``directory`` but the marker: its size, modification time and, up
+    to :data:`_DIGESTED_LIMIT` bytes, blake3 digest; None if it holds anything but
+    directories and regular files (a link)."""
+    files: dict[str, Any] = {}
+    for path in sorted(directory.rglob("*")):
+        info = path.lstat()
+        if stat.S_ISDIR(info.st_mode) or path == directory / MARKER:
+            continue
+        if not stat.S_ISREG(info.st_mode):
+            return None
+        entry: dict[str, Any] = {"size": info.st_size, "mtime_ns": info.st_mtime_ns}
+        if info.st_size <= _DIGESTED_LIMIT:
+            entry["blake3"] = digest_of(path.read_bytes()).hex
+        files[path.relative_to(directory).as_posix()] = entry
+    return files
 
 
 def _files_of(tree: Any) -> dict[str, Any]:

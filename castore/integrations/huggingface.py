@@ -44,11 +44,12 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 import castore
 from castore import gc as castore_gc
 from castore.core import fencing
+from castore.core.background import PendingSave
 from castore.errors import GenerationNotFoundError, ImportSourceError
 from castore.format.hashing import Digest
 from castore.integrations.checkpoint_dirs import (
-    MARKER,
     Background,
+    holds_marked,
     read_checkpoint_dir,
     write_checkpoint_dir,
 )
@@ -90,7 +91,10 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
     thread of the callback reads, stores and publishes them; the callback
     waits for it at the next save and at the end of training. Where hard
     links are not possible, it reads the files on the training thread and
-    castore's async writer stores them.
+    castore's async writer stores them. Either way the thread that publishes
+    the save tags it (and applies ``save_total_limit`` and ``keep_local``)
+    right after, so a process that dies later, by an exception or a
+    SIGKILL, leaves it published and kept.
 
     ``skip``: relative file names (``"scaler.pt"``) not to store.
 
@@ -121,8 +125,7 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
         self.keep_local = keep_local
         self.skip = frozenset(skip) | {TRAINING_ARGS_FILE}
         self._open_options = {**open_options, **({"codec": codec} if codec else {})}
-        # An async save and what to do once it is published (None: its thread does it).
-        self._pending: tuple[Any, tuple[Path, Any, Any] | None] | None = None
+        self._pending: PendingSave | Background | None = None  # the async save in flight
 
     @property
     def store(self) -> Store:
@@ -162,25 +165,25 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
             generation = store.save(tree, run=self.run, step=step, metadata=metadata)
             self._published(generation, folder, args, state)
             return
+        # Tagged and pruned on the thread that publishes it: a process whose training
+        # ends by an exception (no on_train_end), or is killed, leaves it published and kept.
         linked = _link_aside(folder)
         if linked is None:  # no hard links here: read now, castore's writer stores it
-            pending: Any = store.save(
+            self._pending = store.save(
                 self._read(folder, arguments),
                 run=self.run,
                 step=step,
                 metadata=metadata,
                 blocking=False,
+                on_publish=lambda generation: self._published(generation, folder, args, state),
             )
         else:
-            # Tagged and pruned on that thread too: a process whose training ends by an
-            # exception (no on_train_end) still leaves the save published and kept.
-            pending = Background(
+            self._pending = Background(
                 lambda: self._store_linked(
                     linked, arguments, step, metadata, (folder, args, state)
                 ),
                 f"castore's store of {folder.name}",
             )
-        self._pending = (pending, None if linked is not None else (folder, args, state))
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
@@ -225,11 +228,8 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
         """Wait for the async save in flight (tagged, and retention applied, once published)."""
         if self._pending is None:
             return
-        pending, then = self._pending
-        self._pending = None
-        generation = pending.result()  # raises the writer's error, if it failed
-        if generation is not None and then is not None:
-            self._published(generation, *then)
+        pending, self._pending = self._pending, None
+        pending.result()  # raises the writer's error, if it failed
 
     def _published(self, generation: Any, folder: Path, args: Any, state: Any) -> None:
         castore_gc.tag(self.store, self.run, generation.id, folder.name)
@@ -310,8 +310,10 @@ def restore_checkpoint(
     Every byte is verified before anything is written; the directory appears
     whole (written beside it, then renamed), replacing one of the same name (a
     checkpoint the Trainer had begun to write when it was killed). A directory
-    already materialised from the same generation is left as it is, so every
-    rank may call this (``with args.main_process_first(): ...``).
+    already materialised from the same generation, and holding still the files
+    its marker lists as they were written (:func:`holds_marked`), is left as
+    it is, so every rank may call this (``with args.main_process_first():
+    ...``); one changed, truncated or missing a file since is restored again.
     """
     opened = store if isinstance(store, Store) else castore.open(store)
     try:
@@ -321,7 +323,7 @@ def restore_checkpoint(
             name = f"{PREFIX_CHECKPOINT_DIR}-{found.step}"
         destination = Path(output_dir) / name
         marker = {"store": str(opened.path), "run": run, "generation": found.id, "root": found.root}
-        if _marked(destination) == marker:
+        if holds_marked(destination, marker):
             # Left as it is, yet a resume all the same, as the load below records: this
             # process's saves continue the run from here (a lower step than the run's
             # latest is not taken for another job's: castore.core.fencing).
@@ -333,13 +335,6 @@ def restore_checkpoint(
     finally:
         if opened is not store:
             opened.close()
-
-
-def _marked(directory: Path) -> Any:
-    try:
-        return json.loads((directory / MARKER).read_text())
-    except (OSError, ValueError):
-        return None
 
 
 def _barrier() -> None:

@@ -32,9 +32,11 @@ from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
 
 import castore
 from castore import gc as castore_gc
+from castore.core.background import PendingSave
+from castore.core.history import Generation
 from castore.errors import GenerationNotFoundError, NotAPointerError
 from castore.store import Store
-from castore.support.safefs import write_all
+from castore.support.safefs import fsync_dir, write_all
 
 POINTER_FORMAT = "castore-lightning-pointer"
 _MAX_POINTER = 1 << 16
@@ -52,9 +54,11 @@ class CastoreCheckpointIO(CheckpointIO):
 
     ``blocking=False``: each save returns once castore has snapshotted the
     checkpoint (``Store.save(..., blocking=False)``), and is written and
-    published on castore's writer thread while training runs on; its pointer
-    file and tag appear when it is published, which the plugin waits for at
-    the next save, load, removal or teardown. A save that never publishes (the
+    published on castore's writer thread while training runs on. That thread
+    tags the generation and writes its pointer file (atomically: a rename)
+    right after it publishes, so a process killed any time later resumes from
+    it; the plugin waits for the save at the next save, load, removal or
+    teardown, and raises its error there. A save that never publishes (the
     process killed) leaves no pointer: ``last.ckpt`` still names the one before.
     """
 
@@ -74,7 +78,7 @@ class CastoreCheckpointIO(CheckpointIO):
         self.run = run
         self.blocking = blocking
         self._open_options = {**open_options, **({"codec": codec} if codec else {})}
-        self._pending: tuple[Any, Path] | None = None  # an async save and its pointer path
+        self._pending: PendingSave | None = None  # the async save in flight
 
     @property
     def store(self) -> Store:
@@ -94,23 +98,26 @@ class CastoreCheckpointIO(CheckpointIO):
         self.finish()
         target = Path(path)
         step = int(checkpoint.get("global_step", 0))
-        if not self.blocking:
-            pending = self.store.save(checkpoint, run=self.run, step=step, blocking=False)
-            self._pending = (pending, target)
-            return
-        self._point(self.store.save(checkpoint, run=self.run, step=step), target)
 
-    def finish(self) -> None:
-        """Wait for the async save in flight, then tag it and write its pointer."""
-        if self._pending is None:
-            return
-        pending, target = self._pending
-        self._pending = None
-        generation = pending.result()  # raises the writer's error, if it failed
-        if generation is not None:
+        def point(generation: Generation) -> None:  # as soon as it is published
             self._point(generation, target)
 
-    def _point(self, generation: Any, target: Path) -> None:
+        if not self.blocking:
+            self._pending = self.store.save(
+                checkpoint, run=self.run, step=step, blocking=False, on_publish=point
+            )
+            return
+        self.store.save(checkpoint, run=self.run, step=step, on_publish=point)
+
+    def finish(self) -> None:
+        """Wait for the async save in flight (tagged, its pointer written, once published);
+        raise its error, if it failed."""
+        if self._pending is None:
+            return
+        pending, self._pending = self._pending, None
+        pending.result()
+
+    def _point(self, generation: Generation, target: Path) -> None:
         castore_gc.tag(self.store, self.run, generation.id, tag_name(target))
         target.parent.mkdir(parents=True, exist_ok=True)
         pointer = {
@@ -198,6 +205,7 @@ def _write_atomically(path: Path, data: bytes) -> None:
     finally:
         os.close(fd)
     os.replace(temp, path)
+    fsync_dir(path.parent)  # the rename is durable: the pointer names what was just published
 
 
 def _device(map_location: Any) -> torch.device | None:
