@@ -2,9 +2,11 @@
 
 The structural check reads every ref, root and shard manifest (each verified
 against its digest and decoded), checks that each generation's tensors cover
-their shapes exactly and match what its state refers to, and that every chunk
-it names is present. ``deep`` also re-hashes every chunk, once per store even
-when many generations share it.
+their shapes exactly and match what its state refers to, that every chunk
+it names is present in the chunk index, and that the pack the index places
+it in is there and long enough to hold it (one stat per pack: a truncated
+pack is named as such). It reads no chunk byte: ``deep`` also re-hashes
+every chunk, once per store even when many generations share it.
 
 Every generation's manifests are read before any chunk is checked, so the
 progress bar's total (the bytes of every distinct chunk) is known from its
@@ -88,7 +90,8 @@ class _ChunkStatus:
         self.sample = sample
         self.random = random.Random()
         self.hashed = 0
-        self.status: dict[bytes, str] = {}  # "ok", "missing" or "damaged"
+        # "ok", "missing", "damaged", or what truncated_chunks says ("truncated: ...")
+        self.status: dict[bytes, str] = {}
         self.lengths: dict[bytes, int] = {}  # of each chunk re-hashed intact
         self.sizes: dict[bytes, int] = {}  # what each chunk counts on the bar
         self.bar: Bar = NO_BAR
@@ -115,6 +118,12 @@ class _ChunkStatus:
         present = self.store.backend.has_many(Namespace.CHUNKS, todo)
         self._settle({d: "missing" for d, found in zip(todo, present, strict=True) if not found})
         hashed = [d for d, found in zip(todo, present, strict=True) if found]
+        # Indexed is not enough: the pack must reach as far as the index says (one stat
+        # per pack), or a load finds the chunk cut short. Hashing those would say only
+        # "damaged"; this says why.
+        cut = self.store.backend.truncated_chunks(hashed) if hashed else {}
+        self._settle(cut)
+        hashed = [d for d in hashed if d not in cut]
         if not self.deep:
             self._settle(dict.fromkeys(hashed, "ok"))
             return

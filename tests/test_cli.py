@@ -111,7 +111,7 @@ def test_messages_of_nothing_to_show_end_their_line(cli_store: Path, tmp_path: P
     assert run_cli("log", empty).stdout == "no generations\n"
     assert re.search(r" in \d+\.\d\ds\n\Z", run_cli("gc", empty, "--keep", "1").stdout)
     assert run_cli("du", empty).stdout.endswith("\n")
-    assert run_cli("verify", empty).stdout.endswith("structural\nOK\n")
+    assert run_cli("verify", empty).stdout.endswith("--deep re-hashes them)\nOK\n")
     copied = tmp_path / "copied"
     assert run_cli("copy", cli_store, copied).returncode == 0
     again = run_cli("copy", cli_store, copied)

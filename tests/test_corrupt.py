@@ -55,6 +55,8 @@ NEWEST = corrupt.NEWEST
 EXPECTED: dict[str, tuple[type[CastoreError] | None, int, tuple[int, ...]]] = {
     "chunk-missing": (ChunkMissingError, 2, (3,)),
     "chunk-truncated": (ChecksumMismatchError, 2, (3,)),
+    # A cut pack: a load reads the cut chunks as damaged; verify names the pack truncated.
+    "pack-truncated": (ChecksumMismatchError, 2, (3,)),
     "chunk-checksum": (ChecksumMismatchError, 2, (3,)),
     # A compressed frame that claims 2**60 raw bytes: refused before anything is allocated.
     "chunk-hostile-frame": (CodecError, 2, (3,)),

@@ -450,3 +450,28 @@ def test_a_damaged_ref_is_one_problem_not_two(store: Store) -> None:
     report = verify_store(store, run=RUN)
     ref_problems = [p for p in report.problems if "CorruptRefError" in p.what]
     assert len(ref_problems) == 1, report.problems
+
+
+@pytest.mark.parametrize("kind", ["local", "shared"])
+def test_a_truncated_pack_is_named_truncated_by_plain_and_deep_verify(
+    tmp_path: Path, kind: str
+) -> None:
+    """A pack cut to 1,000 bytes (a full disk, a copy cut short): its index still names
+    every chunk, so a presence check passes; the pack's size against the index does not."""
+    path = tmp_path / "s"
+    with castore.open(path, chunk_size=1024, shared=kind == "shared") as store:
+        store.save(make_state(), run=RUN, step=1)
+    [pack] = (path / ("chunks/packs" if kind == "local" else "packs")).glob("*.pack")
+    named = pack.name if kind == "local" else f"packs/{pack.name}"  # as the backend names it
+    plain = run_cli("verify", path)
+    assert plain.returncode == 0 and "the chunks' bytes were not read: --deep" in plain.stdout
+    with open(pack, "r+b") as f:
+        f.truncate(1000)
+    for args in (["verify", path], ["verify", path, "--deep"]):
+        result = run_cli(*args)
+        assert result.returncode == 1, result.stdout + result.stderr
+        problems = [line for line in result.stdout.splitlines() if "tensor 'w'" in line]
+        assert problems and all(
+            f"is truncated: its pack {named} is 1000 bytes" in line for line in problems
+        ), result.stdout
+        assert result.stdout.splitlines()[-1].endswith(f"{RUN}@1"), result.stdout

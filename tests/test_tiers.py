@@ -292,14 +292,18 @@ def test_the_tiers_command_says_where_each_generation_is(tmp_path: Path) -> None
         ages = store.recovery_points()["r"]
         assert set(ages) == {"fast", "durable"} and 0 <= ages["fast"] <= ages["durable"]
     before = run_cli("tiers", tmp_path / "fast", tmp_path / "durable").stdout.splitlines()
-    assert [line.split()[5:7] for line in before[2:-1]] == [["held", "yes"], ["held", "pending"]]
+    assert [line.split()[5:7] for line in before[2:-2]] == [["held", "yes"], ["held", "pending"]]
+    assert before[-2].startswith("r: a restore now selects generation 3 (step 3), the newest, ")
     shutil.rmtree(tmp_path / "fast")
     open_pair(tmp_path, promote_on_exit=False).close()  # a new node: takes 2 as elsewhere
     result = run_cli("tiers", tmp_path / "fast", tmp_path / "durable")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert lines[0].split() == ["run", "id", "step", "time", "fast", "durable", "root"]
-    assert [line.split()[5:7] for line in lines[2:-1]] == [["elsewhere", "yes"]]
+    assert [line.split()[5:7] for line in lines[2:-2]] == [["elsewhere", "yes"]]
+    assert lines[-2] == (  # the new node lists 2, holds none of it: the durable tier does
+        "r: a restore now selects generation 2 (step 2), the newest, from the durable tier"
+    )
     assert lines[-1].startswith("r: newest generation per tier: durable ")
     missing = run_cli("tiers", tmp_path / "fast", tmp_path / "nowhere")
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1
@@ -359,3 +363,56 @@ def test_the_uploader_process_runs_below_training(tmp_path: Path, priority: str)
             assert policy == os.SCHED_OTHER
     with pytest.raises(ValueError, match="uploader_priority"):
         open_tiered(tmp_path / "fast", tmp_path / "durable", uploader_priority="high")
+
+
+def test_the_uploader_process_exits_quietly_or_in_one_line(tmp_path: Path) -> None:
+    """Its job died before sending work (stdin closed at once): exit 0, nothing said. Its
+    node's fast tier is gone: one line on stderr, exit 1; never a traceback."""
+    import json
+    import subprocess
+    import sys
+
+    def uploader(stdin: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "castore.tiers.uploader"],
+            input=stdin, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+
+    died = uploader("")
+    assert (died.returncode, died.stdout, died.stderr) == (0, "", "")
+    castore.open(tmp_path / "durable").close()
+    spec = {"fast": str(tmp_path / "lost-fast"), "durable": str(tmp_path / "durable")}
+    gone = uploader(json.dumps(spec) + "\n")
+    assert gone.returncode == 1 and gone.stdout == "", gone.stderr
+    assert gone.stderr.count("\n") == 1 and "Traceback" not in gone.stderr, gone.stderr
+    assert gone.stderr.startswith("castore uploader: StoreNotFoundError: no castore store at ")
+
+
+def test_a_format_2_fast_tier_is_upgraded_at_open_saying_so_once(tmp_path: Path) -> None:
+    """A fast tier older than chunk frames may receive frames (a peer's copies, a save with
+    a codec): open_tiered makes it format 4 first, so an older castore refuses the store
+    whole (format 4: "upgrade castore") instead of calling those chunks damaged."""
+    import json
+
+    with castore.open(tmp_path / "fast", chunk_size=CHUNK) as old:
+        old.save(state(1), run="r", step=1)
+    marker = tmp_path / "fast" / "castore.json"
+    config = json.loads(marker.read_text())
+    config["format_version"] = 2
+    del config["codec"]
+    marker.write_text(json.dumps(config))
+    with pytest.warns(castore.errors.CastoreWarning) as said:
+        store = open_pair(tmp_path, promote_on_exit=False)
+    with store:
+        [line] = [str(w.message) for w in said]
+        assert "\n" not in line and "was a format 2 store; it is now format 4" in line
+        assert store.save(state(2), run="r", step=2, codec="zstd").id == 2
+        assert_state_equal(store.load("r", 1), state(1))
+    upgraded = json.loads(marker.read_text())
+    assert (upgraded["format_version"], upgraded["codec"]) == (4, "none")
+    assert {k: v for k, v in upgraded.items() if k not in ("format_version", "codec")} == {
+        k: v for k, v in config.items() if k != "format_version"
+    }
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        open_pair(tmp_path, promote_on_exit=False).close()  # format 4 now: nothing to say

@@ -169,6 +169,91 @@ def test_castore_tiers_counts_the_shards_each_node_holds(one_copy: Path) -> None
     assert "fast" in both.splitlines()[-1]  # the newest generation held whole in the fast tier
 
 
+def tiers_table(*fast: Path, durable: Path) -> tuple[list[list[str]], list[str]]:
+    """``castore tiers`` of these fast tiers (the first as STORE, the rest as --node):
+    its table rows (split) and the lines after the table."""
+    from cli_runner import run_cli
+
+    more = [arg for path in fast[1:] for arg in ("--node", path)]
+    done = run_cli("tiers", fast[0], durable, *more)
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    lines = done.stdout.splitlines()
+    rows = [line.split() for line in lines if line.startswith("r ")]
+    return rows, [line for line in lines[2:] if not line.startswith("r ")]
+
+
+def test_castore_tiers_shows_a_lost_node_and_what_a_restore_selects_on_two_nodes(
+    one_copy: Path, two_copies: Path, tmp_path: Path
+) -> None:
+    """Node 1's directory is gone: the table still comes, node 1 is named lost, and the
+    generation a restore selects is the one the restores above select."""
+    job = copy_of(one_copy, tmp_path / "one")
+    shutil.rmtree(job / "fast1")
+    rows, after = tiers_table(job / "fast0", job / "fast1", durable=job / "durable")
+    assert [(r[1], r[2], *r[5:-1]) for r in rows] == [
+        ("2", "20", "2/4", "shards", "yes"), ("3", "30", "2/4", "shards", "-")
+    ]  # fmt: skip
+    assert after[0] == f"node {job / 'fast1'}: lost (no store there): the fast column " + (
+        "counts the other nodes' fast tiers only"
+    )
+    # One copy: node 0 holds half of 3; the newest complete is the durable tier's 2.
+    assert after[1] == (
+        "r: a restore now selects generation 2 (step 20), 1 generation(s), 10 step(s) behind "
+        f"the newest (3, step 30), from the fast tier of {job / 'fast0'} (shards 0-1) and the "
+        "durable tier"
+    )
+    assert after[2].startswith("r: newest generation per tier: durable ")
+    # Two copies: node 0 holds all of 3, the newest.
+    job = copy_of(two_copies, tmp_path / "two")
+    shutil.rmtree(job / "fast1")
+    rows, after = tiers_table(job / "fast0", job / "fast1", durable=job / "durable")
+    assert [(r[1], *r[5:-1]) for r in rows] == [("2", "held", "yes"), ("3", "held", "-")]
+    assert after[1] == (
+        f"r: a restore now selects generation 3 (step 30), the newest, from the fast tier of "
+        f"{job / 'fast0'}"
+    )
+
+
+@pytest.fixture(scope="module")
+def three_nodes(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Three ranks on three nodes, two copies of each shard: node i holds shards i and
+    i-1. Generations 1-3; 2 is promoted."""
+    tmp = tmp_path_factory.mktemp("nodes-3")
+    castore.open(tmp / "durable", shared=True).close()
+    tiers = {**config(tmp, 2), "nodes": [str(tmp / f"fast{n}") for n in range(3)]}
+    ops = [{"op": "save", "run": "r", "seed": s, "step": 10 * g} for g, s in SEEDS.items()]
+    results = script_results(run_ranks(3, w.run_script, tiers, ops, timeout=240), 3)
+    assert all("error" not in op for rank in results for op in rank), results
+    return tmp
+
+
+def test_castore_tiers_shows_lost_nodes_and_what_a_restore_selects_on_three_nodes(
+    three_nodes: Path, tmp_path: Path
+) -> None:
+    job = copy_of(three_nodes, tmp_path)
+    fast = [job / f"fast{n}" for n in range(3)]
+    shutil.rmtree(fast[2])
+    rows, after = tiers_table(*fast, durable=job / "durable")
+    assert [(r[1], *r[5:-1]) for r in rows] == [("2", "held", "yes"), ("3", "held", "-")]
+    assert after[0].startswith(f"node {fast[2]}: lost")
+    # Nodes 0 and 1 hold shards {0, 2} and {0, 1}: together all of the newest.
+    assert after[1] == (
+        f"r: a restore now selects generation 3 (step 30), the newest, from the fast tiers of "
+        f"{fast[0]} (shards 0, 2), {fast[1]} (shards 0-1)"
+    )
+    shutil.rmtree(fast[1])  # node 0 alone holds 2 of the 3 shards of each generation
+    rows, after = tiers_table(*fast, durable=job / "durable")
+    assert [(r[1], *r[5:-1]) for r in rows] == [
+        ("2", "2/3", "shards", "yes"), ("3", "2/3", "shards", "-")
+    ]  # fmt: skip
+    assert [line.split(":")[0] for line in after[:2]] == [f"node {p}" for p in fast[1:]]
+    assert after[2] == (
+        "r: a restore now selects generation 2 (step 20), 1 generation(s), 10 step(s) behind "
+        f"the newest (3, step 30), from the fast tier of {fast[0]} (shards 0, 2) and the "
+        "durable tier"
+    )
+
+
 def test_log_du_and_gc_on_a_node_know_what_it_holds(one_copy: Path, tmp_path: Path) -> None:
     from cli_runner import run_cli
 

@@ -178,6 +178,15 @@ class ChunkBackend(abc.ABC):
         """
         return IndexCheck()
 
+    def truncated_chunks(self, keys: Sequence[bytes]) -> dict[bytes, str]:
+        """The chunks among ``keys`` (all present) whose bytes the index places past the
+        end of their pack, or in a pack that is gone: key -> what is wrong, naming the pack.
+
+        A structural check (no chunk byte is read): one size lookup per pack. Backends
+        that keep no packs have nothing to cut short.
+        """
+        return {}
+
     def file_bytes(self) -> int:
         """Bytes the backend occupies on disk (0 for one that uses no files)."""
         return 0

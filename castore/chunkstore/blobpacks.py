@@ -369,6 +369,28 @@ class BlobPackBackend(ChunkBackend):
             where = self._where
         return [where.get(k) for k in keys]
 
+    def truncated_chunks(self, keys: Sequence[bytes]) -> dict[bytes, str]:
+        """:meth:`ChunkBackend.truncated_chunks`: each chunk's place in its index blob against
+        the size of its pack (one head request per pack)."""
+        self._check_open()
+        located = [(bytes(k), where) for k, where in zip(keys, self.locate(keys), strict=True)]
+        sizes: dict[str, int | None] = {}
+        cut = {}
+        for key, where in located:
+            if where is None:
+                continue
+            if where.pack not in sizes:
+                sizes[where.pack] = self.blobs.head(pack_blob(where.pack))
+            size = sizes[where.pack]
+            if size is None:
+                cut[key] = f"missing: its pack {pack_blob(where.pack)} is gone"
+            elif where.offset + where.length > size:
+                cut[key] = (
+                    f"truncated: its pack {pack_blob(where.pack)} is {size} bytes, and the "
+                    f"chunk ends at byte {where.offset + where.length}"
+                )
+        return cut
+
     def _objects(self, keys: Sequence[bytes]) -> Iterator[memoryview | None]:
         def fetch(key: bytes) -> bytes | None:
             try:

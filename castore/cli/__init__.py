@@ -26,20 +26,32 @@ from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli.args import COLLAPSE_AT, build_parser
 from castore.core.history import Generation, SaveStats, split_address
 from castore.core.holdings import held_shards
-from castore.errors import CastoreError, GcAbortedError, ReadOnlyStoreError, ReadOnlyWarning
+from castore.errors import (
+    CastoreError,
+    GcAbortedError,
+    ReadOnlyStoreError,
+    ReadOnlyWarning,
+    StoreNotFoundError,
+)
 from castore.format.hashing import Digest
 from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
 from castore.repair import rebuild_index, repair_store
 from castore.store import Store
 from castore.support.progress import format_size as format_bytes
-from castore.tiers import recovery_points, tier_report
+from castore.tiers import TierRow, recovery_points, tier_report
+from castore.tiers.selection import RestoreChoice, restore_choice
 
 EXIT_PROBLEMS = 1
 # A closed stdout (`castore log ... | head -1`): what a shell reports for a tool SIGPIPE
 # (13) killed. Not 0: `verify | head -1` may have cut off its PROBLEM lines; not 1, verify's.
 EXIT_BROKEN_PIPE = 128 + 13
-DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the rest
+DIFF_VALUE_ROWS = 50
+# What a plain verify did, and what it left to --deep.
+STRUCTURAL = (
+    "structural (manifests checked, chunks looked up, pack sizes checked against the index; "
+    "the chunks' bytes were not read: --deep re-hashes them)"
+)  # value changes a diff lists before it only counts the rest
 
 
 def _format_time(stamp: float) -> str:
@@ -259,7 +271,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
         if args.sample is not None
         else "deep (every chunk re-hashed)"
         if report.deep
-        else "structural"
+        else STRUCTURAL
     )
     print(
         f"verified {report.runs} run(s), {report.generations} generation(s), "
@@ -431,13 +443,37 @@ def _print_gc_summary(report: gc.GcReport) -> None:
 
 
 def cmd_tiers(args: argparse.Namespace) -> int:
+    paths = [args.store, *args.node]
     with contextlib.ExitStack() as stack:
-        nodes = [stack.enter_context(_open(path)) for path in [args.store, *args.node]]
+        nodes = {}  # index in ``paths`` -> the fast tier there; a lost node has none
+        for index, path in enumerate(paths):
+            try:
+                nodes[index] = stack.enter_context(_open(path))
+            except StoreNotFoundError:
+                pass  # a lost node: its directory is gone (said below)
         durable = stack.enter_context(_open(args.durable))
-        rows = tier_report(nodes, durable, [args.run] if args.run else None)
+        live = list(nodes.values())
+        rows = tier_report(live, durable, [args.run] if args.run else None)
+        runs = sorted({row.run for row in rows})
+        choices = {run: restore_choice(live, durable, run) for run in runs}
+    _print_tier_rows(rows)
+    for index in sorted(set(range(len(paths))) - set(nodes)):
+        print(
+            f"node {paths[index]}: lost (no store there): the fast column counts the other "
+            "nodes' fast tiers only"
+        )
+    ages = recovery_points(rows)
+    for run in runs:
+        print(_restore_line(run, choices[run], [paths[index] for index in nodes]))
+        said = ", ".join(f"{tier} {_format_age(s)}" for tier, s in ages.get(run, {}).items())
+        print(f"{run}: newest generation per tier: {said or 'none held whole'}")
+    return 0
+
+
+def _print_tier_rows(rows: list[TierRow]) -> None:
     if not rows:
         print("no generations")
-        return 0
+        return
     table = [
         [
             row.run,
@@ -452,10 +488,42 @@ def cmd_tiers(args: argparse.Namespace) -> int:
     ]
     print(text_table(table, ["run", "id", "step", "time", "fast", "durable", "root"],
                      text=("run", "root")))  # fmt: skip
-    for run, ages in recovery_points(rows).items():
-        said = ", ".join(f"{tier} {_format_age(seconds)}" for tier, seconds in ages.items())
-        print(f"{run}: newest generation per tier: {said or 'none held whole'}")
-    return 0
+
+
+def _restore_line(run: str, choice: RestoreChoice | None, paths: list[str]) -> str:
+    """Which generation a restore selects now (castore.tiers.selection), from where, and
+    how far behind the newest generation any tier lists."""
+    if choice is None:
+        return f"{run}: a restore now finds no generation complete in the tiers given"
+    sources = [
+        paths[index] + ("" if len(held) == choice.world_size else f" (shards {_spans(held)})")
+        for index, held in sorted(choice.nodes.items())
+    ]
+    said = ("the fast tier of " if len(sources) == 1 else "the fast tiers of ") + ", ".join(sources)
+    said = said if sources else ""
+    if choice.durable:
+        said = f"{said} and the durable tier" if said else "the durable tier"
+    behind = (
+        "the newest"
+        if choice.generations_behind == 0
+        else f"{choice.generations_behind} generation(s), {choice.steps_behind} step(s) behind "
+        f"the newest ({choice.newest_id}, step {choice.newest_step})"
+    )
+    return (
+        f"{run}: a restore now selects generation {choice.id} (step {choice.step}), "
+        f"{behind}, from {said}"
+    )
+
+
+def _spans(numbers: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    spans: list[list[int]] = []
+    for number in sorted(numbers):
+        if spans and number == spans[-1][1] + 1:
+            spans[-1][1] = number
+        else:
+            spans.append([number, number])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in spans)
 
 
 def _format_age(seconds: float) -> str:

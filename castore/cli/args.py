@@ -348,9 +348,11 @@ def _add_collection(commands: Any) -> None:
         "STORE (with --node, the fast tiers of several nodes together) holds every shard\n"
         "(held), some of them (K/N shards: the rest are on other nodes or in the durable\n"
         "tier), lists it with its chunks elsewhere (elsewhere) or not at all (-), whether\n"
-        "DURABLE has it, and whether a promotion to DURABLE is pending; then, per run,\n"
-        "how old its newest generation held whole in each tier is (the recovery point if\n"
-        "that tier were all that is left). Reads only.",
+        "DURABLE has it, and whether a promotion to DURABLE is pending. A fast tier whose\n"
+        "directory is gone is listed as a lost node. Then, per run, the generation a\n"
+        "restore would select now (its id, step, sources, and how far behind the newest),\n"
+        "and how old its newest generation held whole in each tier is (the recovery point\n"
+        "if that tier were all that is left). Reads only.",
         "castore tiers /dev/shm/ckpt s3://bucket/ckpt\ncastore tiers ./fast ./durable --run exp1\n"
         "castore tiers ./node0/fast ./durable --node ./node1/fast",
     )

@@ -400,6 +400,44 @@ def check_marker(marker: Path, config: Any) -> dict[str, Any]:
     return config
 
 
+def upgrade_for_frames(root: Path) -> int | None:
+    """Make a local store older than chunk frames (format 2) format 4, codec "none".
+
+    Its records stay as they are (a raw record is valid format 4); what changes
+    is that a frame written afterwards (a peer's copy, a save with a codec) is
+    in a store that a castore older than frames refuses whole ("upgrade
+    castore") instead of reporting the frame as damage. The marker is replaced
+    atomically; processes doing this at once all write the same settings.
+    Returns the version it had (None: frames were allowed already). A store on
+    blobs older than frames (format 3) is refused: its marker is not rewritten.
+    """
+    marker = root / MARKER
+    config = _read_config(marker)
+    if config is None:  # opened a moment ago: its marker was read then
+        raise NotAStoreError(f"store marker {marker} is unreadable", path=str(root))
+    version = int(config.get("format_version", 0))
+    if version >= STORE_VERSION:
+        return None
+    if config.get("backend") == "blobs":
+        raise UnsupportedOperationError(
+            f"{root} is a format {version} store on blobs, older than chunk compression: "
+            "it cannot be a fast tier (it may receive compressed chunks); copy it into a "
+            "new store (castore copy) and use that",
+            path=str(root),
+        )
+    upgraded = {**config, "format_version": STORE_VERSION, "codec": "none"}
+    text = json.dumps(upgraded, indent=2, sort_keys=True) + "\n"
+    temp = root / f".{MARKER}.{os.getpid()}.{time.monotonic_ns()}.tmp"
+    with writing(f"upgrading the store marker {marker}", root):
+        try:
+            _write_synced(temp, text.encode())
+            os.replace(temp, marker)
+        finally:
+            temp.unlink(missing_ok=True)
+        fsync_dir(root)
+    return version
+
+
 def _is_empty(root: Path) -> bool:
     """No entries but other processes' half-written markers (see _create_store)."""
     return all(entry.name.startswith(f".{MARKER}.") for entry in root.iterdir())

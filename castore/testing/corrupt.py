@@ -356,6 +356,19 @@ def damage_chunk_truncated(fixture: Fixture) -> None:
     raw_put(fixture.store, Namespace.CHUNKS, key, value[: CHUNK_SIZE // 2])
 
 
+def damage_pack_truncated(fixture: Fixture) -> None:
+    """The pack holding @3's new chunks cut in the middle of a chunk of model/w (a full
+    disk, a copy cut short): the chunk index still names every chunk in it."""
+    key = chunk_to_damage(fixture)
+    backend = fixture.store.backend
+    assert isinstance(backend, LmdbBackend)
+    where = backend.locate(key)
+    assert where is not None
+    size = where.offset + where.length // 2
+    os.truncate(backend.pack_path(where.pack), size)
+    fixture.facts.update(pack=backend.pack_path(where.pack).name, pack_size=size)
+
+
 def damage_chunk_checksum(fixture: Fixture) -> None:
     key = chunk_to_damage(fixture)
     value = fixture.store.backend.get(Namespace.CHUNKS, key)
@@ -555,6 +568,21 @@ CASES: tuple[Case, ...] = (
             ("chunk {chunk} of tensor '{tensor}' is damaged",),
             (*_CHUNK_CONTEXT, ("expected", "{chunk_hex}")),
             verify_words=("chunk {chunk} of tensor '{tensor}' is damaged",),
+        ),
+    ),
+    Case(
+        "pack-truncated",
+        "single",
+        "the pack of @3's new chunks cut in the middle of a chunk of model/w",
+        damage_pack_truncated,
+        Expect(
+            ChecksumMismatchError,
+            ("of tensor", "is damaged"),
+            (("run", RUN), ("generation", NEWEST)),
+            verify_words=(
+                "chunk {chunk} of tensor '{tensor}' is truncated: its pack {pack} is "
+                "{pack_size} bytes",
+            ),
         ),
     ),
     Case(

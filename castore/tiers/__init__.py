@@ -64,7 +64,7 @@ from castore.core.background import Throttle
 from castore.core.history import Generation, GenerationSpec
 from castore.core.holdings import forget_elsewhere, held_shards, mark_elsewhere
 from castore.core.location import parse_location
-from castore.core.opening import open_address
+from castore.core.opening import open_address, upgrade_for_frames
 from castore.errors import CastoreError, CastoreWarning, GenerationNotFoundError
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot
@@ -816,6 +816,25 @@ def recovery_points(rows: list[TierRow], now: float | None = None) -> dict[str, 
     return points
 
 
+def _allow_frames(fast: Store) -> None:
+    """A fast tier may receive chunks stored as frames (castore.format.codec): a peer
+    node's copies, a compressed save. One older than frames (format 2) is upgraded to
+    format 4 first, saying so once, so that an older castore refuses it whole instead of
+    reporting those chunks as damage; a read-only one is left as it is (it receives
+    nothing)."""
+    if fast.readonly or not isinstance(fast.path, Path):
+        return
+    was = upgrade_for_frames(fast.path)
+    if was is not None:
+        warnings.warn(
+            f"castore: the fast tier {fast.path} was a format {was} store; it is now format "
+            "4 (it may hold compressed chunks), which a castore older than chunk compression "
+            "refuses to open",
+            CastoreWarning,
+            stacklevel=3,
+        )
+
+
 def open_tiered(
     fast: str | os.PathLike[str],
     durable: str | os.PathLike[str] | Store,
@@ -892,6 +911,13 @@ def open_tiered(
     try:
         fast_store = open_address(fast, chunk_size=chunk_size)
     except BaseException:
+        if not isinstance(durable, Store):
+            durable_store.close()
+        raise
+    try:
+        _allow_frames(fast_store)
+    except BaseException:
+        fast_store.close()
         if not isinstance(durable, Store):
             durable_store.close()
         raise

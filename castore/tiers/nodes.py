@@ -67,10 +67,10 @@ from castore.chunkstore.memory import MemoryBackend
 from castore.chunkstore.tiered import TieredChunkBackend
 from castore.core import fencing
 from castore.core.commit import commit_objects
-from castore.core.holdings import held_shards, mark_elsewhere
+from castore.core.holdings import mark_elsewhere
 from castore.core.reading import count_object_reads
 from castore.dist.comm import Group, attempt, describe, raise_failures
-from castore.errors import ChunkMissingError, CorruptObjectError, RefConflictError
+from castore.errors import ChunkMissingError, CorruptObjectError
 from castore.format.codec import stored_matches
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import (
@@ -81,6 +81,7 @@ from castore.format.objects import (
     decode_object,
 )
 from castore.support.faults import fault_point
+from castore.tiers.selection import covered_generations, node_view, restore_candidates
 
 if TYPE_CHECKING:
     from castore.tiers import TieredStore
@@ -427,52 +428,17 @@ class NodeSession:
 
     def _view(self, run: str) -> list[list[Any]]:
         """This node's generations of ``run``: id, root, saved world size, held shards."""
-        if run not in self.fast.runs():
-            return []
-        rows = []
-        for gen, digest in self.fast.candidates(run):
-            root = self.fast.read_root(digest, run=run)
-            held = held_shards(Path(self.fast.path), run, gen, digest)
-            shards = list(range(root.world_size)) if held is None else sorted(held)
-            rows.append([gen, digest.raw, root.world_size, shards])
-        return rows
+        return node_view(self.fast, run)
 
     def _covered(self, run: str, views: list[dict[str, Any]]) -> dict[int, bytes]:
         """The generations whose saved shards the nodes' holdings cover together."""
-        covered: dict[tuple[int, bytes], set[int]] = {}
-        sizes: dict[tuple[int, bytes], int] = {}
-        for message in views:
-            for gen, root, world_size, shards in message["view"]:
-                key = (int(gen), bytes(root))
-                covered.setdefault(key, set()).update(int(s) for s in shards)
-                sizes[key] = int(world_size)
-        found: dict[int, bytes] = {}
-        for (gen, root), shards in covered.items():
-            if shards >= set(range(sizes[(gen, root)])):
-                if gen in found and found[gen] != root:
-                    raise RefConflictError(
-                        f"two nodes hold different generations {gen} of run {run!r}", run=run
-                    )
-                found[gen] = root
-        return found
+        return covered_generations(run, [message["view"] for message in views])
 
     def _choose(self, run: str, views: list[dict[str, Any]], below: int | None) -> list[list[Any]]:
-        found = self._covered(run, views)
-        durable = self.store.durable
-        if run in durable.runs():
-            for gen, digest in durable.candidates(run):
-                if gen in found and found[gen] != digest.raw:
-                    raise RefConflictError(
-                        f"the fast and durable tiers hold different generations {gen} of run "
-                        f"{run!r}",
-                        run=run,
-                    )
-                found[gen] = digest.raw
-        return [
-            [gen, root]
-            for gen, root in sorted(found.items(), reverse=True)
-            if below is None or gen <= below
-        ]
+        found = restore_candidates(
+            run, [message["view"] for message in views], self.store.durable, below
+        )
+        return [[gen, root] for gen, root in found]
 
     def recovery_points(self, run: str) -> dict[str, float]:
         """Seconds since the newest generation the nodes' fast tiers hold whole together,

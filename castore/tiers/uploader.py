@@ -18,7 +18,10 @@ with ``{"copied": {...}|null}`` (null: the durable tier had it) or
 publish the generation), or, for a job on several nodes (castore.tiers.nodes),
 "upload" (``"shards": [...]``: copy those shards' missing chunks, publish
 nothing) or "publish" (``"wait_s"``: wait until the durable tier holds every
-chunk, then publish). The process ends when stdin closes.
+chunk, then publish). The process ends when stdin closes; it ends at once,
+quietly, when stdin closes before the first line (the job died before it sent
+work), and with one line on stderr, never a traceback, when a store cannot be
+opened (a lost node's fast tier).
 """
 
 from __future__ import annotations
@@ -31,9 +34,26 @@ from typing import Any
 
 
 def main() -> int:
+    """Serve jobs until stdin closes. A job that died before it sent anything (stdin closed
+    at once): exit 0, silently. A store that cannot be opened (the node's fast tier is
+    gone): one line on stderr, exit 1 (the job says the promotion failed and retries it)."""
+    from castore.errors import CastoreError
+
+    line = sys.stdin.readline()
+    if not line.strip():
+        return 0  # the job is gone before it asked for anything: nothing to do
+    try:
+        return _serve(json.loads(line))
+    except (CastoreError, OSError, ValueError) as exc:
+        print(f"castore uploader: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _serve(spec: dict[str, Any]) -> int:
     import castore
 
-    spec = json.loads(sys.stdin.readline())
     _lower_priority(spec.get("priority", "low"))
     options = dict(spec.get("options") or {})
     with castore.open(spec["fast"], create=False, chunk_size=spec.get("chunk_size")) as fast:

@@ -561,6 +561,42 @@ class LmdbBackend(ChunkBackend):
         finally:
             txn.abort()
 
+    @lmdb_guarded("look up chunks")
+    def truncated_chunks(self, keys: Sequence[bytes]) -> dict[bytes, str]:
+        """:meth:`ChunkBackend.truncated_chunks`: each key's index entry against one stat
+        of its pack (a pack cut short by a full disk or a bad copy still has its entries)."""
+        with self._lock:
+            txn = self._begin(write=False)
+            try:
+                found = [(bytes(k), txn.get(bytes(k), db=self._index)) for k in keys]
+            finally:
+                txn.abort()
+        sizes: dict[int, int | None] = {}
+        cut = {}
+        for key, value in found:
+            if value is None:
+                continue  # not indexed: missing, which has_many says
+            length, pack, offset = unpack_location(value)
+            if pack not in sizes:
+                sizes[pack] = self._pack_size(pack)
+            size = sizes[pack]
+            if size is None:
+                cut[key] = f"missing: its pack {pack_name(pack)} is gone"
+            elif offset + length > size:
+                cut[key] = (
+                    f"truncated: its pack {pack_name(pack)} is {size} bytes, and the chunk "
+                    f"ends at byte {offset + length}"
+                )
+        return cut
+
+    def _pack_size(self, pack: int) -> int | None:
+        """A pack file's size (None: absent, or not a regular file, which is never read)."""
+        try:
+            found = os.stat(self.pack_path(pack), follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return found.st_size if stat.S_ISREG(found.st_mode) else None
+
     @lmdb_guarded("cross-check the chunk index")
     def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
         """Cross-check the index against the packs (see index_check) and audit the LMDB file.

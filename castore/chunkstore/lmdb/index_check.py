@@ -13,7 +13,10 @@ the packs' own record headers, before anything is deleted:
 * every record digest that iteration does not list is absent by point lookup
   too (otherwise iteration is missing entries).
 
-Records no entry names are garbage, not a problem.
+Records no entry names are garbage, not a problem. Entries whose bytes a
+pack no longer holds (the pack is gone, or truncated: cut short by a full disk
+or a bad copy) are notes, not problems: the index still says where they were,
+and ``verify`` names the generations that need them.
 """
 
 from __future__ import annotations
@@ -116,7 +119,14 @@ def _check_named(
     for entry in named:
         record = at.get(entry.offset) or _header_at(path, entry.offset, scan.size)
         where = f"pack {scan.pack:016x} offset {entry.offset}"
-        if record is None:
+        if record is None and entry.offset > scan.size:
+            # A truncated pack: missing chunks, which verify reports per generation (as a
+            # pack that is gone), not an index that disagrees with what is there.
+            found.notes.append(
+                f"chunk {entry.key.hex()[:16]} at {where} lies past the end of the pack "
+                f"({scan.size} bytes): the pack is truncated"
+            )
+        elif record is None:
             found.problem(f"entry {entry.key.hex()[:16]} names {where}, where no record starts")
         elif record.digest == entry.key and record.offset + record.length > scan.size:
             found.notes.append(f"chunk {entry.key.hex()[:16]} at {where} is cut short")
