@@ -67,7 +67,7 @@ from castore.core.staging import (
     stage_leaves,
     state_bytes,
 )
-from castore.errors import ChunkMissingError, SaveAborted
+from castore.errors import ChunkMissingError, CommitUnknownError, SaveAborted
 from castore.format.objects import TensorEntry
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
 from castore.support.faults import fault_point
@@ -546,6 +546,11 @@ class Background:
                 )
         last = self._last
         if last is not None and (error := last._unobserved_error) is not None:
+            if isinstance(error, CommitUnknownError):
+                return (
+                    f"castore: the save of {last.run} step {last.step} to {self.name} may or "
+                    f"may not be published: {error}"
+                )
             return self._lost(last, f"it failed in the background: {error}")
         return None
 
