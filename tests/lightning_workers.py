@@ -12,6 +12,7 @@ weights go to OUT (``numpy.savez``, from rank 0). RANKS > 1 trains with Lightnin
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,14 +30,16 @@ from test_lightning import Regressor, _data  # noqa: E402
 
 class KillAtEpoch(Callback):  # type: ignore[misc]
     """Arms the kill as epoch ``epoch`` ends: ModelCheckpoint (always the last callback)
-    then saves, and the castore save dies before it publishes."""
+    then saves, and the castore save dies before it publishes (``KILL_POINT`` in the
+    environment: at that fault point instead, ``save.after_ref_advance``: once it has
+    published, before Lightning writes any pointer to it)."""
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         if trainer.current_epoch == self.epoch:
-            faults.arm("save.before_ref_advance", "kill")
+            faults.arm(os.environ.get("KILL_POINT", "save.before_ref_advance"), "kill")
 
 
 def main(argv: list[str]) -> int:
