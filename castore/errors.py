@@ -118,7 +118,7 @@ def _rebuild(cls: type[CastoreError], message: str, context: dict[str, Any]) -> 
 
 
 # Context keys that are already spelled out in the message.
-_UNSHOWN = frozenset({"expected", "actual", "key_path", "hint", "differences"})
+_UNSHOWN = frozenset({"expected", "actual", "key_path", "hint", "differences", "unsent"})
 
 
 class StoreError(CastoreError):
@@ -142,12 +142,22 @@ class StoreAccessDeniedError(StoreError, PermissionError):
 
 
 class StoreUnavailableError(StoreError, ConnectionError):
-    """The endpoint cannot be reached, or kept answering 5xx/throttling past the retries."""
+    """The endpoint cannot be reached, or kept answering 5xx/throttling past the retries.
+
+    ``unsent`` is True only when the store can prove that no attempt's request
+    reached the endpoint (every connection refused or timed out connecting), so
+    a write it asked for did not happen and never will; a timeout or a broken
+    connection after the request went out proves nothing of the kind.
+    """
+
+    unsent: bool = False
 
 
 class CommitUnknownError(StoreUnavailableError):
     """A publish whose commit request failed ambiguously, and re-reading the ref could
-    not tell whether it took effect: check ``castore log`` before saving again."""
+    not tell whether it took effect (it could not be read, or it still named the
+    previous generation while a slow server may apply the write later): check
+    ``castore log`` before saving again."""
 
 
 class ReadOnlyStoreError(StoreError, PermissionError):

@@ -642,9 +642,10 @@ class Store:
         check_framework(framework)
         if fallback not in (None, "previous"):
             raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
+        newest = fencing.newest_published(self.refs, run)  # before resolving: see fencing
         if fallback is None:
             digest, root = self.resolve_root(run, generation)
-            return self._restore_root(digest, root, framework, [], progress)
+            return self._restore_root(digest, root, framework, [], progress, newest)
         below = None
         if generation != "latest":
             below = (
@@ -661,7 +662,7 @@ class Store:
                         f"the log names generation {gen_id}, its root says {root.generation}",
                         run=run,
                     )
-                return self._restore_root(digest, root, framework, skipped, progress)
+                return self._restore_root(digest, root, framework, skipped, progress, newest)
             except IntegrityError as exc:
                 skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
         listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
@@ -676,6 +677,7 @@ class Store:
         framework: str,
         skipped: list[Skipped],
         progress: bool = False,
+        newest: int | None = None,
     ) -> Restored:
         clock = time.perf_counter()
         timings: dict[str, float] = {}
@@ -687,7 +689,9 @@ class Store:
             self.backend, self.read_counters, root, shards, entries, framework, progress
         )
         timings["read_verify"] = time.perf_counter() - clock
-        fencing.record_loaded(self.refs, root.run, digest, root.step)
+        fencing.record_loaded(
+            self.refs, root.run, digest, root.step, generation=root.generation, newest=newest
+        )
         return Restored(state, Generation.from_root(digest, root), list(skipped), timings)
 
     def load(

@@ -10,8 +10,12 @@ answer is one JSON line on stdout (or the socket):
   of one), ``train`` (TrainState.save at update N) or ``dcp`` (DCP's save with
   castore's StorageWriter). Answers ``{"ok": true, "generation": ID}`` or the
   error's type and message, with every warning raised.
-* ``{"op": "load"}``: load the latest generation; answers its step.
+* ``{"op": "load"}``: load the latest generation (``"generation": ID``: that one);
+  answers its step.
 * ``{"op": "claim"}``: Store.claim_run("r").
+* ``{"op": "hold", "step": N}``: start a Store.save at step N on a thread and
+  answer once it has read the run's ref and reached its compare-and-swap, which
+  waits there; ``{"op": "release"}`` lets it go on and answers as a save does.
 * ``{"op": "quit"}``.
 
 A real process each, so that two of them are two writers of the run exactly as
@@ -26,6 +30,7 @@ import os
 import socket
 import sys
 import tempfile
+import threading
 import warnings
 from typing import Any
 
@@ -80,6 +85,48 @@ def save(store: castore.Store, step: int, mode: str) -> Any:
     raise ValueError(f"unknown mode {mode!r}")
 
 
+class Held:
+    """One save held at its compare-and-swap: the ref read, the advance not yet made."""
+
+    def __init__(self) -> None:
+        self.reached, self.go = threading.Event(), threading.Event()
+        self.outcome: list[Any] = []
+
+    def start(self, store: castore.Store, step: int) -> None:
+        advance = store.refs.advance
+
+        def held_advance(*args: Any, **kwargs: Any) -> Any:
+            self.reached.set()
+            self.go.wait(60)
+            return advance(*args, **kwargs)
+
+        store.refs.advance = held_advance  # type: ignore[method-assign]
+
+        def run() -> None:
+            try:
+                self.outcome.append(store.save(state(step), run=RUN, step=step))
+            except Exception as exc:  # noqa: BLE001 - answered by finish()
+                self.outcome.append(exc)
+            finally:
+                store.refs.advance = advance  # type: ignore[method-assign]
+
+        self.thread = threading.Thread(target=run)
+        self.thread.start()
+        if not self.reached.wait(60):
+            raise TimeoutError("the held save never reached its compare-and-swap")
+
+    def finish(self) -> Any:
+        self.go.set()
+        self.thread.join(60)
+        (outcome,) = self.outcome
+        if isinstance(outcome, Exception):
+            raise outcome
+        return outcome
+
+
+HELD = Held()
+
+
 def obey(store: castore.Store, command: dict[str, Any]) -> dict[str, Any]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -88,7 +135,14 @@ def obey(store: castore.Store, command: dict[str, Any]) -> dict[str, Any]:
                 generation = save(store, command["step"], command.get("mode", "store"))
                 answer: dict[str, Any] = {"ok": True, "generation": generation.id}
             elif command["op"] == "load":
-                answer = {"ok": True, "step": int(store.load(RUN)["step"])}
+                loaded = store.load(RUN, command.get("generation", "latest"))
+                answer = {"ok": True, "step": int(loaded["step"])}
+            elif command["op"] == "hold":
+                HELD.start(store, command["step"])
+                answer = {"ok": True}
+            elif command["op"] == "release":
+                generation = HELD.finish()
+                answer = {"ok": True, "generation": generation.id}
             elif command["op"] == "claim":
                 store.claim_run(RUN)
                 answer = {"ok": True}

@@ -37,14 +37,16 @@ from test_lightning import Regressor, _data  # noqa: E402
 
 class KillAtEpoch(Callback):  # type: ignore[misc]
     """Arms the kill as epoch ``epoch`` ends: ModelCheckpoint (always the last callback)
-    then saves, and the castore save dies before it publishes."""
+    then saves, and the castore save dies before it publishes (``KILL_POINT`` in the
+    environment: at that fault point instead, ``save.after_ref_advance``: once it has
+    published, before Lightning writes any pointer to it)."""
 
     def __init__(self, epoch: int) -> None:
         self.epoch = epoch
 
     def on_train_epoch_end(self, trainer: Any, module: Any) -> None:
         if trainer.current_epoch == self.epoch:
-            faults.arm("save.before_ref_advance", "kill")
+            faults.arm(os.environ.get("KILL_POINT", "save.before_ref_advance"), "kill")
 
 
 class KillOncePublished(Callback):  # type: ignore[misc]

@@ -10,6 +10,9 @@ the path) and spoils the answer *after the server applied the request*:
 * ``"truncate"``: the status, the headers (the full ``Content-Length``) and half
   the body are sent, then the connection is closed: a short read.
 * ``"count"``: nothing spoiled; ``hits`` says how many such requests passed.
+* ``"hold"``: a slow server: the request is held, unanswered, until the test calls
+  the rule's ``release()`` (the client meanwhile times out reading and may retry);
+  then it is applied, ``applied`` counting it, and its answer thrown away.
 
 A rule fires ``times`` times (``ALWAYS``: without end), only while its ``when``
 (if any) says so; ``hits`` counts how often it fired. Its ``before`` (if any)
@@ -22,7 +25,7 @@ from __future__ import annotations
 import http.client
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -41,6 +44,12 @@ class Rule:
     when: Callable[[], bool] | None = None
     before: Callable[[], None] | None = None  # run once, before the first hit is forwarded
     hits: int = 0
+    applied: int = 0  # "hold": held requests forwarded since release()
+    released: threading.Event = field(default_factory=threading.Event)
+
+    def release(self) -> None:
+        """A "hold" rule's held requests (and later ones) go on to the server."""
+        self.released.set()
 
     def matches(self, method: str, path: str) -> bool:
         armed = self.when is None or self.when()
@@ -73,6 +82,8 @@ class _Forwarder(BaseHTTPRequestHandler):
         rule = self.server.fire(self.command, self.path)
         if rule is not None and rule.before is not None and rule.hits == 1:
             rule.before()
+        if rule is not None and rule.action == "hold":
+            rule.released.wait(120)
         upstream = http.client.HTTPConnection(self.server.upstream, timeout=120)
         try:
             upstream.request(self.command, self.path, body=body or None, headers=headers)
@@ -80,7 +91,10 @@ class _Forwarder(BaseHTTPRequestHandler):
             data = answer.read()
         finally:
             upstream.close()
-        if rule is not None and rule.action == "drop_reply":
+        if rule is not None and rule.action in ("drop_reply", "hold"):
+            if rule.action == "hold":
+                with self.server.lock:
+                    rule.applied += 1
             self.close_connection = True  # the write happened; its answer never arrives
             return
         self.send_response_only(answer.status, answer.reason)
@@ -143,7 +157,7 @@ class FaultProxy:
         when: Callable[[], bool] | None = None,
         before: Callable[[], None] | None = None,
     ) -> Rule:
-        if action not in ("drop_reply", "truncate", "count"):
+        if action not in ("drop_reply", "truncate", "count", "hold"):
             raise ValueError(f"unknown fault {action!r}")
         rule = Rule(method, key, action, times, when, before)
         with self._server.lock:
@@ -152,9 +166,12 @@ class FaultProxy:
 
     def clear(self) -> None:
         with self._server.lock:
+            for rule in self._server.rules:
+                rule.release()  # nothing left held when the rules go
             self._server.rules.clear()
 
     def close(self) -> None:
+        self.clear()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(10)

@@ -261,6 +261,62 @@ def test_the_common_resume_needs_no_argument_and_warns_nothing(tmp_path: Path) -
     assert ref(place).epoch == 2
 
 
+def test_a_job_resumed_from_an_older_generation_than_its_crashed_run_warns_nothing(
+    tmp_path: Path,
+) -> None:
+    # The crashed job published generations after the checkpoint the restart loads
+    # (Lightning's last.ckpt one save behind, a tiers restore from the durable tier):
+    # they were published before this process loaded the run, so no other writer.
+    place = Place("local", str(tmp_path / "store"))
+    with writers(place, "job") as (first,):
+        assert all(first.save(step)["ok"] for step in (1, 2, 3))
+    with writers(place, "job") as (again,):
+        assert again("load", generation=2)["step"] == 2
+        answers = [again.save(3), again.save(4)]
+        assert all(a["ok"] and not a["warnings"] for a in answers), answers
+    assert steps(place) == [1, 2, 3, 3, 4]
+    assert ref(place).epoch == 2
+
+
+def test_a_writer_that_advances_the_run_after_an_older_load_is_warned_of(
+    tmp_path: Path,
+) -> None:
+    # The control: the old job is alive (a zombie) and saves after the restart loaded.
+    place = Place("local", str(tmp_path / "store"))
+    with writers(place, "zombie", "restarted") as (zombie, restarted):
+        assert all(zombie.save(step)["ok"] for step in (1, 2, 3))
+        assert restarted("load", generation=2)["step"] == 2
+        assert zombie.save(4)["ok"]  # after the load: a writer this process never saw
+        taken = restarted.save(3)
+        assert taken["ok"], taken
+        (warning,) = taken["warnings"]
+        assert warning.startswith("ConcurrentWriterWarning")
+        assert f"pid {zombie.pid}" in warning and "generation 4, step 4" in warning
+        assert "when its newest generation was 3" in warning
+        assert zombie.save(5)["error"] == "FencedError"
+
+
+# -- two fresh jobs racing the first save of a run -------------------------------------
+
+
+def test_two_jobs_racing_the_first_save_the_loser_is_told_another_job_saves(
+    place: Place,
+) -> None:
+    with writers(place, "first", "second") as (first, second):
+        assert first("hold", step=1)["ok"]  # it read "no ref" and waits at the swap
+        assert second.save(1)["ok"]
+        lost = first("release")
+        assert lost["error"] == "RefConflictError", lost
+        message = lost["message"]
+        assert "another job is saving to run 'r'" in message
+        assert f"pid {second.pid}" in message and "CASTORE_JOB_ID=second" in message
+        assert "nothing of this save (generation 1) was published" in message
+        assert "Save to another run" in message and "store.claim_run()" in message
+        assert "reload and retry" not in message
+        assert second.save(2)["ok"]  # the winner goes on, unfenced
+    assert steps(place) == [1, 2]
+
+
 # -- the step rule ---------------------------------------------------------------------
 
 

@@ -186,6 +186,8 @@ def test_a_run_killed_mid_save_resumes_from_last_bitwise(tmp_path: Path) -> None
     assert max(steps) == 2 * 4  # 4 batches an epoch: the end of epoch 1
     resumed = run(5, -1, True)
     assert resumed.returncode == 0, resumed.stderr
+    # The dead job is no other writer: the resume's saves warn of none.
+    assert "ConcurrentWriterWarning" not in resumed.stderr, resumed.stderr
     got = np.load(tmp_path / "weights--1-1.npz")
     want = _uninterrupted(5).state_dict()
     for name, value in want.items():
@@ -225,6 +227,49 @@ def test_an_async_save_killed_right_after_it_published_is_what_last_names(
     _fit(4, tmp_path, ckpt_path="last", blocking=False)
     with castore.open(store) as opened:
         assert [g.step for g in opened.generations(RUN)][6:] == [16, 16]
+
+
+@pytest.mark.slow
+def test_a_run_killed_after_a_publish_resumes_from_last_without_a_writer_warning(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL right after epoch 2's first save published, before any pointer names it:
+    last.ckpt is a generation behind the run's newest, which the dead job published.
+    The resume from last is no other writer's business: no ConcurrentWriterWarning,
+    and it ends where an uninterrupted run ends, bit for bit."""
+    import os
+    import subprocess
+    import sys
+
+    import numpy as np
+
+    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+    store, ckpts = tmp_path / "store", tmp_path / "ckpts"
+    env = {**os.environ, "KILL_POINT": "save.after_ref_advance"}
+
+    def run(kill_at: int, resume: bool) -> subprocess.CompletedProcess[str]:
+        out = tmp_path / f"weights-{kill_at}-{int(resume)}.npz"
+        args = [str(store), str(ckpts), "5", str(kill_at), str(int(resume)), str(out)]
+        return subprocess.run(
+            [sys.executable, str(worker), *args],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+
+    killed = run(2, False)
+    assert killed.returncode == -9, killed.stdout + killed.stderr
+    with castore.open(store) as opened:
+        newest = opened.resolve(RUN)
+    pointer = json.loads((ckpts / "last.ckpt").read_text())
+    assert newest.id == pointer["generation"] + 1  # published, never pointed at
+    resumed = run(-1, True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "ConcurrentWriterWarning" not in resumed.stderr, resumed.stderr
+    got = np.load(tmp_path / "weights--1-1.npz")
+    for name, value in _uninterrupted(5).state_dict().items():
+        assert got[name].tobytes() == value.detach().numpy().tobytes(), name
 
 
 def test_async_saves_go_through_castores_writer_and_publish_before_fit_returns(

@@ -10,6 +10,7 @@ a short body is read again.
 
 from __future__ import annotations
 
+import socket
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -18,8 +19,10 @@ import numpy as np
 import pytest
 from blob_places import Place, s3_place
 from s3_fault_proxy import ALWAYS, FaultProxy
-from s3_server import s3_client
+from s3_server import s3_client, store_arguments
 
+import castore
+from castore.blob.s3 import S3BlobStore
 from castore.errors import (
     CommitUnknownError,
     RefConflictError,
@@ -27,6 +30,7 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest, digest_bytes
 from castore.gc import tag
+from castore.repo.blobs import BlobRefTable
 from castore.repo.records import RefValue
 from castore.repo.reffile import encode_ref
 
@@ -138,6 +142,66 @@ def test_a_commit_whose_outcome_cannot_be_learned_is_commit_unknown(
     with place.open(create=False) as store:
         assert store.resolve("r").id == 2  # it had landed: the log tells the truth
     assert [g for g, _ in history(place)] == [1]  # the next save of r records it
+
+
+def test_a_ref_swap_held_past_the_read_timeout_is_commit_unknown_and_lands_later(
+    place: Place, proxy: FaultProxy
+) -> None:
+    """A slow server: every attempt of the PUT of refs/r is held past the client's read
+    timeout, so the re-read still shows generation 1; the server applies the write
+    afterwards. "Not published" would be false: the save raises CommitUnknownError."""
+    saved(place)
+    slow = proxy.add("PUT", "/ckpt/refs/r", "hold", times=ALWAYS)
+    hurried = {**place.options["s3_options"], "read_timeout": 1}
+    with castore_open(place, s3_options=hurried) as store:
+        with pytest.raises(CommitUnknownError) as raised:
+            store.save(state(1), run="r", step=1)
+    one_line(raised.value)
+    message = str(raised.value)
+    assert "generation 2 of run 'r' may or may not be published" in message
+    assert "may apply the swap later" in message and "castore log STORE --run r" in message
+    assert slow.hits == ATTEMPTS and slow.applied == 0
+    slow.release()  # the server gets to it
+    deadline = time.monotonic() + 60
+    while slow.applied < ATTEMPTS and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proxy.clear()
+    with place.open(create=False) as store:
+        assert store.resolve("r").id == 2  # it landed after the save had been answered
+
+
+def test_a_ref_swap_that_never_reached_the_store_is_not_published(
+    place: Place, s3_bucket: str
+) -> None:
+    """Every attempt's connection refused: the store proves the swap was never sent,
+    so the re-read ref naming the previous generation is the last word."""
+    saved(place)
+    with socket.socket() as probe:  # a port nothing listens on
+        probe.bind(("127.0.0.1", 0))
+        closed = f"http://127.0.0.1:{probe.getsockname()[1]}"
+    arguments = {**store_arguments(closed), "max_attempts": ATTEMPTS, "connect_timeout": 1}
+    refused = S3BlobStore(s3_bucket, "ckpt", check_bucket=False, **arguments)
+    with pytest.raises(StoreUnavailableError) as raised:
+        refused.swap("refs/r", b"never sent", None)
+    assert raised.value.unsent and "nothing was written" in str(raised.value)
+    with place.open(create=False) as store:
+        before = store.refs.read("r")
+        assert before is not None
+        blobs = store.refs.blobs
+        blobs.swap = refused.swap  # type: ignore[method-assign]  # reads reach the store
+        new = RefValue("r", 2, Digest(digest_bytes(b"a root")), time.time(), step=1, epoch=1)
+        with pytest.raises(StoreUnavailableError) as raised:
+            BlobRefTable(blobs).advance("r", expected=before.root, new=new)
+    assert not isinstance(raised.value, CommitUnknownError)
+    one_line(raised.value)
+    assert "generation 2 of run 'r' was not published" in str(raised.value)
+    assert "never reached the store" in str(raised.value)
+    with place.open(create=False) as store:
+        assert store.refs.read("r") == before
+
+
+def castore_open(place: Place, **options: Any) -> Any:
+    return castore.open(place.address, **{**place.options, **options})
 
 
 def test_a_lost_reply_with_the_ref_moved_by_another_is_a_conflict(

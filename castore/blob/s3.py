@@ -36,6 +36,7 @@ boto3 is imported only when a store is built: ``import castore`` needs no boto3.
 from __future__ import annotations
 
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
@@ -54,6 +55,7 @@ from castore.blob.base import (
 from castore.blob.s3_errors import (
     CONFLICT_RETRIES,
     error_code,
+    never_sent,
     retry_attempts,
     still_conflicting,
     translate,
@@ -66,6 +68,7 @@ from castore.errors import (
     CastoreError,
     InvalidNameError,
     StoreError,
+    StoreUnavailableError,
     UnsupportedBackendError,
 )
 from castore.format.hashing import Buffer
@@ -131,6 +134,10 @@ class S3BlobStore(BlobStore):
             max_attempts=max_attempts,
         )
         self._errors = _errors_module()
+        # After each attempt of a PutObject: could its request have reached the server?
+        self.client.meta.events.register(
+            "response-received.s3.PutObject", _note_put_attempt, unique_id=_NOTE_ID
+        )
         if check_bucket:
             self._call("HeadBucket", None, self.client.head_bucket, Bucket=bucket)
 
@@ -329,8 +336,15 @@ class S3BlobStore(BlobStore):
         body = memoryview(data).cast("B")
         check_mutable_size(name, body.nbytes)
         condition = {"IfNoneMatch": "*"} if expected is None else {"IfMatch": expected.token}
+        _PUTS.reached, _PUTS.refused = False, 0
         try:
             response = self._conditional_put(name, body, **condition)
+        except StoreUnavailableError as lost:
+            # A swap is a commit point: its caller may say "not written" only on proof,
+            # that is attempts seen (botocore told of them) and none of them sent.
+            if _PUTS.reached or not _PUTS.refused:
+                raise
+            raise never_sent(lost) from None
         except _Precondition as failed:
             if failed.retried and self._holds(name, body):
                 return Version(self._head_etag(name))
@@ -479,6 +493,27 @@ class _Precondition(Exception):
     def __init__(self, retried: bool) -> None:
         super().__init__("precondition failed")
         self.retried = retried
+
+
+# This thread's PutObject attempts since a swap began: .reached (one may have been
+# sent) and .refused (how many were never sent).
+_PUTS = threading.local()
+_NOTE_ID = "castore-put-attempts"
+
+
+def _note_put_attempt(exception: Exception | None = None, **_: Any) -> None:
+    """botocore's ``response-received`` event, after every attempt of a PutObject.
+
+    An answer, a read timeout or a broken connection all leave the server free to
+    apply the write (now, or later); only a connection never made proves it was not
+    sent: refused, or timed out connecting.
+    """
+    import botocore.exceptions as errors
+
+    if isinstance(exception, (errors.EndpointConnectionError, errors.ConnectTimeoutError)):
+        _PUTS.refused = getattr(_PUTS, "refused", 0) + 1
+    else:
+        _PUTS.reached = True
 
 
 def _build_client(

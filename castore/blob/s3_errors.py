@@ -138,3 +138,12 @@ def error_code(error: Any) -> str:
 
 def retry_attempts(error: Any) -> int:
     return int(error.response.get("ResponseMetadata", {}).get("RetryAttempts", 0))
+
+
+def never_sent(lost: StoreUnavailableError) -> StoreUnavailableError:
+    """``lost``, marked as proven unsent: no attempt's request reached the endpoint."""
+    return StoreUnavailableError(
+        f"{lost.message}; no attempt's request reached it, so nothing was written",
+        **lost.context,
+        unsent=True,
+    )

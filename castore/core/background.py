@@ -72,7 +72,7 @@ from castore.core.staging import (
     stage_leaves,
     state_bytes,
 )
-from castore.errors import ChunkMissingError, SaveAborted
+from castore.errors import ChunkMissingError, CommitUnknownError, SaveAborted
 from castore.format.objects import TensorEntry
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
 from castore.support.faults import fault_point
@@ -565,6 +565,11 @@ class Background:
         last = self._last
         if last is None or (error := last._unobserved_error) is None:
             return None
+        if isinstance(error, CommitUnknownError):
+            return (
+                f"castore: the save of {last.run} step {last.step} to {self.name} may or "
+                f"may not be published: {error}"
+            )
         if last._generation is not None:
             return (
                 f"castore: the save of {last.run} step {last.step} to {self.name} published "

@@ -22,6 +22,12 @@ replicated systems fence a stale leader:
 * **Warnings.** A save that finds the run advanced by another writer since
   this process last loaded or saved it warns
   (:class:`~castore.errors.ConcurrentWriterWarning`), naming that writer.
+  "Since" is by generation id: a load records the newest generation the run's
+  ref named when the load began, so the generations a crashed job published
+  after the one this process resumed from (a checkpoint older than the run's
+  newest, a tiers restore that picked an older complete generation) are
+  history it resumed over, not another writer; a zombie that publishes after
+  the load is.
 
 The common case, one job resumed after a crash, needs nothing: the restarted
 job loads the latest generation, and its first save claims the run. A job that
@@ -41,7 +47,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from castore.errors import ConcurrentWriterWarning, FencedError, StepOrderError
+from castore.errors import CastoreError, ConcurrentWriterWarning, FencedError, StepOrderError
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot
 from castore.repo.records import RefValue, Writer
@@ -61,6 +67,12 @@ class Identified(Protocol):
 
     @property
     def identity(self) -> str: ...
+
+
+class ReadsRefs(Identified, Protocol):
+    """A store's refs that can also say what a run's ref names now."""
+
+    def read(self, run: str) -> RefValue | None: ...
 
 
 def job_identity() -> str | None:
@@ -113,6 +125,7 @@ class _Known:
     epoch: int | None = None  # the epoch it claimed (None: it has not published)
     root: Digest | None = None  # the generation it last loaded or published
     step: int | None = None  # that generation's step
+    seen: int | None = None  # the newest generation id of the run it knew of then
     claim_anew: bool = False  # claim_run(): the next save claims again, steps unchecked
 
 
@@ -135,15 +148,34 @@ def claim_run(refs: Identified, run: str) -> None:
         _known(refs, run).claim_anew = True
 
 
-def record_loaded(refs: Identified, run: str, root: Digest, step: int) -> None:
-    """This process loaded ``root`` of ``run``: it resumes the run from there.
+def newest_published(refs: ReadsRefs, run: str) -> int | None:
+    """The generation id ``run``'s ref names now, read as a load begins (None: no ref,
+    or it cannot be read: the load then counts only what it loaded as seen)."""
+    try:
+        value = refs.read(run)
+    except CastoreError:
+        # Only a warning's accuracy rests on it; the load says what is wrong with the
+        # ref if it needs it, and the save's compare-and-swap reads it again.
+        return None
+    return None if value is None else value.generation
+
+
+def record_loaded(
+    refs: Identified, run: str, root: Digest, step: int, *, generation: int, newest: int | None
+) -> None:
+    """This process loaded ``root`` (generation id ``generation``) of ``run``: it resumes
+    the run from there.
 
     Its next save claims the run anew (a new epoch), and the step rule accepts
-    any step from the loaded one's on.
+    any step from the loaded one's on. ``newest``: the generation id the run's
+    ref named when the load began (:func:`newest_published`); the generations up
+    to it were published before this process resumed, by whoever wrote them, so
+    its next save does not take them for another writer's.
     """
+    seen = max(generation, newest or 0)
     with _LOCK:
         known = _known(refs, run)
-        known.root, known.step, known.epoch = root, step, None
+        known.root, known.step, known.epoch, known.seen = root, step, None, seen
 
 
 def record_published(refs: Identified, run: str, value: RefValue) -> None:
@@ -151,6 +183,7 @@ def record_published(refs: Identified, run: str, value: RefValue) -> None:
     with _LOCK:
         known = _known(refs, run)
         known.epoch, known.root, known.step = value.epoch, value.root, value.step
+        known.seen = value.generation
         known.claim_anew = False
 
 
@@ -200,15 +233,25 @@ def writer_epoch(
                 "call store.claim_run() before saving; or save to a new run",
                 run=run,
             )
-    # A thread of this process that published meanwhile is no other writer.
-    me, them = this_writer(), parent.writer
-    ours = them is not None and (them.host, them.pid) == (me.host, me.pid)
-    if warn and known.root is not None and parent.root != known.root and not ours:
+    if warn and _advanced_by_another(known, parent):
         warnings.warn(
             f"castore: run {run!r} was advanced by another writer since this process last "
-            f"loaded or saved it: {parent.describe_writer()}. This save publishes under writer "
-            f"epoch {epoch}; an older writer's next save fails with FencedError",
+            f"loaded or saved it (when its newest generation was {known.seen}): "
+            f"{parent.describe_writer()}. This save publishes under writer epoch {epoch}; "
+            "an older writer's next save fails with FencedError",
             ConcurrentWriterWarning,
             stacklevel=4,
         )
     return epoch
+
+
+def _advanced_by_another(known: _Known, parent: RefValue) -> bool:
+    """Whether a writer other than this process published ``parent`` after this process
+    last loaded or saved the run (nothing loaded or saved: a first claim, no warning)."""
+    if known.root is None or parent.root == known.root:
+        return False
+    if known.seen is not None and parent.generation <= known.seen:
+        return False  # published before this process resumed: the job it resumed, say
+    # A thread of this process that published meanwhile is no other writer.
+    me, them = this_writer(), parent.writer
+    return not (them is not None and (them.host, them.pid) == (me.host, me.pid))

@@ -518,9 +518,12 @@ class CastoreReader(_StoreUser, StorageReader):
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         """Resolve the generation (on the coordinator) and rebuild DCP's Metadata."""
         assert self.run is not None
+        newest = fencing.newest_published(self.store.refs, self.run)  # before resolving
         digest, root = self.store.resolve_root(self.run, self.generation_spec)
         self.generation = Generation.from_root(digest, root)
-        fencing.record_loaded(self.store.refs, self.run, digest, root.step)  # a resume point
+        fencing.record_loaded(  # a resume point
+            self.store.refs, self.run, digest, root.step, generation=root.generation, newest=newest
+        )
         wire = self.generation.metadata.get("dcp")
         if not isinstance(wire, dict):
             raise CorruptObjectError(

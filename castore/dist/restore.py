@@ -117,7 +117,10 @@ def load(
     check_framework(framework)
     if fallback not in (None, "previous"):
         raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
-    options = _Options(targets, rank_local, framework, load_rest)
+    # What the ref names as the load begins; the coordinator's alone, as only it proposes
+    # saves (its next save tells another writer's generations from these: fencing).
+    newest = fencing.newest_published(store.refs, run) if comm.is_coordinator else None
+    options = _Options(targets, rank_local, framework, load_rest, newest)
     # A tiered store whose ranks span several nodes (castore.tiers.nodes): None otherwise.
     session = store.node_session(comm, run)
     if session is not None:
@@ -190,6 +193,7 @@ class _Options:
     rank_local: RankLocalPolicy
     framework: str
     load_rest: bool
+    newest: int | None  # the generation id the run's ref named as the load began
 
 
 @dataclass
@@ -292,7 +296,9 @@ def _load_root(
         _assign(target)
     state = _result_tree(root, entries, wanted, per_rank)
     timings["assembly"] = time.perf_counter() - clock
-    fencing.record_loaded(store.refs, run, digest, root.step)  # a resume point (every rank)
+    fencing.record_loaded(  # a resume point (every rank)
+        store.refs, run, digest, root.step, generation=root.generation, newest=options.newest
+    )
     report = LoadReport(
         generation=Generation.from_root(digest, root),
         bytes_read=store.read_counters.bytes - read_before[1],

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from castore.errors import CorruptObjectError, ImportSourceError
+from castore.errors import CommitUnknownError, CorruptObjectError, ImportSourceError
 from castore.format.hashing import digest_of
 from castore.importer import load_weights_only, map_safetensors, safetensors_header_bytes
 from castore.support.safefs import fsync_dir, write_all
@@ -145,9 +145,14 @@ def _say_what_failed() -> None:
     for job in list(_UNCOLLECTED):
         done, value = job._outcome
         if not done:
+            # A commit whose answer was lost may yet be published: never say it was not.
+            outcome = (
+                "may or may not be published"
+                if isinstance(value, CommitUnknownError)
+                else "was not published"
+            )
             print(
-                f"castore: {job.name} failed and was not published: "
-                f"{type(value).__name__}: {value}",
+                f"castore: {job.name} failed and {outcome}: {type(value).__name__}: {value}",
                 file=sys.stderr,
             )
 

@@ -317,6 +317,7 @@ def restore_checkpoint(
     """
     opened = store if isinstance(store, Store) else castore.open(store)
     try:
+        newest = fencing.newest_published(opened.refs, run)  # before resolving: see fencing
         found = opened.resolve(run, generation)
         name = found.metadata.get("checkpoint") or f"{PREFIX_CHECKPOINT_DIR}-{found.step}"
         if not isinstance(name, str) or not _STEP.fullmatch(name):
@@ -327,7 +328,10 @@ def restore_checkpoint(
             # Left as it is, yet a resume all the same, as the load below records: this
             # process's saves continue the run from here (a lower step than the run's
             # latest is not taken for another job's: castore.core.fencing).
-            fencing.record_loaded(opened.refs, run, Digest.from_hex(found.root), found.step)
+            root = Digest.from_hex(found.root)
+            fencing.record_loaded(
+                opened.refs, run, root, found.step, generation=found.id, newest=newest
+            )
             return str(destination)
         tree = opened.load(run, found.root, framework="auto")
         write_checkpoint_dir(tree, destination, marker=marker)

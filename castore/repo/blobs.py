@@ -338,8 +338,10 @@ class BlobRefTable(RefTable):
         """After a swap whose answer never came (a broken connection, a timeout, 5xx past
         the retries), learn from the ref itself whether it landed: return if the ref
         names ``new`` (published: the caller must hear success, and logs it once), raise
-        if it does not (RefConflictError when another root is there), CommitUnknownError
-        when the ref cannot be read either."""
+        if it does not (RefConflictError when another root is there). The ref still
+        naming the parent proves nothing lasting unless the store proves the swap was
+        never sent (``lost.unsent``: StoreUnavailableError, not published): otherwise,
+        as when the ref cannot be read either, CommitUnknownError."""
         try:
             current = self.read(run)
         except CastoreError as unreadable:
@@ -360,11 +362,22 @@ class BlobRefTable(RefTable):
                 f"{new.generation}; reload and retry",
                 run=run,
             ) from lost
-        raise StoreUnavailableError(
-            f"generation {new.generation} of run {run!r} was not published: its ref's "
-            f"compare-and-swap failed ({lost.message}) and the ref still names the "
-            "previous generation; save again when the store answers",
+        if lost.unsent:
+            raise StoreUnavailableError(
+                f"generation {new.generation} of run {run!r} was not published: its ref's "
+                f"compare-and-swap never reached the store ({lost.message}) and the ref "
+                "still names the previous generation; save again when the store answers",
+                run=run,
+            ) from lost
+        # The swap may have reached a server that has not applied it yet: a read
+        # timeout proves nothing, and the write can still land after this re-read.
+        raise CommitUnknownError(
+            f"generation {new.generation} of run {run!r} may or may not be published: the "
+            f"answer to its ref's compare-and-swap was lost ({lost.message}); the ref still "
+            "names the previous generation, but the store may apply the swap later. Check "
+            f"`castore log STORE --run {run}` (STORE: {self.blobs!r}) before saving again",
             run=run,
+            generation=new.generation,
         ) from lost
 
     def _swap(self, name: str, data: bytes, version: Version | None) -> None:

@@ -142,6 +142,8 @@ def check_advance(
         )
     current_root = current.root if current else None
     if current_root != expected:
+        if expected is None and current is not None and not _by_this_process(current):
+            raise _first_save_lost(run, current, new)
         raise RefConflictError(
             f"ref moved: expected {expected.short if expected else 'no ref'}, "
             f"found {current_root.short if current_root else 'no ref'}; reload and retry",
@@ -152,6 +154,29 @@ def check_advance(
             f"generation ids must increase: {new.generation} after {current.generation}",
             run=run,
         )
+
+
+def _by_this_process(value: RefValue) -> bool:
+    """Whether this process published ``value`` (another of its threads, say)."""
+    return value.writer is not None and (value.writer.host, value.writer.pid) == (
+        socket.gethostname(),
+        os.getpid(),
+    )
+
+
+def _first_save_lost(run: str, current: RefValue, new: RefValue) -> RefConflictError:
+    """The first save of a fresh run found that another writer published first.
+
+    "Reload and retry" would be wrong advice: a retry publishes on top of the
+    other job's generation, taking the run over from it.
+    """
+    return RefConflictError(
+        f"another job is saving to run {run!r}: this save began when the run had no "
+        f"generation, and {current.describe_writer()} was published first; nothing of "
+        f"this save (generation {new.generation}) was published. Save to another run, "
+        "or, if this job should own the run, call store.claim_run() and save again",
+        run=run,
+    )
 
 
 def check_new_value(run: str, new: RefValue) -> None:
