@@ -82,6 +82,7 @@ from castore.support.safefs import (
     DISK_FULL,
     fsync_dir,
     is_store_dir,
+    kind_of,
     make_store_dir,
     open_store_file,
     regular_file_size,
@@ -571,7 +572,7 @@ class LmdbBackend(ChunkBackend):
                 found = [(bytes(k), txn.get(bytes(k), db=self._index)) for k in keys]
             finally:
                 txn.abort()
-        sizes: dict[int, int | None] = {}
+        sizes: dict[int, int | str | None] = {}
         cut = {}
         for key, value in found:
             if value is None:
@@ -582,6 +583,11 @@ class LmdbBackend(ChunkBackend):
             size = sizes[pack]
             if size is None:
                 cut[key] = f"missing: its pack {pack_name(pack)} is gone"
+            elif isinstance(size, str):
+                cut[key] = (
+                    f"unreadable: its pack {pack_name(pack)} is a {size}, not a regular "
+                    "file, and castore never follows or reads one"
+                )
             elif offset + length > size:
                 cut[key] = (
                     f"truncated: its pack {pack_name(pack)} is {size} bytes, and the chunk "
@@ -589,13 +595,14 @@ class LmdbBackend(ChunkBackend):
                 )
         return cut
 
-    def _pack_size(self, pack: int) -> int | None:
-        """A pack file's size (None: absent, or not a regular file, which is never read)."""
+    def _pack_size(self, pack: int) -> int | str | None:
+        """A pack file's size; None: absent; what it is where it is not a regular file
+        (a symlink, a named pipe: castore never reads one)."""
         try:
             found = os.stat(self.pack_path(pack), follow_symlinks=False)
         except FileNotFoundError:
             return None
-        return found.st_size if stat.S_ISREG(found.st_mode) else None
+        return found.st_size if stat.S_ISREG(found.st_mode) else kind_of(found.st_mode)
 
     @lmdb_guarded("cross-check the chunk index")
     def check_index(self, *, hash_bytes: bool = False) -> IndexCheck:
