@@ -83,7 +83,7 @@ def switch_off_the_check() -> None:
     """The save as it was before replicated values were compared (this process only)."""
     from castore.dist import replicas
 
-    def start(self: Any, *args: Any) -> None:
+    def start(self: Any, *args: Any, **options: Any) -> None:
         pass
 
     replicas.ReplicaDigests.start = start  # type: ignore[method-assign]

@@ -318,7 +318,7 @@ def _save_in_group(
         assert prepared is not None
         versions = store.versions if trust_versions else None
         if comm.world_size > 1:  # hashed on the pool while this rank writes its own
-            prepared.replicas.start(mine, versions, run)
+            prepared.replicas.start(mine, versions, run, aside=True)
         shard = write_shard(
             store,
             prepared.encoded,

@@ -18,6 +18,7 @@ digest per value, to name what differs.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 
 import msgpack
@@ -49,12 +50,23 @@ class ReplicaDigests:
         self.chunk_size = chunk_size
         self.tensors: dict[str, bytes] = {}
         self._hashing: list[tuple[TensorLeaf, Iterator[bytes]]] = []
+        self._aside: threading.Thread | None = None
 
-    def start(self, written: set[str], versions: VersionCache | None = None, run: str = "") -> None:
+    def start(
+        self,
+        written: set[str],
+        versions: VersionCache | None = None,
+        run: str = "",
+        *,
+        aside: bool = False,
+    ) -> None:
         """Start hashing the replicated tensors this rank does not write (``written``).
 
         ``versions`` (a save that trusts version counters): a tensor that has not
-        moved since this handle last digested it is not hashed again.
+        moved since this handle last digested it is not hashed again. ``aside``: on
+        one thread of its own, not the shared pool, so the chunks this rank writes
+        are hashed first (the pool runs its tasks in order) and this fills the time
+        the write waits for the disk.
         """
         others = [leaf for leaf in self.leaves if leaf.name not in written]
         trusted = versions.unmoved(run, others, self.chunk_size) if versions else {}
@@ -63,14 +75,25 @@ class ReplicaDigests:
                 self._hashing.append((leaf, iter(trusted[index])))
             else:
                 views = cut_chunks(_host_bytes(leaf), self.chunk_size)
-                self._hashing.append((leaf, digests_in_order(views)))
+                self._hashing.append((leaf, digests_in_order(views, inline=aside)))
+        if aside and self._hashing:
+            self._aside = threading.Thread(
+                target=self._hash_all, name="castore-replicas", daemon=True
+            )
+            self._aside.start()
+
+    def _hash_all(self) -> None:
+        self._hashing = [(leaf, iter(tuple(digests))) for leaf, digests in self._hashing]
 
     def settle(self, versions: VersionCache | None = None, run: str = "") -> None:
         """Wait for the hashing :meth:`start` began (an async save: before training moves
         on); ``versions``: remember each tensor's chunks (hashed or trusted) for the next
         save, beside what this save's write recorded."""
+        if self._aside is not None:
+            self._aside.join()
+            self._aside = None
         hashed = [(leaf, tuple(digests)) for leaf, digests in self._hashing]
-        self._hashing.clear()
+        self._hashing = []
         for leaf, chunks in hashed:
             self.tensors[leaf.name] = tensor_digest(chunks)
         if versions is not None:
