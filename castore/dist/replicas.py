@@ -186,8 +186,8 @@ def _message(
         f"replicated {named}{more} differs between ranks: {_who(groups, lacking)}; nothing "
         f"of generation {generation} of run {run!r} is published. A tensor passed without "
         "castore.Shard, and every plain value, is saved once and must be the same on every "
-        "rank: pass a rank's block of a sharded tensor as castore.Shard(local, offsets, "
-        "global_shape), and a value meant to differ between ranks as castore.RankLocal(value)"
+        "rank: pass a rank's block of a sharded tensor as castore.Shard(local, global_shape, "
+        "offsets), and a value meant to differ between ranks as castore.RankLocal(value)"
     )
 
 
