@@ -13,7 +13,7 @@ Sources:
 * ``torch.save`` files: read with ``torch.load(weights_only=True)`` only;
   castore never unpickles arbitrary objects.
 * ``torch.distributed.checkpoint`` directories (a ``.metadata`` file and
-  ``.distcp`` files): each saved chunk stays a box (:mod:`castore.importdcp`).
+  ``.distcp`` files): each saved chunk stays a box (:mod:`castore.dcp.importing`).
 """
 
 from __future__ import annotations
@@ -29,15 +29,14 @@ from typing import Any
 
 import numpy as np
 
-from castore import importdcp
 from castore.errors import ImportSourceError
 from castore.format.dtypes import numpy_dtype
-from castore.importdcp import DCP_METADATA
 from castore.store import Store
 
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
+DCP_METADATA = ".metadata"  # the file that makes a directory a DCP checkpoint
 
 # safetensors' dtype tags -> castore's canonical names.
 _SAFETENSORS_DTYPES = {
@@ -237,8 +236,12 @@ def from_dcp(
     progress: bool = False,
 ) -> ImportReport:
     """Import a DCP checkpoint directory as the next generation, keeping its saved boxes."""
+    # Here, not at the top: castore.dcp imports torch.distributed.checkpoint, which the
+    # command and the other kinds of import never need.
+    from castore.dcp import importing
+
     source = Path(directory)
-    generation, boxes, stats = importdcp.from_dcp(store, run, source, step=step, progress=progress)
+    generation, boxes, stats = importing.from_dcp(store, run, source, step=step, progress=progress)
     return ImportReport(
         source=str(source),
         kind="dcp",

@@ -7,7 +7,7 @@ in a function is still a dependency. Layers, top to bottom:
 - public API: ``castore/__init__.py``, ``store``, ``data``, ``errors``
   (``errors`` and ``version`` stand under every layer: they import nothing of castore)
 - operations: ``gc`` (``retention``), ``verify``, ``repair``, ``copying``,
-  ``diffing``, ``export``, ``importer``, ``importdcp``
+  ``diffing``, ``export``, ``importer``
 - integrations: ``dist/``, ``dcp/``, ``train/``, ``tiers/``, ``cli/``, ``data``
 - the engine: ``core/``
 - format: ``format/`` (what the bytes mean, no I/O)
@@ -28,7 +28,6 @@ import pytest
 PACKAGE = Path(__file__).resolve().parent.parent / "castore"
 
 OPERATIONS = {"gc", "retention", "verify", "repair", "copying", "diffing", "export", "importer"}
-OPERATIONS |= {"importdcp"}
 INTEGRATIONS = {"dist", "dcp", "train", "cli", "data", "tiers"}
 
 # Edges that break a rule below and stay for now, each with its reason.

@@ -33,10 +33,9 @@ from castore.errors import ImportSourceError
 from castore.format.dtypes import name_of_torch_dtype
 from castore.format.objects import TensorEntry
 from castore.format.tree import TensorLeaf, encode_state, join_path, torch_bytes
+from castore.importer import DCP_METADATA
 from castore.store import Store, check_step
 from castore.support.progress import Bar, progress_bar
-
-DCP_METADATA = ".metadata"  # the file that makes a directory a DCP checkpoint
 
 
 class _ChunkPlanner:
@@ -326,9 +325,7 @@ def _write_boxes(
 
     def add(rank: int, leaves: list[TensorLeaf]) -> None:
         nonlocal total
-        entries, stats = write_leaves(
-            store.backend, leaves, store.chunk_size, codec=store.codec
-        )
+        entries, stats = write_leaves(store.backend, leaves, store.chunk_size, codec=store.codec)
         per_rank[rank][0].extend(entries)
         per_rank[rank] = (per_rank[rank][0], per_rank[rank][1] + stats)
         total += stats
