@@ -52,6 +52,7 @@ from tabulate import tabulate
 
 import castore
 import castore.dist
+import castore.dist.groupcommit
 
 MIB = 1 << 20
 COLLECTIVE_TIMEOUT = 300.0
@@ -87,7 +88,7 @@ def switch_off_the_check() -> None:
         pass
 
     replicas.ReplicaDigests.start = start  # type: ignore[method-assign]
-    castore.dist.check_replicas = lambda *args, **kwargs: None  # type: ignore[attr-defined]
+    castore.dist.groupcommit.check_replicas = lambda *args, **kwargs: None
 
 
 def worker(rank: int, port: int, world: int, state_mib: int, tensors: int, conn: Any) -> None:
@@ -150,14 +151,14 @@ def worker(rank: int, port: int, world: int, state_mib: int, tensors: int, conn:
             try:
                 conn.send({"seconds": timed(method, path, step, trust)})
             finally:
-                castore.dist.check_replicas = CHECK  # type: ignore[attr-defined]
+                castore.dist.groupcommit.check_replicas = CHECK
                 castore.dist.replicas.ReplicaDigests.start = START  # type: ignore[method-assign]
         except Exception:  # noqa: BLE001
             conn.send({"error": traceback.format_exc()})
 
 
 START = castore.dist.replicas.ReplicaDigests.start
-CHECK = castore.dist.check_replicas  # type: ignore[attr-defined]
+CHECK = castore.dist.groupcommit.check_replicas
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

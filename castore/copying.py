@@ -154,6 +154,7 @@ def copy(
             raise ValueError(f"source and destination are the same store ({source.path})")
         target = _opened(dst, stack, create=True, codec=codec)
         target.refuse_if_readonly("copy into it")
+        stored_as = codec or target.codec  # an argument: never set on the caller's handle
         report = CopyReport()
         for name in [validate_run_name(run)] if run is not None else source.refs.ref_runs():
             chosen = _choose(source, name, generation, all_generations)
@@ -165,7 +166,9 @@ def copy(
                     )
                 else:
                     report.generations.append(
-                        copy_generation(source, target, digest, root, progress=progress)
+                        copy_generation(
+                            source, target, digest, root, progress=progress, codec=stored_as
+                        )
                     )
         return report
 
@@ -183,8 +186,6 @@ def _opened(
     if isinstance(where, Store):
         if codec is not None:
             check_setting(codec)
-            stack.callback(setattr, where, "codec", where.codec)  # as it was, after the copy
-            where.codec = codec
         return where
     options: dict[str, Any] = {} if codec is None else {"codec": codec}
     return stack.enter_context(open_address(where, create=create, **options))
@@ -248,6 +249,7 @@ def copy_generation(
     throttle: Callable[[int], None] | None = None,
     chunks: bool = True,
     batch_bytes: int | None = None,
+    codec: str | None = None,
 ) -> CopiedGeneration:
     """Copy one generation whose id is newer than DST's latest of its run, and publish it.
 
@@ -256,7 +258,8 @@ def copy_generation(
     copy's reads, hashing and writes more evenly). ``chunks=False`` copies the root and manifests
     only and publishes them without checking that DST holds the chunks: a
     tier that records the generation as held elsewhere (castore.tiers) seeds
-    its history so; anything else needs the chunks.
+    its history so; anything else needs the chunks. ``codec``: how DST stores
+    the chunks it takes (castore.format.codec); None: DST's own.
     """
     run, gen = root.run, root.generation
     where = {"run": run, "generation": gen}
@@ -284,7 +287,7 @@ def copy_generation(
             for batch in _batches(missing, named, batch_bytes or BATCH_BYTES):
                 if throttle is not None:
                     throttle(sum(expected_length(*named[key]) for key in batch))
-                _copy_chunks(source, target, batch, named, where, bar)
+                _copy_chunks(source, target, batch, named, where, codec or target.codec, bar)
                 fault_point("copy.mid_chunks")
         target.backend.put_many(Namespace.OBJECTS, list(zip(root.shards, shards, strict=True)))
         marked = _mark_parent_absent(source, target, root)
@@ -346,11 +349,12 @@ def _copy_chunks(
     keys: list[bytes],
     named: dict[bytes, tuple[TensorEntry, int]],
     where: dict[str, Any],
+    codec: str,
     bar: Bar = NO_BAR,
 ) -> None:
     """Read ``keys`` from SRC, verify each against its name and length, write them to DST.
 
-    DST stores each chunk by its own codec (castore.format.codec): raw where it
+    DST stores each chunk by ``codec`` (castore.format.codec): raw where it
     has none; SRC's frame as it is, once verified, where both compress (the
     chunk's name is the same whatever the codec); else encoded on the shared pool.
     """
@@ -362,11 +366,11 @@ def _copy_chunks(
             entry, index = named[key]
             chunk = verify_chunk(entry, index, value, where)  # raises on missing or damaged
             assert value is not None
-            if target.codec == "none" or is_frame(value, len(chunk)):
-                stored: Any = chunk.tobytes() if target.codec == "none" else bytes(value)
+            if codec == "none" or is_frame(value, len(chunk)):
+                stored: Any = chunk.tobytes() if codec == "none" else bytes(value)
             else:
                 stored = chunk.tobytes()
-                encoder = encoder_for(target.codec, entry.dtype)
+                encoder = encoder_for(codec, entry.dtype)
                 if encoder is not None:
                     encode.append((len(verified), encoder, stored))
             verified.append((key, stored))
@@ -414,7 +418,7 @@ def copy_shard_chunks(
             size = sum(expected_length(*named[key]) for key in batch)
             if throttle is not None:
                 throttle(size)
-            _copy_chunks(source, target, batch, named, where)
+            _copy_chunks(source, target, batch, named, where, target.codec)
             sent += size
             fault_point("copy.mid_chunks")
         target.backend.put_many(

@@ -18,7 +18,6 @@ which imports torch only when it sees one.
 
 from __future__ import annotations
 
-import functools
 import operator
 import reprlib
 import time
@@ -27,13 +26,12 @@ import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, SupportsIndex, overload
+from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
 
 from castore.blob.counting import BlobRequests
 from castore.chunkstore.base import ChunkBackend
 from castore.core import fencing, history, reading
 from castore.core.background import (
-    AsyncOptions,
     Background,
     OnPublish,
     PendingSave,
@@ -59,26 +57,28 @@ from castore.core.reading import (
     numpy_as_torch,
 )
 from castore.core.readplan import ReadPlan
+from castore.core.saveoptions import SaveKeywords, SaveOptions
 from castore.core.unchanged import VersionCache
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
     FallbackWarning,
     IntegrityError,
-    NoValidGenerationError,
     StoreError,
     UnsupportedValueError,
 )
-from castore.format.codec import check_setting
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
-from castore.format.tree import encode_state
+from castore.format.tree import EncodedTree, encode_state
 from castore.repo.base import LockHold
 from castore.repo.local import RefStore
 from castore.repo.records import RefValue, validate_run_name
 from castore.repo.refstore import ComposedRefStore
 from castore.support.progress import NO_BAR, Bar
 from castore.support.readonly import ReadOnly
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 # Some of these now live in castore.core.reading, castore.core.history and castore.core.commit;
 # they are re-exported so that importers of castore.store keep finding them.
@@ -99,6 +99,14 @@ __all__ = [
     "framework_versions",
     "numpy_as_torch",
 ]
+
+
+class StoreSaveKeywords(SaveKeywords, total=False):
+    """:meth:`Store.save`'s keywords besides ``run``, ``step`` and ``blocking``."""
+
+    data_order: dict[str, Any] | None
+    progress: bool
+    on_publish: OnPublish | None
 
 
 @dataclass
@@ -283,15 +291,8 @@ class Store:
         *,
         run: str,
         step: SupportsIndex,
-        metadata: dict[str, Any] | None = None,
-        data_order: dict[str, Any] | None = None,
-        progress: bool = False,
         blocking: Literal[True] = True,
-        if_busy: str = "wait",
-        async_options: AsyncOptions | None = None,
-        trust_versions: bool = False,
-        codec: str | None = None,
-        on_publish: OnPublish | None = None,
+        **keywords: Unpack[StoreSaveKeywords],
     ) -> Generation: ...
 
     @overload
@@ -301,15 +302,8 @@ class Store:
         *,
         run: str,
         step: SupportsIndex,
-        metadata: dict[str, Any] | None = None,
-        data_order: dict[str, Any] | None = None,
-        progress: bool = False,
         blocking: Literal[False],
-        if_busy: str = "wait",
-        async_options: AsyncOptions | None = None,
-        trust_versions: bool = False,
-        codec: str | None = None,
-        on_publish: OnPublish | None = None,
+        **keywords: Unpack[StoreSaveKeywords],
     ) -> PendingSave: ...
 
     def save(
@@ -318,15 +312,8 @@ class Store:
         *,
         run: str,
         step: SupportsIndex,
-        metadata: dict[str, Any] | None = None,
-        data_order: dict[str, Any] | None = None,
-        progress: bool = False,
         blocking: bool = True,
-        if_busy: str = "wait",
-        async_options: AsyncOptions | None = None,
-        trust_versions: bool = False,
-        codec: str | None = None,
-        on_publish: OnPublish | None = None,
+        **keywords: Unpack[StoreSaveKeywords],
     ) -> Generation | PendingSave:
         """Save ``state`` as the next generation of ``run`` and publish it atomically.
 
@@ -365,56 +352,26 @@ class Store:
         self.refuse_if_readonly("save")
         validate_run_name(run)
         step = check_step(step)
-        if blocking and if_busy != "wait":
-            raise ValueError("if_busy applies to blocking=False saves; a blocking save waits")
-        if trust_versions and not blocking:
-            raise ValueError("trust_versions applies to blocking saves")
-        if codec is not None:
-            check_setting(codec)
-        save = functools.partial(
-            self._save_in_turn, state, run, step, metadata, data_order, progress, blocking
-        )
+        data_order = keywords.pop("data_order", None)
+        progress = keywords.pop("progress", False)
+        on_publish = keywords.pop("on_publish", None)
+        options = SaveOptions.of("save", blocking, keywords)
         if blocking:
             self.background.before_blocking_save()
-            generation: Generation = save(None, started, trust_versions, codec)
+            encoded, metadata_bytes, order = self._encode_for_save(state, options, data_order)
+            generation = self._save_blocking(
+                encoded, run, step, metadata_bytes, order, started, progress, options
+            )
             if (
                 on_publish is not None
                 and (error := follow_publish(on_publish, generation, run)) is not None
             ):
                 raise error
             return generation
-        with self.background.turn(if_busy) as ours:
+        with self.background.turn(options.if_busy) as ours:
             if not ours:
                 return self.background.skip(run, step)
-            return save(async_options, started, codec=codec, on_publish=on_publish)
-
-    def _save_in_turn(
-        self,
-        state: Any,
-        run: str,
-        step: int,
-        metadata: dict[str, Any] | None,
-        data_order: dict[str, Any] | None,
-        progress: bool,
-        blocking: bool,
-        async_options: AsyncOptions | None,
-        started: float,
-        trust_versions: bool = False,
-        codec: str | None = None,
-        on_publish: OnPublish | None = None,
-    ) -> Any:
-        encoded = encode_state(state, defer_device=not blocking)
-        encoded.codec = codec
-        for leaf in encoded.leaves:
-            if leaf.sharded:
-                raise UnsupportedValueError(
-                    f"Shard at {leaf.name} is one rank's block: save sharded state with "
-                    "castore.dist.save",
-                    key_path=leaf.name,
-                )
-        metadata_bytes = encode_metadata(metadata)
-        order = check_data_order(data_order)
-        if not blocking:
+            encoded, metadata_bytes, order = self._encode_for_save(state, options, data_order)
             # Refused now, not on the writer thread, when this process may not save
             # the run (castore.core.fencing); the writer checks again before it publishes.
             claim_writer(self, run, self.refs.read(run), step, warn=False)
@@ -425,16 +382,44 @@ class Store:
                     PendingSave(run, step, started=started, on_publish=on_publish),
                     metadata_bytes,
                     order,
-                    async_options or AsyncOptions(),
+                    options.async_options,
+                    options.codec or self.codec,
                 )
             except KeyboardInterrupt as interrupt:
                 annotate_interrupt(interrupt, self.staging_interrupted_note(run))
                 raise
+
+    @staticmethod
+    def _encode_for_save(
+        state: Any, options: SaveOptions, data_order: dict[str, Any] | None
+    ) -> tuple[EncodedTree, bytes, dict[str, Any]]:
+        """The state, metadata and data order as a save writes them (none of it yet)."""
+        encoded = encode_state(state, defer_device=not options.blocking)
+        for leaf in encoded.leaves:
+            if leaf.sharded:
+                raise UnsupportedValueError(
+                    f"Shard at {leaf.name} is one rank's block: save sharded state with "
+                    "castore.dist.save",
+                    key_path=leaf.name,
+                )
+        return encoded, encode_metadata(options.metadata), check_data_order(data_order)
+
+    def _save_blocking(
+        self,
+        encoded: Any,
+        run: str,
+        step: int,
+        metadata_bytes: bytes,
+        order: dict[str, Any],
+        started: float,
+        progress: bool,
+        options: SaveOptions,
+    ) -> Generation:
         before = self.ref_or_problem(run)
         try:
             with self.save_lock():
                 return self._save_locked(
-                    encoded, run, step, metadata_bytes, order, started, progress, trust_versions
+                    encoded, run, step, metadata_bytes, order, started, progress, options
                 )
         except KeyboardInterrupt as interrupt:
             # Ctrl-C stays a KeyboardInterrupt; the note says whether anything was published.
@@ -516,7 +501,7 @@ class Store:
         order: dict[str, Any],
         started: float,
         progress: bool,
-        trust_versions: bool = False,
+        options: SaveOptions,
     ) -> Generation:
         parent = self.refs.read(run)
         generation = parent.generation + 1 if parent else 1
@@ -528,7 +513,8 @@ class Store:
             generation=generation,
             rank=0,
             progress=progress,
-            versions=self.versions if trust_versions else None,
+            versions=self.versions if options.trust_versions else None,
+            codec=options.codec,
         )
         self.background.remember(digests_of(shard.manifest))  # for a changed-chunk save next
         digest, root = publish_single(
@@ -654,21 +640,20 @@ class Store:
                 else int(generation)
             )
         skipped = self.ref_problem(run) if generation == "latest" else []
-        for gen_id, digest in self.candidates(run, below):
-            try:
-                root = self.read_root(digest, run=run)
-                if root.generation != gen_id:
-                    raise CorruptObjectError(
-                        f"the log names generation {gen_id}, its root says {root.generation}",
-                        run=run,
-                    )
-                return self._restore_root(digest, root, framework, skipped, progress, newest)
-            except IntegrityError as exc:
-                skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
-        listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
-        raise NoValidGenerationError(
-            f"no generation of run {run!r} validates (skipped {listed})", run=run
-        )
+
+        def load(gen_id: int, digest: Digest) -> Restored:
+            root = self.read_root(digest, run=run)
+            if root.generation != gen_id:
+                raise CorruptObjectError(
+                    f"the log names generation {gen_id}, its root says {root.generation}",
+                    run=run,
+                )
+            return self._restore_root(digest, root, framework, skipped, progress, newest)
+
+        def is_damage(exc: Exception) -> bool:
+            return isinstance(exc, IntegrityError)
+
+        return history.fall_back(run, self.candidates(run, below), load, is_damage, skipped)
 
     def _restore_root(
         self,

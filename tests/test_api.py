@@ -93,3 +93,22 @@ def test_importing_castore_does_not_import_torch() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"
+
+
+def test_save_keywords_are_checked_once_for_every_save(tmp_path: object) -> None:
+    """Store.save's keywords travel as one SaveOptions: known ones work, others are refused."""
+    import numpy as np
+    import pytest
+
+    from castore.core.saveoptions import SaveOptions
+
+    with castore.open(f"{tmp_path}/store", chunk_size=64) as store:
+        state = {"w": np.arange(100, dtype=np.float32)}
+        with pytest.raises(TypeError, match=r"save\(\) got an unexpected keyword argument 'codex'"):
+            store.save(state, run="r", step=1, codex="zstd")  # type: ignore[call-arg]
+        with pytest.raises(ValueError, match="if_busy applies to blocking=False saves"):
+            store.save(state, run="r", step=1, if_busy="skip")
+        gen = store.save(state, run="r", step=1, codec="zstd", metadata={"note": "x"})
+        assert gen.metadata == {"note": "x"} and store.codec == "none"  # the handle's, unchanged
+    with pytest.raises(ValueError, match="trust_versions applies to blocking saves"):
+        SaveOptions(blocking=False, trust_versions=True)

@@ -318,10 +318,10 @@ def _hold_async_writes(
     generation U-1 is written after update U's optimizer step (the snapshot
     alone may hold its bytes). The last save's write notes its batches.
     """
-    import castore.dist
     from castore.core.staging import state_bytes
+    from castore.dist import saver
 
-    write_staged = castore.dist.write_staged
+    write_staged = saver.write_staged
     progress = _progress(config, rank)
 
     def held_write(backend: Any, job: Any, leaves: Any, chunk_size: int, **kwargs: Any) -> Any:
@@ -333,7 +333,7 @@ def _hold_async_writes(
         with _noting_batches(backend, progress):
             return write_staged(backend, job, leaves, chunk_size, **kwargs)
 
-    castore.dist.write_staged = held_write  # type: ignore[assignment]
+    saver.write_staged = held_write  # type: ignore[assignment]
 
 
 def _train_and_save(

@@ -657,8 +657,10 @@ def save_async(
     metadata: bytes,
     data_order: dict[str, Any],
     options: AsyncOptions,
+    codec: str,
 ) -> PendingSave:
-    """``Store.save(..., blocking=False)``: stage here, write and publish on the writer."""
+    """``Store.save(..., blocking=False)``: stage here, write and publish on the writer
+    (new chunks stored by ``codec``, castore.format.codec)."""
     local_state, local_leaves = encode_local_state(encoded.rank_local, defer_device=True)
     leaves = encoded.leaves + local_leaves
     background: Background = store.background
@@ -668,9 +670,7 @@ def save_async(
             parent = store.refs.read(pending.run)
             generation = parent.generation + 1 if parent else 1
             writer = claim_writer(store, pending.run, parent, pending.step)
-            written = write_staged(
-                store.backend, job, leaves, store.chunk_size, codec=encoded.codec or store.codec
-            )
+            written = write_staged(store.backend, job, leaves, store.chunk_size, codec=codec)
             clock = time.perf_counter()
             shard = build_shard(
                 run=pending.run,

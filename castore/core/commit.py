@@ -108,6 +108,7 @@ def write_shard(
     midway_fault: str = "save.mid_chunks",
     progress: bool = False,
     versions: VersionCache | None = None,
+    codec: str | None = None,
 ) -> ShardWrite:
     """Commit this rank's chunks and build its shard manifest (not yet committed).
 
@@ -116,6 +117,7 @@ def write_shard(
     ``progress``: a bar on stderr counting the tensor bytes (see castore.support.progress).
     ``versions``: trust torch's version counters, through this handle's record of
     what it saved (castore.core.unchanged); None hashes every byte.
+    ``codec``: how new chunks are stored (castore.format.codec); None: the store's.
     """
     leaves = [leaf for leaf in encoded.leaves if own is None or leaf.name in own]
     local_state, local_leaves = encode_local_state(encoded.rank_local)
@@ -133,7 +135,7 @@ def write_shard(
             midway_fault=midway_fault,
             bar=bar,
             known=known,
-            codec=encoded.codec or store.codec,
+            codec=codec or store.codec,
         )
     if versions is not None:
         versions.record(run, written, entries)

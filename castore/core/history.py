@@ -18,10 +18,10 @@ from __future__ import annotations
 import heapq
 import itertools
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from castore.errors import (
     CastoreError,
@@ -29,6 +29,7 @@ from castore.errors import (
     GenerationNotFoundError,
     InvalidNameError,
     LostRunError,
+    NoValidGenerationError,
     ObjectMissingError,
 )
 from castore.format.hashing import Digest
@@ -140,6 +141,38 @@ class Skipped:
     root: str  # hex digest, or "ref"
     error: str  # the exception type
     reason: str
+
+
+T = TypeVar("T")
+
+
+def fall_back(
+    run: str,
+    candidates: Iterable[tuple[int, Digest]],
+    load: Callable[[int, Digest], T],
+    is_damage: Callable[[Exception], bool],
+    skipped: list[Skipped],
+    *,
+    scope: str = "",
+) -> T:
+    """``load`` the newest of ``candidates`` (id, root; newest first) that loads.
+
+    A generation whose failure ``is_damage`` (an integrity error; on several ranks,
+    one every rank agreed on) is added to ``skipped`` and the next one tried; any
+    other failure is raised at once. None loads: NoValidGenerationError, listing
+    every generation skipped and why. ``scope`` (" on every rank") ends its message.
+    """
+    for gen_id, digest in candidates:
+        try:
+            return load(gen_id, digest)
+        except Exception as exc:
+            if not is_damage(exc):
+                raise
+            skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
+    listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
+    raise NoValidGenerationError(
+        f"no generation of run {run!r} validates{scope} (skipped {listed})", run=run
+    )
 
 
 # -- the ref and the reflog ---------------------------------------------------

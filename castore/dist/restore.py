@@ -20,7 +20,7 @@ from castore import errors
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.core import fencing, reading
 from castore.core.chunkio import ChunkRequest, read_agree_deliver
-from castore.core.history import Generation, Skipped
+from castore.core.history import Generation, Skipped, fall_back
 from castore.core.reading import (
     allocate,
     box_requests,
@@ -129,18 +129,16 @@ def load(
         digest = agree_on_root(store, run, generation, comm)
         return _load_root(store, run, digest, None, comm, options, [], _Outcome())
     candidates, skipped = agree_on_candidates(store, run, generation, comm)
-    for gen_id, digest in candidates:
-        outcome = _Outcome()
-        try:
-            return _load_root(store, run, digest, gen_id, comm, options, skipped, outcome)
-        except Exception as exc:
-            if not outcome.every_failure_is_integrity:
-                raise
-            skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
-    listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
-    raise NoValidGenerationError(
-        f"no generation of run {run!r} validates on every rank (skipped {listed})", run=run
-    )
+    outcome = _Outcome()  # the attempt's: what the ranks agreed its failure was
+
+    def load_one(gen_id: int, digest: Digest) -> LoadResult:
+        outcome.every_failure_is_integrity = False
+        return _load_root(store, run, digest, gen_id, comm, options, skipped, outcome)
+
+    return fall_back(
+        run, candidates, load_one, lambda _: outcome.every_failure_is_integrity, skipped,
+        scope=" on every rank",
+    )  # fmt: skip
 
 
 def _load_from_nodes(
@@ -159,32 +157,30 @@ def _load_from_nodes(
     from elsewhere, then (``fallback="previous"``) the one before it.
     """
     candidates = _node_candidates(store, run, generation, comm, session)
-    if fallback is None:
-        candidates = candidates[:1]
     skipped: list[Skipped] = []
-    last: Exception | None = None
-    for gen_id, digest in candidates:
+    outcome = _Outcome()  # the last attempt's: what the ranks agreed its failure was
+
+    def load_one(gen_id: int, digest: Digest) -> LoadResult:
         for recheck in (False, True):
-            outcome = _Outcome()
+            outcome.every_failure_is_integrity = False
             try:
                 session.seed(run, digest)
                 return _load_root(
                     store, run, digest, gen_id, comm, options, skipped, outcome,
                     session=session, recheck=recheck,
                 )  # fmt: skip
-            except Exception as exc:
-                if not outcome.every_failure_is_integrity:
+            except Exception:
+                if recheck or not outcome.every_failure_is_integrity:
                     raise
-                last = exc
-                if not recheck:
-                    continue  # every rank agreed: all try again, damaged copies fetched anew
-                skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
-    if fallback is None and last is not None:
-        raise last
-    listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
-    raise NoValidGenerationError(
-        f"no generation of run {run!r} validates on every rank (skipped {listed})", run=run
-    )
+                # every rank agreed: all try again, damaged copies fetched anew
+        raise AssertionError("unreachable: the second try returns or raises")
+
+    if fallback is None:
+        return load_one(*candidates[0])
+    return fall_back(
+        run, candidates, load_one, lambda _: outcome.every_failure_is_integrity, skipped,
+        scope=" on every rank",
+    )  # fmt: skip
 
 
 @dataclass

@@ -367,7 +367,6 @@ class EncodedTree:
     skeleton: bytes
     leaves: list[TensorLeaf]
     rank_local: dict[str, Any]  # key path -> the raw value inside RankLocal(...)
-    codec: str | None = None  # a save's codec (castore.format.codec); None: the store's
 
 
 def encode_state(

@@ -10,21 +10,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from castore import dist as castore_dist
-from castore.core.background import AsyncOptions
-from castore.core.history import Generation, Skipped
+from castore.core.history import Generation, Skipped, fall_back
+from castore.core.saveoptions import SaveKeywords, SaveOptions
 from castore.data import ResumableDistributedSampler
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, own_groups, raise_failures
 from castore.dist.restore import LoadReport, agree_on_candidates, agree_on_root, seed_root
 from castore.errors import (
     IntegrityError,
     LayoutMismatchError,
-    NoValidGenerationError,
     SaveBoundaryError,
 )
 from castore.format.hashing import Digest
@@ -41,6 +40,9 @@ from castore.train.optimizers import (
 from castore.train.record import RNG_FIELDS, TRAIN_FORMAT, check_claim, check_record
 from castore.train.rng import capture_rng, cuda_devices, reseed_rng, restore_rng
 from castore.train.weights import check_model_keys, saved_skeleton
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
 
 
 @dataclass
@@ -232,15 +234,11 @@ class TrainState:
         *,
         run: str,
         mid_accumulation: bool = False,
-        metadata: dict[str, Any] | None = None,
         group: Any = None,
         coordinator: int = 0,
         timeout: float = DEFAULT_TIMEOUT,
         blocking: bool = True,
-        if_busy: str = "wait",
-        async_options: AsyncOptions | None = None,
-        trust_versions: bool = False,
-        codec: str | None = None,
+        **keywords: Unpack[SaveKeywords],
     ) -> Any:
         """Save this update boundary as the next generation of ``run`` (collective).
 
@@ -251,8 +249,10 @@ class TrainState:
         version counters did not move since this store handle's last save: see
         :mod:`castore.core.unchanged` for when that is safe. ``codec`` encodes
         this save's new chunks instead of the store handle's codec
-        (:mod:`castore.format.codec`).
+        (:mod:`castore.format.codec`). ``metadata``, ``if_busy`` and
+        ``async_options`` as for :func:`castore.dist.save`.
         """
+        SaveOptions.of("save", blocking, keywords)  # refused here, before the ranks meet
         # An async save's checks run over castore's own group (castore.dist.comm.own_groups).
         comm = Group(group if blocking else own_groups(group, timeout)[1], coordinator, timeout)
         self._cursor.follow()
@@ -293,16 +293,12 @@ class TrainState:
             self.capture(mid_accumulation=mid_accumulation),
             run=run,
             step=self.update,
-            metadata=metadata,
             data_order=record,
             group=group,
             coordinator=coordinator,
             timeout=timeout,
             blocking=blocking,
-            if_busy=if_busy,
-            async_options=async_options,
-            trust_versions=trust_versions,
-            codec=codec,
+            **keywords,
         )
 
     # -- load ----------------------------------------------------------------
@@ -336,20 +332,17 @@ class TrainState:
             digest = agree_on_root(store, run, generation, comm)
             return self._load_root(store, run, resume, comm, digest, [])
         candidates, skipped = agree_on_candidates(store, run, generation, comm)
-        for gen_id, digest in candidates:
-            try:
-                seed_root(store, run, digest, comm)  # tiers on several nodes: to every node
-                return self._load_root(store, run, resume, comm, digest, skipped)
-            except Exception as exc:  # noqa: BLE001 - skipped only if every rank saw damage
-                damage = isinstance(exc, IntegrityError)
-                verdicts = comm.all_gather({"damage": damage}, "train.load: fallback")
-                if not all(v["damage"] for v in verdicts):
-                    raise
-                skipped.append(Skipped(gen_id, digest.hex, type(exc).__name__, str(exc)))
-        listed = "; ".join(f"{s.generation}: {s.error}" for s in skipped)
-        raise NoValidGenerationError(
-            f"no generation of run {run!r} validates on every rank (skipped {listed})", run=run
-        )
+
+        def load_one(gen_id: int, digest: Digest) -> Resumed:
+            seed_root(store, run, digest, comm)  # tiers on several nodes: to every node
+            return self._load_root(store, run, resume, comm, digest, skipped)
+
+        def is_damage(exc: Exception) -> bool:  # skipped only if every rank saw damage
+            damage = isinstance(exc, IntegrityError)
+            verdicts = comm.all_gather({"damage": damage}, "train.load: fallback")
+            return all(v["damage"] for v in verdicts)
+
+        return fall_back(run, candidates, load_one, is_damage, skipped, scope=" on every rank")
 
     def _load_root(
         self,
