@@ -37,8 +37,10 @@ from castore.core.chunkio import ChunkRequest, read_requests
 from castore.core.reading import box_requests, check_coverage
 from castore.errors import TensorNotFoundError, UnsupportedValueError
 from castore.format import dtypes
+from castore.format.dcplayout import DcpLayout
 from castore.format.layout import Box
-from castore.format.objects import TensorEntry
+from castore.format.objects import GenerationRoot, TensorEntry
+from castore.format.tree import decode_tree
 from castore.store import Store
 from castore.support.progress import NO_BAR, Bar, progress_bar
 from castore.support.safefs import fsync_dir
@@ -122,13 +124,26 @@ def parse_renames(renames: Sequence[str] | None) -> list[tuple[str, str]]:
     return pairs
 
 
+def key_prefix(prefix: str | None) -> str | None:
+    """``--prefix`` as a path of key parts: ``model`` and ``model/`` both name the key
+    ``model`` (None: no prefix)."""
+    parts = (prefix or "").strip("/")
+    return parts or None
+
+
+def under_prefix(name: str, prefix: str | None) -> bool:
+    """Whether the tensor ``name`` sits under the key path ``prefix`` (``model`` holds
+    ``model/emb.weight``, not ``model_ema/emb.weight``)."""
+    return prefix is None or name == prefix or name.startswith(prefix + "/")
+
+
 def export_name(
     name: str, prefix: str | None, strip_prefix: bool, renames: list[tuple[str, str]]
 ) -> str:
-    """The name a selected tensor is exported under: prefix stripped, then the first
-    matching rename applied."""
+    """The name a selected tensor is exported under: the key path ``prefix`` stripped,
+    then the first matching rename applied."""
     if strip_prefix and prefix:
-        name = name[len(prefix) :]
+        name = name[len(prefix) + 1 :]  # "" for the tensor at the prefix itself
     for old, new in renames:
         if name.startswith(old):
             return new + name[len(old) :]
@@ -144,12 +159,15 @@ def select_tensors(
     dtype: str | None,
     where: dict[str, Any],
 ) -> list[ExportTensor]:
-    """The tensors to export, in name order, each checked to cover its shape exactly."""
+    """The tensors to export, in name order, each checked to cover its shape exactly.
+
+    ``prefix`` is a path of key parts (see :func:`key_prefix`)."""
+    given, prefix = prefix, key_prefix(prefix)
     if strip_prefix and not prefix:
         raise ValueError("--strip-prefix needs --prefix: which prefix to strip")
     chosen: dict[str, ExportTensor] = {}
     for name in sorted(entries):
-        if prefix and not name.startswith(prefix):
+        if not under_prefix(name, prefix):
             continue
         boxes = entries[name]
         check_coverage(boxes, where)
@@ -169,9 +187,22 @@ def select_tensors(
         wanted = dtype if dtype is not None and saved in FLOAT_DTYPES else saved
         chosen[out] = ExportTensor(out, boxes, wanted)
     if not chosen:
-        what = f"whose name starts with {prefix!r} " if prefix else ""
+        what = f"under the key path {given!r} " if prefix else ""
         raise TensorNotFoundError(f"no tensor {what}in {where['run']}@{where['generation']}")
     return list(chosen.values())
+
+
+def saved_tensors(store: Store, root: GenerationRoot) -> dict[str, list[TensorEntry]]:
+    """A generation's tensors by the names they were saved under.
+
+    A generation saved through castore.dcp stores DCP's items as ``t/<fqn>`` and
+    ``b/<fqn>`` (castore.format.dcplayout): its tensors are named here by the key
+    paths of the state dict DCP flattened (``model/emb.weight``), and its
+    non-tensor values, stored as msgpack bytes, are not tensors to export.
+    """
+    entries = store.tensor_entries(root)
+    layout = DcpLayout.of(decode_tree(root.metadata)) if root.metadata else None
+    return entries if layout is None else layout.saved_names(entries)
 
 
 # -- laying out files ---------------------------------------------------------
@@ -461,10 +492,13 @@ def to_safetensors(
     ``model.safetensors.index.json`` (or the layout and names of ``index_from``).
     An ``out_dir`` whose name ends in ``.safetensors`` is instead the one file
     written, holding every selected tensor (``max_shard_size`` and ``index_from``
-    apply to a directory only). ``prefix`` selects tensors by
-    key path (``model/``), ``strip_prefix`` removes it from the names, ``rename``
+    apply to a directory only). ``prefix`` selects the tensors under a key
+    path (``model``: ``model/...``, not ``model_ema/...``), ``strip_prefix``
+    removes it and its ``/`` from the names, ``rename``
     holds ``FROM=TO`` prefix renames; ``dtype`` (bf16, fp16, fp32) converts the
-    floating-point tensors, others keep theirs. Non-tensor values are not exported.
+    floating-point tensors, others keep theirs. Non-tensor values are not exported;
+    a generation saved through castore.dcp exports its tensors under their
+    state-dict key paths (:func:`saved_tensors`).
     ``progress=True`` draws a bar of the bytes written on a terminal's stderr.
     """
     out_dir = Path(out_dir)
@@ -479,7 +513,7 @@ def to_safetensors(
         check_out_dir(out_dir)
     _digest, root = store.resolve_root(run, generation)
     where: dict[str, Any] = {"run": root.run, "generation": root.generation}
-    entries = store.tensor_entries(root)  # read once, not per stripe
+    entries = saved_tensors(store, root)  # read once, not per stripe
     tensors = select_tensors(
         entries,
         prefix=prefix,
@@ -581,7 +615,7 @@ def to_torch(
     _digest, root = store.resolve_root(run, generation)
     where: dict[str, Any] = {"run": root.run, "generation": root.generation}
     tensors = select_tensors(
-        store.tensor_entries(root),
+        saved_tensors(store, root),
         prefix=prefix,
         strip_prefix=strip_prefix,
         renames=renames,

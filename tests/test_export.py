@@ -278,6 +278,23 @@ def test_prefix_strip_and_rename(saved: tuple[Store, Any], tmp_path: Path) -> No
     assert not any(p.name in "defgh" for p in tmp_path.iterdir())
 
 
+def test_a_prefix_is_a_path_of_key_parts(store: Store, store_path: Path, tmp_path: Path) -> None:
+    """``--prefix model`` selects ``model/...``, not ``model_ema/...``, and strips ``model/``."""
+    weight = np.arange(12, dtype=np.float32).reshape(3, 4)
+    state = {"model": {"emb.weight": weight}, "model_ema": {"emb.weight": weight + 1}}
+    store.save(state, run="r", step=1)
+    store.close()
+    out = tmp_path / "model.safetensors"
+    result = run_cli("export", store_path, "r", out, "--prefix", "model", "--strip-prefix")
+    assert result.returncode == 0, result.stderr
+    exported = load_file(out)
+    assert list(exported) == ["emb.weight"]
+    assert np.array_equal(exported["emb.weight"], weight)
+    with castore.open(store_path) as reopened:  # with the slash: the same selection
+        to_safetensors(reopened, "r", "latest", tmp_path / "slash", prefix="model/")
+    assert list(read_exported(tmp_path / "slash")) == ["model/emb.weight"]
+
+
 def test_index_from_follows_layout(saved: tuple[Store, Any], tmp_path: Path) -> None:
     store, expected = saved
     names = sorted(k.removeprefix("model/") for k in expected if k.startswith("model/"))

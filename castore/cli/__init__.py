@@ -33,6 +33,7 @@ from castore.errors import (
     ReadOnlyWarning,
     StoreNotFoundError,
 )
+from castore.format.dcplayout import DcpLayout
 from castore.format.hashing import Digest
 from castore.format.tree import decode_tree
 from castore.importer import check_source, import_checkpoint
@@ -115,7 +116,9 @@ def _log_row(gen: Generation, with_run: bool) -> list[Any]:
         _stored(stats),
         format_bytes(stats.written_bytes),
         f"{100 * stats.dedup_ratio:.1f}%",
-        _format_seconds(stats.held_seconds),
+        # DCP calls castore's writer inside its own save: how long that held its caller
+        # (all of dcp.save, or async_save's staging) is not castore's to know.
+        "-" if DcpLayout.of(gen.metadata) else _format_seconds(stats.held_seconds),
         gen.root[:12],
     ]
     return [gen.run, *row] if with_run else row
@@ -126,6 +129,16 @@ def _stored(stats: SaveStats) -> str:
     if stats.stored_bytes == stats.new_bytes or not stats.new_bytes:
         return format_bytes(stats.stored_bytes)
     return f"{format_bytes(stats.stored_bytes)} ({_ratio(stats.compression)})"
+
+
+def _metadata_line(gen: Generation, whole: bool) -> str:
+    """A generation's metadata; a DCP save's ``dcp`` record (all of DCP's Metadata,
+    kilobytes on one line) counted unless ``whole``."""
+    layout = DcpLayout.of(gen.metadata)
+    if layout is None or whole:
+        return str(gen.metadata)
+    rest = {key: value for key, value in gen.metadata.items() if key != "dcp"}
+    return f"dcp: {layout.summary()}; whole: --all" + (f"; {rest}" if rest else "")
 
 
 def _format_seconds(seconds: float) -> str:
@@ -151,7 +164,7 @@ def cmd_show(args: argparse.Namespace) -> int:
             )
         print("versions   " + ", ".join(f"{k} {v}" for k, v in sorted(gen.frameworks.items())))
         if gen.metadata:
-            print(f"metadata   {gen.metadata}")
+            print(f"metadata   {_metadata_line(gen, args.all)}")
         if gen.data_order:
             order = ", ".join(f"{k} {v}" for k, v in sorted(gen.data_order.items()))
             print(f"data order {order}")

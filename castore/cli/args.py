@@ -220,7 +220,11 @@ def _add_inspection(commands: Any) -> None:
         "castore show ./ckpt exp1@3 --all  # generation 3, every value on its own row",
     )
     show.add_argument("target", metavar="RUN[@GEN]", help="the generation (see above)")
-    show.add_argument("--all", action="store_true", help="list every value; collapse nothing")
+    show.add_argument(
+        "--all",
+        action="store_true",
+        help="list every value and a DCP save's whole metadata; collapse nothing",
+    )
     verify = _command(
         commands,
         "verify",
@@ -542,7 +546,8 @@ def _add_export(commands: Any) -> None:
     export.add_argument(
         "--prefix",
         metavar="PREFIX",
-        help="export only the tensors whose name starts with PREFIX, e.g. model/",
+        help="export only the tensors under the key path PREFIX, e.g. model (model/..., "
+        "not model_ema/...)",
     )
     export.add_argument(
         "--strip-prefix", action="store_true", help="remove --prefix from the exported names"

@@ -20,6 +20,7 @@ from castore.core.history import Generation
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.dist.restore import LoadReport, agree_on_root
 from castore.errors import LayoutMismatchError
+from castore.format.dcplayout import TENSORS, DcpLayout
 from castore.format.objects import GenerationRoot
 from castore.format.tree import decode_tree
 from castore.store import Store
@@ -93,6 +94,17 @@ def saved_skeleton(root: GenerationRoot) -> Any:
     return decode_tree(root.state, lambda _name, _framework: None, lambda _path: None)
 
 
+def saved_model(root: GenerationRoot, prefix: str) -> tuple[Any, dict[str, str] | None]:
+    """The model saved under the key ``prefix``: its skeleton (names -> anything), and for
+    a generation saved through castore.dcp, each name's DCP item (fqn); else None."""
+    layout = DcpLayout.of(decode_tree(root.metadata)) if root.metadata else None
+    if layout is not None:
+        items = layout.items_under(prefix)
+        return (items or None), items
+    skeleton = saved_skeleton(root)
+    return (skeleton.get(prefix) if isinstance(skeleton, dict) else None), None
+
+
 def load_weights(
     store: Store,
     run: str,
@@ -110,7 +122,8 @@ def load_weights(
     The optimizer, schedulers, RNG streams and data position are untouched
     and nothing claims the next update matches any other run's. ``prefix`` is
     the key the model's state sits under in the saved tree (``"model"`` for
-    :class:`TrainState` saves).
+    :class:`TrainState` saves, and for a DCP save of ``{"model": model.state_dict(),
+    ...}`` through :class:`castore.dcp.CastoreWriter`).
 
     ``strict=True`` refuses a model whose names differ from the saved ones
     (LayoutMismatchError, nothing changed). ``strict=False`` loads the names
@@ -122,24 +135,27 @@ def load_weights(
     digest = agree_on_root(store, run, generation, comm)
     module = unwrap(model)
 
-    def check() -> KeyMatch:
+    def check() -> tuple[KeyMatch, dict[str, str] | None]:
         root = store.read_root(digest, run=run)
-        skeleton = saved_skeleton(root)
-        saved = skeleton.get(prefix) if isinstance(skeleton, dict) else None
         where = {"run": run, "generation": root.generation}
+        saved, items = saved_model(root, prefix)
         if strict:
             check_model_keys(module, saved, where)
-        return match_model_keys(module, saved, where)
+        return match_model_keys(module, saved, where), items
 
-    keys, failure = attempt(check)
+    checked, failure = attempt(check)
     outcomes = comm.all_gather({"error": describe(failure)}, "load_weights: check")
     raise_failures(outcomes, comm, failure)
+    assert checked is not None
+    keys, items = checked
     live = module.state_dict()
-    targets = {name: live[name] for name in keys.shared}
+    targets: dict[str, Any] = {prefix: {name: live[name] for name in keys.shared}}
+    if items is not None:  # a DCP generation: its tensor items, by fqn (castore.format.dcplayout)
+        targets = {TENSORS: {items[name]: live[name] for name in keys.shared}}
     loaded = castore_dist.load(
         store,
         run,
-        {prefix: targets},
+        targets,
         digest.hex,
         group=group,
         coordinator=coordinator,
@@ -148,5 +164,5 @@ def load_weights(
         framework="torch",
     )
     return WeightsLoaded(
-        loaded.report.generation, len(targets), loaded.report, keys.missing, keys.unexpected
+        loaded.report.generation, len(keys.shared), loaded.report, keys.missing, keys.unexpected
     )
