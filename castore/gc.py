@@ -47,7 +47,6 @@ from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb.compact import compact_lmdb_store
 from castore.core.history import Generation
 from castore.core.holdings import forget_elsewhere
-from castore.core.opening import MARKER, local_lmdb_store, read_marker
 from castore.errors import (
     GcAbortedError,
     GenerationNotFoundError,
@@ -56,6 +55,7 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest
 from castore.format.objects import TYPE_SHARD, GenerationRoot, ShardManifest
+from castore.opening.directory import MARKER, local_lmdb_store, read_marker
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
     RefValue,

@@ -72,7 +72,6 @@ from castore.core.commit import (
     write_shard,
 )
 from castore.core.history import Generation, split_address
-from castore.core.opening import open_address
 from castore.core.reading import allocate, box_requests
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
 from castore.errors import (
@@ -96,6 +95,7 @@ from castore.format.tree import (
     escape_key,
     torch_bytes,
 )
+from castore.opening.directory import open_address
 from castore.repo.records import validate_run_name
 from castore.store import Store, check_step
 
