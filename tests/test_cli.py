@@ -640,7 +640,7 @@ def test_debug_env_adds_the_traceback(store_copy: Path) -> None:
 def test_text_columns_print_as_given_even_when_they_look_like_numbers() -> None:
     # A root prefix that reads as 1.05768e+17 and a run named with digits: a generation's
     # root in `castore log` was once printed as a float (its digest decided when).
-    from castore.cli import text_table
+    from castore.cli.output import text_table
 
     rows = [["0123", 4, "1057676782e8", ""], ["7", 12, "000000000001", "best"]]
     table = text_table(rows, ["run", "id", "root", "tags"], text=("run", "root", "tags"))
