@@ -28,7 +28,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
             store, run=run, generation=generation, deep=args.deep, progress=True, sample=sample
         )
     mode = (
-        f"sampled ({report.chunks_hashed} chunk(s) re-hashed, {args.sample:g}%)"
+        _sampled(report.chunks_hashed, report.chunks, args.sample)
         if args.sample is not None
         else "deep (every chunk re-hashed)"
         if report.deep
@@ -54,6 +54,17 @@ def cmd_verify(args: argparse.Namespace) -> int:
         return EXIT_PROBLEMS
     print("OK")
     return 0
+
+
+def _sampled(hashed: int, chunks: int, asked: float) -> str:
+    """What a sampled verify re-hashed: each chunk is drawn at random with the chance asked,
+    so the share drawn is near ``asked`` percent, not it; the line gives both."""
+    share = 100 * hashed / chunks if chunks else 0.0
+    said = "<1" if 0 < share < 1 else f"{share:.0f}"
+    return (
+        f"sampled ({hashed} of {chunks} chunk(s) re-hashed, {said}%; "
+        f"each drawn with chance {asked:g}%)"
+    )
 
 
 def cmd_repair(args: argparse.Namespace) -> int:

@@ -12,12 +12,14 @@ from tabulate import tabulate
 
 from castore import gc
 from castore.chunkstore.blobpacks import BlobPackBackend
-from castore.cli.failures import EXIT_PROBLEMS
-from castore.cli.output import format_time, ratio, text_table
+from castore.cli.failures import EXIT_PROBLEMS, refuse
+from castore.cli.output import format_time, ratio, spans, text_table
 from castore.cli.stores import open_existing, shards_here
 from castore.core.history import Generation, split_address
 from castore.errors import GcAbortedError
 from castore.support.progress import format_size as format_bytes
+
+_RUNS_NAMED = 5  # runs an unasked gc's refusal names before it only counts them
 
 
 def cmd_tag(args: argparse.Namespace) -> int:
@@ -58,14 +60,6 @@ def cmd_untag(args: argparse.Namespace) -> int:
 def cmd_gc(args: argparse.Namespace) -> int:
     chosen = args.keep is not None or args.every_steps is not None or args.every is not None
     asking = sys.stdin.isatty()
-    if not (chosen or args.yes or args.dry_run or asking):
-        # A notebook's `!castore gc`, a task runner, cron: nobody to ask, so deleting
-        # by the default policy must be asked for.
-        raise ValueError(
-            "castore gc would delete without asking (stdin is not a terminal): pass the "
-            "policy (--keep K, --every-steps N, --every DURATION), or --yes for the "
-            f"default (--keep {gc.RetentionPolicy.keep_last}); --dry-run shows the plan"
-        )
     policy = gc.RetentionPolicy(
         keep_last=args.keep or gc.RetentionPolicy.keep_last,
         every_steps=args.every_steps,
@@ -73,6 +67,10 @@ def cmd_gc(args: argparse.Namespace) -> int:
     )
     runs = [args.run] if args.run else None
     with open_existing(args.store) as store:
+        if not (chosen or args.yes or args.dry_run or asking):
+            # A notebook's `!castore gc`, a task runner, cron: nobody to ask, so deleting
+            # by the default policy must be asked for.
+            return refuse(_unasked(gc.plan_retention(store, policy, runs)))
         if args.dry_run or args.yes or not asking:
             report = gc.collect_garbage(
                 store,
@@ -102,6 +100,22 @@ def cmd_gc(args: argparse.Namespace) -> int:
         )
     _print_gc_summary(report)
     return 0
+
+
+def _unasked(plans: list[gc.RunPlan]) -> str:
+    """Why gc refuses to run unasked, and what the default policy would drop if asked."""
+    dropping = [(plan.run, plan.dropped) for plan in plans if plan.dropped]
+    count = sum(len(ids) for _, ids in dropping)
+    named = " and ".join(f"{run}@{spans(ids)}" for run, ids in dropping[:_RUNS_NAMED])
+    if len(dropping) > _RUNS_NAMED:
+        named += f" and {len(dropping) - _RUNS_NAMED} more run(s)"
+    would = f"{count} generation(s) ({named})" if count else "no generation"
+    return (
+        "castore gc would delete without asking (stdin is not a terminal): the default "
+        f"policy (--keep {gc.RetentionPolicy.keep_last}) would drop {would}; pass the policy "
+        "(--keep K, --every-steps N, --every DURATION), or --yes for the default; "
+        "--dry-run shows the plan"
+    )
 
 
 @dataclass(frozen=True)
@@ -154,10 +168,13 @@ def _print_plans(plans: list[gc.RunPlan], dropped_verdict: str) -> None:
 
 def _print_gc_summary(report: gc.GcReport) -> None:
     dropped = sum(len(ids) for ids in report.dropped.values())
-    verb = "would free" if report.dry_run else "freed"
+    said = (
+        f"dry run: would drop {dropped} generation(s); would free"
+        if report.dry_run
+        else f"{dropped} generation(s) dropped; freed"
+    )
     print(
-        f"{'dry run: ' if report.dry_run else ''}{dropped} generation(s) dropped; {verb} "
-        f"{format_bytes(report.bytes_freed)} ({report.chunks_freed} chunk(s), "
+        f"{said} {format_bytes(report.bytes_freed)} ({report.chunks_freed} chunk(s), "
         f"{report.objects_freed} object(s)) in {report.seconds:.2f}s"
         + (
             f"; gave back {format_bytes(report.file_bytes_freed)} of pack files"

@@ -67,6 +67,12 @@ def _print_warnings(held: list[str]) -> None:
         print(f"castore: warning: {text}", file=sys.stderr)
 
 
+def refuse(message: str) -> int:
+    """A command that will not go on, for a reason of its own (no exception): its one line."""
+    print(f"castore: error: {message}", file=sys.stderr)
+    return EXIT_PROBLEMS
+
+
 def fail(message: str, held: Sequence[str] = (), code: int = EXIT_PROBLEMS) -> int:
     _print_warnings(list(held))
     if os.environ.get("CASTORE_DEBUG"):
