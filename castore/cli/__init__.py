@@ -8,6 +8,7 @@ module                          holds
 ==============================  ==========================================================
 :mod:`castore.cli.main`         ``main`` (the console script) and the table of commands
 :mod:`castore.cli.args`         the argument parser: every command, option and its help
+:mod:`castore.cli.optionvalues` what an option's value may be (counts, sizes, durations)
 :mod:`castore.cli.failures`     how a command fails: one line, an exit status, held warnings
 :mod:`castore.cli.inspection`   ``log``, ``show``, ``diff``
 :mod:`castore.cli.values`       ``show``'s table of non-tensor values
