@@ -67,7 +67,7 @@ PATHS = ("full_save", "warm_load", "read_slice", "resave_1pct", "lookup_10k")
 LOOPS = {"full_save": 3, "warm_load": 3, "read_slice": 50, "resave_1pct": 3, "lookup_10k": 10}
 # Functions whose cost the profile names: (file suffix, function name), castore's own.
 NAMED = [
-    ("core/opening.py", "open_store"),
+    ("opening/directory.py", "open_store"),
     ("chunkstore/lmdb/env.py", "acquire"),
     ("chunkstore/lmdb/env.py", "_open_environment"),
     ("repo/local.py", "hold_open"),

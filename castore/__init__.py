@@ -15,7 +15,6 @@ from castore import errors
 from castore.copying import CopyReport, copy
 from castore.core.background import AsyncOptions, PendingSave, SaveBytes
 from castore.core.history import Generation, SaveStats
-from castore.core.opening import open_address
 from castore.errors import (
     CastoreError,
     ChecksumMismatchError,
@@ -30,6 +29,7 @@ from castore.errors import (
     UnsupportedValueError,
 )
 from castore.format.shard import NotLoaded, RankLocal, Shard
+from castore.opening import open_address
 from castore.store import Store
 from castore.tiers import TieredStore, open_tiered
 from castore.version import __version__

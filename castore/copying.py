@@ -41,8 +41,6 @@ from castore.chunkstore.base import Namespace
 from castore.core.chunkio import expected_length, shared_pool, verify_chunk
 from castore.core.commit import PublishFaults, check_shards, publish
 from castore.core.history import GenerationSpec
-from castore.core.location import parse_location
-from castore.core.opening import open_address
 from castore.core.reading import verified_object
 from castore.errors import CorruptObjectError, RefConflictError
 from castore.format.codec import check_setting, encoder_for, is_frame
@@ -55,6 +53,8 @@ from castore.format.objects import (
     TensorEntry,
     encode_object,
 )
+from castore.opening.directory import open_address
+from castore.opening.location import parse_location
 from castore.repo.records import validate_run_name
 from castore.store import Store
 from castore.support.faults import fault_point

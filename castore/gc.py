@@ -45,9 +45,8 @@ from pathlib import Path
 
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb.compact import compact_lmdb_store
-from castore.core.history import Generation
+from castore.core.history import Generation, unknown_run
 from castore.core.holdings import forget_elsewhere
-from castore.core.opening import MARKER, local_lmdb_store, read_marker
 from castore.errors import (
     GcAbortedError,
     GenerationNotFoundError,
@@ -56,6 +55,7 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest
 from castore.format.objects import TYPE_SHARD, GenerationRoot, ShardManifest
+from castore.opening.directory import MARKER, local_lmdb_store, read_marker
 from castore.repo.records import (
     DEFAULT_LOCK_TIMEOUT,
     RefValue,
@@ -245,7 +245,7 @@ def plan_retention(
     chosen = set(store.runs() if runs is None else [validate_run_name(r) for r in runs])
     unknown = chosen - set(store.runs())
     if unknown:
-        raise GenerationNotFoundError(f"no run {sorted(unknown)[0]!r} in the store")
+        raise unknown_run(store, sorted(unknown)[0])
     plans = []
     for run in store.runs():
         listed = _run_generations(store, run)
@@ -517,6 +517,8 @@ def set_tag(store: Store, run: str, generation: int | str, name: str) -> TagChan
 def untag(store: Store, run: str, name: str) -> None:
     store.refuse_if_readonly("untag")
     if not store.refs.delete_tag(run, name):
+        if run not in store.runs():
+            raise unknown_run(store, run)
         raise GenerationNotFoundError(f"run {run!r} has no tag {name!r}", run=run)
 
 
@@ -574,7 +576,7 @@ def disk_usage(store: Store, runs: list[str] | None = None) -> Usage:
     shown = set(store.runs() if runs is None else [validate_run_name(r) for r in runs])
     unknown = shown - set(store.runs())
     if unknown:
-        raise GenerationNotFoundError(f"no run {sorted(unknown)[0]!r} in the store")
+        raise unknown_run(store, sorted(unknown)[0])
     per_gen: list[tuple[str, Generation, set[bytes]]] = []
     counts: Counter[bytes] = Counter()
     referenced_objects: set[bytes] = set()

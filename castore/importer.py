@@ -30,13 +30,13 @@ from typing import Any
 import numpy as np
 
 from castore.errors import ImportSourceError
+from castore.format.dcplayout import DCP_METADATA
 from castore.format.dtypes import numpy_dtype
 from castore.store import Store
 
 INDEX_NAME = "model.safetensors.index.json"
 SAFETENSORS_SUFFIX = ".safetensors"
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
-DCP_METADATA = ".metadata"  # the file that makes a directory a DCP checkpoint
 
 # safetensors' dtype tags -> castore's canonical names.
 _SAFETENSORS_DTYPES = {

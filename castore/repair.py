@@ -23,10 +23,10 @@ from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb.rebuild import RebuildReport, rebuild_lmdb_index
 from castore.core.chunkio import shared_pool
 from castore.core.fencing import ref_for_root
-from castore.core.opening import MARKER, local_lmdb_store, read_marker
 from castore.errors import IntegrityError, StoreNotFoundError
 from castore.format.codec import stored_matches
 from castore.format.hashing import digest_bytes
+from castore.opening.directory import MARKER, local_lmdb_store, read_marker
 from castore.repo.records import DEFAULT_LOCK_TIMEOUT
 from castore.support.progress import NO_BAR, Bar, progress_bar
 from castore.verify import verify_store

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 
 from castore.chunkstore.base import Namespace
 from castore.core.chunkio import expected_length, shared_pool
+from castore.core.history import unknown_run
 from castore.core.holdings import held_shards
 from castore.core.reading import check_coverage, check_rank_local
 from castore.errors import CastoreError, GenerationNotFoundError
@@ -198,7 +199,7 @@ def _check_target(store: Store, run: str, generation: int | str | None) -> None:
     """Raise for a target that does not exist; leave one that exists but is damaged."""
     validate_run_name(run)
     if run not in store.runs():
-        raise GenerationNotFoundError(f"no run {run!r} in the store", run=run)
+        raise unknown_run(store, run)
     if generation is not None:
         try:
             store.resolve_root(run, generation)

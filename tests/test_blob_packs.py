@@ -39,7 +39,6 @@ from castore.chunkstore.blobpacks import (
     parse_index,
 )
 from castore.chunkstore.packfile import PACK_HEADER, RECORD_HEADER
-from castore.core.storeblobs import MARKER, open_blob_store
 from castore.errors import (
     FormatVersionError,
     IntegrityError,
@@ -48,6 +47,7 @@ from castore.errors import (
     UnsupportedBackendError,
 )
 from castore.gc import GcAbortedError, collect_garbage
+from castore.opening.blobs import MARKER, open_blob_store
 from castore.retention import RetentionPolicy
 from castore.store import FallbackWarning
 from castore.testing.chunks import items

@@ -17,6 +17,8 @@ import pytest
 from cli_runner import CLI, run_cli
 
 import castore
+from castore.errors import GenerationNotFoundError
+from castore.verify import verify_store
 
 
 def make_state() -> dict[str, object]:
@@ -386,6 +388,54 @@ def test_verify_of_a_damaged_target_reports_a_problem(store_copy: Path, target: 
     assert result.stderr == ""
 
 
+def test_a_sampled_verify_says_how_many_of_how_many_chunks_it_re_hashed(tmp_path: Path) -> None:
+    """``--sample 50`` draws each chunk with chance 1/2: the figure printed is what was drawn."""
+    path = tmp_path / "sampled"
+    with castore.open(path, chunk_size=64) as store:
+        state = {"w": np.random.default_rng(0).standard_normal(16 * 16).astype(np.float32)}
+        store.save(state, run="r", step=1)  # 16 chunks of 64 bytes
+    result = run_cli("verify", path, "--sample", "50")
+    assert result.returncode == 0, result.stderr
+    found = re.search(r"sampled \((\d+) of 16 chunk\(s\) re-hashed, (\d+)%;", result.stdout)
+    assert found, result.stdout
+    hashed, percent = int(found[1]), int(found[2])
+    assert percent == round(100 * hashed / 16)
+    assert "each drawn with chance 50%" in result.stdout
+
+
+def test_a_mistyped_run_is_named_alike_by_load_verify_and_every_command(
+    cli_store: Path,
+) -> None:
+    """One message, from one helper: the store's runs, and the nearest to the name typed."""
+    with castore.open(cli_store, create=False) as store:
+        with pytest.raises(GenerationNotFoundError) as loading:
+            store.load("exp2")
+        with pytest.raises(GenerationNotFoundError) as verifying:
+            verify_store(store, run="exp2")
+        with pytest.raises(GenerationNotFoundError) as unlike:
+            store.load("zzz")
+    message = str(loading.value)
+    assert message == str(verifying.value)
+    assert message == (
+        f"no run 'exp2' in the store at {cli_store}, whose runs are exp1, other: "
+        "did you mean 'exp1'? (run=exp2)"
+    )
+    assert "did you mean" not in str(unlike.value)  # nothing near: the runs alone
+    assert "whose runs are exp1, other" in str(unlike.value)
+    commands = [
+        ["verify", cli_store, "exp2"],
+        ["show", cli_store, "exp2@1"],
+        ["log", cli_store, "--run", "exp2"],
+        ["gc", cli_store, "--run", "exp2", "--keep", "1", "--dry-run"],
+        ["du", cli_store, "--run", "exp2"],
+        ["diff", cli_store, "exp2@1", "exp1@2"],
+    ]
+    for args in commands:
+        result = run_cli(*args)
+        assert (result.returncode, result.stdout) == (1, ""), args
+        assert result.stderr == f"castore: error: GenerationNotFoundError: {message}\n", args
+
+
 # -- gc: the plan, then a question on a terminal --------------------------------------
 
 
@@ -521,7 +571,7 @@ def test_gc_without_a_terminal_or_a_policy_deletes_nothing_and_says_what_to_pass
     assert "--keep K" in refused.stderr and "--yes" in refused.stderr
     assert ids(gc_store) == [1, 2, 3, 4] and ids(gc_store, "other") == [1]
     dry = run_cli("gc", gc_store, "--dry-run")
-    assert dry.returncode == 0 and "dry run: 1 generation(s) dropped" in dry.stdout
+    assert dry.returncode == 0 and "dry run: would drop 1 generation(s)" in dry.stdout
     assert ids(gc_store) == [1, 2, 3, 4]
     yes = run_cli("gc", gc_store, "--yes")  # asked for: the default policy, --keep 3
     assert yes.returncode == 0, yes.stderr
@@ -529,6 +579,28 @@ def test_gc_without_a_terminal_or_a_policy_deletes_nothing_and_says_what_to_pass
     every = run_cli("gc", gc_store, "--every-steps", "1")  # a policy given: no --yes needed
     assert every.returncode == 0, every.stderr
     assert ids(gc_store) == [2, 3, 4]
+
+
+def test_gc_refused_from_a_script_says_what_the_default_policy_would_drop(
+    gc_store: Path,
+) -> None:
+    """The refusal is the CLI's own, not a ValueError: it names what --yes would delete."""
+    refused = run_cli("gc", gc_store)
+    assert refused.returncode == 1
+    line = refused.stderr.strip()
+    assert line.startswith("castore: error: castore gc would delete without asking")
+    assert "Error:" not in line  # no exception class: nothing went wrong but a missing choice
+    assert "the default policy (--keep 3) would drop 1 generation(s) (exp1@1);" in line
+    assert ids(gc_store) == [1, 2, 3, 4]
+
+
+def test_a_dry_run_says_what_it_would_drop_and_free(gc_store: Path) -> None:
+    dry = run_cli("gc", gc_store, "--keep", "1", "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    summary = dry.stdout.strip().splitlines()[-1]
+    assert summary.startswith("dry run: would drop 3 generation(s); would free "), summary
+    assert "dropped" not in dry.stdout
+    assert ids(gc_store) == [1, 2, 3, 4]
 
 
 def test_gc_on_a_terminal_without_a_policy_still_asks(gc_store: Path) -> None:
@@ -640,7 +712,7 @@ def test_debug_env_adds_the_traceback(store_copy: Path) -> None:
 def test_text_columns_print_as_given_even_when_they_look_like_numbers() -> None:
     # A root prefix that reads as 1.05768e+17 and a run named with digits: a generation's
     # root in `castore log` was once printed as a float (its digest decided when).
-    from castore.cli import text_table
+    from castore.cli.output import text_table
 
     rows = [["0123", 4, "1057676782e8", ""], ["7", 12, "000000000001", "best"]]
     table = text_table(rows, ["run", "id", "root", "tags"], text=("run", "root", "tags"))

@@ -274,7 +274,7 @@ def test_cli_each_prints_a_line_per_generation(two_generations: Path) -> None:
     ("args", "message"),
     [
         (("r@9",), "GenerationNotFoundError: run 'r' has no generation '9'"),
-        (("r@2", "nope@1"), "GenerationNotFoundError: run 'nope' has no generations"),
+        (("r@2", "nope@1"), "GenerationNotFoundError: no run 'nope' in the store at"),
         (("r@2", "bad name@1"), "InvalidNameError"),
     ],
 )

@@ -41,7 +41,8 @@ def test_a_missing_run_in_a_store_with_runs_is_not_called_empty(tmp_path: Path) 
         with pytest.raises(GenerationNotFoundError) as caught:
             store.load("exp2")
     assert "empty" not in str(caught.value)
-    assert "'exp2' has no generations" in str(caught.value)
+    assert "no run 'exp2' in the store at" in str(caught.value)
+    assert str(caught.value).endswith("whose runs are exp1: did you mean 'exp1'? (run=exp2)")
 
 
 def test_opening_without_create_refuses_a_missing_store(tmp_path: Path) -> None:

@@ -1037,7 +1037,7 @@ def test_cli_gc_dry_run_then_collect(cli_store: Path) -> None:
     ]
     assert table[2][5] == "last 1"
     summary = dry.stdout.strip().splitlines()[-1]
-    assert summary.startswith("dry run: 2 generation(s) dropped; would free")
+    assert summary.startswith("dry run: would drop 2 generation(s); would free")
     assert f"({2 * HEAD_CHUNKS} chunk(s), 4 object(s))" in summary
     with castore.open(cli_store, create=False) as store:
         assert all_sizes(store) == keys

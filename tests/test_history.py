@@ -22,8 +22,8 @@ import castore
 import castore.gc as gc_module
 import castore.repo.localreflog as local_repo
 from castore import Store, cli
-from castore.core import opening
 from castore.gc import RetentionPolicy, collect_garbage
+from castore.opening import directory as opening
 from castore.repo import reflogindex
 from castore.repo.local import RefStore
 from castore.repo.records import PUBLISH_ACTIONS

@@ -84,7 +84,7 @@ def test_a_ref_really_lost_is_still_lost_run_error(tmp_path: Path) -> None:
         (tmp_path / "s" / "refs" / "r").unlink()
         with pytest.raises(LostRunError, match="castore repair"):
             store.load("r")
-        with pytest.raises(GenerationNotFoundError, match="no generations"):
+        with pytest.raises(GenerationNotFoundError, match="no run 'never' in the store"):
             store.load("never")
 
 

@@ -27,7 +27,7 @@ from cli_runner import clean_env
 
 import castore
 import castore.chunkstore.lmdb.backend as lmdb_backend
-import castore.core.opening as opening
+import castore.opening.directory as opening
 from castore.errors import (
     CastoreError,
     NotAStoreError,

@@ -11,8 +11,8 @@ import pytest
 from cli_runner import run_cli
 
 import castore
-from castore.core.location import parse_location
 from castore.errors import StoreError, UnsupportedBackendError
+from castore.opening.location import parse_location
 
 
 @pytest.mark.parametrize(

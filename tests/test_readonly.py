@@ -435,3 +435,28 @@ def test_s3_with_read_only_credentials(s3_endpoint: str, s3_bucket: str, tmp_pat
     with castore.open(url, create=False, **endpoint, s3_options=arguments) as store:
         assert [g.id for g in store.generations("r")] == [1, 2]
         assert set(store.refs.tags("r")) == {"keep"}
+
+
+def test_as_root_permission_bits_leave_a_store_writable_and_operations_says_so(
+    tmp_path: Path,
+) -> None:
+    """Root passes permission bits: a ``chmod a-w`` store opens writable, unless asked."""
+    if os.geteuid() != 0:
+        pytest.skip("what root may write: needs root")
+    path = tmp_path / "store"
+    _fill(path)
+    subprocess.run(["chmod", "-R", "a-w,a+rX", str(path)], check=True)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ReadOnlyWarning)
+            with castore.open(path, create=False) as store:
+                assert not store.readonly
+                store.save(_state(3), run="r", step=3)  # root writes through the bits
+        with castore.open(path, readonly=True) as store, pytest.raises(ReadOnlyStoreError):
+            store.save(_state(4), run="r", step=4)
+    finally:
+        subprocess.run(["chmod", "-R", "u+w", str(path)], check=True)
+    operations = (Path(__file__).parent.parent / "docs" / "OPERATIONS.md").read_text()
+    said = " ".join(operations[operations.index("## Read-only stores") :].split())
+    assert "As root, file permissions do not make a store read-only" in said
+    assert "pass `readonly=True`" in said

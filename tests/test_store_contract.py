@@ -19,10 +19,10 @@ import pytest
 import castore
 from castore import Store
 from castore.blob import MemoryBlobStore
-from castore.core.storeblobs import open_blob_store
 from castore.errors import UnsupportedOperationError
 from castore.gc import RetentionPolicy, collect_garbage
-from castore.repo.memory import MemoryRefStore, memory_store
+from castore.opening import memory_store, open_blob_store
+from castore.repo.memory import MemoryRefStore
 from castore.testing import StoreTests
 from castore.verify import verify_store
 
@@ -122,7 +122,9 @@ def test_castore_and_its_memory_store_import_neither_pytest_nor_torch() -> None:
         "import sys\n"
         "sys.modules['torch'] = None\n"
         "import numpy as np, castore, castore.gc, castore.verify\n"
-        "from castore.repo.memory import memory_store\n"
+        "from castore.repo.memory import memory_store\n"  # the documented path
+        "import castore.opening\n"
+        "assert memory_store is castore.opening.memory_store\n"
         "store = memory_store(chunk_size=64)\n"
         "store.save({'w': np.arange(10.0)}, run='r', step=1)\n"
         "assert 'pytest' not in sys.modules, 'castore imported pytest'\n"

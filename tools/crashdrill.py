@@ -507,7 +507,7 @@ def _collector(path: str, keep: int, delete_batch: int) -> int:
     gc's question, which nobody sees (its output is captured).
     """
     import castore
-    import castore.cli
+    import castore.cli.collection
     import castore.gc
     from castore.cli import main as castore_cli
 
@@ -518,7 +518,7 @@ def _collector(path: str, keep: int, delete_batch: int) -> int:
         def open_here(path: str) -> Any:
             return castore.open(path, create=False, **options)
 
-        castore.cli._open = open_here
+        castore.cli.collection.open_existing = open_here
     return castore_cli(["gc", path, "--keep", str(keep), "--yes"])
 
 

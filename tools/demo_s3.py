@@ -70,7 +70,7 @@ def create_bucket(scratch: str) -> None:
 
     boto3.session.Session().client("s3").create_bucket(Bucket=BUCKET)
     # The store itself is not made here: the 4 ranks all open s3://demo/ckpt at
-    # once and one marker wins (castore.core.storeblobs.marker_or_new_store).
+    # once and one marker wins (castore.opening.blobs.marker_or_new_store).
 
 
 # Each rank is a node of its own: its own per-node index cache directory.

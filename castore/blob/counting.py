@@ -1,6 +1,6 @@
 """A blob store that counts the calls made to it: the requests a store costs.
 
-Every store on blobs is opened through this view (castore.core.storeblobs),
+Every store on blobs is opened through this view (castore.opening.blobs),
 so ``Store.blob_requests()`` says what a save, a promotion or a restore asked
 of the shared directory or the bucket, whichever the backend. The counts are
 of primitives (castore.blob.base's table). On S3 each is one request, except

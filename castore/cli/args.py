@@ -7,12 +7,12 @@ called. Every bad argument is one line naming the option, exit status 2.
 from __future__ import annotations
 
 import argparse
-import math
 import textwrap
 from typing import Any, NoReturn
 
 import castore
 from castore import gc
+from castore.cli.optionvalues import at_least_one, count, duration, percent, seconds, size
 
 EXIT_USAGE = 2
 
@@ -70,92 +70,6 @@ def _command(
     return parser
 
 
-def _at_least_one(meaning: str) -> Any:
-    """An argparse type: a whole number >= 1; ``meaning`` says what the number counts."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = 0
-        if value < 1:
-            raise argparse.ArgumentTypeError(
-                f"must be a whole number, at least 1 ({meaning}), got {text!r}"
-            )
-        return value
-
-    return parse
-
-
-def _percent(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 < value <= 100:  # NaN fails too
-        raise argparse.ArgumentTypeError(
-            f"the percent of chunks to re-hash must be in (0, 100], e.g. 5 for 5%, got {text!r}"
-        )
-    return value
-
-
-def _duration(text: str) -> float:
-    try:
-        return gc.parse_duration(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
-def _seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not 0 <= value < math.inf:
-        raise argparse.ArgumentTypeError(f"must be a number of seconds, 0 or more, got {text!r}")
-    return value
-
-
-_SIZE_UNITS = {
-    "": 1,
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KIB": 2**10,
-    "MIB": 2**20,
-    "GIB": 2**30,
-    "TIB": 2**40,
-}
-
-
-def _count(text: str) -> int:
-    """A whole number, at least 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a whole number, 1 or more, got {text!r}")
-    return value
-
-
-def _size(text: str) -> int:
-    """A byte count: 5GB, 500MB, 2GiB or a plain number of bytes (at least 1)."""
-    number = text.strip().upper().rstrip("BIKMGT")
-    unit = text.strip().upper()[len(number) :]
-    try:
-        value = int(float(number) * _SIZE_UNITS[unit])
-    except (KeyError, ValueError):
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(
-            f"must be a size such as 5GB, 500MB, 2GiB or a number of bytes, got {text!r}"
-        )
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="castore",
@@ -203,7 +117,7 @@ def _add_inspection(commands: Any) -> None:
     log.add_argument(
         "-n",
         "--max-count",
-        type=_at_least_one("generations listed per run"),
+        type=at_least_one("generations listed per run"),
         metavar="N",
         help="only the newest N generations of each run (reads only those; default: all)",
     )
@@ -232,7 +146,7 @@ def _add_inspection(commands: Any) -> None:
         "Check the store: every ref, root and shard manifest is read and verified\n"
         "against its digest, every tensor's boxes cover it, every chunk is present.\n"
         "--deep also re-hashes every chunk and checks the chunk index; --sample P\n"
-        "re-hashes a random P percent of the chunks (a cheap periodic check). Each\n"
+        "re-hashes each chunk with chance P percent (a cheap periodic check). Each\n"
         "problem prints as a PROBLEM line; exit 0 when there is none, 1 otherwise.\n\n"
         "Without RUN[@GEN], every run is checked; RUN alone checks every generation of\n"
         "the run, RUN@GEN only that one. An unknown run or generation is an error.\n\n"
@@ -246,9 +160,9 @@ def _add_inspection(commands: Any) -> None:
     how.add_argument("--deep", action="store_true", help="re-hash every chunk")
     how.add_argument(
         "--sample",
-        type=_percent,
+        type=percent,
         metavar="P",
-        help="re-hash a random P%% of the chunks, 0 < P <= 100 (a percent, not a fraction)",
+        help="re-hash each chunk with chance P%%, 0 < P <= 100 (a percent, not a fraction)",
     )
 
 
@@ -302,20 +216,20 @@ def _add_collection(commands: Any) -> None:
     collect.add_argument("--run", help="apply the policy to this run only (others keep all)")
     collect.add_argument(
         "--keep",
-        type=_at_least_one("how many of the newest generations of each run to keep"),
+        type=at_least_one("how many of the newest generations of each run to keep"),
         metavar="K",
         help="keep the newest K generations of each run, K >= 1 "
         f"(default: {gc.RetentionPolicy.keep_last})",
     )
     collect.add_argument(
         "--every-steps",
-        type=_at_least_one("the step interval whose first generation is kept"),
+        type=at_least_one("the step interval whose first generation is kept"),
         metavar="N",
         help="also keep the first generation of every N training steps, N >= 1",
     )
     collect.add_argument(
         "--every",
-        type=_duration,
+        type=duration,
         metavar="DURATION",
         help="also keep the newest generation of every interval (90s, 30m, 6h, 1d, 2w)",
     )
@@ -327,7 +241,7 @@ def _add_collection(commands: Any) -> None:
     )
     collect.add_argument(
         "--wait",
-        type=_seconds,
+        type=seconds,
         default=30,
         metavar="SECONDS",
         help="how long to wait for running saves before giving up",
@@ -384,7 +298,7 @@ def _add_maintenance(commands: Any) -> None:
     repair.add_argument("--dry-run", action="store_true", help="report, change nothing")
     repair.add_argument(
         "--wait",
-        type=_seconds,
+        type=seconds,
         default=30,
         metavar="SECONDS",
         help="how long to wait for running saves before giving up",
@@ -494,7 +408,7 @@ def _add_diff(commands: Any) -> None:
         "--each",
         nargs="?",
         const=0,
-        type=_count,
+        type=count,
         metavar="N",
         help="a --stat line for each stored generation of A's run up to A, oldest first, "
         "each against the one stored before it (N: only the newest N)",
@@ -560,7 +474,7 @@ def _add_export(commands: Any) -> None:
     )
     export.add_argument(
         "--max-shard-size",
-        type=_size,
+        type=size,
         metavar="SIZE",
         help="safetensors: most tensor bytes per file: 5GB, 500MB, 2GiB or bytes; a "
         "larger tensor gets a file of its own (default: 5GB)",

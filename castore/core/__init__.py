@@ -1,7 +1,8 @@
 """The engine: chunk I/O, the publish sequence, reading and verification, history,
-async staging and the background writer, opening a store by address.
+async staging and the background writer.
 
-The engine knows no operation (gc, verify, repair, copy, diff, export, import)
-and no integration (dist, dcp, train, data, the CLI); ``tests/test_layers.py``
-keeps it so.
+The engine stands below ``Store`` and everything that builds or uses one
+(opening a store, the operations, the integrations): it imports only the
+floors under it, which ``tests/test_layers.py`` checks (docs/DEVELOPMENT.md,
+"Where things live").
 """

@@ -15,6 +15,7 @@ refs, and its verified root reads. Roots are read through the store's own
 
 from __future__ import annotations
 
+import difflib
 import heapq
 import itertools
 import re
@@ -39,6 +40,7 @@ from castore.repo.records import LATEST, RefValue, validate_run_name
 from castore.repo.refstore import ComposedRefStore
 
 GenerationSpec = int | str
+RUNS_LISTED = 10  # runs a mistyped run's error names before it only counts them
 
 
 class RunHistory(Protocol):
@@ -189,19 +191,34 @@ def latest(store: RunHistory, run: str) -> RefValue:
 
 
 def no_generations(store: RunHistory, run: str) -> GenerationNotFoundError:
-    """``run`` has no generations; in a store with no runs at all, say the store is empty.
-
-    ``castore.open`` creates a store at a mistyped path: an empty store is the
-    likelier cause than a missing run, and the message should say so.
-    """
-    if store.refs.runs():
+    """``run`` has no generations: a run of the store without any, or a name it lacks."""
+    if run in store.refs.runs():
         return GenerationNotFoundError(f"run {run!r} has no generations", run=run)
-    return GenerationNotFoundError(
-        f"run {run!r} has no generations: the store at {store.path} is empty "
-        "(castore.open created it just now? pass create=False to open only existing "
-        "stores)",
-        run=run,
-    )
+    return unknown_run(store, run)
+
+
+def unknown_run(store: RunHistory, run: str) -> GenerationNotFoundError:
+    """``run`` is no run of the store: name its runs, and the one nearest to ``run``.
+
+    The one wording of a mistyped run, whoever finds it (a load, verify, gc,
+    every command). ``castore.open`` creates a store at a mistyped path: in a
+    store with no runs at all, that is the likelier cause, and the message says so.
+    """
+    runs = store.refs.runs()
+    if not runs:
+        return GenerationNotFoundError(
+            f"run {run!r} has no generations: the store at {store.path} is empty "
+            "(castore.open created it just now? pass create=False to open only existing "
+            "stores)",
+            run=run,
+        )
+    listed = ", ".join(runs[:RUNS_LISTED])
+    if len(runs) > RUNS_LISTED:
+        listed += f", ... ({len(runs)} runs: castore log lists them)"
+    near = difflib.get_close_matches(run, runs, n=1)
+    hint = f": did you mean {near[0]!r}?" if near else ""
+    message = f"no run {run!r} in the store at {store.path}, whose runs are {listed}{hint}"
+    return GenerationNotFoundError(message, run=run)
 
 
 def check_not_lost(store: RunHistory, run: str) -> RefValue | None:

@@ -30,10 +30,10 @@ from typing import Any
 from castore.core.chunkio import WriteStats, write_leaves
 from castore.core.commit import build_shard, commit_objects, publish_writes
 from castore.errors import ImportSourceError
+from castore.format.dcplayout import DCP_METADATA
 from castore.format.dtypes import name_of_torch_dtype
 from castore.format.objects import TensorEntry
 from castore.format.tree import TensorLeaf, encode_state, join_path, torch_bytes
-from castore.importer import DCP_METADATA
 from castore.store import Store, check_step
 from castore.support.progress import Bar, progress_bar
 

@@ -9,8 +9,8 @@ import os
 from typing import Any
 
 from castore.core.history import split_address
-from castore.core.opening import open_address
 from castore.errors import InvalidNameError
+from castore.opening.directory import open_address
 from castore.repo.records import validate_run_name
 from castore.store import Store
 

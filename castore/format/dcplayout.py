@@ -28,6 +28,7 @@ from typing import Any
 
 from castore.format.tree import escape_key, join_path
 
+DCP_METADATA = ".metadata"  # the file that makes a directory a DCP checkpoint
 TENSORS = "t"  # state-tree key of DCP's tensors: t/<fqn>
 BYTES = "b"  # and of its bytes items: b/<fqn>
 

@@ -17,7 +17,8 @@ interface              local directory              memory
 :class:`castore.repo.refstore.ComposedRefStore` composes one of each under the
 method names ``Store`` calls (``store.refs``); ``local.RefStore`` and
 ``memory.MemoryRefStore`` are its two compositions, and
-:func:`castore.repo.memory.memory_store` builds a whole ``Store`` in memory.
+:func:`castore.opening.memory.memory_store` builds a whole ``Store`` in memory
+(also found as ``castore.repo.memory.memory_store``, its documented path).
 
 Format 3 (``castore.open("s3://...")``, ``castore.open(path, shared=True)``):
 :mod:`castore.repo.blobs` implements the same interfaces over a blob store

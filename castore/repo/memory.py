@@ -1,4 +1,4 @@
-"""In-memory repository parts, and a whole ``Store`` in memory, for tests.
+"""In-memory repository parts (refs, reflog, tags, locks), for tests.
 
 Thread-safe, lost when the process ends, shared by nothing outside it. The
 locks honour the same shared/exclusive semantics and timeouts as the local
@@ -8,7 +8,9 @@ so a caller never shares a mutable object with the store.
 What a store in memory cannot do, it refuses in one line
 (UnsupportedOperationError): it has no reflog file to name, and the
 offline tools that take a path (``compact``, ``repair --rebuild-index``)
-never see it.
+never see it. A whole ``Store`` in memory is built by
+:func:`castore.opening.memory.memory_store`, which this module still answers
+for under its documented name.
 """
 
 from __future__ import annotations
@@ -17,8 +19,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
-from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from castore.errors import StoreLockedError
 from castore.format.hashing import Digest
@@ -40,7 +41,7 @@ from castore.repo.records import (
 from castore.repo.refstore import ComposedRefStore, RepoParts
 
 if TYPE_CHECKING:
-    from castore.store import Store
+    from castore.opening.memory import memory_store as memory_store
 
 
 class SharedExclusiveLock:
@@ -237,22 +238,15 @@ class MemoryRefStore(ComposedRefStore):
         super().__init__(parts, lock_timeout=lock_timeout)
 
 
-def memory_store(chunk_size: int | None = None, *, name: str = "memory") -> Store:
-    """A new, empty ``Store`` whose chunks, objects, refs, reflog, tags and locks are in memory.
+def __getattr__(name: str) -> Any:
+    """``castore.repo.memory.memory_store``, the documented path (docs/DEVELOPMENT.md).
 
-    Everything a store on disk does through its handle works on it (save,
-    load, generations, tags, gc, verify, repair, du); it is lost when the
-    store is dropped. ``name`` appears in messages (``memory:NAME``).
+    A whole store is built on the opening floor, above the repository parts
+    (castore.opening.memory); a module-level import of it here would be a
+    cycle, so it is found on first use.
     """
-    from castore.chunkstore.memory import MemoryBackend
-    from castore.core.chunkio import DEFAULT_CHUNK_SIZE
-    from castore.format.objects import MAX_CHUNK_SIZE
-    from castore.store import Store  # here: castore.store imports the repository modules
+    if name == "memory_store":
+        from castore.opening.memory import memory_store
 
-    size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
-    if isinstance(size, bool) or not isinstance(size, int) or not 0 < size <= MAX_CHUNK_SIZE:
-        raise ValueError(
-            f"chunk_size must be a positive int of at most {MAX_CHUNK_SIZE} bytes, "
-            f"got {chunk_size!r}"
-        )
-    return Store(Path(f"memory:{name}"), MemoryBackend(), size, refs=MemoryRefStore())
+        return memory_store
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -63,12 +63,12 @@ from castore.copying import CopiedGeneration, copy_generation, copy_shard_chunks
 from castore.core.background import Throttle
 from castore.core.history import Generation, GenerationSpec
 from castore.core.holdings import forget_elsewhere, held_shards, mark_elsewhere
-from castore.core.location import parse_location
-from castore.core.opening import open_address, upgrade_for_frames
 from castore.errors import CastoreError, CastoreWarning, GenerationNotFoundError
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot
 from castore.gc import RetentionPolicy, collect_garbage
+from castore.opening.directory import open_address, upgrade_for_frames
+from castore.opening.location import parse_location
 from castore.repo.records import RefValue
 from castore.store import Restored, Store
 from castore.support.safefs import make_store_dir, open_store_file

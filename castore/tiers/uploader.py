@@ -52,12 +52,12 @@ def main() -> int:
 
 
 def _serve(spec: dict[str, Any]) -> int:
-    import castore
+    from castore.opening import open_address
 
     _lower_priority(spec.get("priority", "low"))
     options = dict(spec.get("options") or {})
-    with castore.open(spec["fast"], create=False, chunk_size=spec.get("chunk_size")) as fast:
-        with castore.open(spec["durable"], create=False, **options) as durable:
+    with open_address(spec["fast"], create=False, chunk_size=spec.get("chunk_size")) as fast:
+        with open_address(spec["durable"], create=False, **options) as durable:
             for line in sys.stdin:
                 reply: dict[str, Any]
                 try:

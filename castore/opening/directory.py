@@ -4,6 +4,9 @@ The marker file ``castore.json`` says a directory is a castore store, which
 format version wrote it, and its default chunk size. It is the first thing a
 new store gets, and it appears atomically, so several ranks may create the
 same store at once.
+
+``open_address`` starts here for every address: a directory (or ``file://``)
+is opened here, an ``s3://`` URL through :mod:`castore.opening.blobs`.
 """
 
 from __future__ import annotations
@@ -19,13 +22,6 @@ from typing import Any
 
 from castore.chunkstore.lmdb.backend import LmdbBackend
 from castore.core.chunkio import DEFAULT_CHUNK_SIZE
-from castore.core.location import parse_location
-from castore.core.storeblobs import (
-    check_marker_chunk_size,
-    marker_codec,
-    open_blob_store,
-    store_codec,
-)
 from castore.errors import (
     FormatVersionError,
     NotAStoreError,
@@ -37,6 +33,13 @@ from castore.errors import (
 )
 from castore.format.codec import check_setting
 from castore.format.objects import MAX_CHUNK_SIZE  # a marker naming more is refused, like an entry
+from castore.opening.blobs import (
+    check_marker_chunk_size,
+    marker_codec,
+    open_blob_store,
+    store_codec,
+)
+from castore.opening.location import parse_location
 from castore.repo.base import LockHold
 from castore.repo.local import OPEN_LOCK, RefStore
 from castore.store import Store
@@ -49,7 +52,7 @@ STORE_FORMAT = "castore-store"
 STORE_VERSION = 4
 # Format 1 kept chunk bytes inside LMDB; format 2 keeps them in pack files; format 4
 # is format 2 whose chunk records may be frames (castore.format.codec). Format 3 is
-# the layout on blobs (castore.core.storeblobs), which names its backend.
+# the layout on blobs (castore.opening.blobs), which names its backend.
 OLDEST_STORE_VERSION = 2
 # A new local store stores chunks raw by default: on this kind of machine
 # compression costs a local save throughput (docs/PERFORMANCE.md "Compression").
@@ -96,7 +99,7 @@ def open_store(
 
     A directory whose marker names the ``blobs`` backend, or any directory with
     ``shared=True``, is a format-3 store on a shared directory (no LMDB, no
-    ``mmap``, no ``flock``): see :mod:`castore.core.storeblobs`. ``readonly``: see
+    ``mmap``, no ``flock``): see :mod:`castore.opening.blobs`. ``readonly``: see
     :mod:`castore.support.readonly` (None: read-only when the directory is not writable).
     """
     root = Path(path)
