@@ -68,7 +68,8 @@ bench-export: $(VENV)/.installed
 
 # The receipt of issue 13: a real DDP job with a save every K steps, every mode
 # interleaved (castore sync and async, DCP save and async_save); writes
-# cadence-out/receipt.json and cadence-out/steps.png. CADENCE_ARGS=--quick: a smoke run.
+# cadence-out/receipt.json and cadence-out/steps.png (the run docs/PERFORMANCE.md quotes:
+# benchmarks/results/cadence-*). CADENCE_ARGS=--quick: a smoke run.
 $(VENV)/.installed-cadence: $(VENV)/.installed
 	@echo "installing the cadence extra (matplotlib) into $(VENV) ..."
 	$(PY) -m pip install --quiet -e ".[torch,dev,cadence]"

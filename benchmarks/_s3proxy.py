@@ -1,7 +1,7 @@
 """A moto S3 server behind a counting reverse proxy, for the S3 benchmarks.
 
 ``MotoServer`` runs moto's ``ThreadedMotoServer`` in a child process (as
-tests/s3_server.py does: one request at a time, so that conditional writes
+tests/helpers/s3_server.py does: one request at a time, so that conditional writes
 are atomic as S3 documents), with moto's part-size floor left at the AWS
 default of 5 MiB. ``CountingProxy`` listens on 127.0.0.1, forwards every
 request to it unchanged (headers included, so signatures still match) and

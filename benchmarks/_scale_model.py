@@ -1,4 +1,4 @@
-"""The scale model of a tiered job on several nodes, as formulas (docs/PERFORMANCE.md,
+"""The scale model of a tiered job on several nodes, as formulas (docs/SCALE.md,
 "A model of scale"); benchmarks/bench_tiers_scale.py checks it against castore's counters.
 
 Symbols: R ranks, N nodes (R/N ranks each; N = 1 is the one-node path, where

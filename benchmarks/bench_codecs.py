@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/bench_codecs.py [--quick] [--reps 3] [--refresh]
-                                                [--json docs/design/codecs.json]
+                                                [--json benchmarks/results/codecs.json]
 
 Two states (built by ``_codec_states.py``, which says exactly how; cached in
 the system's temp directory, so only the first run trains):
@@ -450,7 +450,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3, help="timed repetitions (default 3)")
     parser.add_argument("--refresh", action="store_true", help="retrain; ignore the cache")
     parser.add_argument(
-        "--json", type=Path, default=Path("docs/design/codecs.json"), help="write figures here"
+        "--json",
+        type=Path,
+        default=Path("benchmarks/results/codecs.json"),
+        help="write figures here",
     )
     args = parser.parse_args(argv)
     started = time.perf_counter()

@@ -239,7 +239,10 @@ def main() -> int:
     parser.add_argument("--no-codec-run", action="store_true", help="skip castore codec=auto")
     parser.add_argument("--workdir", type=Path, default=None, help="where the scratch dir goes")
     parser.add_argument(
-        "--json", type=Path, default=Path("docs/design/lightning-ckpt.json"), help="JSON output"
+        "--json",
+        type=Path,
+        default=Path("benchmarks/results/lightning-ckpt.json"),
+        help="JSON output",
     )
     parser.add_argument("--quick", action="store_true", help="3 saves every 2 steps, 2 layers")
     args = parser.parse_args()

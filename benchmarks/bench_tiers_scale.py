@@ -25,7 +25,7 @@ castore counts itself: collective calls and the bytes each rank received
 primitive and area (Store.blob_requests, castore.blob.counting) and objects
 read and verified (castore.core.reading.object_reads). A save's counts include
 its background work (collection, promotion); its collectives and seconds are
-its own. The model (benchmarks/_scale_model.py; docs/PERFORMANCE.md, "A model
+its own. The model (benchmarks/_scale_model.py; docs/SCALE.md, "A model
 of scale") gives each count as a function of R, N, F, C and the generation.
 The run prints predicted against measured, the durable requests of the second
 promotion by kind, and the model at 1,000 and 10,000 ranks; it exits non-zero
@@ -478,7 +478,7 @@ def print_promotion(rows: list[Row], raw: dict[str, Any], op: str) -> None:
 
 
 def print_extrapolation(small: dict[int, tuple[float, float, int]]) -> None:
-    """The model at 1,000 and 10,000 ranks (docs/PERFORMANCE.md, "A model of scale")."""
+    """The model at 1,000 and 10,000 ranks (docs/SCALE.md, "A model of scale")."""
     print("\nextrapolated (8 ranks per node, 1 GiB per rank in 4 MiB chunks, every chunk new, "
           "100 promotions held; fixed-size messages as measured here):")  # fmt: skip
     for replicas, (save_small, restore_small, manifest) in sorted(small.items()):

@@ -81,7 +81,7 @@ def open(  # noqa: A001 - the public name the API promises
     chunk bytes in pack files and their index and the manifests in LMDB, all
     inside the store directory: one node. ``shared=True`` (or a directory
     created so) lays the store out as blobs in a directory several nodes share
-    (NFS, Lustre); ``s3://`` lays it out as objects (format 3, docs/FORMAT.md).
+    (NFS, Lustre); ``s3://`` lays it out as objects (format 3, docs/FORMAT_BLOBS.md).
 
     Options of stores on blobs: ``cache_dir`` (the per-node index cache;
     default ``$CASTORE_CACHE_DIR`` or ``~/.cache/castore``), ``store_lease``

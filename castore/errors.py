@@ -439,7 +439,7 @@ class LeaseLostWarning(CastoreWarning):
     """A run lease was taken over while held (its holder stalled past ``stale_after``).
 
     The ref's compare-and-swap still refused any stale advance; what may be
-    out of order is the reflog of that run (docs/FORMAT.md, "Locks").
+    out of order is the reflog of that run (docs/FORMAT_BLOBS.md, "Locks").
     """
 
 

@@ -14,7 +14,7 @@ import pytest
 import castore
 from castore import Store
 
-try:  # one moto server for the whole session (tests/s3_server.py), where boto3 and moto are
+try:  # one moto server for the whole session (tests/helpers/s3_server.py), where boto3 and moto are
     import s3_server
 
     s3_endpoint = s3_server.s3_endpoint

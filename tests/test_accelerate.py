@@ -2,7 +2,7 @@
 training a small model on CPU, in this process and as real processes (SIGKILL, gloo).
 
 Skipped only when the ``accelerate`` extra is not installed (``make test`` installs it).
-The training loop is tests/accelerate_workers.py's, shared with its subprocesses.
+The training loop is tests/helpers/accelerate_workers.py's, shared with its subprocesses.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import pytest
 pytest.importorskip("accelerate", reason="the accelerate extra is not installed")
 torch = pytest.importorskip("torch")
 
+import accelerate_workers as workers  # noqa: E402
 from accelerate.state import AcceleratorState, GradientState  # noqa: E402
 from accelerate.utils import ProjectConfiguration  # noqa: E402
 
@@ -37,11 +38,8 @@ from castore.errors import (  # noqa: E402
 from castore.integrations.accelerate import CastoreState  # noqa: E402
 from castore.integrations.checkpoint_dirs import write_checkpoint_dir  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import accelerate_workers as workers  # noqa: E402
-
 RUN = workers.RUN
-WORKER = Path(__file__).resolve().parent / "accelerate_workers.py"
+WORKER = Path(workers.__file__)
 LAUNCH_TIMEOUT = 180
 
 

@@ -1,4 +1,4 @@
-"""Async multi-rank saves on real gloo ranks (tests/async_workers.py via tests/dist_harness.py).
+"""Async multi-rank saves on real gloo ranks (async_workers.py via dist_harness.py, tests/helpers).
 
 Each launch costs seconds (every rank imports torch), so one launch runs several
 scenarios, each on a store of its own, and the tests read its outcomes.

@@ -1,7 +1,7 @@
 """A process that ends with an async save in flight: the save publishes, or stderr and
 the exit status say it did not.
 
-Each test runs tests/exit_workers.py in a real process and ends it for real:
+Each test runs tests/helpers/exit_workers.py in a real process and ends it for real:
 falling off the end, ``sys.exit``, an exception, a real SIGINT or SIGTERM. Its
 chunks are 256 KiB, so the writer hashes on castore's shared pool, which
 interpreter exit shuts down; the writer is paced so that the save is still in

@@ -32,7 +32,7 @@ from castore.errors import (
 )
 from castore.testing import BlobStoreTests
 
-WORKERS = Path(__file__).with_name("blob_workers.py")
+WORKERS = Path(__file__).parent / "helpers" / "blob_workers.py"
 
 
 class TestMemoryBlobs(BlobStoreTests):

@@ -2,7 +2,7 @@
 (castore.blob.counting) and objects read (castore.core.reading).
 
 Each counter must move by exactly what a known call costs: the scale model
-(benchmarks/bench_tiers_scale.py, docs/PERFORMANCE.md "A model of scale") is
+(benchmarks/bench_tiers_scale.py, docs/SCALE.md "A model of scale") is
 checked against these counts.
 """
 

@@ -1,7 +1,7 @@
 """castore as a torch.distributed.checkpoint (DCP) backend: castore.dcp.
 
-Multi-process tests (``slow``) run real gloo groups through tests/dist_harness.py, one
-launch per world size, each running a whole script (tests/dcp_workers.py) so the torch
+Multi-process tests (``slow``) run real gloo groups through tests/helpers/dist_harness.py, one
+launch per world size, each running a whole script (tests/helpers/dcp_workers.py) so the torch
 import is paid once per process:
 
 * ``saved_at_4``: a model sharded with FSDP2 (``fully_shard`` works on CPU/gloo in this

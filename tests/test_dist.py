@@ -2,7 +2,7 @@
 
 Every launch of a group costs seconds (each rank imports torch), so each
 module-scoped fixture below runs one group through a whole script of saves
-and loads (tests/dist_workers.py: ``run_script``) and the tests read what each
+and loads (tests/helpers/dist_workers.py: ``run_script``) and the tests read what each
 rank reported. States come from seeds, so the parent knows every expected
 byte: restored boxes are compared element for element with the full tensors,
 and reassembled across ranks. Load targets start filled with SENTINEL, so a

@@ -1,7 +1,7 @@
 """castore.dist on stores laid out as blobs: a shared directory and S3 (moto).
 
 Each rank is a node: its own process and its own index cache directory, no
-LMDB shared between ranks (tests/dist_blob_workers.py). Per backend, one
+LMDB shared between ranks (tests/helpers/dist_blob_workers.py). Per backend, one
 launch of 4 ranks saves run P twice (the second time with every tenth row of
 ``big/rows`` changed) and restores it at 4; then each rank moves to another
 node (a new store handle with a cold index cache of its own) and subgroups of

@@ -1,6 +1,6 @@
 """One writer per run: a newer job fences an older one, steps never go back unasked.
 
-Each writer is a real process (tests/fence_workers.py) on a real store: a
+Each writer is a real process (tests/helpers/fence_workers.py) on a real store: a
 local LMDB store, a shared directory, or S3 (moto). The parent drives them
 line by line, so the interleavings are exact, not left to timing.
 """
@@ -32,7 +32,7 @@ from castore.testing.zygote import shared as shared_zygote
 pytestmark = pytest.mark.slow
 
 HERE = Path(__file__).parent
-WORKER = HERE / "fence_workers.py"
+WORKER = HERE / "helpers" / "fence_workers.py"
 RUN = "r"
 
 

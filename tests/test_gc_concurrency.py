@@ -49,7 +49,7 @@ from castore.verify import verify_store
 
 pytestmark = pytest.mark.slow
 
-WORKERS = Path(__file__).with_name("gc_workers.py")
+WORKERS = Path(__file__).parent / "helpers" / "gc_workers.py"
 
 
 def cli(*args: str, **env: str) -> subprocess.CompletedProcess[str]:

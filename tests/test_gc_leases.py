@@ -64,7 +64,7 @@ CHUNK_SIZE = 1024
 # thread to schedule, a write and an fsync) has been seen to take a whole second.
 LEASE = 4.0
 LONG = 60.0
-WORKERS = Path(__file__).with_name("gc_lease_workers.py")
+WORKERS = Path(__file__).parent / "helpers" / "gc_lease_workers.py"
 
 
 def _array(seed: int, elements: int = 1024) -> np.ndarray:

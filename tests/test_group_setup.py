@@ -1,6 +1,6 @@
 """A rank SIGKILLed at castore's first collective: every survivor raises within the timeout.
 
-Real ranks in a real gloo group (tests/dist_harness.py). The process group's
+Real ranks in a real gloo group (tests/helpers/dist_harness.py). The process group's
 own timeout is set far above castore's, so a wait that only the group's timeout
 bounds (gloo's ``new_group`` rendezvous, run by ``castore.dist.comm.own_groups``)
 shows as a survivor still running when the harness gives up.

@@ -1,6 +1,6 @@
 """``verify`` passes no generation that a load refuses: hostile manifests, valid hashes.
 
-Each forged generation is well hashed (tests/hostile.py) and lies in a field
+Each forged generation is well hashed (tests/helpers/hostile.py) and lies in a field
 a load decodes or checks: a rank's per-rank state nested past the decoder's
 depth limit, a per-rank tensor its shard does not hold, a chunk named with a
 length other than its bytes'. The load refuses it with a typed error; verify

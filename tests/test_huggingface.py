@@ -46,7 +46,7 @@ from castore.testing.zygote import shared as shared_zygote  # noqa: E402
 pytestmark = pytest.mark.xdist_group("huggingface")
 
 RUN = "hf-trainer"
-WORKERS = Path(__file__).resolve().parent / "hf_workers.py"
+WORKERS = Path(__file__).resolve().parent / "helpers" / "hf_workers.py"
 # 32 samples, 4 a batch, 2 epochs: 16 steps, a checkpoint every 4.
 STEPS = [4, 8, 12, 16]
 
@@ -144,7 +144,7 @@ class Reference:
     output_dir: Path
 
 
-# What tests/hf_workers.py imports: a zygote imports it once, and each worker is forked
+# What tests/helpers/hf_workers.py imports: a zygote imports it once, and each worker is forked
 # from it in milliseconds instead of the seconds importing transformers takes.
 WORKER_PRELOAD = (
     *TORCH_PRELOAD,
@@ -163,7 +163,7 @@ def worker_env(**extra: str) -> dict[str, str]:
 
 
 def start_worker(log: Path, *args: Any, **env: str) -> subprocess.Popen[bytes] | ForkedProcess:
-    """``python tests/hf_workers.py ARGS...``, forked from the zygote where there is one."""
+    """``python tests/helpers/hf_workers.py ARGS...``, forked from the zygote where there is one."""
     argv, environment = [str(WORKERS), *map(str, args)], worker_env(**env)
     zygote = shared_zygote(WORKER_PRELOAD, worker_env())
     if zygote is not None:

@@ -166,7 +166,7 @@ def test_a_run_killed_mid_save_resumes_from_last_bitwise(tmp_path: Path) -> None
 
     import numpy as np
 
-    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+    worker = Path(__file__).resolve().parent / "helpers" / "lightning_workers.py"
     store, ckpts = tmp_path / "store", tmp_path / "ckpts"
 
     def run(epochs: int, kill_at: int, resume: bool) -> subprocess.CompletedProcess[str]:
@@ -205,7 +205,7 @@ def test_an_async_save_killed_right_after_it_published_is_what_last_names(
     import subprocess
     import sys
 
-    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+    worker = Path(__file__).resolve().parent / "helpers" / "lightning_workers.py"
     store, ckpts = tmp_path / "store", tmp_path / "ckpts"
     killed = subprocess.run(
         [sys.executable, str(worker), "published", str(store), str(ckpts), "3"],
@@ -243,7 +243,7 @@ def test_a_run_killed_after_a_publish_resumes_from_last_without_a_writer_warning
 
     import numpy as np
 
-    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+    worker = Path(__file__).resolve().parent / "helpers" / "lightning_workers.py"
     store, ckpts = tmp_path / "store", tmp_path / "ckpts"
     env = {**os.environ, "KILL_POINT": "save.after_ref_advance"}
 
@@ -297,7 +297,7 @@ def test_two_ddp_ranks_on_gloo_save_once_and_resume_bitwise(tmp_path: Path) -> N
 
     import numpy as np
 
-    worker = Path(__file__).resolve().parent / "lightning_workers.py"
+    worker = Path(__file__).resolve().parent / "helpers" / "lightning_workers.py"
 
     def run(name: str, epochs: int, resume: bool) -> Any:
         out = tmp_path / f"{name}.npz"

@@ -15,7 +15,7 @@ A ``castore.train.DataCursorWarning`` is an error here: the training example
 must count its examples correctly.
 
 A document that names ``s3://`` stores gets what a job on S3 has: moto's S3
-server on the loopback (tests/s3_server.py), ``AWS_ENDPOINT_URL`` and dummy
+server on the loopback (tests/helpers/s3_server.py), ``AWS_ENDPOINT_URL`` and dummy
 credentials in the environment, and the bucket ``my-bucket`` (S3_BUCKET)
 created. Without boto3 and moto (the ``dev`` extra) such a document is skipped.
 """

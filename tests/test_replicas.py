@@ -1,7 +1,7 @@
 """Replicated values are compared across ranks before a publish (castore.dist.replicas).
 
 Real gloo groups of 2 and 3 ranks save one case after another to run R of one
-store (tests/replica_workers.py): equal replicated state publishes; a tensor,
+store (tests/helpers/replica_workers.py): equal replicated state publishes; a tensor,
 numpy array or plain value that differs on some ranks raises
 ReplicaMismatchError on every rank, naming the value and the ranks, and
 publishes nothing (the ref still names the last good generation). A RankLocal

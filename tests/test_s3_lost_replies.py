@@ -1,6 +1,6 @@
 """S3 answers lost or cut short after the server acted: saves, loads and leases stay truthful.
 
-A fault proxy (tests/s3_fault_proxy.py) sits between castore and moto's server:
+A fault proxy (tests/helpers/s3_fault_proxy.py) sits between castore and moto's server:
 it drops the answer to a request the server *applied* (a write that happened,
 its reply never arriving) or cuts a GET's body short. castore must tell what
 happened from the store itself: a save whose ref swap landed returns normally

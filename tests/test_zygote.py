@@ -1,6 +1,6 @@
 """castore.testing.zygote: a forked child is what ``python SCRIPT ARGS`` would be.
 
-The suite's rank launcher (tests/dist_harness.py) and the tools' (crash drill,
+The suite's rank launcher (tests/helpers/dist_harness.py) and the tools' (crash drill,
 resume parity) fork their processes from a zygote that imported torch; these
 tests hold the promise that a forked child cannot tell the difference in what
 the tests rely on. The zygote here preloads numpy only, so it starts fast.
@@ -233,7 +233,7 @@ def test_castore_faults_are_an_import_time_setting_only_where_castore_is_preload
 
 
 def test_the_cli_runner_gives_what_a_fresh_interpreter_gives(tmp_path: Path) -> None:
-    """tests/cli_runner.run_cli, forked or fresh: the same status, stdout and stderr."""
+    """tests/helpers/cli_runner.run_cli, forked or fresh: the same status, stdout and stderr."""
     import numpy as np
     from cli_runner import clean_env, run_cli
 

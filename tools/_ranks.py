@@ -22,7 +22,7 @@ from the same zygote, with its output captured (crashdrill's fresh reader and
 its collector).
 
 This module imports torch only inside the functions that join a group.
-tests/dist_harness.py is the test suite's own launcher (pickled values and
+tests/helpers/dist_harness.py is the test suite's own launcher (pickled values and
 outcomes per rank, a retry when the port is lost); the tools keep to this one.
 """
 

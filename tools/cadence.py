@@ -65,7 +65,9 @@ memcpy of as many bytes as the rank staged.
 
 Output (``--out``, default ``cadence-out/``): ``receipt.json`` (every input
 and figure, and the raw step times and save records) and ``steps.png``
-(median step time per step, one line per mode, saves marked).
+(median step time per step, one line per mode, saves marked). The run
+docs/PERFORMANCE.md quotes is kept as benchmarks/results/cadence-receipt.json
+and benchmarks/results/cadence-steps.png.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """The blob interface: the few primitives a store beyond one node stands on.
 
-Format 3 (docs/FORMAT.md, "Format 3: blobs") lays a store out
+Format 3 (docs/FORMAT_BLOBS.md) lays a store out
 as named blobs. Almost all are immutable and content-named (packs, their
 index blobs, manifests, roots, reflog records); refs are the only mutable
 ones. Every backend implements exactly these primitives, each chosen so that

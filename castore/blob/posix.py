@@ -2,7 +2,7 @@
 
 Nothing here relies on what a network filesystem may not give: no LMDB, no
 ``mmap``, no ``flock``, no ``O_EXCL`` on the final name. The protocol
-(docs/FORMAT.md, "Format 3: blobs"):
+(docs/FORMAT_BLOBS.md, "The shared directory"):
 
 * **create** writes a hidden temp file ``.LEAF.NONCE.tmp`` beside the blob,
   fsyncs it, and ``link``\\s it to the blob's name: ``link`` fails with

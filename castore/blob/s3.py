@@ -1,7 +1,7 @@
 """Blobs in an S3-protocol bucket (AWS S3, MinIO, Ceph RGW), through boto3.
 
 Each primitive is one request, or one multipart upload, as AWS documents the
-S3 API (docs/FORMAT.md, "Format 3: blobs"):
+S3 API (docs/FORMAT_BLOBS.md, "S3"):
 
 * **create** is ``PutObject`` with ``If-None-Match: *``; data larger than
   ``multipart_threshold``, and iterables that fill more than one part, go up

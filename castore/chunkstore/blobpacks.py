@@ -1,6 +1,6 @@
 """Format 3's chunks and objects: packs, index blobs and objects laid out on a BlobStore.
 
-The layout (docs/FORMAT.md, "Format 3"):
+The layout (docs/FORMAT_BLOBS.md):
 
 * ``packs/<pack>.pack`` -- an immutable pack in format 2's pack format (a
   header, then ``digest | length | bytes`` records). ``<pack>`` is the blake3

@@ -56,7 +56,7 @@ from castore.support.progress import NO_BAR, Bar, progress_bar, progress_wanted
 class ObjectReads:
     """Objects (roots, manifests) read and hashed against their names in this process,
     and their bytes: a snapshot (subtract two for a span). The coordinator's share of
-    a save grows with the rank count (docs/PERFORMANCE.md, "A model of scale")."""
+    a save grows with the rank count (docs/SCALE.md, "A model of scale")."""
 
     objects: int = 0
     bytes: int = 0

@@ -6,7 +6,7 @@ a timeout, so a rank that died turns into an error on the survivors instead
 of a hang. Tensors live on the GPU for NCCL groups and on the CPU otherwise.
 
 Every call is counted (:func:`collective_counts`): the scale model of
-docs/PERFORMANCE.md ("A model of scale") is written in these counts, and
+docs/SCALE.md ("A model of scale") is written in these counts, and
 benchmarks/bench_tiers_scale.py checks it against them.
 """
 

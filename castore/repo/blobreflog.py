@@ -1,6 +1,6 @@
 """Format 3's reflog: one create-only blob per record, and the records' derived index.
 
-Names (docs/FORMAT.md, "Format 3: blobs")::
+Names (docs/FORMAT_BLOBS.md, "Refs, reflog records and tags as blobs")::
 
     logs/RUN/NNNNNNNNNNNN        create-only: one reflog record, NNN... its 12-digit
                                  sequence number (1, 2, ...), in log order

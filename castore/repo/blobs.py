@@ -2,7 +2,7 @@
 
 Refs, reflog records and tags as
 named blobs of a :class:`castore.blob.base.BlobStore` (memory, a shared
-directory, S3); docs/FORMAT.md, "Format 3: blobs"::
+directory, S3); docs/FORMAT_BLOBS.md, "Refs, reflog records and tags as blobs"::
 
     refs/RUN                    mutable: the ref encoding of castore.repo.reffile
     logs/RUN/...                the reflog's records and their index (castore.repo.blobreflog)

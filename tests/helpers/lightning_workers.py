@@ -1,6 +1,6 @@
 """A Lightning training run for tests/test_lightning.py, as its own process (SIGKILL tests).
 
-    python tests/lightning_workers.py STORE CKPT_DIR EPOCHS KILL_AT_EPOCH RESUME OUT [RANKS]
+    python tests/helpers/lightning_workers.py STORE CKPT_DIR EPOCHS KILL_AT_EPOCH RESUME OUT [RANKS]
 
 trains the tests' small regressor for EPOCHS epochs with castore as its CheckpointIO
 and a checkpoint at every epoch's end (and ``last.ckpt``); with KILL_AT_EPOCH >= 0
@@ -9,7 +9,7 @@ the castore save at the end of that epoch is SIGKILLed before its ref advances
 weights go to OUT (``numpy.savez``, from rank 0). RANKS > 1 trains with Lightning's
 ``ddp`` strategy on CPU (gloo), which starts the other ranks by running this script again.
 
-    python tests/lightning_workers.py published STORE CKPT_DIR EPOCH
+    python tests/helpers/lightning_workers.py published STORE CKPT_DIR EPOCH
 
 trains with ``CastoreCheckpointIO(blocking=False)`` and, as epoch EPOCH starts, waits
 for the async save in flight (``last.ckpt`` of the epoch before) to publish and
@@ -31,7 +31,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from castore.integrations.lightning import CastoreCheckpointIO
 from castore.support import faults
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for test_lightning
 from test_lightning import Regressor, _data  # noqa: E402
 
 

@@ -1,6 +1,6 @@
 """A process that saves through a tiered store, for the crash tests (tests/test_tiers_crash.py).
 
-``python tests/tier_workers.py FAST DURABLE FIRST LAST UPLOADER``: opens
+``python tests/helpers/tier_workers.py FAST DURABLE FIRST LAST UPLOADER``: opens
 ``castore.open_tiered(FAST, DURABLE, durable_every=2, fast_keep=2, chunk_size=1024,
 uploader=UPLOADER)``,
 saves ``state(step)`` for steps FIRST..LAST (generation ids follow the run's), waits

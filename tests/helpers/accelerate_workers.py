@@ -1,6 +1,6 @@
 """An Accelerate training run for tests/test_accelerate.py, in process or as its own process.
 
-    python tests/accelerate_workers.py STORE STAGING OUT [--reference FILE] [--probe]
+    python tests/helpers/accelerate_workers.py STORE STAGING OUT [--reference FILE] [--probe]
                                        [--resume] [--kill-at STEP]
 
 trains the tests' small regressor for :data:`EPOCHS` epochs on CPU, with castore's

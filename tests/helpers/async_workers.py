@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_async_dist.py, run by tests/dist_harness.py.
+"""Per-rank functions for tests/test_async_dist.py, run by tests/helpers/dist_harness.py.
 
 Each is called as ``fn(rank, world_size, *args)`` inside a joined gloo group and
 returns plain, picklable values. The state of a seed is built here and in the

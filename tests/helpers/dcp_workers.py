@@ -1,5 +1,5 @@
 """Per-rank functions for tests/test_dcp.py (castore as a torch.distributed.checkpoint
-backend), run by tests/dist_harness.py as ``fn(rank, world_size, *args)`` in a gloo group.
+backend), run by tests/helpers/dist_harness.py as ``fn(rank, world_size, *args)`` in a gloo group.
 
 The model is sharded with FSDP2 (``torch.distributed.fsdp.fully_shard``) over a 1-D CPU
 DeviceMesh; its state and its Adam optimizer's go through DCP's own

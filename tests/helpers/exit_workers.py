@@ -1,6 +1,6 @@
 """Processes that end while an async save is in flight, for tests/test_async_exit.py.
 
-``python tests/exit_workers.py PATH HOW [key=value ...]`` saves :func:`state`
+``python tests/helpers/exit_workers.py PATH HOW [key=value ...]`` saves :func:`state`
 (step 2) to the store at PATH with ``blocking=False``, prints a marker line
 on stdout, then ends as HOW says. Options: ``rate`` (the writer's bytes per
 second), ``exit_wait`` (``exit_wait_s``), ``staging`` (``staging_bytes``),

@@ -1,6 +1,6 @@
 """Hugging Face Trainer runs for tests/test_huggingface.py, as their own processes.
 
-    python tests/hf_workers.py kill STORE OUT BLOCKING STEP
+    python tests/helpers/hf_workers.py kill STORE OUT BLOCKING STEP
 
 trains the tests' tiny GPT-2 with a :class:`CastoreCallback` on STORE
 (``blocking=BLOCKING``, 1 or 0) and SIGKILLs the process inside castore's save
@@ -8,23 +8,23 @@ of the checkpoint at STEP, before its ref advances (castore's fault point
 ``save.before_ref_advance``, reached on the training thread or, with
 ``blocking=False``, on the callback's own); it never returns.
 
-    python tests/hf_workers.py crash STORE OUT REFUSE
+    python tests/helpers/hf_workers.py crash STORE OUT REFUSE
 
 trains with ``blocking=False`` and fails by an exception in the step after the
 save at step 4, that save still in flight (REFUSE=1: one castore refuses).
 
-    python tests/hf_workers.py published STORE OUT
+    python tests/helpers/hf_workers.py published STORE OUT
 
 trains with ``blocking=False`` where hard links fail (castore's async writer
 stores each checkpoint) and, as the step after the save at step 4 begins, waits
 for that save to publish and SIGKILLs the process.
 
-    python tests/hf_workers.py restore STORE OUT GENERATION
+    python tests/helpers/hf_workers.py restore STORE OUT GENERATION
 
 restores RUN@GENERATION of STORE as OUT/checkpoint-STEP, as an earlier attempt
 of a job would have, and exits.
 
-    python tests/hf_workers.py ddp WORKDIR
+    python tests/helpers/hf_workers.py ddp WORKDIR
 
 is one rank of a 2-rank DDP run on gloo (RANK, WORLD_SIZE, LOCAL_RANK,
 MASTER_ADDR and MASTER_PORT set by the test; the Trainer joins the group). It
@@ -53,7 +53,7 @@ from castore.integrations import huggingface
 from castore.integrations.huggingface import CastoreCallback, restore_checkpoint
 from castore.support import faults
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/, for test_huggingface
 from test_huggingface import RUN, train, weights  # noqa: E402
 
 

@@ -1,8 +1,8 @@
-"""Per-rank functions for tests/test_dist_blobs.py, run by tests/dist_harness.py.
+"""Per-rank functions for tests/test_dist_blobs.py, run by tests/helpers/dist_harness.py.
 
 Each rank stands for one node: it opens the store on blobs (a shared
 directory or S3) with its own index cache directory, so no two ranks share an
-LMDB environment. The state is tests/dist_workers.py's (uneven, 2-D and 3-D
+LMDB environment. The state is tests/helpers/dist_workers.py's (uneven, 2-D and 3-D
 sharding, replicated tensors, a RankLocal) plus ``big/rows``: a row-sharded
 tensor whose rows are one chunk each, so every box a rank restores at 4, 2 or
 3 ranks (5, 10, or 7/7/6 rows) is whole chunks, and the bytes a restore needs are known exactly.
@@ -75,7 +75,7 @@ def _save(rank: int, world_size: int, store: Any, op: dict[str, Any]) -> dict[st
 def _load(
     rank: int, world_size: int, store: Any, op: dict[str, Any], group: Any = None
 ) -> dict[str, Any]:
-    """Restore ``op["names"]`` (tests/dist_workers.py names, or ``big/rows``) of ``op["run"]``."""
+    """Restore ``op["names"]`` (dist_workers.py names, or ``big/rows``) of ``op["run"]``."""
     import castore
     import castore.dist
 

@@ -1,4 +1,4 @@
-"""Per-rank script for tests/test_replicas.py, run by tests/dist_harness.py.
+"""Per-rank script for tests/test_replicas.py, run by tests/helpers/dist_harness.py.
 
 Each case saves a state whose replicated values are equal on every rank, or
 differ on some ranks in one way; the rank reports what its save did and what

@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_group_setup.py, run by tests/dist_harness.py.
+"""Per-rank functions for tests/test_group_setup.py, run by tests/helpers/dist_harness.py.
 
 A rank is SIGKILLed right before its first castore collective, so the others
 meet the dead peer inside castore's own set-up (``own_groups``: gloo's

@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_export.py, run by tests/dist_harness.py in a gloo group."""
+"""Per-rank functions for tests/test_export.py, run by dist_harness.py in a gloo group."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Per-rank functions for tests/test_counts.py, run by tests/dist_harness.py."""
+"""Per-rank functions for tests/test_counts.py, run by tests/helpers/dist_harness.py."""
 
 from __future__ import annotations
 

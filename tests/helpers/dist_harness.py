@@ -1,11 +1,11 @@
 """Run a function on N real processes joined in a gloo process group.
 
 ``run_ranks(world_size, fn, *args)`` starts ``world_size`` processes, each what
-``python tests/dist_harness.py SPEC_DIR RANK`` would be (forked from a zygote,
+``python tests/helpers/dist_harness.py SPEC_DIR RANK`` would be (forked from a zygote,
 below), each of which:
 
 1. imports ``fn`` by its module and qualified name (so ``fn`` must be a
-   module-level function of an importable module, e.g. ``tests/dist_workers.py``),
+   module-level function of an importable module, e.g. ``tests/helpers/dist_workers.py``),
 2. joins ``torch.distributed.init_process_group("gloo", init_method="tcp://127.0.0.1:PORT")``,
 3. calls ``fn(rank, world_size, *args)`` and pickles what it returned (or what it
    raised) into SPEC_DIR,
@@ -22,7 +22,7 @@ Children get the parent's environment minus ``CASTORE_*`` variables, plus
 
 A rank is forked from a zygote that has imported torch (castore.testing.zygote):
 it starts in milliseconds, not the seconds importing torch takes, and is
-otherwise what ``python tests/dist_harness.py SPEC_DIR RANK`` would be (its own
+otherwise what ``python tests/helpers/dist_harness.py SPEC_DIR RANK`` would be (its own
 session, environment, output file; castore imported fresh). ``CASTORE_ZYGOTE=0``
 starts fresh interpreters instead.
 """
@@ -275,7 +275,7 @@ def _launch(
     zygote = shared_zygote(TORCH_PRELOAD, child_env())
     if zygote is not None:
         try:
-            return zygote.fork(argv, env=environment, cwd=HERE.parent, stdout=log, stderr=log)
+            return zygote.fork(argv, env=environment, cwd=HERE.parents[1], stdout=log, stderr=log)
         except ZygoteMismatch:
             pass
     with open(log, "wb") as out:
@@ -285,7 +285,7 @@ def _launch(
             stdout=out,
             stderr=subprocess.STDOUT,
             env=environment,
-            cwd=str(HERE.parent),
+            cwd=str(HERE.parents[1]),
             start_new_session=True,  # its own process group: killpg takes all of it
         )
 
