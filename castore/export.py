@@ -33,7 +33,7 @@ from typing import Any
 
 import numpy as np
 
-from castore.core.chunkio import ChunkRequest, read_requests
+from castore.core.chunkread import ChunkRequest, read_requests
 from castore.core.reading import box_requests, check_coverage
 from castore.errors import TensorNotFoundError, UnsupportedValueError
 from castore.format import dtypes

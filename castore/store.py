@@ -40,7 +40,7 @@ from castore.core.background import (
     follow_publish,
     save_async,
 )
-from castore.core.chunkio import ReadCounters
+from castore.core.chunkread import ReadCounters
 from castore.core.commit import (
     SINGLE_FAULTS,
     check_data_order,

@@ -32,7 +32,7 @@ Reads fetch byte ranges of packs: a window of requested chunks is grouped by
 pack, neighbouring chunks merged into one ranged request (their record
 headers, 40 bytes each, come along), and several requests are in flight.
 Chunk bytes are not verified here: the caller hashes every chunk
-(:mod:`castore.core.chunkio`).
+(:mod:`castore.core.chunkread`).
 """
 
 from __future__ import annotations

@@ -46,7 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from castore.chunkstore.base import ChunkBackend, Namespace
-from castore.core import chunkio, shutdown
+from castore.core import chunkio, hashpool, shutdown
 from castore.core.chunkio import (
     WriteStats,
     cut_chunks,
@@ -309,7 +309,7 @@ def write_staged(
     batch = _Batch(job, chunk_size, [[] for _ in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
     # hash_threads=1 keeps the save to its own thread: encoding too.
-    pool = None if job.options.hash_threads == 1 else chunkio.shared_pool()
+    pool = None if job.options.hash_threads == 1 else hashpool.shared_pool()
     stage = None if codec == "none" else EncodeStage(backend, pool)
     encoders = leaf_encoders(codec, (leaf.dtype for leaf in leaves)) if stage else []
     while not batch.ended:

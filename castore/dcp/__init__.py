@@ -59,7 +59,8 @@ from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, W
 from torch.futures import Future
 
 from castore.core import fencing
-from castore.core.chunkio import ChunkRequest, WriteStats, read_agree_deliver
+from castore.core.chunkio import WriteStats
+from castore.core.chunkread import ChunkRequest, read_agree_deliver
 from castore.core.commit import (
     CheckedShards,
     claim_writer,
