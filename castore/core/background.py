@@ -31,6 +31,10 @@ publishes nothing and the previous generation stays latest.
   ``stagger_s * r / n`` seconds late, so ranks saving at the same step do not
   hit storage in one burst. A rank writes one pack request at a time, so
   write requests in flight are already one per rank.
+
+One idea, about 770 lines because the async writer's parts (the pending save,
+the throttle, the staged write, the writer thread that runs them) share that
+thread's lifecycle, its lock and its counters.
 """
 
 from __future__ import annotations
