@@ -232,7 +232,10 @@ def _marks(checkpoint: dict[str, Any]) -> list[object] | None:
     A small tensor is marked by its bytes; a larger one by where it lies and its
     version counter (every in-place change bumps it), which live weights and
     optimizer moments keep between two saves that nothing trained between.
-    Callbacks' ``last_model_path`` is left out (see _MOVED_BETWEEN_NAMES).
+    (A large tensor made afresh for each save could pass for the last one only
+    if its successor landed at the same address, with the same version counter
+    and other bytes, at the same step and loop state.) Callbacks'
+    ``last_model_path`` is left out (see _MOVED_BETWEEN_NAMES).
     """
     marks: list[object] = []
     try:
