@@ -25,7 +25,8 @@ from bench_call_costs import RUN, castore_save
 from safetensors.torch import save_file
 
 import castore
-from castore.core.chunkio import ReadCounters, write_leaves
+from castore.core.chunkio import write_leaves
+from castore.core.chunkread import ReadCounters
 from castore.core.commit import build_shard
 from castore.core.reading import group_entries, plan_tensor, read_shards
 from castore.core.readplan import ReadPlan, read_plan

@@ -104,13 +104,14 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import castore
-from castore.core.chunkio import DEFAULT_CHUNK_SIZE, INLINE_BYTES, TASK_BYTES
+from castore.core.chunkio import DEFAULT_CHUNK_SIZE
+from castore.core.hashpool import INLINE_BYTES, TASK_BYTES
 
 MIB = 1 << 20
 RUN = "bench"
 SMALL = 4096  # "small tensor": at most this many bytes
 SLICE_ROWS = slice(100, 104)
-HASH_WORKERS = max(2, min(8, os.cpu_count() or 2))  # castore.core.chunkio's pool size
+HASH_WORKERS = max(2, min(8, os.cpu_count() or 2))  # castore.core.hashpool's pool size
 LLM_LAYERS = 100
 LLM_HEAD_DIM = 64
 

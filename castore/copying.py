@@ -38,8 +38,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from castore.chunkstore.base import Namespace
-from castore.core.chunkio import expected_length, shared_pool, verify_chunk
+from castore.core.chunkread import expected_length, verify_chunk
 from castore.core.commit import PublishFaults, check_shards, publish
+from castore.core.hashpool import shared_pool
 from castore.core.history import GenerationSpec
 from castore.core.reading import verified_object
 from castore.errors import CorruptObjectError, RefConflictError

@@ -14,6 +14,9 @@ The output is written in a temporary directory next to ``out_dir`` and
 renamed into place only once every file is complete; a failure removes it.
 An output path ending in ``.safetensors`` is one file instead, written next
 to itself and linked into place when complete.
+
+One idea, about 610 lines because planning, reading and writing an export share
+the one safetensors layout and the temporary directory it is renamed from.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from castore.core.chunkio import ChunkRequest, read_requests
+from castore.core.chunkread import ChunkRequest, read_requests
 from castore.core.reading import box_requests, check_coverage
 from castore.errors import TensorNotFoundError, UnsupportedValueError
 from castore.format import dtypes

@@ -32,6 +32,11 @@ wrong bytes.
 
 A collection killed at any point leaves every retained generation intact: only
 unmarked objects are ever deleted, and a later collection finishes the sweep.
+
+About 670 lines, and more than one idea, because retention, the collection that
+applies it, the tags that exempt generations from it, the usage it reports and
+compaction are the one documented ``castore.gc`` API: moved out, they would leave
+re-exports here.
 """
 
 from __future__ import annotations

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING
 
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb.rebuild import RebuildReport, rebuild_lmdb_index
-from castore.core.chunkio import shared_pool
 from castore.core.fencing import ref_for_root
+from castore.core.hashpool import shared_pool
 from castore.errors import IntegrityError, StoreNotFoundError
 from castore.format.codec import stored_matches
 from castore.format.hashing import digest_bytes

@@ -14,6 +14,10 @@ then the ref advanced (:mod:`castore.core.commit`). Reads live in
 :mod:`castore.core.history`; the methods here delegate to them. This module knows
 nothing of torch; tensors from torch are handled by :mod:`castore.format.tree`,
 which imports torch only when it sees one.
+
+One idea, about 770 lines because ``Store`` is the public handle: each documented
+method (save and its ``@overload`` set, load, slices, history, tags, close) keeps its
+signature and docstring here, while the work is in ``core/``.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from castore.core.background import (
     follow_publish,
     save_async,
 )
-from castore.core.chunkio import ReadCounters
+from castore.core.chunkread import ReadCounters
 from castore.core.commit import (
     SINGLE_FAULTS,
     check_data_order,

@@ -23,7 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from castore.chunkstore.base import Namespace
-from castore.core.chunkio import expected_length, shared_pool
+from castore.core.chunkread import expected_length
+from castore.core.hashpool import shared_pool
 from castore.core.history import unknown_run
 from castore.core.holdings import held_shards
 from castore.core.reading import check_coverage, check_rank_local
@@ -369,7 +370,7 @@ def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -
     for entry in [e for boxes in entries.values() for e in boxes] + per_rank:
         for index, chunk in enumerate(entry.chunks):
             first = users.setdefault(chunk, (entry, index))
-            # A load checks each use's length (chunkio.verify_chunk); verify re-hashes a
+            # A load checks each use's length (chunkread.verify_chunk); verify re-hashes a
             # chunk once and checks its length against the first use: all uses must agree.
             if expected_length(entry, index) != expected_length(*first):
                 problems.append(

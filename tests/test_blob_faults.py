@@ -23,7 +23,7 @@ from blob_places import Place, s3_place, shared_place
 from s3_server import DUMMY_KEY, DUMMY_SECRET, REGION, SlowDown, store_arguments
 
 import castore
-from castore.chunkstore.blobpacks import encode_index, index_blob_name
+from castore.chunkstore.bloblayout import encode_index, index_blob_name
 from castore.errors import (
     IntegrityError,
     StoreAccessDeniedError,

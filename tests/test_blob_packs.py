@@ -28,16 +28,16 @@ from castore.blob.base import BlobStore
 from castore.chunkstore import blobpacks
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.blobcache import CacheWarning, IndexCache
-from castore.chunkstore.blobpacks import (
+from castore.chunkstore.bloblayout import (
     INDEX_PREFIX,
     PACK_PREFIX,
-    BlobPackBackend,
     encode_index,
     index_blob_name,
     pack_blob,
     pack_name,
     parse_index,
 )
+from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.chunkstore.packfile import PACK_HEADER, RECORD_HEADER
 from castore.errors import (
     FormatVersionError,

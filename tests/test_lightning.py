@@ -97,7 +97,7 @@ def test_checkpoints_are_generations_and_top_k_removal_is_an_untag(
     assert set(files) == kept and len(files) == 3  # top 2 and last: the others were removed
     with castore.open(tmp_path / "store") as store:
         generations = store.generations(RUN)
-        assert len(generations) >= 4  # one save per epoch at least (last, top-k)
+        assert len(generations) == 4  # one per epoch's end, whether a top-k file named it or not
         tags = store.refs.tags(RUN)
         # Each file still there keeps its generation by a tag; removed files left none.
         assert set(tags) == {tag_name(Path(name)) for name in files}
@@ -116,6 +116,97 @@ def test_resume_from_last_matches_an_uninterrupted_run_bitwise(
     _fit(2, tmp_path, blocking=blocking)
     resumed, _ = _fit(4, tmp_path, ckpt_path="last", blocking=blocking)
     assert _same_weights(resumed, _uninterrupted(4))
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_checkpoint_event_is_one_generation_named_by_both_files(
+    tmp_path: Path, blocking: bool
+) -> None:
+    """Each epoch's end writes its top-k file, then last.ckpt of the same state: one
+    generation, both pointers and both tags naming it (it was two, the second 0 B new)."""
+    _fit(3, tmp_path, top_k=-1, blocking=blocking)
+    ckpts = tmp_path / "ckpts"
+    with castore.open(tmp_path / "store") as store:
+        generations = store.generations(RUN)
+        tags = store.refs.tags(RUN)
+    assert [g.step for g in generations] == [4, 8, 12]
+    for epoch, generation in enumerate(generations):
+        names = [p.name for p in ckpts.glob(f"epoch={epoch}-*.ckpt")]
+        names += ["last.ckpt"] if epoch == 2 else []
+        assert len(names) == (2 if epoch == 2 else 1), names
+        for name in names:
+            pointer = json.loads((ckpts / name).read_text())
+            assert (pointer["generation"], pointer["root"]) == (generation.id, generation.root)
+            assert tags[tag_name(Path(name))].root.hex == generation.root, name
+
+
+def _checkpoint(weights: Any, step: int = 4, last: str = "") -> dict[str, Any]:
+    callback = {"best_k_models": {"a.ckpt": torch.tensor(0.5)}, "last_model_path": last}
+    return {"global_step": step, "state_dict": {"w": weights}, "callbacks": {"MC": callback}}
+
+
+def _pointed(path: Path) -> int:
+    return int(json.loads(path.read_text())["generation"])
+
+
+def test_a_second_name_follows_the_save_in_flight_and_starts_none(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """blocking=False: last.ckpt's save comes while the epoch file's save has not yet
+    published; it starts no save, and the writer points both once it publishes."""
+    import threading
+
+    from castore.core import background
+
+    gate, real = threading.Event(), background.follow_publish
+
+    def held(*args: Any) -> Any:
+        gate.wait(20)  # opened by the test; by itself after 20 s where a save waits on this one
+        return real(*args)
+
+    monkeypatch.setattr(background, "follow_publish", held)
+    weights = torch.randn(1 << 16)  # 256 KiB: marked by where it lies and its version
+    with castore.open(tmp_path / "store") as store:
+        io = CastoreCheckpointIO(store, blocking=False)
+        io.save_checkpoint(_checkpoint(weights), tmp_path / "epoch=0.ckpt")
+        io.save_checkpoint(_checkpoint(weights, last="last.ckpt"), tmp_path / "last.ckpt")
+        assert not (tmp_path / "last.ckpt").exists()  # follows the publish, not before it
+        gate.set()
+        io.finish()
+        assert store.background.counters["started"] == 1
+        assert _pointed(tmp_path / "epoch=0.ckpt") == _pointed(tmp_path / "last.ckpt") == 1
+        assert set(store.refs.tags(RUN)) == {"ckpt-epoch_0", "ckpt-last"}
+        io.teardown()
+
+
+@pytest.mark.parametrize("blocking", [True, False], ids=["blocking", "async"])
+def test_a_state_that_changed_at_the_same_step_is_a_generation_of_its_own(
+    tmp_path: Path, blocking: bool
+) -> None:
+    """Only the same state shares a generation: weights changed in place (a bumped
+    version counter), a small tensor's bytes or another callback value make a new one."""
+    weights = torch.randn(1 << 16)
+    with castore.open(tmp_path / "store") as store:
+        io = CastoreCheckpointIO(store, blocking=blocking)
+
+        def save(name: str, checkpoint: dict[str, Any]) -> int:
+            io.save_checkpoint(checkpoint, tmp_path / name)
+            io.finish()
+            return _pointed(tmp_path / name)
+
+        assert save("a.ckpt", _checkpoint(weights)) == 1
+        assert save("last.ckpt", _checkpoint(weights, last="last.ckpt")) == 1
+        weights.add_(1)  # in place: same storage, version bumped
+        assert save("b.ckpt", _checkpoint(weights)) == 2
+        small = _checkpoint(weights)
+        small["callbacks"]["MC"]["best_k_models"]["a.ckpt"] = torch.tensor(0.25)
+        assert save("c.ckpt", small) == 3
+        other = _checkpoint(weights)
+        other["callbacks"]["MC"]["best_k_models"]["b.ckpt"] = torch.tensor(0.25)
+        assert save("d.ckpt", other) == 4
+        assert save("e.ckpt", _checkpoint(weights.clone())) == 5  # same bytes, another tensor
+        assert [g.id for g in store.generations(RUN)] == [1, 2, 3, 4, 5]
+        io.teardown()
 
 
 def test_resume_from_a_given_checkpoint_path(tmp_path: Path) -> None:
@@ -182,7 +273,7 @@ def test_a_run_killed_mid_save_resumes_from_last_bitwise(tmp_path: Path) -> None
         steps = [g.step for g in opened.generations(RUN)]
     pointer = json.loads((ckpts / "last.ckpt").read_text())
     assert steps == sorted(steps) and pointer["generation"] == len(steps)
-    # Every published save is epoch 0's or 1's (two files each: epoch=N and last).
+    # Every published save is epoch 0's or 1's (one each, named by epoch=N and last).
     assert max(steps) == 2 * 4  # 4 batches an epoch: the end of epoch 1
     resumed = run(5, -1, True)
     assert resumed.returncode == 0, resumed.stderr
@@ -198,10 +289,11 @@ def test_a_run_killed_mid_save_resumes_from_last_bitwise(tmp_path: Path) -> None
 def test_an_async_save_killed_right_after_it_published_is_what_last_names(
     tmp_path: Path,
 ) -> None:
-    """blocking=False, SIGKILL as epoch 3 starts, once the save in flight (last.ckpt at
-    the end of epoch 2, generation 6) has published and before anything on the training
-    thread waited for it: last.ckpt and its tag name generation 6 (they named 4, written
-    only at the next save, and ``ckpt_path="last"`` redid an epoch)."""
+    """blocking=False, SIGKILL as epoch 3 starts, once the save in flight (epoch 2's
+    file and last.ckpt, generation 3) has published and before anything on the training
+    thread waited for it: both files and their tags name generation 3 (last.ckpt named
+    2 when pointers were written only at the next save, and ``ckpt_path="last"`` redid
+    an epoch)."""
     import subprocess
     import sys
 
@@ -217,8 +309,8 @@ def test_an_async_save_killed_right_after_it_published_is_what_last_names(
     with castore.open(store) as opened:
         generations = opened.generations(RUN)
         tags = opened.refs.tags(RUN)
-    assert [g.step for g in generations] == [4, 4, 8, 8, 12, 12]  # epoch file, then last
-    named = {"last.ckpt": generations[5], "epoch=2-step=12.ckpt": generations[4]}
+    assert [g.step for g in generations] == [4, 8, 12]  # the epoch file and last: one each
+    named = {"last.ckpt": generations[2], "epoch=2-step=12.ckpt": generations[2]}
     for name, published in named.items():
         pointer = json.loads((ckpts / name).read_text())
         assert (pointer["generation"], pointer["root"]) == (published.id, published.root), name
@@ -226,7 +318,7 @@ def test_an_async_save_killed_right_after_it_published_is_what_last_names(
     # Resumed through Lightning's own path: from step 12, so the next saves are step 16's.
     _fit(4, tmp_path, ckpt_path="last", blocking=False)
     with castore.open(store) as opened:
-        assert [g.step for g in opened.generations(RUN)][6:] == [16, 16]
+        assert [g.step for g in opened.generations(RUN)][3:] == [16]
 
 
 @pytest.mark.slow
@@ -282,7 +374,8 @@ def test_async_saves_go_through_castores_writer_and_publish_before_fit_returns(
         _trainer(3, [io], [checkpoints]).fit(Regressor(), _data())
         saves = len(store.generations(RUN))
         # Every save was an async one, and every one was published by teardown.
-        assert store.background.counters["started"] == saves == 6  # epoch file and last, x3
+        # One save per epoch's end: last.ckpt followed the epoch file's save, starting none.
+        assert store.background.counters["started"] == saves == 3
         assert store.background.counters["published"] == saves
         pointer = json.loads((tmp_path / "ckpts" / "last.ckpt").read_text())
         assert pointer["generation"] == saves
@@ -315,7 +408,7 @@ def test_two_ddp_ranks_on_gloo_save_once_and_resume_bitwise(tmp_path: Path) -> N
     run("split", 2, False)
     with castore.open(tmp_path / "split") as store:
         first = store.generations(RUN)
-    assert len(first) == 4  # epoch file and last, per epoch: rank 0 alone saved
+    assert len(first) == 2  # one per epoch (its file and last): rank 0 alone saved
     resumed = run("split", 4, True)
     whole = run("whole", 4, False)
     for name in whole.files:

@@ -27,6 +27,7 @@ from cli_runner import run_cli
 
 import castore
 import castore.chunkstore.lmdb.backend as lmdb_backend
+import castore.chunkstore.lmdb.packwriter as packwriter
 import castore.gc as gc_module
 from castore import Store
 from castore.chunkstore.base import Namespace
@@ -264,7 +265,7 @@ def test_a_misdirected_index_entry_is_caught_and_gc_refuses(damaged: Path) -> No
         where = backend.locate(chunk)
         assert where is not None
     # Point it one record further on in the same pack: same length, other bytes.
-    wrong = lmdb_backend.PackLocation(where.length, where.pack, where.offset + where.length + 40)
+    wrong = packwriter.PackLocation(where.length, where.pack, where.offset + where.length + 40)
     _raw_index_put(damaged, chunk, wrong.encode())
     with castore.open(damaged) as store:
         check = store.backend.check_index()

@@ -22,6 +22,7 @@ from _helpers import assert_state_equal
 
 import castore
 import castore.chunkstore.lmdb.backend as lmdb_backend
+import castore.chunkstore.lmdb.packwriter as packwriter
 from castore import Store
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.packfile import scan_pack
@@ -54,7 +55,7 @@ def named_packs(store: Store) -> set[str]:
     for key in backend.iter_keys(Namespace.CHUNKS):
         where = backend.locate(key)
         assert where is not None
-        found.add(lmdb_backend.pack_name(where.pack))
+        found.add(packwriter.pack_name(where.pack))
     return found
 
 
@@ -174,7 +175,7 @@ def test_read_follows_a_chunk_moved_by_a_reclaim_during_the_read(
     assert _read_across_a_reclaim(tmp_path / "b", monkeypatch, control=True) == [b"c" * 100, None]
 
 
-def _damaged_store(path: Path) -> tuple[Path, lmdb_backend.PackLocation]:
+def _damaged_store(path: Path) -> tuple[Path, packwriter.PackLocation]:
     with castore.open(path, chunk_size=CHUNK) as store:
         store.save(state(0, x_seed=5), run=RUN, step=1)
         backend = store.backend
@@ -231,7 +232,7 @@ def test_a_full_disk_while_writing_a_pack_raises_and_loses_nothing(
             # record and half of the second, then the disk is full.
             return real_writev(fd, [*buffers[:3], buffers[3][: CHUNK // 2]])
 
-        monkeypatch.setattr(lmdb_backend.os, "writev", writev)
+        monkeypatch.setattr(packwriter.os, "writev", writev)
         with pytest.raises(StoreError, match="cannot write a chunk pack: No space left"):
             store.save(state(0, x_seed=9), run=RUN, step=2)
         monkeypatch.undo()
@@ -279,7 +280,7 @@ def test_small_chunks_go_to_the_pack_together_in_order(
         calls.append(len(buffers))
         return real_writev(fd, buffers)
 
-    monkeypatch.setattr(lmdb_backend.os, "writev", writev)
+    monkeypatch.setattr(packwriter.os, "writev", writev)
     backend = lmdb_backend.LmdbBackend(tmp_path / "chunks")
     try:
         items = small_chunks(300)
@@ -304,7 +305,7 @@ def test_a_short_writev_is_resumed_where_it_stopped(
         first = memoryview(buffers[0]).cast("B")
         return real_writev(fd, [first[: max(1, first.nbytes // 3)]])  # a third of one piece
 
-    monkeypatch.setattr(lmdb_backend.os, "writev", writev)
+    monkeypatch.setattr(packwriter.os, "writev", writev)
     backend = lmdb_backend.LmdbBackend(tmp_path / "chunks")
     try:
         items = small_chunks(5) + [(digest_bytes(b"x" * 5000), b"x" * 5000)]
@@ -318,8 +319,8 @@ def test_a_pack_is_written_and_synced_before_the_index_names_its_chunks(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     events: list[str] = []
-    real_writev, real_datasync = os.writev, lmdb_backend._datasync
-    real_fsync_dir, real_txn = lmdb_backend.fsync_dir, lmdb_backend.LmdbBackend._write_txn
+    real_writev, real_datasync = os.writev, packwriter._datasync
+    real_fsync_dir, real_txn = packwriter.fsync_dir, lmdb_backend.LmdbBackend._write_txn
 
     def writev(fd: int, buffers: list[memoryview]) -> int:
         events.append("write")
@@ -337,9 +338,9 @@ def test_a_pack_is_written_and_synced_before_the_index_names_its_chunks(
         events.append("index commit")
         return real_txn(self, work)
 
-    monkeypatch.setattr(lmdb_backend.os, "writev", writev)
-    monkeypatch.setattr(lmdb_backend, "_datasync", datasync)
-    monkeypatch.setattr(lmdb_backend, "fsync_dir", fsync_dir)
+    monkeypatch.setattr(packwriter.os, "writev", writev)
+    monkeypatch.setattr(packwriter, "_datasync", datasync)
+    monkeypatch.setattr(packwriter, "fsync_dir", fsync_dir)
     monkeypatch.setattr(lmdb_backend.LmdbBackend, "_write_txn", write_txn)
     backend = lmdb_backend.LmdbBackend(tmp_path / "chunks")
     try:

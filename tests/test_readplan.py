@@ -23,6 +23,7 @@ import castore
 from castore import Shard, Store
 from castore.chunkstore.base import ChunkReader
 from castore.chunkstore.lmdb import backend as lmdb_backend
+from castore.chunkstore.lmdb import packreader, packwriter
 from castore.core import readplan
 from castore.core.commit import commit_objects, publish_writes, write_shard
 from castore.core.reading import contiguous_start
@@ -242,14 +243,14 @@ def test_an_index_offset_past_every_file_is_a_damaged_chunk(
         _, root = store.resolve_root(RUN)
         [entry] = store.tensor_entries(root)["w"]
         where = store.backend.locate(entry.chunks[0])  # type: ignore[attr-defined]
-    huge = lmdb_backend.PackLocation(where.length, where.pack, (1 << 64) - 1000)
+    huge = packwriter.PackLocation(where.length, where.pack, (1 << 64) - 1000)
     _raw_index_put(store_path, entry.chunks[0], huge.encode())
     if control:  # broken control: the reader reads whatever the index names
         monkeypatch.setattr(
-            lmdb_backend._PackReader,
+            packreader.PackReader,
             "_pack",
             lambda self, pack: (
-                os.open(self.pack_dir / lmdb_backend.pack_name(pack), os.O_RDONLY),
+                os.open(self.pack_dir / packwriter.pack_name(pack), os.O_RDONLY),
                 1 << 65,
             ),
         )
@@ -287,14 +288,14 @@ def test_a_reader_follows_a_chunk_moved_by_a_reclaim_after_its_snapshot(
             lmdb_backend.Namespace.CHUNKS, [(kept, b"a" * 100), (dropped, b"b" * 1000)]
         )
         backend.delete_many(lmdb_backend.Namespace.CHUNKS, [dropped])  # its pack: under half live
-        opened = lmdb_backend._PackReader.open.__func__  # type: ignore[attr-defined]
+        opened = packreader.PackReader.open.__func__  # type: ignore[attr-defined]
 
         def after_a_reclaim(cls: Any, owner: Any, keys: Any, locations: Any) -> Any:
             # The snapshot is taken; a reclaim now moves `kept` and deletes its old pack.
             assert owner.reclaim(min_live=0.5).packs_rewritten == 1
             return opened(cls, owner, keys, locations)
 
-        monkeypatch.setattr(lmdb_backend._PackReader, "open", classmethod(after_a_reclaim))
+        monkeypatch.setattr(packreader.PackReader, "open", classmethod(after_a_reclaim))
         if control:  # broken control: no second look-up of a moved chunk
             monkeypatch.setattr(backend, "locate", lambda key: None)
         reader = backend.chunk_reader([kept])
@@ -316,7 +317,7 @@ def test_a_process_out_of_descriptors_loads_through_maps_and_leaks_none(
     first, second = np.arange(300, dtype=np.float32), np.arange(500, dtype=np.int64)
     store.save({"first": first}, run=RUN, step=1)
     store.save({"first": first, "second": second}, run=RUN, step=2)  # a second pack
-    real, opens = lmdb_backend.open_store_file, []
+    real, opens = packreader.open_store_file, []
 
     def second_open_fails(path: Path, flags: int, mode: int = 0o644) -> int:
         opens.append(path)
@@ -324,7 +325,7 @@ def test_a_process_out_of_descriptors_loads_through_maps_and_leaks_none(
             raise OSError(errno.EMFILE, "Too many open files")
         return real(path, flags, mode)
 
-    monkeypatch.setattr(lmdb_backend, "open_store_file", second_open_fails)
+    monkeypatch.setattr(packreader, "open_store_file", second_open_fails)
     before = len(os.listdir("/proc/self/fd"))
     loaded = store.load(RUN)
     assert len(os.listdir("/proc/self/fd")) == before  # the reader closed its first pack

@@ -18,7 +18,8 @@ import pytest
 import castore
 from castore.chunkstore.base import Namespace
 from castore.core import chunkio
-from castore.core.chunkio import INLINE_BYTES, write_leaves
+from castore.core.chunkio import write_leaves
+from castore.core.hashpool import INLINE_BYTES
 from castore.format.hashing import digest_bytes
 from castore.format.tree import TensorLeaf
 

@@ -44,7 +44,7 @@ import castore.dist
 from castore.train import TrainState
 
 SKIP_LINE = "gpu_check: no CUDA device (torch.cuda.is_available() is False): skipped"
-CHUNK = 256 << 10  # above chunkio.INLINE_BYTES: hashing runs on castore's shared pool
+CHUNK = 256 << 10  # above hashpool.INLINE_BYTES: hashing runs on castore's shared pool
 DIST_TIMEOUT_S = 150.0
 # "cpu" only with --rehearse-on-cpu: the checks' own logic, run where there is no GPU.
 DEVICE = "cuda"

@@ -31,6 +31,10 @@ only until its answer's headers arrive), as many times as the client's retry
 policy allows; a connection that keeps breaking is StoreUnavailableError.
 
 boto3 is imported only when a store is built: ``import castore`` needs no boto3.
+
+One idea, about 640 lines because each primitive's request, its retries and
+the mapping of S3's answers to castore's errors sit together, as
+``blob/base.py`` maps each primitive to its request.
 """
 
 from __future__ import annotations

@@ -1,21 +1,7 @@
 """Format 3's chunks and objects: packs, index blobs and objects laid out on a BlobStore.
 
-The layout (docs/FORMAT_BLOBS.md):
-
-* ``packs/<pack>.pack`` -- an immutable pack in format 2's pack format (a
-  header, then ``digest | length | bytes`` records). ``<pack>`` is the blake3
-  of the record list (each digest and length, in order), which fixes every
-  byte of the pack: the name is the content's.
-* ``index/<pack>.<check>.idx`` -- an index blob: the pack's size and each
-  listed chunk's digest, offset and length. ``<check>`` is 128 bits (32 hex
-  digits) of the blake3 of the index blob's bytes, so a garbled or truncated
-  index blob is recognised.
-  A pack may have several index blobs for a moment (a collection writes the
-  smaller one before it deletes the larger); a chunk is present only if
-  **every** index blob of its pack lists it, so deleting a chunk from a pack
-  that stays is one small create and one delete.
-* ``objects/<2 hex>/<64 hex>`` -- manifests and roots, one blob each,
-  named by their digest.
+The layout of packs, index blobs and objects, and the index blob's bytes, are
+:mod:`castore.chunkstore.bloblayout` (docs/FORMAT_BLOBS.md).
 
 Nothing here is ever overwritten. A writer creates its pack, then the pack's
 index blob: a crash in between leaves a pack no index names, garbage that a
@@ -28,22 +14,16 @@ processes so a new process fetches only those written since. Correctness
 never depends on the cache: an index blob is used only while the listing
 shows it, and the bytes are checked against the name's blake3.
 
-Reads fetch byte ranges of packs: a window of requested chunks is grouped by
-pack, neighbouring chunks merged into one ranged request (their record
-headers, 40 bytes each, come along), and several requests are in flight.
-Chunk bytes are not verified here: the caller hashes every chunk
-(:mod:`castore.core.chunkio`).
+Reads fetch byte ranges of packs, a window ahead of the reader
+(:mod:`castore.chunkstore.blobreader`); chunk bytes are verified by the caller.
 """
 
 from __future__ import annotations
 
-import struct
 import threading
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
-from typing import Any
+from concurrent.futures import ThreadPoolExecutor
 
 from castore.blob.base import BlobStore
 from castore.chunkstore.base import (
@@ -55,142 +35,37 @@ from castore.chunkstore.base import (
     ReclaimStats,
 )
 from castore.chunkstore.blobcache import IndexCache
+from castore.chunkstore.bloblayout import (
+    INDEX_PREFIX,
+    OBJECT_PREFIX,
+    PACK_PREFIX,
+    PACK_SUFFIX,
+    BlobLocation,
+    IndexBlob,
+    encode_index,
+    index_blob_name,
+    is_index_name,
+    is_object_name,
+    object_blob,
+    pack_blob,
+    pack_name,
+    pack_of,
+    parse_index,
+)
+from castore.chunkstore.blobreader import FetchCounters, WindowedReader
 from castore.chunkstore.packfile import PACK_HEADER, PACK_MAGIC, PACK_VERSION, RECORD_HEADER
 from castore.errors import (
     BlobExistsError,
     BlobNotFoundError,
-    BlobRangeError,
     IndexCorruptError,
     StoreError,
 )
-from castore.format.hashing import Buffer, digest_bytes
+from castore.format.hashing import Buffer
 from castore.support.faults import fault_point
 
-PACK_PREFIX = "packs/"
-INDEX_PREFIX = "index/"
-OBJECT_PREFIX = "objects/"
-PACK_SUFFIX = ".pack"
-INDEX_SUFFIX = ".idx"
-
-INDEX_MAGIC = b"CASTIDX\0"
-INDEX_VERSION = 1
-_INDEX_HEADER = struct.Struct("<8sIIQ")  # magic, version, entry count, pack size
-_INDEX_ENTRY = struct.Struct("<32sQQ")  # digest, offset of the chunk's bytes, length
-_PACK_NAME_TAG = b"castore-pack-v1\0"
-
 DEFAULT_PACK_BYTES = 128 << 20  # a pack is cut when its chunks reach this many bytes
-READ_WINDOW_BYTES = 128 << 20  # chunk bytes fetched ahead of the reader, per window
-MAX_SPAN_BYTES = 32 << 20  # the most one ranged request fetches
-# Requested chunks this close in one pack share a request: the 40-byte record
-# header between neighbours, or a small chunk nobody asked for.
-MERGE_GAP = 4 << 10
 DEFAULT_THREADS = 8  # requests in flight
 MAX_INDEX_BLOB = 256 << 20  # 5.5 million entries: far past any pack's
-
-
-@dataclass(frozen=True)
-class BlobLocation:
-    """Where one chunk's bytes lie: ``offset`` is that of its first byte in the pack."""
-
-    pack: str
-    offset: int
-    length: int
-
-
-@dataclass(frozen=True)
-class IndexBlob:
-    """One parsed index blob."""
-
-    name: str
-    pack: str
-    pack_size: int
-    entries: tuple[tuple[bytes, int, int], ...]  # digest, offset, length
-
-
-@dataclass
-class FetchCounters:
-    """What reads of chunk bytes cost: ranged requests and the bytes they fetched."""
-
-    requests: int = 0
-    bytes: int = 0
-    chunk_bytes: int = 0  # the chunks' own bytes among them
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def add(self, requests: int, nbytes: int, chunk_bytes: int) -> None:
-        with self._lock:
-            self.requests += requests
-            self.bytes += nbytes
-            self.chunk_bytes += chunk_bytes
-
-
-def object_blob(key: bytes) -> str:
-    text = bytes(key).hex()
-    return f"{OBJECT_PREFIX}{text[:2]}/{text}"
-
-
-def pack_blob(pack: str) -> str:
-    return f"{PACK_PREFIX}{pack}{PACK_SUFFIX}"
-
-
-def pack_name(records: Sequence[tuple[bytes, int]]) -> str:
-    """A pack's name: the blake3 of its record list, which fixes its bytes."""
-    listing = b"".join(digest + length.to_bytes(8, "little") for digest, length in records)
-    return digest_bytes(_PACK_NAME_TAG + listing).hex()
-
-
-def encode_index(pack_size: int, entries: Sequence[tuple[bytes, int, int]]) -> bytes:
-    header = _INDEX_HEADER.pack(INDEX_MAGIC, INDEX_VERSION, len(entries), pack_size)
-    return header + b"".join(_INDEX_ENTRY.pack(*entry) for entry in entries)
-
-
-def index_blob_name(pack: str, data: bytes) -> str:
-    return f"{INDEX_PREFIX}{pack}.{_index_check(data)}{INDEX_SUFFIX}"
-
-
-def _index_check(data: bytes) -> str:
-    """The check part of an index blob's name: 128 bits of the bytes' blake3 (32 hex)."""
-    return digest_bytes(data).hex()[:32]
-
-
-def parse_index(name: str, data: bytes) -> IndexBlob:
-    """Check an index blob against its name and parse it; IndexCorruptError says what is wrong."""
-    stem = name[len(INDEX_PREFIX) : -len(INDEX_SUFFIX)]
-    pack, _, expected = stem.partition(".")
-    if _index_check(data) != expected:
-        raise IndexCorruptError(
-            f"index blob {name!r} does not hash to its name: it is garbled or cut short"
-        )
-    if len(data) < _INDEX_HEADER.size:
-        raise IndexCorruptError(f"index blob {name!r} is {len(data)} bytes: too short")
-    magic, version, count, pack_size = _INDEX_HEADER.unpack_from(data)
-    if magic != INDEX_MAGIC or version != INDEX_VERSION:
-        raise IndexCorruptError(f"index blob {name!r} has magic {magic!r} version {version}")
-    if len(data) != _INDEX_HEADER.size + count * _INDEX_ENTRY.size:
-        raise IndexCorruptError(f"index blob {name!r} is {len(data)} bytes for {count} entries")
-    entries = tuple(_INDEX_ENTRY.iter_unpack(data[_INDEX_HEADER.size :]))
-    for digest, offset, length in entries:
-        if offset < PACK_HEADER.size + RECORD_HEADER.size or offset + length > pack_size:
-            raise IndexCorruptError(
-                f"index blob {name!r} places chunk {digest.hex()[:16]} at {offset}+{length}, "
-                f"outside its pack of {pack_size} bytes"
-            )
-    return IndexBlob(name, pack, pack_size, entries)
-
-
-def _is_object_name(name: str) -> bool:
-    tail = name.rsplit("/", 1)[-1]
-    return len(tail) == 64 and all(c in "0123456789abcdef" for c in tail)
-
-
-def _pack_of(index_name: str) -> str:
-    return index_name[len(INDEX_PREFIX) :].split(".", 1)[0]
-
-
-def _is_index_name(name: str) -> bool:
-    if not (name.startswith(INDEX_PREFIX) and name.endswith(INDEX_SUFFIX)):
-        return False
-    parts = name[len(INDEX_PREFIX) : -len(INDEX_SUFFIX)].split(".")
-    return len(parts) == 2 and len(parts[0]) == 64 and len(parts[1]) == 32
 
 
 class BlobPackBackend(ChunkBackend):
@@ -210,7 +85,7 @@ class BlobPackBackend(ChunkBackend):
         self.cache = cache
         self.pack_bytes = pack_bytes
         self.fetches = FetchCounters()
-        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="castore-blob")
+        self.pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="castore-blob")
         self._lock = threading.RLock()
         self._indexes: dict[str, IndexBlob] = {}  # by index blob name, as last listed
         # Index blobs listed but unreadable (garbled, cut short), with what is wrong:
@@ -237,7 +112,7 @@ class BlobPackBackend(ChunkBackend):
         self._check_open()
         with self._lock:
             sizes = dict(self.blobs.list_sizes(INDEX_PREFIX))
-            listed = [name for name in sizes if _is_index_name(name)]
+            listed = [name for name in sizes if is_index_name(name)]
             # Listed after the index blobs: an index blob counts only while its pack
             # is there too (a pack goes after its index blobs, so a pack missing here
             # means damage, or a writer that lost its lease; its chunks are absent).
@@ -271,7 +146,7 @@ class BlobPackBackend(ChunkBackend):
                     f"{MAX_INDEX_BLOB} an index blob may have"
                 )
             new = [name for name in new if sizes[name] <= MAX_INDEX_BLOB]
-            for name, parsed in zip(new, self._pool.map(self._load_index, new), strict=True):
+            for name, parsed in zip(new, self.pool.map(self._load_index, new), strict=True):
                 if isinstance(parsed, IndexBlob):
                     self._indexes[name] = parsed
                 elif parsed is not None:
@@ -338,7 +213,7 @@ class BlobPackBackend(ChunkBackend):
         if Namespace(namespace) is Namespace.OBJECTS:
             self._check_open()
             names = [object_blob(k) for k in keys]
-            return [size is not None for size in self._pool.map(self.blobs.head, names)]
+            return [size is not None for size in self.pool.map(self.blobs.head, names)]
         self.refresh()
         return [bytes(k) in self._where for k in keys]
 
@@ -357,7 +232,7 @@ class BlobPackBackend(ChunkBackend):
         keys = [bytes(k) for k in keys]
         if any(k not in self._where for k in keys):
             self.refresh()
-        values = _WindowedReader(self, self.locate(keys), keys=keys)
+        values = WindowedReader(self, self.locate(keys), keys=keys)
         try:
             sink(values)
         finally:
@@ -398,7 +273,7 @@ class BlobPackBackend(ChunkBackend):
             except BlobNotFoundError:
                 return None
 
-        for value in self._pool.map(fetch, keys):
+        for value in self.pool.map(fetch, keys):
             yield None if value is None else memoryview(value)
 
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:
@@ -437,7 +312,7 @@ class BlobPackBackend(ChunkBackend):
                 return 0  # content-named: what is there is the same object
             return memoryview(value).nbytes
 
-        sizes = list(self._pool.map(create, items))
+        sizes = list(self.pool.map(create, items))
         written = sum(1 for size in sizes if size)
         return PutResult(written, sum(sizes), len(items) - written)
 
@@ -496,7 +371,7 @@ class BlobPackBackend(ChunkBackend):
             self._check_open()
             names = [object_blob(bytes(k)) for k in keys]
             self.check_lease()
-            return sum(self._pool.map(self.blobs.delete, names))
+            return sum(self.pool.map(self.blobs.delete, names))
         self.refresh()
         with self._lock:
             dead = {bytes(key) for key in keys if bytes(key) in self._where}
@@ -543,7 +418,7 @@ class BlobPackBackend(ChunkBackend):
             found = [
                 (bytes.fromhex(name.rsplit("/", 1)[1]), size)
                 for name, size in self.blobs.list_sizes(OBJECT_PREFIX)
-                if _is_object_name(name)
+                if is_object_name(name)
             ]
             yield from found
             return
@@ -551,13 +426,13 @@ class BlobPackBackend(ChunkBackend):
         yield from [(k, where.length) for k, where in self._where.items()]
 
     def _object_names(self) -> list[str]:
-        return [name for name in self.blobs.list(OBJECT_PREFIX) if _is_object_name(name)]
+        return [name for name in self.blobs.list(OBJECT_PREFIX) if is_object_name(name)]
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
+        self.pool.shutdown(wait=True)
         if self.cache is not None:
             self.cache.close()
 
@@ -575,7 +450,7 @@ class BlobPackBackend(ChunkBackend):
         """Packs no index blob names: what a save cut short between its pack and its index left."""
         self.refresh()
         indexed = {parsed.pack for parsed in self._indexes.values()}
-        indexed.update(_pack_of(name) for name in self.damaged)
+        indexed.update(pack_of(name) for name in self.damaged)
         orphans = []
         for name in self.blobs.list(PACK_PREFIX):
             stem = name[len(PACK_PREFIX) : -len(PACK_SUFFIX)] if name.endswith(PACK_SUFFIX) else ""
@@ -652,7 +527,7 @@ class BlobPackBackend(ChunkBackend):
                 batch_bytes += item[1][2]
             if batch and (item is None or batch_bytes >= self.pack_bytes):
                 locations = [BlobLocation(pack, off, n) for pack, (_, off, n) in batch]
-                reader = _WindowedReader(self, locations)
+                reader = WindowedReader(self, locations)
                 try:
                     chunks = [
                         (digest, memoryview(bytes(value)))
@@ -725,147 +600,3 @@ class BlobPackBackend(ChunkBackend):
                     f"({found_length} bytes)"
                 )
         return problems
-
-
-@dataclass(frozen=True)
-class _Span:
-    """One ranged request: ``[start, end)`` of ``pack``."""
-
-    pack: str
-    start: int
-    end: int
-
-
-class _WindowedReader:
-    """Each location's bytes in order (None where missing), fetched a window ahead.
-
-    A window is about READ_WINDOW_BYTES of chunks: grouped by pack, merged into
-    ranged requests, fetched on the backend's threads while the caller
-    consumes the window before it. At most two windows are in memory.
-
-    With ``keys`` (the chunks the locations were looked up for), a known chunk
-    whose pack is gone or cut short makes the reader refresh the backend's
-    index once and look every chunk not yet delivered up again: another
-    handle's collection may have moved it into a new pack (reclaim deletes
-    the old one), so the index this handle read before can name a pack that
-    no longer exists while the chunk is intact. Only what is still missing
-    after that one refresh reads as missing (None); there is no second one.
-    """
-
-    def __init__(
-        self,
-        backend: BlobPackBackend,
-        locations: Sequence[BlobLocation | None],
-        *,
-        keys: Sequence[bytes] | None = None,
-    ) -> None:
-        self.backend = backend
-        self.locations = list(locations)
-        self.keys = keys
-        self._refreshed = False
-        self._windows = self._cut()
-        self._ahead: list[tuple[range, dict[int, Future[Any]]]] = []
-        self._values = self._in_order()
-
-    def _cut(self) -> Iterator[range]:
-        start = size = 0
-        for index, where in enumerate(self.locations):
-            size += where.length if where is not None else 0
-            if size >= READ_WINDOW_BYTES:
-                yield range(start, index + 1)
-                start, size = index + 1, 0
-        if start < len(self.locations):
-            yield range(start, len(self.locations))
-
-    def _submit(self, window: range) -> tuple[range, dict[int, Future[Any]]]:
-        """Start the window's requests; map each position to its span's future and start."""
-        by_pack: dict[str, list[tuple[int, BlobLocation]]] = defaultdict(list)
-        for index in window:
-            where = self.locations[index]
-            if where is not None:
-                by_pack[where.pack].append((index, where))
-        futures: dict[int, Future[Any]] = {}
-        for pack, placed in by_pack.items():
-            placed.sort(key=lambda item: item[1].offset)
-            group: list[tuple[int, BlobLocation]] = []
-            for item in [*placed, None]:
-                if group:
-                    first, end = group[0][1].offset, max(w.offset + w.length for _, w in group)
-                    joins = (
-                        item is not None
-                        and item[1].offset - end <= MERGE_GAP
-                        and item[1].offset + item[1].length - first <= MAX_SPAN_BYTES
-                    )
-                    if not joins:
-                        chunk_bytes = sum(w.length for _, w in group)
-                        span = _Span(pack, first, end)
-                        future = self.backend._pool.submit(self._fetch, span, chunk_bytes)
-                        for member, _ in group:
-                            futures[member] = future
-                        group = []
-                if item is not None:
-                    group.append(item)
-        return window, futures
-
-    def _fetch(self, span: _Span, chunk_bytes: int) -> tuple[int, memoryview] | None:
-        try:
-            data = self.backend.blobs.get(pack_blob(span.pack), span.start, span.end)
-        except (BlobNotFoundError, BlobRangeError):
-            return None  # deleted or cut short: its chunks read as missing
-        self.backend.fetches.add(1, len(data), chunk_bytes)
-        return span.start, memoryview(data)
-
-    def __iter__(self) -> _WindowedReader:
-        return self
-
-    def __next__(self) -> memoryview | None:
-        return next(self._values)
-
-    def _in_order(self) -> Iterator[memoryview | None]:
-        self._ahead.append(self._submit(next(self._windows, range(0))))
-        while self._ahead:
-            window, futures = self._ahead.pop(0)
-            following = next(self._windows, None)
-            if following is not None:
-                self._ahead.append(self._submit(following))
-            for index in window:
-                got = self._result(index, futures)
-                if got is None and self._may_refresh(index):
-                    futures = self._relocate(range(index, window.stop))
-                    got = self._result(index, futures)
-                where = self.locations[index]
-                if where is None or got is None:
-                    yield None
-                    continue
-                start, data = got
-                yield data[where.offset - start : where.offset - start + where.length]
-
-    @staticmethod
-    def _result(index: int, futures: dict[int, Future[Any]]) -> tuple[int, memoryview] | None:
-        future = futures.get(index)
-        return None if future is None else future.result()
-
-    def _may_refresh(self, index: int) -> bool:
-        """A chunk the index placed could not be read, and this reader has not refreshed yet."""
-        return self.keys is not None and not self._refreshed and self.locations[index] is not None
-
-    def _relocate(self, rest: range) -> dict[int, Future[Any]]:
-        """Refresh the index, look the chunks up again and refetch ``rest`` and what is ahead.
-
-        Runs on the consumer's thread, never on the backend's pool: a refresh
-        fetches index blobs on that pool, which fetches of ours may fill.
-        """
-        assert self.keys is not None
-        self._refreshed = True
-        self.backend.refresh()
-        self.locations = self.backend.locate(self.keys)
-        ahead = [window for window, _ in self._ahead]
-        self.close()
-        self._ahead = [self._submit(window) for window in ahead]
-        return self._submit(rest)[1]
-
-    def close(self) -> None:
-        for _, futures in self._ahead:
-            for future in futures.values():
-                future.cancel()
-        self._ahead = []

@@ -31,6 +31,10 @@ publishes nothing and the previous generation stays latest.
   ``stagger_s * r / n`` seconds late, so ranks saving at the same step do not
   hit storage in one burst. A rank writes one pack request at a time, so
   write requests in flight are already one per rank.
+
+One idea, about 770 lines because the async writer's parts (the pending save,
+the throttle, the staged write, the writer thread that runs them) share that
+thread's lifecycle, its lock and its counters.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from castore.chunkstore.base import ChunkBackend, Namespace
-from castore.core import chunkio, shutdown
+from castore.core import chunkio, hashpool, shutdown
 from castore.core.chunkio import (
     WriteStats,
     cut_chunks,
@@ -309,7 +313,7 @@ def write_staged(
     batch = _Batch(job, chunk_size, [[] for _ in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
     # hash_threads=1 keeps the save to its own thread: encoding too.
-    pool = None if job.options.hash_threads == 1 else chunkio.shared_pool()
+    pool = None if job.options.hash_threads == 1 else hashpool.shared_pool()
     stage = None if codec == "none" else EncodeStage(backend, pool)
     encoders = leaf_encoders(codec, (leaf.dtype for leaf in leaves)) if stage else []
     while not batch.ended:

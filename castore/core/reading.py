@@ -6,7 +6,7 @@ tensor is rebuilt from its saved boxes: the boxes must tile it exactly once
 (:func:`check_coverage`, also the coordinator's check before a publish),
 then each box's chunks are mapped onto the destination's bytes
 (:func:`box_transfer`) and read, verified and delivered by
-:mod:`castore.core.chunkio`.
+:mod:`castore.core.chunkread`.
 
 :class:`~castore.Store` delegates its reads here; ``castore.dist.restore``,
 ``castore.dcp`` and ``castore.core.commit`` use these functions directly. Nothing
@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from castore.chunkstore.base import ChunkBackend, Namespace
-from castore.core.chunkio import ChunkRequest, ReadCounters, read_requests
+from castore.core.chunkread import ChunkRequest, ReadCounters, read_requests
 from castore.core.readplan import ReadPlan, read_plan
 from castore.errors import (
     AllocationError,

@@ -2,12 +2,12 @@
 
 A load allocates the tensors it returns, so nothing else can see their memory
 until it returns them, and on any failure it drops them. That allows what a
-restore into live tensors may not do (see :func:`castore.core.chunkio.read_agree_deliver`):
+restore into live tensors may not do (see :func:`castore.core.chunkread.read_agree_deliver`):
 each chunk is read straight into its place in the new tensor (``pread``, where
 the backend offers a :class:`~castore.chunkstore.base.ChunkReader`) and hashed
 there; no map of the pack, no second pass over the bytes to copy them. A chunk
 that does not verify in place is read again the ordinary way (``read_many``
-and :func:`~castore.core.chunkio.verify_chunk`), which either raises the error
+and :func:`~castore.core.chunkread.verify_chunk`), which either raises the error
 naming it or, if the index moved it meanwhile, gives its verified bytes.
 Backends without a reader (blob stores, tiers, memory) fetch, verify, then copy.
 
@@ -17,8 +17,8 @@ was not hashed against its chunk's name, with the length its entry implies.
 A plan holds one digest and one destination view per chunk in flat lists,
 and each saved box once: no object, closure or dataclass per chunk. Boxes
 that do not land as one contiguous byte range of their tensor (a column
-shard) are planned as :class:`~castore.core.chunkio.ChunkRequest` s and read
-by :func:`~castore.core.chunkio.read_requests` after the whole chunks.
+shard) are planned as :class:`~castore.core.chunkread.ChunkRequest` s and read
+by :func:`~castore.core.chunkread.read_requests` after the whole chunks.
 """
 
 from __future__ import annotations
@@ -29,18 +29,16 @@ from collections.abc import Iterator
 from concurrent.futures import Future, wait
 
 from castore.chunkstore.base import ChunkBackend, ChunkReader, Namespace
-from castore.core.chunkio import (
-    INLINE_BYTES,
-    TASK_BYTES,
+from castore.core.chunkread import (
     ChunkRequest,
     ReadCounters,
     apply_fetched,
     count_fetched,
     read_requests,
     request_bytes,
-    shared_pool,
     verify_chunk,
 )
+from castore.core.hashpool import INLINE_BYTES, TASK_BYTES, shared_pool
 from castore.errors import CorruptObjectError
 from castore.format.codec import CodecError
 from castore.format.codec import decode as decode_frame

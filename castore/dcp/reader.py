@@ -21,7 +21,7 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from castore.core import fencing
-from castore.core.chunkio import ChunkRequest, read_agree_deliver
+from castore.core.chunkread import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation
 from castore.core.reading import allocate, box_requests
 from castore.dcp.metadata import metadata_from_wire, pickle_for_planner

@@ -19,7 +19,7 @@ import numpy as np
 from castore import errors
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.core import fencing, reading
-from castore.core.chunkio import ChunkRequest, read_agree_deliver
+from castore.core.chunkread import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation, Skipped, fall_back
 from castore.core.reading import (
     allocate,

@@ -4,6 +4,9 @@ Every object is a msgpack map whose keys are sorted, that carries ``format``
 (the format version) and ``type``, and is stored under the blake3 digest of its
 encoded bytes. Encoding the same object twice gives the same bytes, so equal
 objects get equal names. See docs/FORMAT.md for the field reference.
+
+One idea, about 600 lines because every stored object (root, shard manifest,
+the shard's tensor table) and its checked msgpack form belong to the one format.
 """
 
 from __future__ import annotations

@@ -10,6 +10,15 @@ a given checkpoint, ``ModelCheckpoint``'s own bookkeeping and a restart that
 finds the files all work unchanged, and loading a pointer reads the
 generation (every byte verified) instead of a ``.ckpt`` file.
 
+One checkpoint event is one generation. Lightning saves the same state twice
+when an epoch's end writes both a top-k file and ``last.ckpt`` (``save_last``);
+the second save, finding the state unchanged since the first (same tensors at
+the same version counters, same values, only ``ModelCheckpoint``'s
+``last_model_path`` moved), publishes nothing new: its file points at the
+first's generation, as ``save_last="link"`` links the file in Lightning. So
+``last.ckpt`` holds the checkpoint dict of the top-k save, whose
+``last_model_path`` is the one before (empty after the first epoch).
+
 Each pointer's generation is tagged by the file's name, so retention keeps
 it; ``remove_checkpoint`` (``save_top_k`` dropping one) deletes the pointer
 and the tag, never a chunk: ``castore gc`` frees what no kept generation
@@ -24,6 +33,8 @@ from __future__ import annotations
 import json
 import os
 import re
+import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +53,12 @@ POINTER_FORMAT = "castore-lightning-pointer"
 _MAX_POINTER = 1 << 16
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _ROOT = re.compile(r"[0-9a-f]{64}")
+# Tensors up to this size are compared by their bytes, larger ones by where they lie
+# and their version counter (see _marks).
+_SMALL_TENSOR = 64 << 10
+# ModelCheckpoint sets it between the top-k save and last.ckpt's, "before saving
+# because it will be part of the state": the one value a checkpoint event's saves differ in.
+_MOVED_BETWEEN_NAMES = "last_model_path"
 
 
 class CastoreCheckpointIO(CheckpointIO):
@@ -60,6 +77,9 @@ class CastoreCheckpointIO(CheckpointIO):
     it; the plugin waits for the save at the next save, load, removal or
     teardown, and raises its error there. A save that never publishes (the
     process killed) leaves no pointer: ``last.ckpt`` still names the one before.
+    A second name for the same state (``last.ckpt`` after the top-k file) starts
+    no save: it follows the first save's publish, on that thread if it is still
+    in flight.
     """
 
     def __init__(
@@ -79,6 +99,7 @@ class CastoreCheckpointIO(CheckpointIO):
         self.blocking = blocking
         self._open_options = {**open_options, **({"codec": codec} if codec else {})}
         self._pending: PendingSave | None = None  # the async save in flight
+        self._event: _Event | None = None  # the last save, and the files that name it
 
     @property
     def store(self) -> Store:
@@ -89,33 +110,47 @@ class CastoreCheckpointIO(CheckpointIO):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], path: Any, storage_options: Any = None
     ) -> None:
-        """Save ``checkpoint`` as the next generation; tag it and point ``path`` at it."""
+        """Save ``checkpoint`` as the next generation; tag it and point ``path`` at it.
+
+        A checkpoint whose state is the last save's (a checkpoint event's second
+        file) names that save's generation instead (see the module text)."""
         if storage_options is not None:
             raise TypeError(
                 f"{type(self).__name__} takes no storage_options: the store's settings "
                 "are castore.open's (codec=, ...)"
             )
-        self.finish()
-        target = Path(path)
-        step = int(checkpoint.get("global_step", 0))
-
-        def point(generation: Generation) -> None:  # as soon as it is published
-            self._point(generation, target)
-
-        if not self.blocking:
-            self._pending = self.store.save(
-                checkpoint, run=self.run, step=step, blocking=False, on_publish=point
-            )
+        target, marks = Path(path), _marks(checkpoint)
+        if marks is not None and self._event is not None and self._event.marks == marks:
+            if self._pending is not None and self._pending.done():
+                self.finish()  # its error now, if it failed (and this saves nothing)
+            self._event.name(target)
             return
-        self.store.save(checkpoint, run=self.run, step=step, on_publish=point)
+        self.finish()
+        self._event = event = _Event(marks, self._point)
+        event.name(target)
+        step = int(checkpoint.get("global_step", 0))
+        try:
+            if not self.blocking:
+                self._pending = self.store.save(
+                    checkpoint, run=self.run, step=step, blocking=False, on_publish=event.published
+                )
+                return
+            self.store.save(checkpoint, run=self.run, step=step, on_publish=event.published)
+        except BaseException:
+            self._event = None
+            raise
 
     def finish(self) -> None:
-        """Wait for the async save in flight (tagged, its pointer written, once published);
+        """Wait for the async save in flight (tagged, its pointers written, once published);
         raise its error, if it failed."""
         if self._pending is None:
             return
         pending, self._pending = self._pending, None
-        pending.result()
+        try:
+            pending.result()
+        except BaseException:
+            self._event = None  # a later save of the same state saves again
+            raise
 
     def _point(self, generation: Generation, target: Path) -> None:
         castore_gc.tag(self.store, self.run, generation.id, tag_name(target))
@@ -135,6 +170,7 @@ class CastoreCheckpointIO(CheckpointIO):
     ) -> dict[str, Any]:
         """The checkpoint ``path``'s pointer names, as Lightning's dict of torch tensors."""
         self.finish()
+        self._event = None  # what follows a load is a new start
         pointer = read_pointer(Path(path))
         loaded: dict[str, Any] = self.store.load(pointer["run"], pointer["root"], framework="torch")
         device = _device(map_location)
@@ -157,9 +193,84 @@ class CastoreCheckpointIO(CheckpointIO):
 
     def teardown(self) -> None:
         self.finish()
+        self._event = None
         if self._store is not None and self._given is None:
             self._store.close()
             self._store = None
+
+
+class _Event:
+    """One save and the files that name its generation: pointed once it is published."""
+
+    def __init__(self, marks: list[object] | None, point: Callable[[Generation, Path], None]):
+        self.marks = marks
+        self._point = point
+        self._lock = threading.Lock()
+        self._targets: list[Path] = []
+        self._generation: Generation | None = None
+
+    def name(self, target: Path) -> None:
+        """Point ``target`` at the generation: now if it is published, else when it is."""
+        with self._lock:  # either published() sees the target, or this sees the generation
+            self._targets.append(target)
+            generation = self._generation
+        if generation is not None:
+            self._point(generation, target)
+
+    def published(self, generation: Generation) -> None:
+        """The save's ``on_publish``: point every name given so far (on the writer, if async)."""
+        with self._lock:
+            self._generation = generation
+            targets = list(self._targets)
+        for target in targets:
+            self._point(generation, target)
+
+
+def _marks(checkpoint: dict[str, Any]) -> list[object] | None:
+    """What tells ``checkpoint``'s state from another's, leaf by leaf; None: cannot tell.
+
+    A small tensor is marked by its bytes; a larger one by where it lies and its
+    version counter (every in-place change bumps it), which live weights and
+    optimizer moments keep between two saves that nothing trained between.
+    (A large tensor made afresh for each save could pass for the last one only
+    if its successor landed at the same address, with the same version counter
+    and other bytes, at the same step and loop state.) Callbacks'
+    ``last_model_path`` is left out (see _MOVED_BETWEEN_NAMES).
+    """
+    marks: list[object] = []
+    try:
+        for key, value in checkpoint.items():
+            marks.append(key)
+            if not _mark(value, marks, callbacks=key == "callbacks"):
+                return None
+    except (RuntimeError, NotImplementedError):  # a tensor without storage, bytes or version
+        return None
+    return marks
+
+
+def _mark(value: Any, marks: list[object], *, callbacks: bool) -> bool:
+    if isinstance(value, torch.Tensor):
+        where = (value.device, value.dtype, tuple(value.shape), value.stride())
+        if value.nbytes <= _SMALL_TENSOR:
+            flat = value.detach().cpu().reshape(-1).view(torch.uint8)
+            marks.append((*where, flat.numpy().tobytes()))
+        else:
+            marks.append((*where, value.storage_offset(), value.data_ptr(), value._version))
+        return True
+    if isinstance(value, dict):
+        marks.append((type(value), len(value)))
+        for key, item in value.items():
+            if callbacks and key == _MOVED_BETWEEN_NAMES:
+                continue
+            marks.append(key)
+            if not _mark(item, marks, callbacks=callbacks):
+                return False
+        return True
+    if isinstance(value, (list, tuple)):
+        marks.append((type(value), len(value)))
+        return all(_mark(item, marks, callbacks=callbacks) for item in value)
+    marks.append((type(value), value))
+    return value is None or isinstance(value, (bool, int, float, str, bytes))
 
 
 def tag_name(path: Path) -> str:

@@ -14,6 +14,10 @@ A case whose outcome is wrong in a way castore is known to mishandle lists
 the reason in ``Case.gaps``. :mod:`castore.testing.corrupt_report` observes
 what castore does with each damaged store; ``tools/corrupt.py`` prints it,
 and ``tests/test_corrupt.py`` asserts it.
+
+One idea, about 880 lines because ``CASES`` (270 lines) lists every known
+damage beside the store it damages and the outcome it must have: the point of
+the fixture is that one table.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from typing import Any
 import dist_workers as w
 import numpy as np
 
-# Chunks larger than blobpacks.MERGE_GAP (64 KiB): a ranged request never spans
+# Chunks larger than blobreader.MERGE_GAP (64 KiB): a ranged request never spans
 # a chunk nobody asked for (a re-save leaves stale chunks between live ones).
 CHUNK_SIZE = 128 << 10
 ROWS, ROW_ELEMENTS = 20, CHUNK_SIZE // 4  # float32: one row is one chunk

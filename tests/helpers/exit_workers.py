@@ -6,7 +6,7 @@ on stdout, then ends as HOW says. Options: ``rate`` (the writer's bytes per
 second), ``exit_wait`` (``exit_wait_s``), ``staging`` (``staging_bytes``),
 ``mib`` (the state's size), ``api`` (``store`` or ``dist``).
 
-Chunks are 256 KiB, above ``chunkio.INLINE_BYTES``: the writer hashes them on
+Chunks are 256 KiB, above ``hashpool.INLINE_BYTES``: the writer hashes them on
 castore's shared pool, which interpreter exit shuts down.
 """
 

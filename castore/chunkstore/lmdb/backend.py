@@ -6,6 +6,12 @@ lies. Why packs: a chunk written into LMDB is copied into freshly allocated
 pages and written out by a commit that holds the environment's one writer
 lock, so ranks on a node save one after another. A pack is written straight
 from the tensor's buffer by each rank in parallel, like any per-rank file.
+Writing a pack is :mod:`castore.chunkstore.lmdb.packwriter` (with the index's
+value, a :class:`~castore.chunkstore.lmdb.packwriter.PackLocation`), reading
+from packs :mod:`castore.chunkstore.lmdb.packreader`; this module is the
+``ChunkBackend`` over both: one idea, about 680 lines because the backend's
+contract, its reclaim of pack space and its index checks all work inside the
+one environment's transactions and lock, which no other module should reach.
 
 Choices that matter for correctness:
 
@@ -33,15 +39,11 @@ from __future__ import annotations
 
 import dataclasses
 import errno
-import mmap
 import os
-import secrets
 import stat
-import struct
 import weakref
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -64,16 +66,14 @@ from castore.chunkstore.lmdb.file import (
     read_committed_meta,
 )
 from castore.chunkstore.lmdb.index_check import LOCATION_SIZE, IndexEntry, cross_check
-from castore.chunkstore.packfile import (
-    PACK_DIR,
-    PACK_HEADER,
-    PACK_MAGIC,
-    PACK_SUFFIX,
-    PACK_VERSION,
-    RECORD_HEADER,
-    pack_id,
-    scan_pack,
+from castore.chunkstore.lmdb.packreader import PackMaps, PackReader
+from castore.chunkstore.lmdb.packwriter import (
+    PackLocation,
+    PackWriter,
+    pack_name,
+    unpack_location,
 )
+from castore.chunkstore.packfile import PACK_DIR, PACK_HEADER, RECORD_HEADER, pack_id, scan_pack
 from castore.errors import IndexCorruptError, StoreError, StoreFullError
 from castore.format.hashing import Buffer
 from castore.support.faults import fault_point
@@ -84,59 +84,14 @@ from castore.support.safefs import (
     is_store_dir,
     kind_of,
     make_store_dir,
-    open_store_file,
     regular_file_size,
 )
 
 _MAX_GROW_ATTEMPTS = 32
-
-# The pack format lives in packfile.py (a rebuild reads packs without LMDB).
-_PACK_HEADER, _RECORD_HEADER = PACK_HEADER, RECORD_HEADER
-# chunk_index value: length, pack id, offset of the chunk's first byte in the pack.
-_LOCATION = struct.Struct("<QQQ")
-_IOV_MAX = 512  # pieces per writev call (two iovecs per record)
-# A pack writer writes its queued records once they hold this many chunk bytes:
-# small chunks go out many to one writev, a chunk this large at once.
-_QUEUE_BYTES = 1 << 20
 # A chunk reader holds one descriptor per pack it reads. A read that needs more packs,
 # or finds the process out of descriptors, maps them instead (a map holds none).
 _READER_PACKS = 256
 _preadv = getattr(os, "preadv", None)  # Linux, the BSDs, macOS 11+
-
-
-@dataclass(frozen=True)
-class PackLocation:
-    """Where one chunk's bytes lie."""
-
-    length: int
-    pack: int
-    offset: int
-
-    def encode(self) -> bytes:
-        return _LOCATION.pack(self.length, self.pack, self.offset)
-
-    @classmethod
-    def decode(cls, value: bytes) -> PackLocation:
-        return cls(*unpack_location(value))
-
-
-def unpack_location(value: bytes) -> tuple[int, int, int]:
-    """A chunk_index value as (length, pack, offset), refused unless it has the exact size."""
-    if len(value) != _LOCATION.size:
-        raise IndexCorruptError(
-            f"a chunk_index value is {len(value)} bytes, not {_LOCATION.size}: the LMDB "
-            f"file is damaged; {REPAIR_HINT}"
-        )
-    return _LOCATION.unpack(value)  # type: ignore[no-any-return]
-
-
-def pack_name(pack: int) -> str:
-    return f"{pack:016x}{PACK_SUFFIX}"
-
-
-# fdatasync flushes the data and the file size, which is all a pack needs;
-# platforms without it (macOS) get fsync.
-_datasync = getattr(os, "fdatasync", os.fsync)
 
 
 class LmdbBackend(ChunkBackend):
@@ -272,7 +227,7 @@ class LmdbBackend(ChunkBackend):
         return value
 
     def _read_chunks(self, keys: Sequence[bytes], sink: ReadSink) -> None:
-        maps = _PackMaps(self.pack_dir)
+        maps = PackMaps(self.pack_dir)
         with self._lock:
             txn = self._begin(write=False, buffers=True)
             try:
@@ -318,7 +273,7 @@ class LmdbBackend(ChunkBackend):
                 if len({where[1] for where in locations if where is not None}) > _READER_PACKS:
                     return None
                 try:
-                    return _PackReader.open(self, keys, locations)
+                    return PackReader.open(self, keys, locations)
                 except OSError as exc:
                     if exc.errno in (errno.EMFILE, errno.ENFILE):
                         return None  # every descriptor it took is closed again
@@ -351,12 +306,12 @@ class LmdbBackend(ChunkBackend):
 
         ``items`` may be lazy (a hashing pipeline): each chunk is queued for the
         pack as it comes, and written with the ones before it once they add up
-        (see _PackWriter); a value's buffer must stay unchanged until this returns.
+        (see PackWriter); a value's buffer must stay unchanged until this returns.
         """
         with self._lock:
             present = 0
             located: dict[bytes, bytes] = {}  # each new chunk's chunk_index value
-            writer: _PackWriter | None = None
+            writer: PackWriter | None = None
             # One read transaction answers the presence of every chunk of the batch.
             snapshot = self._begin(write=False, buffers=True)
             try:
@@ -367,7 +322,7 @@ class LmdbBackend(ChunkBackend):
                         present += 1
                         continue
                     if writer is None:
-                        writer = _PackWriter.create(self.pack_dir)
+                        writer = PackWriter.create(self.pack_dir)
                     located[key] = writer.append(key, value)
                 if writer is not None:
                     writer.finish()
@@ -408,7 +363,7 @@ class LmdbBackend(ChunkBackend):
         # Another process indexed some of these chunks first: its copies stay
         # named, ours are garbage. Ours are the entries that hold our values.
         ours = [value for key, value in located.items() if txn.get(key, db=self._index) == value]
-        nbytes = sum(_LOCATION.unpack(value)[0] for value in ours)
+        nbytes = sum(unpack_location(value)[0] for value in ours)
         return PutResult(len(ours), nbytes, present + len(located) - len(ours))
 
     @lmdb_guarded("delete keys")
@@ -510,10 +465,10 @@ class LmdbBackend(ChunkBackend):
                 entries = live.get(pack)
                 if not entries:
                     continue
-                live_bytes = sum(w.length + _RECORD_HEADER.size for _, w in entries)
+                live_bytes = sum(w.length + RECORD_HEADER.size for _, w in entries)
                 if not all(w.offset + w.length <= size for _, w in entries):
                     continue  # damaged: left for verify and repair to name
-                if live_bytes < min_live * (size - _PACK_HEADER.size):
+                if live_bytes < min_live * (size - PACK_HEADER.size):
                     sparse.append(pack)
                 elif size < merge_below:
                     small.append(pack)
@@ -624,7 +579,7 @@ class LmdbBackend(ChunkBackend):
                     value = txn.get(key, db=self._index)
                     if value is None or len(value) != LOCATION_SIZE:
                         return None if value is None else (-1, -1, -1)
-                    return _LOCATION.unpack(value)  # type: ignore[no-any-return]
+                    return unpack_location(value)
 
                 packs = {pack: self.pack_path(pack) for pack in self.pack_files()}
                 stat = int(txn.stat(self._index)["entries"])
@@ -663,8 +618,8 @@ class LmdbBackend(ChunkBackend):
             txn.abort()
 
     def _rewrite(self, packs: list[int], live: dict[int, list[tuple[bytes, PackLocation]]]) -> int:
-        maps = _PackMaps(self.pack_dir)
-        writer = _PackWriter.create(self.pack_dir)
+        maps = PackMaps(self.pack_dir)
+        writer = PackWriter.create(self.pack_dir)
         moves: list[tuple[bytes, PackLocation, PackLocation]] = []
         try:
             for pack in packs:
@@ -711,7 +666,7 @@ class LmdbBackend(ChunkBackend):
             finally:
                 os.close(fd)
             return
-        writer = _PackWriter.create(self.pack_dir)
+        writer = PackWriter.create(self.pack_dir)
         new = writer.add(key, value)
         writer.finish()
         self._write_txn(lambda txn: txn.put(key, new.encode(), db=self._index))
@@ -732,227 +687,3 @@ def _check_environment_files(path: Path, *, create: bool = True) -> int:
         raise StoreError(f"{path} is missing: not a whole castore store", path=str(path))
     regular_file_size(path / "lock.mdb")
     return regular_file_size(path / "data.mdb") or 0
-
-
-class _PackWriter:
-    """One new pack file, written by ``append`` (or ``add``) and made durable by ``finish``.
-
-    Records are queued and written together, one ``writev`` for many small
-    chunks, once the queue holds ``_QUEUE_BYTES`` or ``_IOV_MAX`` pieces;
-    ``finish`` writes the rest before it syncs. So a queued value's buffer
-    must stay unchanged until ``finish`` returns.
-    """
-
-    def __init__(self, directory: Path, pack: int, fd: int) -> None:
-        self.directory, self.pack, self.fd = directory, pack, fd
-        self.offset = _PACK_HEADER.size
-        self.chunk_bytes = 0  # of every record appended
-        self.queued: list[Buffer] = []  # record header, chunk, header, chunk...
-        self.queued_bytes = 0
-        os.write(fd, _PACK_HEADER.pack(PACK_MAGIC, PACK_VERSION, 0))
-
-    @classmethod
-    def create(cls, directory: Path) -> _PackWriter:
-        for _ in range(16):
-            pack = secrets.randbits(63)
-            try:
-                fd = os.open(
-                    directory / pack_name(pack), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
-                )
-            except FileExistsError:
-                continue
-            return cls(directory, pack, fd)
-        raise StoreError("could not pick a new pack name", path=str(directory))
-
-    def append(self, key: bytes, value: Buffer) -> bytes:
-        """Queue one record; its chunk_index value (length, pack, offset of its bytes)."""
-        view = memoryview(value)
-        if view.ndim != 1 or view.format != "B":
-            view = view.cast("B")
-        length = view.nbytes
-        start = self.offset + _RECORD_HEADER.size
-        self.queued += (_RECORD_HEADER.pack(key, length), view)
-        self.offset = start + length
-        self.chunk_bytes += length
-        self.queued_bytes += length
-        if self.queued_bytes >= _QUEUE_BYTES or len(self.queued) >= _IOV_MAX:
-            self.flush()
-        return _LOCATION.pack(length, self.pack, start)
-
-    def add(self, key: bytes, value: Buffer) -> PackLocation:
-        return PackLocation(*_LOCATION.unpack(self.append(key, value)))
-
-    def flush(self) -> None:
-        """Write what is queued."""
-        if self.queued:
-            _write_all(self.fd, self.queued)
-            self.queued, self.queued_bytes = [], 0
-
-    def finish(self) -> None:
-        """Make the pack's bytes and its directory entry durable."""
-        self.flush()
-        _datasync(self.fd)
-        os.close(self.fd)
-        self.fd = -1
-        fsync_dir(self.directory)
-
-    def discard(self) -> None:
-        self.queued = []
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        try:
-            (self.directory / pack_name(self.pack)).unlink()
-        except FileNotFoundError:
-            pass
-
-
-def _write_all(fd: int, buffers: list[Any]) -> None:
-    """Write ``buffers`` (each bytes or a flat byte memoryview: len is its size) in order."""
-    for at in range(0, len(buffers), _IOV_MAX):
-        group = buffers[at : at + _IOV_MAX]
-        done = os.writev(fd, group)
-        if done < sum(map(len, group)):
-            _write_rest(fd, group, done)
-
-
-def _write_rest(fd: int, buffers: list[Any], done: int) -> None:
-    """The rest of a ``writev`` that wrote only ``done`` bytes (a signal, a full disk)."""
-    views = [memoryview(b).cast("B") for b in buffers]
-    while views:
-        if done == 0:
-            raise OSError(errno.EIO, "writev wrote nothing")
-        while done and views:
-            if done >= views[0].nbytes:
-                done -= views[0].nbytes
-                views.pop(0)
-            else:
-                views[0] = views[0][done:]
-                done = 0
-        if views:
-            done = os.writev(fd, views[:_IOV_MAX])
-
-
-class _PackReader(ChunkReader):
-    """Chunks read with ``preadv`` from packs opened once each (see LmdbBackend.chunk_reader).
-
-    A location that lies past the end of its pack is not read here (``readinto``
-    gives nothing): the caller then reads it the ordinary way, which names the damage.
-    """
-
-    def __init__(self, pack_dir: Path) -> None:
-        self.pack_dir = pack_dir
-        self.lengths: list[int | None] = []
-        self._fds: list[int] = []  # per key: its pack's descriptor, -1: not read here
-        self._offsets: list[int] = []
-        self._packs: dict[int, tuple[int, int]] = {}  # pack -> (descriptor or -1, size)
-
-    @classmethod
-    def open(
-        cls,
-        backend: LmdbBackend,
-        keys: Sequence[bytes],
-        locations: list[tuple[int, int, int] | None],
-    ) -> _PackReader:
-        reader = cls(backend.pack_dir)
-        try:
-            for key, where in zip(keys, locations, strict=True):
-                fd, size = (-1, 0) if where is None else reader._pack(where[1])
-                if where is not None and fd < 0:
-                    # Moved by a reclaim since this snapshot began? Look again.
-                    moved = backend.locate(key)
-                    where = None if moved is None else (moved.length, moved.pack, moved.offset)
-                    fd, size = (-1, 0) if where is None else reader._pack(where[1])
-                    where = where if fd >= 0 else None
-                if where is None:
-                    reader.lengths.append(None)
-                    reader._fds.append(-1)
-                    reader._offsets.append(0)
-                    continue
-                length, _, offset = where
-                reader.lengths.append(length)
-                # A chunk that runs past the end of its pack is not read here.
-                reader._fds.append(fd if offset + length <= size else -1)
-                reader._offsets.append(offset)
-        except BaseException:
-            reader.close()
-            raise
-        return reader
-
-    def _pack(self, pack: int) -> tuple[int, int]:
-        if pack not in self._packs:
-            # A symlinked or non-regular pack raises UnsafeStoreFileError (as a map does).
-            try:
-                fd = open_store_file(self.pack_dir / pack_name(pack), os.O_RDONLY)
-            except FileNotFoundError:
-                self._packs[pack] = (-1, 0)
-            else:
-                self._packs[pack] = (fd, -1)  # recorded first: close() closes it if fstat fails
-                self._packs[pack] = (fd, os.fstat(fd).st_size)
-        return self._packs[pack]
-
-    def readinto(self, position: int, buffer: memoryview, offset: int = 0) -> int:
-        fd, length = self._fds[position], self.lengths[position]
-        if fd < 0 or length is None:
-            return 0
-        if offset + buffer.nbytes > length:
-            buffer = buffer[: max(0, length - offset)]
-        at, size = self._offsets[position] + offset, buffer.nbytes
-        try:
-            done = got = os.preadv(fd, [buffer], at)
-            while got and done < size:  # a short read: the rest, until the file ends
-                got = os.preadv(fd, [buffer[done:]], at + done)
-                done += got
-        except OSError as exc:
-            raise StoreError(
-                f"cannot read a chunk pack: {exc.strerror or exc}",
-                phase="reading chunks",
-                path=str(self.pack_dir),
-            ) from exc
-        return done
-
-    def close(self) -> None:
-        packs, self._packs = self._packs, {}
-        for fd, _ in packs.values():
-            if fd >= 0:
-                os.close(fd)
-
-
-class _PackMaps:
-    """Read-only memory maps of packs, opened on first use and closed together."""
-
-    def __init__(self, directory: Path) -> None:
-        self.directory = directory
-        self._maps: dict[int, tuple[mmap.mmap | None, memoryview | None]] = {}
-
-    def get(self, pack: int) -> memoryview | None:
-        if pack not in self._maps:
-            self._maps[pack] = self._open(pack)
-        return self._maps[pack][1]
-
-    def _open(self, pack: int) -> tuple[mmap.mmap | None, memoryview | None]:
-        # A symlinked or non-regular pack raises UnsafeStoreFileError: never read
-        # outside the store, never block on a pipe.
-        try:
-            fd = open_store_file(self.directory / pack_name(pack), os.O_RDONLY)
-        except FileNotFoundError:
-            return None, None
-        try:
-            size = os.fstat(fd).st_size
-            if size == 0:
-                return None, memoryview(b"")
-            mapped = mmap.mmap(fd, size, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
-        return mapped, memoryview(mapped)
-
-    def close(self) -> None:
-        for mapped, view in self._maps.values():
-            if view is not None:
-                view.release()
-            if mapped is not None:
-                try:
-                    mapped.close()
-                except BufferError:
-                    pass  # a consumer kept a view; the map goes when it does
-        self._maps.clear()

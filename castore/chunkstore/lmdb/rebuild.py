@@ -28,9 +28,9 @@ import lmdb
 
 from castore.chunkstore.base import Namespace
 from castore.chunkstore.lmdb import env as lmdb_env
-from castore.chunkstore.lmdb.backend import PackLocation
 from castore.chunkstore.lmdb.env import DEFAULT_MAP_SIZE, INDEX_DB
 from castore.chunkstore.lmdb.file import DATA_FILE, read_committed_meta
+from castore.chunkstore.lmdb.packwriter import PackLocation
 from castore.chunkstore.packfile import PACK_DIR, pack_id, read_chunk, scan_pack
 from castore.errors import CastoreError
 from castore.format.codec import stored_matches
