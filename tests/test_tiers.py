@@ -352,7 +352,7 @@ def test_the_uploader_process_runs_below_training(tmp_path: Path, priority: str)
         store.save({"w": np.arange(1000.0)}, run="r", step=1)
         store.wait_promotions()
         assert [p.generation for p in store.promoted if p.error is None] == [1]
-        uploader = store._uploader
+        uploader = store._worker.pipe.process if store._worker.pipe else None
         assert uploader is not None and uploader.poll() is None
         assert os.getpriority(os.PRIO_PROCESS, uploader.pid) >= 10
         policy = os.sched_getscheduler(uploader.pid)
