@@ -19,6 +19,7 @@ from _helpers import assert_state_equal
 import castore
 import castore.chunkstore.tiered as tiered_module
 from castore.chunkstore.base import Namespace
+from castore.core.commit import TierHooks
 from castore.core.holdings import held_elsewhere
 from castore.errors import ChecksumMismatchError, CorruptObjectError
 from castore.format.hashing import Digest
@@ -416,3 +417,25 @@ def test_a_format_2_fast_tier_is_upgraded_at_open_saying_so_once(tmp_path: Path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         open_pair(tmp_path, promote_on_exit=False).close()  # format 4 now: nothing to say
+
+
+def test_the_tier_hooks_are_declared_once_and_a_tiered_store_overrides_each(
+    tmp_path: Path,
+) -> None:
+    """The seam (castore.core.commit.TierHooks): a plain store inherits its do-nothing
+    bodies, defines none of its own, and TieredStore overrides every one of them."""
+    hooks = [name for name in vars(TierHooks) if not name.startswith("_")]
+    assert sorted(hooks) == ["after_publish", "node_session", "selects_for_durable",
+                             "served_by_tier"]  # fmt: skip
+    assert not [name for name in hooks if name in vars(castore.Store)]
+    assert not [name for name in hooks if name not in vars(TieredStore)]
+    with castore.open(tmp_path / "plain") as plain:
+        plain.save(state(1), run="r", step=1)
+        assert plain.served_by_tier() == {} and not plain.selects_for_durable("r", 1)
+    with open_pair(tmp_path, promote_on_exit=False) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+    shutil.rmtree(tmp_path / "fast")
+    with open_pair(tmp_path) as store:
+        store.load("r")
+        assert store.served_by_tier() == {"durable": 12 * CHUNK}  # chunks alone, by tier

@@ -221,7 +221,7 @@ def _load_root(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     read_before = (store.read_counters.chunks, store.read_counters.bytes)
-    served_before = _served_chunks(store)  # a tiered store on one node: per tier
+    served_before = store.served_by_tier()  # a tiered store on one node: per tier
 
     def plan_everything() -> tuple[Any, ...]:
         nonlocal clock
@@ -314,19 +314,13 @@ def _load_root(
     return LoadResult(state, report)
 
 
-def _served_chunks(store: Store) -> dict[str, int]:
-    """The chunk bytes each tier of a tiered store has served (empty for other stores)."""
-    backend = getattr(store, "tiered_backend", None)
-    return {} if backend is None else dict(backend.served_chunk_bytes)
-
-
 def _served(store: Store, before: dict[str, int]) -> dict[str, int]:
     """The chunk bytes each tier of a tiered store on one node served since ``before``
     ("local": its fast tier); empty for any other store."""
     names = {"primary": "local"}
     return {
         names.get(source, source): count - before.get(source, 0)
-        for source, count in _served_chunks(store).items()
+        for source, count in store.served_by_tier().items()
         if count > before.get(source, 0)
     }
 

@@ -121,6 +121,10 @@ class TieredStore(Store):
     def served_bytes(self) -> dict[str, int]:
         return dict(self.tiered_backend.served_bytes)
 
+    def served_by_tier(self) -> dict[str, int]:
+        """Chunk bytes each tier served this handle's reads (castore.dist's report)."""
+        return dict(self.tiered_backend.served_chunk_bytes)
+
     # -- history across the tiers -------------------------------------------------
 
     def _take_durable_history(self) -> None:
