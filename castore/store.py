@@ -110,7 +110,7 @@ class Restored:
     generation: Generation
     skipped: list[Skipped]
     timings: dict[str, float]
-    # Bytes each tier served this restore (castore.tiers: "primary" is the fast tier).
+    # Bytes each tier served this restore (castore.tiers: "fast", "durable").
     sources: dict[str, int] = field(default_factory=dict)
 
 

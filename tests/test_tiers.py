@@ -155,7 +155,7 @@ def test_a_damaged_fast_chunk_is_read_from_the_durable_tier(tmp_path: Path) -> N
         raw_put(store.fast, Namespace.CHUNKS, key, flipped(value, 17))
         assert_state_equal(store.load("r"), state(1))
         assert store.served_bytes["durable"] == CHUNK
-        assert store.tiered_backend.damaged["primary"] == 1
+        assert store.tiered_backend.damaged["fast"] == 1
 
 
 def test_broken_control_without_the_check_a_damaged_fast_chunk_is_served(
@@ -439,3 +439,27 @@ def test_the_tier_hooks_are_declared_once_and_a_tiered_store_overrides_each(
     with open_pair(tmp_path) as store:
         store.load("r")
         assert store.served_by_tier() == {"durable": 12 * CHUNK}  # chunks alone, by tier
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_every_report_names_the_tiers_fast_and_durable(tmp_path: Path) -> None:
+    """One name per place (docs/TIERS.md): store.served_bytes, restore(...).sources and
+    castore.dist's bytes_by_source say "fast" for the fast tier, as castore tiers does
+    (they said "primary", "primary" and "local")."""
+    pytest.importorskip("torch")
+    import castore.dist
+
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        entry = store.fast.tensor_entries(store.fast.resolve_root("r")[1])["weight"][0]
+        value = store.fast.backend.get(Namespace.CHUNKS, entry.chunks[0])
+        assert value is not None
+        raw_put(store.fast, Namespace.CHUNKS, entry.chunks[0], flipped(value, 17))
+        restored = store.restore("r")
+        assert set(restored.sources) == set(store.served_bytes) == {"fast", "durable"}
+        assert restored.sources["durable"] == CHUNK  # the damaged chunk alone
+        target = {"weight": np.zeros(2048, dtype=np.float32)}
+        report = castore.dist.load(store, "r", target).report
+        assert report.bytes_by_source == {"fast": 7 * CHUNK, "durable": CHUNK}
+        assert store.tiered_backend.damaged == {"fast": 2}

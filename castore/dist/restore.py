@@ -57,7 +57,7 @@ class LoadReport:
     chunks_read: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     skipped: list[Skipped] = field(default_factory=list)  # generations a fallback passed over
-    # Tiered stores on several nodes: the bytes each source gave ("local", "peer", "durable").
+    # Tiered stores on several nodes: the bytes each source gave ("fast", "peer", "durable").
     bytes_by_source: dict[str, int] = field(default_factory=dict)
 
 
@@ -316,10 +316,9 @@ def _load_root(
 
 def _served(store: Store, before: dict[str, int]) -> dict[str, int]:
     """The chunk bytes each tier of a tiered store on one node served since ``before``
-    ("local": its fast tier); empty for any other store."""
-    names = {"primary": "local"}
+    ("fast", "durable"); empty for any other store."""
     return {
-        names.get(source, source): count - before.get(source, 0)
+        source: count - before.get(source, 0)
         for source, count in store.served_by_tier().items()
         if count > before.get(source, 0)
     }

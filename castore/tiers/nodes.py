@@ -523,13 +523,10 @@ class NodeSession:
         ]
 
     def sources(self) -> dict[str, int]:
-        """The bytes each source served this rank's last fetch: local, peer, durable."""
+        """The bytes each source served this rank's last fetch: fast, peer, durable."""
         if self.read_backend is None:
             return {}
-        served = dict(self.read_backend.served_chunk_bytes)
-        if "primary" in served:
-            served["local"] = served.pop("primary")
-        return served
+        return dict(self.read_backend.served_chunk_bytes)
 
     # -- promotion -------------------------------------------------------------
 

@@ -82,7 +82,7 @@ class TieredStore(Store):
 
     ``fast`` and ``durable`` are the two Stores; ``promoted`` lists this
     handle's promotions in order; ``served_bytes`` counts the bytes each tier
-    served to reads ("primary" is the fast tier).
+    served to reads ("fast", "durable").
     """
 
     def __init__(
@@ -119,6 +119,8 @@ class TieredStore(Store):
 
     @property
     def served_bytes(self) -> dict[str, int]:
+        """Bytes (chunks and objects) each tier served this handle's reads: "fast",
+        "durable"."""
         return dict(self.tiered_backend.served_bytes)
 
     def served_by_tier(self) -> dict[str, int]:
