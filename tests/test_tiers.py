@@ -7,6 +7,7 @@ background thread; each test waits for them before it looks.
 
 from __future__ import annotations
 
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -463,3 +464,34 @@ def test_every_report_names_the_tiers_fast_and_durable(tmp_path: Path) -> None:
         report = castore.dist.load(store, "r", target).report
         assert report.bytes_by_source == {"fast": 7 * CHUNK, "durable": CHUNK}
         assert store.tiered_backend.damaged == {"fast": 2}
+
+
+def test_castore_log_on_the_durable_tier_shows_what_each_promotion_wrote_there(
+    tmp_path: Path,
+) -> None:
+    """A replaced node saves the newest state again: its fast tier writes every chunk, the
+    durable tier held all of them and is sent none. Its log said the fast-tier save's 12 KiB
+    new (the root is copied as is); it says what the promotion wrote, from the reflog."""
+    from cli_runner import run_cli
+
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+    shutil.rmtree(tmp_path / "fast")  # the node is replaced
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=2)
+        [promoted] = store.wait_promotions()
+        assert promoted.copied is not None and promoted.copied.bytes_copied == 0
+        assert store.fast.resolve("r", 2).new_bytes == 12 * CHUNK  # the fast tier wrote all
+    result = run_cli("log", tmp_path / "durable")
+    assert result.returncode == 0, result.stderr
+    header, _, *rows = [re.split(r"\s{2,}", line.strip()) for line in result.stdout.splitlines()]
+    assert header[:10] == ["id", "step", "time", "logical", "new", "stored", "written", "dedup",
+                           "held", "root"]  # fmt: skip
+    cells = {int(row[0]): row[3:9] for row in rows}  # logical, new, stored, written, dedup, held
+    assert cells[1][:3] == ["12.0 KiB"] * 3 and cells[1][-1] == "-"  # the first: every chunk
+    assert cells[2][:3] == ["12.0 KiB", "0 B", "0 B"], rows  # the second: nothing new
+    assert cells[2][-2:] == ["100.0%", "-"], rows  # all held already; no caller held
+    with castore.open(tmp_path / "durable") as durable:
+        [advance] = [r for r in durable.refs.reflog("r") if r["generation"] == 2]
+        assert advance["wrote"]["chunks"] == 0 and advance["wrote"]["objects"] > 0
+        assert "wrote" not in store.fast.refs.reflog("r")[-1]  # a save records no copy

@@ -24,6 +24,7 @@ import castore
 from castore import diffing, export, gc
 from castore.chunkstore.blobpacks import BlobPackBackend
 from castore.cli.args import COLLAPSE_AT, build_parser
+from castore.copying import CopyRecord, copies_logged
 from castore.core.history import Generation, SaveStats, split_address
 from castore.core.holdings import held_shards
 from castore.errors import (
@@ -77,8 +78,10 @@ def cmd_log(args: argparse.Namespace) -> int:
             tags: dict[str, list[str]] = {}
             for name, value in store.refs.tags(run).items():
                 tags.setdefault(value.root.hex, []).append(name)
+            copies = copies_logged(store, run)  # what a copy or promotion wrote here
             for gen in store.generations(run, last=args.max_count):
-                row = _log_row(gen, len(runs) > 1) + [",".join(tags.get(gen.root, []))]
+                row = _log_row(gen, len(runs) > 1, copies.get(gen.root))
+                row += [",".join(tags.get(gen.root, []))]
                 rows.append(row + [_shards_here(store, gen)])
         if not rows:
             print("no generations")
@@ -104,8 +107,8 @@ def _shards_here(store: Store, gen: Generation) -> str:
     return f"{len(held)}/{gen.world_size} shards" if held else "none"
 
 
-def _log_row(gen: Generation, with_run: bool) -> list[Any]:
-    stats = gen.stats
+def _log_row(gen: Generation, with_run: bool, copied: CopyRecord | None = None) -> list[Any]:
+    stats = gen.stats if copied is None else _copy_stats(gen.stats, copied)
     row = [
         gen.id,
         gen.step,
@@ -115,10 +118,24 @@ def _log_row(gen: Generation, with_run: bool) -> list[Any]:
         _stored(stats),
         format_bytes(stats.written_bytes),
         f"{100 * stats.dedup_ratio:.1f}%",
-        _format_seconds(stats.held_seconds),
+        _format_seconds(stats.held_seconds) if copied is None else "-",  # no caller held
         gen.root[:12],
     ]
     return [gen.run, *row] if with_run else row
+
+
+def _copy_stats(saved: SaveStats, copied: CopyRecord) -> SaveStats:
+    """A copied or promoted generation's figures in this store: what the copy wrote."""
+    return SaveStats(
+        logical_bytes=saved.logical_bytes,
+        new_bytes=copied.bytes,
+        new_chunks=copied.chunks,
+        reused_chunks=0,
+        seconds=0.0,
+        tensors=saved.tensors,
+        written_bytes=copied.stored + copied.objects,
+        stored_bytes=copied.stored,
+    )
 
 
 def _stored(stats: SaveStats) -> str:

@@ -236,13 +236,15 @@ def publish(
     faults: PublishFaults,
     extra_objects: tuple[tuple[bytes, bytes], ...] = (),
     notify: bool = True,
+    wrote: dict[str, int] | None = None,
 ) -> Digest:
     """Commit the root (with any objects not yet committed), then advance the ref.
 
     The last step of every publish: the ref's compare-and-swap is the commit
-    point, and the ref store logs it. Callers with shards from other writers
-    use :func:`publish_shards`, which checks them first. ``notify=False``:
-    the caller tells the store itself (``after_publish``).
+    point, and the ref store logs it (``wrote``: what a copy wrote, in its
+    reflog record). Callers with shards from other writers use
+    :func:`publish_shards`, which checks them first. ``notify=False``: the
+    caller tells the store itself (``after_publish``).
     """
     root_bytes = encode_object(root)
     root_digest = Digest(digest_bytes(root_bytes))
@@ -250,7 +252,7 @@ def publish(
     commit_objects(store, [*extra_objects, (root_digest.raw, root_bytes)])
     fault_point(faults.before_ref_advance)
     new = ref_for_root(root_digest, root)
-    store.refs.advance(root.run, expected=parent.root if parent else None, new=new)
+    store.refs.advance(root.run, expected=parent.root if parent else None, new=new, wrote=wrote)
     record_published(store.refs, root.run, new)
     fault_point(faults.after_ref_advance)
     if notify:

@@ -44,13 +44,16 @@ def promote_generation(
     *,
     rate: float | None = None,
     retention: RetentionPolicy | None = None,
+    after_uploads: bool = False,
 ) -> CopiedGeneration | None:
     """Copy ``run@generation`` from ``fast`` to ``durable`` (None: it is there already).
 
     Only the chunks ``durable`` lacks, each verified as read, at most ``rate``
     bytes per second in batches of a tenth of a second's bytes (so the reads,
     hashing and writes spread out, not one burst); then ``retention`` collects
-    the durable tier's run.
+    the durable tier's run. The durable publish's reflog record says what the
+    promotion wrote there (castore.copying.CopyRecord: ``castore log`` shows it),
+    unless ``after_uploads`` (the nodes' uploads wrote the chunks before).
     """
     held = durable.published(run, tolerate_bad_ref=True) if run in durable.runs() else {}
     digest, root = fast.resolve_root(run, generation)
@@ -69,6 +72,7 @@ def promote_generation(
         root,
         throttle=Throttle(rate).take,
         batch_bytes=None if rate is None else max(1, int(rate / 10)),
+        after_uploads=after_uploads,
     )
     if retention is not None:
         collect_garbage(durable, retention, runs=[run])
@@ -113,7 +117,9 @@ def publish_uploaded(
     shards = fast.read_shards(root)
     chunks = sorted({c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks})
     wait_for_chunks(durable, chunks, timeout=wait_s)
-    return promote_generation(fast, durable, run, generation, retention=retention)
+    return promote_generation(
+        fast, durable, run, generation, retention=retention, after_uploads=True
+    )
 
 
 def wait_for_chunks(
