@@ -32,7 +32,7 @@ The module is ``copying``, not ``copy``: ``castore.copy`` is the function.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -55,7 +55,7 @@ from castore.format.objects import (
     TensorEntry,
     encode_object,
 )
-from castore.repo.records import validate_run_name
+from castore.repo.records import PUBLISH_ACTIONS, validate_run_name
 from castore.store import Store
 from castore.support.faults import fault_point
 from castore.support.progress import NO_BAR, Bar, progress_bar
@@ -141,14 +141,22 @@ class CopyRecord:
         return cls(*counts) if len(counts) == len(numbers) else None
 
 
-def copies_logged(store: Store, run: str) -> dict[str, CopyRecord]:
-    """Root hex -> what the copy that published it here wrote, for every generation of
-    ``run`` a copy published in ``store`` (by its reflog; a save's has no such record)."""
-    found: dict[str, CopyRecord] = {}
-    for record in store.refs.reflog(run):
-        wrote = CopyRecord.from_record(record.get("wrote"))
-        if record["action"] == "advance" and wrote is not None:
-            found[record["root"]] = wrote
+def copies_logged(store: Store, run: str, roots: Collection[str]) -> dict[str, CopyRecord]:
+    """Root hex -> what the copy that published it in ``store`` wrote there, for those of
+    ``roots`` (generations of ``run``) a copy published (a save's record has no ``wrote``).
+
+    Reads the reflog from its end only as far as the oldest of ``roots``' records, so
+    that listing the newest generations reads only the reflog's tail.
+    """
+    wanted, found = set(roots), {}
+    for record in store.refs.records_backwards(run):
+        if not wanted:
+            break
+        if record["action"] in PUBLISH_ACTIONS and record["root"] in wanted:
+            wanted.discard(record["root"])
+            wrote = CopyRecord.from_record(record.get("wrote"))
+            if wrote is not None:
+                found[record["root"]] = wrote
     return found
 
 

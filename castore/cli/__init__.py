@@ -78,8 +78,9 @@ def cmd_log(args: argparse.Namespace) -> int:
             tags: dict[str, list[str]] = {}
             for name, value in store.refs.tags(run).items():
                 tags.setdefault(value.root.hex, []).append(name)
-            copies = copies_logged(store, run)  # what a copy or promotion wrote here
-            for gen in store.generations(run, last=args.max_count):
+            listed = store.generations(run, last=args.max_count)
+            copies = copies_logged(store, run, {g.root for g in listed})  # what copies wrote
+            for gen in listed:
                 row = _log_row(gen, len(runs) > 1, copies.get(gen.root))
                 row += [",".join(tags.get(gen.root, []))]
                 rows.append(row + [_shards_here(store, gen)])
