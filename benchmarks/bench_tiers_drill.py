@@ -396,7 +396,7 @@ def markdown(rows: list[dict[str, Any]], kills: dict[str, Any]) -> str:
     base = next(r["rto_s"] for r in rows if r["scenario"].startswith("all local"))
     lines = [
         "| scenario | way | restored step | RPO steps | RPO s | RTO s | RTO / all local "
-        "| read local / peer / durable MiB | upload / new chunk bytes | save: stall / published s "
+        "| read fast / peer / durable MiB | upload / new chunk bytes | save: stall / published s "
         "| check |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
@@ -411,7 +411,7 @@ def markdown(rows: list[dict[str, Any]], kills: dict[str, Any]) -> str:
         lines.append(
             f"| {r['scenario']} | {r['way']} | {r['restored_step']} | {r['rpo_steps']} "
             f"| {r['rpo_s']:.2f} | {r['rto_s']:.3f} | {r['rto_s'] / base:.2f}x "
-            f"| {mib(s.get('local', 0))} / {mib(s.get('peer', 0))} / {mib(s.get('durable', 0))} "
+            f"| {mib(s.get('fast', 0))} / {mib(s.get('peer', 0))} / {mib(s.get('durable', 0))} "
             f"| {upload} | {stall} | {check} |"
         )
     k = kill_summary(kills)

@@ -375,7 +375,7 @@ def compare(job: Job, op: str, replies: list[dict[str, Any]], sizes: Any) -> Row
         restored = all(r["restored"] for r in replies)
         checks.append(("every rank restored the newest, bitwise", True, restored, restored))
         if job.nodes > 1:  # where node 1's ranks read their chunks (one node: not reported)
-            source = "local"
+            source = "fast"
             if op.endswith("lost"):
                 source = "peer" if shape_of(job).copies else "durable"
             served = all(set(replies[r]["sources"]) == {source} for r in node_ranks(job))

@@ -32,7 +32,7 @@ The module is ``copying``, not ``copy``: ``castore.copy`` is the function.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import ExitStack
 from dataclasses import dataclass, field
 from typing import Any
@@ -56,7 +56,7 @@ from castore.format.objects import (
 )
 from castore.opening.directory import open_address
 from castore.opening.location import parse_location
-from castore.repo.records import validate_run_name
+from castore.repo.records import PUBLISH_ACTIONS, validate_run_name
 from castore.store import Store
 from castore.support.faults import fault_point
 from castore.support.progress import NO_BAR, Bar, progress_bar
@@ -79,6 +79,7 @@ class CopiedGeneration:
     chunks_copied: int = 0
     chunks_skipped: int = 0  # named by the generation and already at DST
     bytes_copied: int = 0  # chunk bytes read from SRC and written to DST
+    bytes_stored: int = 0  # those chunks as DST stores them (compressed where it does)
     logical_bytes: int = 0  # distinct chunk bytes the generation names
     objects_copied: int = 0  # shard manifests and the root
     parent_marked: bool = False  # its parent was logged as not held at DST
@@ -113,6 +114,51 @@ class CopyReport:
     @property
     def logical_bytes(self) -> int:
         return sum(g.logical_bytes for g in self.generations)
+
+
+@dataclass(frozen=True)
+class CopyRecord:
+    """What a copy wrote into the store it published a generation in (the ``wrote`` of
+    its reflog record there, docs/FORMAT.md): ``castore log`` shows it for a copied or
+    promoted generation, whose root still says what the save wrote where it was made."""
+
+    chunks: int  # chunks written (the rest the store held already)
+    bytes: int  # their raw bytes
+    stored: int  # their bytes as stored
+    objects: int  # the shard manifests' and root's bytes
+
+    def as_record(self) -> dict[str, int]:
+        return {"chunks": self.chunks, "bytes": self.bytes, "stored": self.stored,
+                "objects": self.objects}  # fmt: skip
+
+    @classmethod
+    def from_record(cls, value: Any) -> CopyRecord | None:
+        """From a reflog record's ``wrote``; None unless it is one (a record is read whole,
+        so a value of another shape is ignored, not trusted)."""
+        if not isinstance(value, dict):
+            return None
+        numbers = [value.get(name) for name in ("chunks", "bytes", "stored", "objects")]
+        counts = [n for n in numbers if type(n) is int and n >= 0]
+        return cls(*counts) if len(counts) == len(numbers) else None
+
+
+def copies_logged(store: Store, run: str, roots: Collection[str]) -> dict[str, CopyRecord]:
+    """Root hex -> what the copy that published it in ``store`` wrote there, for those of
+    ``roots`` (generations of ``run``) a copy published (a save's record has no ``wrote``).
+
+    Reads the reflog from its end only as far as the oldest of ``roots``' records, so
+    that listing the newest generations reads only the reflog's tail.
+    """
+    wanted, found = set(roots), {}
+    for record in store.refs.records_backwards(run):
+        if not wanted:
+            break
+        if record["action"] in PUBLISH_ACTIONS and record["root"] in wanted:
+            wanted.discard(record["root"])
+            wrote = CopyRecord.from_record(record.get("wrote"))
+            if wrote is not None:
+                found[record["root"]] = wrote
+    return found
 
 
 StoreOrPath = Store | str | os.PathLike[str]
@@ -251,8 +297,15 @@ def copy_generation(
     chunks: bool = True,
     batch_bytes: int | None = None,
     codec: str | None = None,
+    after_uploads: bool = False,
 ) -> CopiedGeneration:
     """Copy one generation whose id is newer than DST's latest of its run, and publish it.
+
+    DST's reflog record of the publish says what this copy wrote there
+    (:class:`CopyRecord`), as a save's root says what the save wrote at SRC;
+    ``after_uploads``: others copied the chunks before (castore.tiers on several
+    nodes), so what this copy wrote is not what the generation cost DST, and the
+    record says nothing of it.
 
     ``throttle(nbytes)`` is called before each batch of chunk bytes is read (a
     rate cap sleeps there; ``batch_bytes`` smaller than BATCH_BYTES spreads a capped
@@ -284,11 +337,14 @@ def copy_generation(
             present = target.backend.has_many(Namespace.CHUNKS, list(named))
             missing = [key for key, found in zip(named, present, strict=True) if not found]
         total = sum(expected_length(*named[key]) for key in missing)
+        stored = 0
         with progress_bar(progress, f"copy {run}@{gen}", total) as bar:
             for batch in _batches(missing, named, batch_bytes or BATCH_BYTES):
                 if throttle is not None:
                     throttle(sum(expected_length(*named[key]) for key in batch))
-                _copy_chunks(source, target, batch, named, where, codec or target.codec, bar)
+                stored += _copy_chunks(
+                    source, target, batch, named, where, codec or target.codec, bar
+                )
                 fault_point("copy.mid_chunks")
         target.backend.put_many(Namespace.OBJECTS, list(zip(root.shards, shards, strict=True)))
         marked = _mark_parent_absent(source, target, root)
@@ -297,7 +353,14 @@ def copy_generation(
             # DST's own checks before its commit point: they re-read the manifests
             # just written and find every chunk they name present (has_many).
             check_shards(target, list(root.shards), run=run, generation=gen, skeleton=root.state)
-        publish(target, parent=parent, root=root, faults=COPY_FAULTS)
+        wrote = CopyRecord(len(missing), total, stored, len(root_bytes) + sum(map(len, shards)))
+        publish(
+            target,
+            parent=parent,
+            root=root,
+            faults=COPY_FAULTS,
+            wrote=None if after_uploads else wrote.as_record(),
+        )
     return CopiedGeneration(
         run,
         gen,
@@ -306,6 +369,7 @@ def copy_generation(
         chunks_copied=len(missing),
         chunks_skipped=len(named) - len(missing) if chunks else 0,
         bytes_copied=total,
+        bytes_stored=stored,
         logical_bytes=sum(expected_length(*named[key]) for key in named),
         objects_copied=len(shards) + 1,
         parent_marked=marked,
@@ -352,8 +416,9 @@ def _copy_chunks(
     where: dict[str, Any],
     codec: str,
     bar: Bar = NO_BAR,
-) -> None:
-    """Read ``keys`` from SRC, verify each against its name and length, write them to DST.
+) -> int:
+    """Read ``keys`` from SRC, verify each against its name and length, write them to DST;
+    the bytes DST stores for them.
 
     DST stores each chunk by ``codec`` (castore.format.codec): raw where it
     has none; SRC's frame as it is, once verified, where both compress (the
@@ -384,6 +449,7 @@ def _copy_chunks(
         for (position, _, _), frame in zip(encode, frames, strict=True):
             verified[position] = (verified[position][0], frame)
     target.backend.put_many(Namespace.CHUNKS, verified)
+    return sum(len(stored) for _, stored in verified)
 
 
 def copy_shard_chunks(
@@ -462,8 +528,10 @@ def _logged_generation(source: Store, run: str, root: Digest) -> int | None:
 __all__ = [
     "BATCH_BYTES",
     "CopiedGeneration",
+    "CopyRecord",
     "CopyReport",
     "copy",
+    "copies_logged",
     "copy_generation",
     "copy_shard_chunks",
 ]

@@ -45,6 +45,7 @@ from castore.core.background import (
 from castore.core.chunkread import ReadCounters
 from castore.core.commit import (
     SINGLE_FAULTS,
+    TierHooks,
     check_data_order,
     claim_writer,
     encode_metadata,
@@ -121,7 +122,7 @@ class Restored:
     generation: Generation
     skipped: list[Skipped]
     timings: dict[str, float]
-    # Bytes each tier served this restore (castore.tiers: "primary" is the fast tier).
+    # Bytes each tier served this restore (castore.tiers: "fast", "durable").
     sources: dict[str, int] = field(default_factory=dict)
 
 
@@ -170,8 +171,12 @@ def digests_of(shard: ShardManifest) -> set[bytes]:
     return {digest for entry in shard.tensors + shard.local_tensors for digest in entry.chunks}
 
 
-class Store:
-    """A castore store on disk. Use :func:`castore.open` to get one."""
+class Store(TierHooks):
+    """A castore store on disk. Use :func:`castore.open` to get one.
+
+    Its tier hooks (:class:`~castore.core.commit.TierHooks`) do nothing;
+    castore.tiers.TieredStore overrides them.
+    """
 
     def __init__(
         self,
@@ -263,19 +268,6 @@ class Store:
             background.stop_writer()
             background.pool.clear()
             background.raise_unobserved()
-
-    def after_publish(self, run: str, generation: int, root: Digest) -> None:
-        """Called by the publish sequence once ``run@generation`` is published; nothing here
-        (castore.tiers.TieredStore promotes it)."""
-
-    def node_session(self, comm: Any, run: str) -> Any:
-        """What a collective save or load of ``run`` needs when its ranks' stores are on
-        several nodes (castore.tiers.TieredStore; a collective call there); None here."""
-        return None
-
-    def selects_for_durable(self, run: str, generation: int) -> bool:
-        """Whether ``run@generation`` goes on to a durable tier; never here."""
-        return False
 
     def __enter__(self) -> Store:
         return self

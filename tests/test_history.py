@@ -263,7 +263,8 @@ def test_a_new_handle_lists_the_newest_from_the_reflog_tail(
         assert store.generations(RUN) == everything
         bytes_read.clear()
         assert cli.main(["log", str(tmp_path / "s"), "-n", "2"]) == 0
-        assert sum(bytes_read) < size // 4
+        # The tail twice: the listing, then what copies wrote (castore.copying.copies_logged).
+        assert sum(bytes_read) < size // 3
 
 
 def test_opening_a_store_reads_its_marker_once_and_makes_no_directory(

@@ -7,6 +7,7 @@ background thread; each test waits for them before it looks.
 
 from __future__ import annotations
 
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -19,6 +20,7 @@ from _helpers import assert_state_equal
 import castore
 import castore.chunkstore.tiered as tiered_module
 from castore.chunkstore.base import Namespace
+from castore.core.commit import TierHooks
 from castore.core.holdings import held_elsewhere
 from castore.errors import ChecksumMismatchError, CorruptObjectError
 from castore.format.hashing import Digest
@@ -154,7 +156,7 @@ def test_a_damaged_fast_chunk_is_read_from_the_durable_tier(tmp_path: Path) -> N
         raw_put(store.fast, Namespace.CHUNKS, key, flipped(value, 17))
         assert_state_equal(store.load("r"), state(1))
         assert store.served_bytes["durable"] == CHUNK
-        assert store.tiered_backend.damaged["primary"] == 1
+        assert store.tiered_backend.damaged["fast"] == 1
 
 
 def test_broken_control_without_the_check_a_damaged_fast_chunk_is_served(
@@ -352,7 +354,7 @@ def test_the_uploader_process_runs_below_training(tmp_path: Path, priority: str)
         store.save({"w": np.arange(1000.0)}, run="r", step=1)
         store.wait_promotions()
         assert [p.generation for p in store.promoted if p.error is None] == [1]
-        uploader = store._uploader
+        uploader = store._worker.pipe.process if store._worker.pipe else None
         assert uploader is not None and uploader.poll() is None
         assert os.getpriority(os.PRIO_PROCESS, uploader.pid) >= 10
         policy = os.sched_getscheduler(uploader.pid)
@@ -416,3 +418,80 @@ def test_a_format_2_fast_tier_is_upgraded_at_open_saying_so_once(tmp_path: Path)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         open_pair(tmp_path, promote_on_exit=False).close()  # format 4 now: nothing to say
+
+
+def test_the_tier_hooks_are_declared_once_and_a_tiered_store_overrides_each(
+    tmp_path: Path,
+) -> None:
+    """The seam (castore.core.commit.TierHooks): a plain store inherits its do-nothing
+    bodies, defines none of its own, and TieredStore overrides every one of them."""
+    hooks = [name for name in vars(TierHooks) if not name.startswith("_")]
+    assert sorted(hooks) == ["after_publish", "node_session", "selects_for_durable",
+                             "served_by_tier"]  # fmt: skip
+    assert not [name for name in hooks if name in vars(castore.Store)]
+    assert not [name for name in hooks if name not in vars(TieredStore)]
+    with castore.open(tmp_path / "plain") as plain:
+        plain.save(state(1), run="r", step=1)
+        assert plain.served_by_tier() == {} and not plain.selects_for_durable("r", 1)
+    with open_pair(tmp_path, promote_on_exit=False) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+    shutil.rmtree(tmp_path / "fast")
+    with open_pair(tmp_path) as store:
+        store.load("r")
+        assert store.served_by_tier() == {"durable": 12 * CHUNK}  # chunks alone, by tier
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
+def test_every_report_names_the_tiers_fast_and_durable(tmp_path: Path) -> None:
+    """One name per place (docs/TIERS.md): store.served_bytes, restore(...).sources and
+    castore.dist's bytes_by_source say "fast" for the fast tier, as castore tiers does
+    (they said "primary", "primary" and "local")."""
+    pytest.importorskip("torch")
+    import castore.dist
+
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        entry = store.fast.tensor_entries(store.fast.resolve_root("r")[1])["weight"][0]
+        value = store.fast.backend.get(Namespace.CHUNKS, entry.chunks[0])
+        assert value is not None
+        raw_put(store.fast, Namespace.CHUNKS, entry.chunks[0], flipped(value, 17))
+        restored = store.restore("r")
+        assert set(restored.sources) == set(store.served_bytes) == {"fast", "durable"}
+        assert restored.sources["durable"] == CHUNK  # the damaged chunk alone
+        target = {"weight": np.zeros(2048, dtype=np.float32)}
+        report = castore.dist.load(store, "r", target).report
+        assert report.bytes_by_source == {"fast": 7 * CHUNK, "durable": CHUNK}
+        assert store.tiered_backend.damaged == {"fast": 2}
+
+
+def test_castore_log_on_the_durable_tier_shows_what_each_promotion_wrote_there(
+    tmp_path: Path,
+) -> None:
+    """A replaced node saves the newest state again: its fast tier writes every chunk, the
+    durable tier held all of them and is sent none. Its log said the fast-tier save's 12 KiB
+    new (the root is copied as is); it says what the promotion wrote, from the reflog."""
+    from cli_runner import run_cli
+
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+    shutil.rmtree(tmp_path / "fast")  # the node is replaced
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=2)
+        [promoted] = store.wait_promotions()
+        assert promoted.copied is not None and promoted.copied.bytes_copied == 0
+        assert store.fast.resolve("r", 2).new_bytes == 12 * CHUNK  # the fast tier wrote all
+    result = run_cli("log", tmp_path / "durable")
+    assert result.returncode == 0, result.stderr
+    header, _, *rows = [re.split(r"\s{2,}", line.strip()) for line in result.stdout.splitlines()]
+    assert header[:10] == ["id", "step", "time", "logical", "new", "stored", "written", "dedup",
+                           "held", "root"]  # fmt: skip
+    cells = {int(row[0]): row[3:9] for row in rows}  # logical, new, stored, written, dedup, held
+    assert cells[1][:3] == ["12.0 KiB"] * 3 and cells[1][-1] == "-"  # the first: every chunk
+    assert cells[2][:3] == ["12.0 KiB", "0 B", "0 B"], rows  # the second: nothing new
+    assert cells[2][-2:] == ["100.0%", "-"], rows  # all held already; no caller held
+    with castore.open(tmp_path / "durable") as durable:
+        [advance] = [r for r in durable.refs.reflog("r") if r["generation"] == 2]
+        assert advance["wrote"]["chunks"] == 0 and advance["wrote"]["objects"] > 0
+        assert "wrote" not in store.fast.refs.reflog("r")[-1]  # a save records no copy

@@ -66,7 +66,7 @@ def test_ranks_save_in_the_fast_tier_and_the_coordinator_promotes(saved: dict[st
         assert {g.id for g in generations} == {gen_id}
     assert_bitwise([per_rank[3] for per_rank in saved["results"]])
     served = [per_rank[3]["report"]["bytes_by_source"] for per_rank in saved["results"]]
-    assert all(set(s) == {"local"} for s in served), served  # all from the node's fast tier
+    assert all(set(s) == {"fast"} for s in served), served  # all from the node's fast tier
     with castore.open(tmp / "durable") as durable:
         assert [g.id for g in durable.generations("r")] == [2, 3]  # every 2nd, then the last
         assert verify_store(durable, deep=True).ok

@@ -284,8 +284,8 @@ def test_with_two_copies_a_lost_node_restores_the_newest_generation_from_its_pee
     assert_bitwise(per_rank, 3)
     served = sources(per_rank)
     assert all("durable" not in s for s in served), served
-    assert all(s.get("peer", 0) > 0 and "local" not in s for s in served[2:]), served
-    assert all(s.get("local", 0) > 0 and "peer" not in s for s in served[:2]), served
+    assert all(s.get("peer", 0) > 0 and "fast" not in s for s in served[2:]), served
+    assert all(s.get("fast", 0) > 0 and "peer" not in s for s in served[:2]), served
     # The job goes on: the next save is generation 4 on both nodes, and promoted.
     ops = [{"op": "save", "run": "r", "seed": 6, "step": 40}]
     saved = script_results(run_ranks(4, w.run_script, config(job, 2), ops, timeout=240), 4)

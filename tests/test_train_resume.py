@@ -275,8 +275,8 @@ def test_through_tiers_with_two_copies_a_lost_node_resumes_from_its_peer_bitwise
     assert tiers["restored_generation"] == [SAVE_AT] and tiers["updates_redone"] == 0
     served = tiers["bytes_by_source"]
     assert all(s.get("durable", 0) == 0 for s in served), served
-    assert all(s.get("local", 0) > 0 and s.get("peer", 0) == 0 for s in served[:2]), served
-    assert all(s.get("peer", 0) > 0 and s.get("local", 0) == 0 for s in served[2:]), served
+    assert all(s.get("fast", 0) > 0 and s.get("peer", 0) == 0 for s in served[:2]), served
+    assert all(s.get("peer", 0) > 0 and s.get("fast", 0) == 0 for s in served[2:]), served
     assert verdict["microbatches_compared"] == (UPDATES - SAVE_AT) * parity.ACCUMULATION * RANKS
     assert verdict["losses_equal"] and all(verdict["final_equal"].values())
     assert tiers["holds"] and verdict["holds"]

@@ -281,12 +281,12 @@ def scenario(root: Path, replicas: int, args: argparse.Namespace) -> bool:
                 after["rank"] // RANKS_PER_NODE,
                 after["generation"],
                 after["step"],
-                *(f"{by.get(k, 0) / 2**20:.2f} MiB" for k in ("local", "peer", "durable")),
+                *(f"{by.get(k, 0) / 2**20:.2f} MiB" for k in ("fast", "peer", "durable")),
                 f"{after['seconds']:.2f}s",
                 "bitwise equal" if same else "DIFFERENT",
             ]
         )
-    headers = ["rank", "node", "gen", "step", "local", "peer", "durable", "restore", "blocks"]
+    headers = ["rank", "node", "gen", "step", "fast", "peer", "durable", "restore", "blocks"]
     print(tabulate(rows, headers=headers))
     show_steps(resumed)
     return verdict(saved, resumed, replicas, newest_durable) and all(checks)

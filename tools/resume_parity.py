@@ -798,10 +798,10 @@ def _print_tiers(config: dict[str, Any], tiers: dict[str, Any]) -> None:
         f"{tiers['updates_redone']} update(s) redone"
     )
     rows = [
-        [rank, *(f"{by.get(k, 0) / 1024:.1f} KiB" for k in ("local", "peer", "durable"))]
+        [rank, *(f"{by.get(k, 0) / 1024:.1f} KiB" for k in ("fast", "peer", "durable"))]
         for rank, by in enumerate(tiers["bytes_by_source"])
     ]
-    print(tabulate(rows, headers=["rank", "local", "peer", "durable"]))
+    print(tabulate(rows, headers=["rank", "fast", "peer", "durable"]))
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -11,6 +11,7 @@ from castore import diffing
 from castore.cli.output import format_seconds, format_time, ratio, text_table
 from castore.cli.stores import open_existing, shards_here
 from castore.cli.values import state_values
+from castore.copying import CopyRecord, copies_logged
 from castore.core.history import Generation, SaveStats, split_address
 from castore.format.dcplayout import DcpLayout
 from castore.support.progress import format_size as format_bytes
@@ -26,8 +27,11 @@ def cmd_log(args: argparse.Namespace) -> int:
             tags: dict[str, list[str]] = {}
             for name, value in store.refs.tags(run).items():
                 tags.setdefault(value.root.hex, []).append(name)
-            for gen in store.generations(run, last=args.max_count):
-                row = _log_row(gen, len(runs) > 1) + [",".join(tags.get(gen.root, []))]
+            listed = store.generations(run, last=args.max_count)
+            copies = copies_logged(store, run, {g.root for g in listed})  # what copies wrote
+            for gen in listed:
+                row = _log_row(gen, len(runs) > 1, copies.get(gen.root))
+                row += [",".join(tags.get(gen.root, []))]
                 rows.append(row + [shards_here(store, gen)])
         if not rows:
             print("no generations")
@@ -42,8 +46,8 @@ def cmd_log(args: argparse.Namespace) -> int:
     return 0
 
 
-def _log_row(gen: Generation, with_run: bool) -> list[Any]:
-    stats = gen.stats
+def _log_row(gen: Generation, with_run: bool, copied: CopyRecord | None = None) -> list[Any]:
+    stats = gen.stats if copied is None else _copy_stats(gen.stats, copied)
     row = [
         gen.id,
         gen.step,
@@ -55,10 +59,25 @@ def _log_row(gen: Generation, with_run: bool) -> list[Any]:
         f"{100 * stats.dedup_ratio:.1f}%",
         # DCP calls castore's writer inside its own save: how long that held its caller
         # (all of dcp.save, or async_save's staging) is not castore's to know.
-        "-" if DcpLayout.of(gen.metadata) else format_seconds(stats.held_seconds),
+        # and a copied or promoted generation held no caller of this store.
+        "-" if copied or DcpLayout.of(gen.metadata) else format_seconds(stats.held_seconds),
         gen.root[:12],
     ]
     return [gen.run, *row] if with_run else row
+
+
+def _copy_stats(saved: SaveStats, copied: CopyRecord) -> SaveStats:
+    """A copied or promoted generation's figures in this store: what the copy wrote."""
+    return SaveStats(
+        logical_bytes=saved.logical_bytes,
+        new_bytes=copied.bytes,
+        new_chunks=copied.chunks,
+        reused_chunks=0,
+        seconds=0.0,
+        tensors=saved.tensors,
+        written_bytes=copied.stored + copied.objects,
+        stored_bytes=copied.stored,
+    )
 
 
 def _stored(stats: SaveStats) -> str:

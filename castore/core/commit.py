@@ -67,8 +67,38 @@ from castore.support.progress import progress_bar, progress_wanted
 from castore.version import __version__
 
 
-class StoreParts(Protocol):
-    """What writing a generation needs of a store: its chunk backend, chunk size and refs."""
+class TierHooks(Protocol):
+    """The seam between a store and its tiers (castore.tiers), declared once.
+
+    The publish sequence and castore.dist call these on every store; a store
+    without tiers does nothing in each (the bodies here, which ``Store``
+    inherits), and ``castore.tiers.TieredStore`` overrides them.
+    """
+
+    def after_publish(self, run: str, generation: int, root: Digest) -> None:
+        """Called once ``run@generation`` is published (its ref advanced); a tiered
+        store schedules its promotion here."""
+        return None
+
+    def node_session(self, comm: Any, run: str) -> Any:
+        """What a collective save or load of ``run`` needs when its ranks' stores are on
+        several nodes (a collective call there: castore.tiers.nodes.NodeSession, typed
+        Any as the engine knows nothing of castore.dist's group); None on one node."""
+        return None
+
+    def selects_for_durable(self, run: str, generation: int) -> bool:
+        """Whether a collective save's ``run@generation`` goes on to a durable tier."""
+        return False
+
+    def served_by_tier(self) -> dict[str, int]:
+        """The chunk bytes each tier has served this handle's reads, by tier ("fast",
+        "peer", "durable"); empty where there are no tiers."""
+        return {}
+
+
+class StoreParts(TierHooks, Protocol):
+    """What writing a generation needs of a store: its chunk backend, chunk size, refs,
+    and the hook it calls once it published (:class:`TierHooks`)."""
 
     @property
     def backend(self) -> ChunkBackend: ...
@@ -81,10 +111,6 @@ class StoreParts(Protocol):
 
     @property
     def refs(self) -> ComposedRefStore: ...
-
-    def after_publish(self, run: str, generation: int, root: Digest) -> None:
-        """Called once a generation is published (its ref advanced); a tiered store
-        schedules its promotion here."""
 
 
 @dataclass(frozen=True)
@@ -212,13 +238,15 @@ def publish(
     faults: PublishFaults,
     extra_objects: tuple[tuple[bytes, bytes], ...] = (),
     notify: bool = True,
+    wrote: dict[str, int] | None = None,
 ) -> Digest:
     """Commit the root (with any objects not yet committed), then advance the ref.
 
     The last step of every publish: the ref's compare-and-swap is the commit
-    point, and the ref store logs it. Callers with shards from other writers
-    use :func:`publish_shards`, which checks them first. ``notify=False``:
-    the caller tells the store itself (``after_publish``).
+    point, and the ref store logs it (``wrote``: what a copy wrote, in its
+    reflog record). Callers with shards from other writers use
+    :func:`publish_shards`, which checks them first. ``notify=False``: the
+    caller tells the store itself (``after_publish``).
     """
     root_bytes = encode_object(root)
     root_digest = Digest(digest_bytes(root_bytes))
@@ -226,7 +254,7 @@ def publish(
     commit_objects(store, [*extra_objects, (root_digest.raw, root_bytes)])
     fault_point(faults.before_ref_advance)
     new = ref_for_root(root_digest, root)
-    store.refs.advance(root.run, expected=parent.root if parent else None, new=new)
+    store.refs.advance(root.run, expected=parent.root if parent else None, new=new, wrote=wrote)
     record_published(store.refs, root.run, new)
     fault_point(faults.after_ref_advance)
     if notify:

@@ -57,7 +57,7 @@ class LoadReport:
     chunks_read: int = 0
     timings: dict[str, float] = field(default_factory=dict)
     skipped: list[Skipped] = field(default_factory=list)  # generations a fallback passed over
-    # Tiered stores on several nodes: the bytes each source gave ("local", "peer", "durable").
+    # Tiered stores on several nodes: the bytes each source gave ("fast", "peer", "durable").
     bytes_by_source: dict[str, int] = field(default_factory=dict)
 
 
@@ -217,7 +217,7 @@ def _load_root(
     timings: dict[str, float] = {}
     clock = time.perf_counter()
     read_before = (store.read_counters.chunks, store.read_counters.bytes)
-    served_before = _served_chunks(store)  # a tiered store on one node: per tier
+    served_before = store.served_by_tier()  # a tiered store on one node: per tier
 
     def plan_everything() -> tuple[Any, ...]:
         nonlocal clock
@@ -310,19 +310,12 @@ def _load_root(
     return LoadResult(state, report)
 
 
-def _served_chunks(store: Store) -> dict[str, int]:
-    """The chunk bytes each tier of a tiered store has served (empty for other stores)."""
-    backend = getattr(store, "tiered_backend", None)
-    return {} if backend is None else dict(backend.served_chunk_bytes)
-
-
 def _served(store: Store, before: dict[str, int]) -> dict[str, int]:
     """The chunk bytes each tier of a tiered store on one node served since ``before``
-    ("local": its fast tier); empty for any other store."""
-    names = {"primary": "local"}
+    ("fast", "durable"); empty for any other store."""
     return {
-        names.get(source, source): count - before.get(source, 0)
-        for source, count in _served_chunks(store).items()
+        source: count - before.get(source, 0)
+        for source, count in store.served_by_tier().items()
         if count > before.get(source, 0)
     }
 

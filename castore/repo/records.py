@@ -190,11 +190,23 @@ def run_lock_busy(run: str, timeout: float) -> str:
     return f"ref lock of run {run!r} busy for {timeout:.0f}s"
 
 
-def make_reflog_record(run: str, value: RefValue, *, parent: Digest | None, action: str) -> Record:
-    """The record of one ref advance (or collection) of ``run``, as every backend stores it."""
+def make_reflog_record(
+    run: str,
+    value: RefValue,
+    *,
+    parent: Digest | None,
+    action: str,
+    wrote: dict[str, int] | None = None,
+) -> Record:
+    """The record of one ref advance (or collection) of ``run``, as every backend stores it.
+
+    ``wrote``: what a copy that publishes here (``castore copy``, a tier's
+    promotion) wrote into this store (docs/FORMAT.md, "Reflog": an optional
+    key that readers which do not know it ignore).
+    """
     if action not in REFLOG_ACTIONS:
         raise ValueError(f"reflog action must be one of {REFLOG_ACTIONS}, got {action!r}")
-    return {
+    record: Record = {
         "action": action,
         "generation": value.generation,
         "host": socket.gethostname(),
@@ -204,6 +216,9 @@ def make_reflog_record(run: str, value: RefValue, *, parent: Digest | None, acti
         "run": run,
         "time": value.time,
     }
+    if wrote is not None:
+        record["wrote"] = dict(wrote)
+    return record
 
 
 def is_reflog_record(record: Any, run: str) -> bool:

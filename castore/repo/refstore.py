@@ -124,18 +124,28 @@ class ComposedRefStore:
         validate_run_name(run)
         return self.parts.refs.read(run)
 
-    def advance(self, run: str, *, expected: Digest | None, new: RefValue) -> None:
-        """Compare-and-swap the ref of ``run`` from ``expected`` to ``new``, and log it."""
+    def advance(
+        self,
+        run: str,
+        *,
+        expected: Digest | None,
+        new: RefValue,
+        wrote: dict[str, int] | None = None,
+    ) -> None:
+        """Compare-and-swap the ref of ``run`` from ``expected`` to ``new``, and log it
+        (with ``wrote``, what a copy publishing here wrote: make_reflog_record)."""
         self.refuse_if_readonly(f"advancing the ref of run {run!r}")
         self.parts.refs.advance(
             run,
             expected=expected,
             new=new,
-            around=self._logged_advance(run, new),
+            around=self._logged_advance(run, new, wrote),
             timeout=self.lock_timeout,
         )
 
-    def _logged_advance(self, run: str, new: RefValue) -> AroundSwap:
+    def _logged_advance(
+        self, run: str, new: RefValue, wrote: dict[str, int] | None = None
+    ) -> AroundSwap:
         @contextmanager
         def around(current: RefValue | None) -> Iterator[None]:
             self._reconcile_reflog(run, current)
@@ -146,7 +156,7 @@ class ComposedRefStore:
             # A missing record is appended by the next advance (_reconcile_reflog).
             try:
                 parent = current.root if current else None
-                self.append_reflog(run, new, parent=parent, action="advance")
+                self.append_reflog(run, new, parent=parent, action="advance", wrote=wrote)
             except CastoreError as exc:
                 warnings.warn(
                     f"generation {new.generation} of run {run!r} is published, but its reflog "
@@ -198,10 +208,17 @@ class ComposedRefStore:
         return self.parts.reflog.location(run)
 
     def append_reflog(
-        self, run: str, value: RefValue, *, parent: Digest | None, action: str
+        self,
+        run: str,
+        value: RefValue,
+        *,
+        parent: Digest | None,
+        action: str,
+        wrote: dict[str, int] | None = None,
     ) -> None:
         self.refuse_if_readonly(f"appending to the reflog of run {run!r}")
-        self.parts.reflog.append(run, make_reflog_record(run, value, parent=parent, action=action))
+        record = make_reflog_record(run, value, parent=parent, action=action, wrote=wrote)
+        self.parts.reflog.append(run, record)
 
     def reflog(self, run: str) -> list[Record]:
         """Every intact reflog record of ``run``, oldest first (torn lines skipped)."""

@@ -55,10 +55,8 @@ it in the durable tier once every chunk is there, with the same root digest.
 
 from __future__ import annotations
 
-import struct
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -73,74 +71,14 @@ from castore.dist.comm import Group, attempt, describe, raise_failures
 from castore.errors import ChunkMissingError, CorruptObjectError
 from castore.format.codec import stored_matches
 from castore.format.hashing import Digest, digest_bytes
-from castore.format.objects import (
-    TYPE_ROOT,
-    TYPE_SHARD,
-    GenerationRoot,
-    ShardManifest,
-    decode_object,
-)
+from castore.format.objects import GenerationRoot
 from castore.support.faults import fault_point
+from castore.tiers.nodemap import NodeMap
 from castore.tiers.selection import covered_generations, node_view, restore_candidates
+from castore.tiers.wire import decode_root, decode_shard, frame, read_objects, root_among, unframe
 
 if TYPE_CHECKING:
-    from castore.tiers import TieredStore
-
-_LENGTH = struct.Struct("<q")  # each chunk sent: its length (-1: not sent), then its bytes
-
-
-@dataclass(frozen=True)
-class NodeMap:
-    """Which node each rank of a group is on (nodes ordered by their lowest rank)."""
-
-    rank: int
-    node_of: tuple[str, ...]  # the node id of each rank
-
-    @property
-    def names(self) -> list[str]:
-        return list(dict.fromkeys(self.node_of))
-
-    def index(self, rank: int) -> int:
-        return self.names.index(self.node_of[rank])
-
-    def ranks_on(self, node: int) -> list[int]:
-        name = self.names[node]
-        return [r for r, n in enumerate(self.node_of) if n == name]
-
-    def leader(self, node: int) -> int:
-        return self.ranks_on(node)[0]
-
-    @property
-    def my_node(self) -> int:
-        return self.index(self.rank)
-
-    @property
-    def is_leader(self) -> bool:
-        return self.leader(self.my_node) == self.rank
-
-    @property
-    def multi(self) -> bool:
-        return len(self.names) > 1
-
-    def partners(self, rank: int, replicas: int) -> list[int]:
-        """The ranks that hold copies of ``rank``'s shard: the same local index on each of
-        the next ``replicas - 1`` nodes (fewer when there are fewer nodes)."""
-        count = len(self.names)
-        node = self.index(rank)
-        local = self.ranks_on(node).index(rank)
-        found = []
-        for step in range(1, min(replicas, count)):
-            ranks = self.ranks_on((node + step) % count)
-            found.append(ranks[local % len(ranks)])
-        return found
-
-    def held_by(self, node: int, replicas: int) -> list[int]:
-        """The saved ranks whose shards ``node`` holds: its own and those it copies."""
-        mine = set(self.ranks_on(node))
-        for rank in range(len(self.node_of)):
-            if any(self.index(p) == node for p in self.partners(rank, replicas)):
-                mine.add(rank)
-        return sorted(mine)
+    from castore.tiers.store import TieredStore
 
 
 def discover(store: TieredStore, comm: Group, run: str) -> NodeSession | None:
@@ -198,7 +136,7 @@ class NodeSession:
         def advance() -> None:
             if self.nodes.my_node not in behind or not self.nodes.is_leader:
                 return
-            root = _decode_root(objects, Digest(newest[1]))
+            root = root_among(objects, Digest(newest[1]))
             mine = self.refs[self.comm.rank]
             self._advance_node_ref(run, root, Digest(newest[1]), mine, held=[])
 
@@ -217,7 +155,7 @@ class NodeSession:
                 "this rank's shard manifest is not intact in its node's fast tier",
                 rank=self.comm.rank,
             )
-        manifest = _shard(found[0])
+        manifest = decode_shard(found[0])
         chunks = sorted({c for e in manifest.tensors + manifest.local_tensors for c in e.chunks})
         present = self.fast.backend.has_many(Namespace.CHUNKS, chunks)
         for chunk, here in zip(chunks, present, strict=True):
@@ -244,7 +182,7 @@ class NodeSession:
 
         def ask() -> dict[int, bytes]:
             for source in sources:
-                manifest = _shard(bytes(acks[source]["manifest"]))
+                manifest = decode_shard(bytes(acks[source]["manifest"]))
                 chunks = sorted(
                     {c for e in manifest.tensors + manifest.local_tensors for c in e.chunks}
                 )
@@ -270,7 +208,7 @@ class NodeSession:
             if peer == self.comm.rank or data == b"\0":
                 continue
             keys = [data[i : i + 32] for i in range(0, len(data), 32)]
-            replies[peer] = _frame(self._read_local(keys))
+            replies[peer] = frame(self._read_local(keys))
         return replies
 
     def _take(self, wanted: dict[int, list[bytes]], received: dict[int, bytes]) -> None:
@@ -278,7 +216,7 @@ class NodeSession:
         for source, keys in wanted.items():
             if not keys:
                 continue
-            values = _unframe(received.get(source, b""), len(keys))
+            values = unframe(received.get(source, b""), len(keys))
             items = []
             for key, value in zip(keys, values, strict=True):
                 if value is None or not stored_matches(key, value):
@@ -322,7 +260,7 @@ class NodeSession:
             ):
                 return
             digest = Digest(digest_bytes(root_bytes))
-            root = _root(root_bytes)
+            root = decode_root(root_bytes)
             commit_objects(
                 self.fast,
                 [(bytes(a["shard"]), bytes(a["manifest"])) for a in acks]
@@ -391,12 +329,12 @@ class NodeSession:
 
     def _objects_of(self, root: Digest) -> list[tuple[bytes, bytes]]:
         keys = [root.raw]
-        root_bytes = _read_objects(self.store, keys)[0]
-        decoded = _root(root_bytes)
+        root_bytes = read_objects(self.fast.backend, keys)[0]
+        decoded = decode_root(root_bytes)
         shards = [bytes(s) for s in decoded.shards]
         return [
             (root.raw, root_bytes),
-            *zip(shards, _read_objects(self.store, shards), strict=True),
+            *zip(shards, read_objects(self.fast.backend, shards), strict=True),
         ]
 
     # -- restore ---------------------------------------------------------------
@@ -482,7 +420,7 @@ class NodeSession:
         backend = self.fast.backend
         if not backend.has_many(Namespace.OBJECTS, [root.raw])[0]:
             return False
-        decoded = _root(_read_objects(self.store, [root.raw])[0])
+        decoded = decode_root(read_objects(self.fast.backend, [root.raw])[0])
         return all(backend.has_many(Namespace.OBJECTS, [bytes(s) for s in decoded.shards]))
 
     def fetch(self, keys: list[bytes], *, recheck: bool = False) -> TieredChunkBackend:
@@ -525,12 +463,12 @@ class NodeSession:
                 values = self._read_local(keys_served)
             except Exception:  # noqa: BLE001 - the requester reads them from the durable tier
                 values = [None] * len(keys_served)
-            replies[requester] = _frame(values)
+            replies[requester] = frame(values)
         received = self.comm.exchange(replies, "load: chunks from peers")
         peer = MemoryBackend()
         for server, data in received.items():
             asked = [k for s, ks in self._served_to_me(plan) if s == server for k in ks]
-            for key, value in zip(asked, _unframe(data, len(asked)), strict=True):
+            for key, value in zip(asked, unframe(data, len(asked)), strict=True):
                 if value is not None:
                     peer.put_many(Namespace.CHUNKS, [(key, value)])
         if failure is not None:
@@ -585,13 +523,10 @@ class NodeSession:
         ]
 
     def sources(self) -> dict[str, int]:
-        """The bytes each source served this rank's last fetch: local, peer, durable."""
+        """The bytes each source served this rank's last fetch: fast, peer, durable."""
         if self.read_backend is None:
             return {}
-        served = dict(self.read_backend.served_chunk_bytes)
-        if "primary" in served:
-            served["local"] = served.pop("primary")
-        return served
+        return dict(self.read_backend.served_chunk_bytes)
 
     # -- promotion -------------------------------------------------------------
 
@@ -605,92 +540,3 @@ class NodeSession:
             self.store.queue_node_work(run, generation, root, promote, own, delay=delay)
         if promote and self.comm.is_coordinator:
             self.store.queue_durable_publish(run, generation, root)
-
-
-def _read_objects(store: TieredStore, keys: list[bytes]) -> list[bytes]:
-    found: dict[bytes, bytes] = {}
-
-    def keep(values: Any) -> None:
-        for key, value in zip(keys, values, strict=True):
-            if value is not None:
-                found[key] = bytes(value)
-
-    store.fast.backend.read_many(Namespace.OBJECTS, keys, keep)
-    count_object_reads(len(found), sum(len(v) for v in found.values()))
-    for key in keys:
-        if key not in found or digest_bytes(found[key]) != key:
-            raise CorruptObjectError(
-                f"object {key.hex()[:16]} is not intact in this node's fast tier"
-            )
-    return [found[k] for k in keys]
-
-
-def _root(data: bytes) -> GenerationRoot:
-    root = decode_object(data, expect=TYPE_ROOT)
-    assert isinstance(root, GenerationRoot)
-    return root
-
-
-def _shard(data: bytes) -> ShardManifest:
-    shard = decode_object(data, expect=TYPE_SHARD)
-    assert isinstance(shard, ShardManifest)
-    return shard
-
-
-def _decode_root(objects: list[tuple[bytes, bytes]], digest: Digest) -> GenerationRoot:
-    for key, value in objects:
-        if key == digest.raw:
-            return _root(value)
-    raise CorruptObjectError(f"root {digest.short} was not sent")
-
-
-def _frame(values: Sequence[bytes | None]) -> bytes:
-    parts = []
-    for value in values:
-        if value is None:
-            parts.append(_LENGTH.pack(-1))
-        else:
-            parts += [_LENGTH.pack(len(value)), value]
-    return b"".join(parts)
-
-
-def _unframe(data: bytes, count: int) -> list[bytes | None]:
-    values: list[bytes | None] = []
-    at = 0
-    for _ in range(count):
-        if at + _LENGTH.size > len(data):
-            values.append(None)
-            continue
-        (length,) = _LENGTH.unpack_from(data, at)
-        at += _LENGTH.size
-        if length < 0 or at + length > len(data):
-            values.append(None)
-            continue
-        values.append(data[at : at + length])
-        at += length
-    return values
-
-
-def wait_for_chunks(
-    durable: Any, chunks: list[bytes], *, timeout: float, poll: float = 0.2, most: float = 5.0
-) -> None:
-    """Wait until the durable tier holds every chunk (the nodes' uploads have landed).
-
-    Each look costs a presence check (on a store on blobs, a refresh of its index
-    listing): the wait between looks doubles from ``poll`` to at most ``most`` seconds.
-    """
-    deadline = time.monotonic() + timeout
-    left = list(chunks)
-    while True:
-        present = durable.backend.has_many(Namespace.CHUNKS, left) if left else []
-        left = [c for c, here in zip(left, present, strict=True) if not here]
-        if not left:
-            return
-        if time.monotonic() >= deadline:
-            raise ChunkMissingError(
-                f"{len(left)} chunk(s) of the generation did not reach the durable tier within "
-                f"{timeout:g}s (a node's upload failed or its node is gone); the durable tier "
-                "keeps its previous generation"
-            )
-        time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
-        poll = min(poll * 2, most)

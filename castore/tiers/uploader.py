@@ -96,7 +96,7 @@ def _lower_priority(priority: str) -> None:
 def _run(fast: Any, durable: Any, job: dict[str, Any]) -> dict[str, Any]:
     """One job: "promote" (the default), "upload" (a node's shards) or "publish"."""
     from castore.gc import RetentionPolicy
-    from castore.tiers import promote_generation, publish_uploaded, upload_shards
+    from castore.tiers.promotion import promote_generation, publish_uploaded, upload_shards
 
     run, generation = job["run"], int(job["generation"])
     kept = job.get("retention")
