@@ -5,6 +5,10 @@ broadcasts its root; each rank plans which chunks its target boxes overlap,
 fetches and verifies them where they lie in the store's memory map, and the
 ranks exchange their outcome inside that read transaction; only if every rank
 succeeded are the verified bytes copied into the live tensors.
+
+One idea in about 600 lines: the plan, the agreement and the writes of one
+restore share its targets and options; the node-spanning path (tiers) is the
+same restore reading through other sources.
 """
 
 from __future__ import annotations
