@@ -148,8 +148,8 @@ def _add_inspection(commands: Any) -> None:
         "and its pack long enough to hold it (a truncated pack is named); the chunks'\n"
         "bytes are not read. --deep also re-hashes every chunk and checks the chunk\n"
         "index; --sample P re-hashes each chunk with chance P percent (a cheap\n"
-        "periodic check). Each\n"
-        "problem prints as a PROBLEM line; exit 0 when there is none, 1 otherwise.\n\n"
+        "periodic check). Each problem prints as a PROBLEM line; exit 0 when there\n"
+        "is none, 1 otherwise.\n\n"
         "Without RUN[@GEN], every run is checked; RUN alone checks every generation of\n"
         "the run, RUN@GEN only that one. An unknown run or generation is an error.\n\n"
         + TARGET_HELP,
