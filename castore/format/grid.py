@@ -1,0 +1,195 @@
+"""The chunk grid of a tensor: cells in global coordinates, from the tensor alone.
+
+Today a chunk is a byte range of one rank's box, so where chunks start
+depends on where the box starts, and the same bytes cut by another rank
+count share no chunk (issue 38). A grid derived from the tensor's global
+shape, its itemsize and the chunk size alone, never from a box, gives every
+rank, job and layout the same cells, so a cell held whole is the same chunk
+whoever holds it. The rule and why it was chosen are in docs/design/grid.md.
+
+Pure arithmetic on frozen dataclasses: no I/O, no scan over all cells.
+No save writes grid chunks yet; this module is the rule the wiring will use.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from castore.format.layout import Box
+
+
+@dataclass(frozen=True)
+class ChunkGrid:
+    """The cells of one tensor: ``cell_shape`` repeated from the origin, clipped at the edge.
+
+    ``counts[d]`` is how many cells lie along dimension ``d``; cells are
+    numbered row-major over ``counts``. A 0-d or empty tensor has one cell,
+    the whole (possibly empty) tensor.
+    """
+
+    shape: tuple[int, ...]
+    itemsize: int
+    chunk_size: int
+    cell_shape: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    @property
+    def cell_count(self) -> int:
+        return math.prod(self.counts)
+
+
+@dataclass(frozen=True)
+class CellSpan:
+    """The cells a box overlaps: per dimension, the half-open range of cell positions.
+
+    Kept as ranges so a box over millions of cells costs nothing until its
+    cells are listed.
+    """
+
+    starts: tuple[int, ...]
+    stops: tuple[int, ...]
+
+    @property
+    def count(self) -> int:
+        return math.prod(max(0, b - a) for a, b in zip(self.starts, self.stops, strict=True))
+
+
+@dataclass(frozen=True)
+class CellPart:
+    """The part of one cell a box holds, in global coordinates.
+
+    ``whole`` says the box holds every element of the cell: that part is
+    stored as the cell's own chunk, the one every holder of the cell shares.
+    """
+
+    cell: int
+    box: Box
+    whole: bool
+
+
+def chunk_grid(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> ChunkGrid:
+    """The grid of a tensor of ``shape`` and ``itemsize`` for chunks of ``chunk_size`` bytes.
+
+    Cells are 1 along the leading dimensions until the slab behind one index
+    (the product of the later dimensions times the itemsize) fits in
+    ``chunk_size``; along that dimension a cell takes as many indices as fit;
+    the later dimensions are whole. So a tensor whose row fits gets bands of
+    whole rows, and a wider one is cut along its trailing dimensions.
+    """
+    if itemsize <= 0 or chunk_size <= 0:
+        raise ValueError(f"itemsize {itemsize} and chunk_size {chunk_size} must be positive")
+    if any(size < 0 for size in shape):
+        raise ValueError(f"shape {shape} has a negative dimension")
+    cell_shape = _cell_shape(tuple(shape), itemsize, chunk_size)
+    if math.prod(shape) == 0:
+        counts = (1,) * len(shape)
+    else:
+        counts = tuple(-(-size // cell) for size, cell in zip(shape, cell_shape, strict=True))
+    return ChunkGrid(tuple(shape), itemsize, chunk_size, cell_shape, counts)
+
+
+def _cell_shape(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> tuple[int, ...]:
+    if math.prod(shape) == 0:
+        return shape  # one empty cell: nothing to cut
+    # slab[d]: bytes of one index along dimension d (its later dimensions whole).
+    slab = [itemsize * math.prod(shape[d + 1 :]) for d in range(len(shape))]
+    for dim, size in enumerate(shape):
+        if slab[dim] <= chunk_size or dim == len(shape) - 1:
+            # max(1, ..): one element larger than a chunk is its own cell.
+            take = min(size, max(1, chunk_size // slab[dim]))
+            return (1,) * dim + (take,) + shape[dim + 1 :]
+    return shape  # 0-d: the one element
+
+
+def cell_count(grid: ChunkGrid) -> int:
+    """How many cells the tensor has (1 for a 0-d or empty tensor)."""
+    return grid.cell_count
+
+
+def cell_position(grid: ChunkGrid, index: int) -> tuple[int, ...]:
+    """The per-dimension position of cell ``index`` (row-major over ``grid.counts``)."""
+    if not 0 <= index < grid.cell_count:
+        raise IndexError(f"cell {index} of a grid of {grid.cell_count} cells")
+    position = []
+    for count in reversed(grid.counts):
+        index, at = divmod(index, count)
+        position.append(at)
+    return tuple(reversed(position))
+
+
+def cell_index(grid: ChunkGrid, position: tuple[int, ...]) -> int:
+    """The row-major number of the cell at ``position``."""
+    index = 0
+    for at, count in zip(position, grid.counts, strict=True):
+        index = index * count + at
+    return index
+
+
+def cell_box(grid: ChunkGrid, index: int) -> Box:
+    """Cell ``index``'s box in global coordinates (clipped at the tensor's edge)."""
+    position = cell_position(grid, index)
+    offsets = tuple(at * cell for at, cell in zip(position, grid.cell_shape, strict=True))
+    sizes = tuple(
+        min(cell, size - offset)
+        for cell, size, offset in zip(grid.cell_shape, grid.shape, offsets, strict=True)
+    )
+    return Box(offsets, sizes)
+
+
+def cell_nbytes(grid: ChunkGrid, index: int) -> int:
+    """The bytes of cell ``index``: the length of its chunk when held whole."""
+    return cell_box(grid, index).numel * grid.itemsize
+
+
+def cells_overlapping(grid: ChunkGrid, box: Box) -> CellSpan:
+    """The cells that share at least one element with ``box``, as ranges per dimension.
+
+    An empty box overlaps no cell, so an empty tensor's one cell is never
+    stored (as today, a zero-byte tensor has no chunks).
+    """
+    if len(box.shape) != len(grid.shape):
+        raise ValueError(f"box of {len(box.shape)} dimensions on a grid of {len(grid.shape)}")
+    if box.numel == 0 and box.shape:
+        zeros = (0,) * len(box.shape)
+        return CellSpan(zeros, zeros)
+    starts = tuple(o // c for o, c in zip(box.offsets, grid.cell_shape, strict=True))
+    stops = tuple(-(-hi // c) for hi, c in zip(box.stops, grid.cell_shape, strict=True))
+    return CellSpan(starts, stops)
+
+
+def span_cells(grid: ChunkGrid, span: CellSpan) -> Iterator[int]:
+    """The cell numbers in ``span``, ascending (row-major order)."""
+    if span.count == 0:
+        return
+    yield from _walk(grid, span, 0, 0)
+
+
+def _walk(grid: ChunkGrid, span: CellSpan, dim: int, prefix: int) -> Iterator[int]:
+    if dim == len(grid.counts):
+        yield prefix
+        return
+    for at in range(span.starts[dim], span.stops[dim]):
+        yield from _walk(grid, span, dim + 1, prefix * grid.counts[dim] + at)
+
+
+def cell_part(grid: ChunkGrid, index: int, box: Box) -> CellPart | None:
+    """The part of cell ``index`` that ``box`` holds, or None when they share no element."""
+    cell = cell_box(grid, index)
+    if cell.numel == 0 or box.numel == 0:
+        return None
+    common = cell.intersect(box)
+    if common is None:
+        return None
+    return CellPart(index, common, common == cell)
+
+
+def cell_parts(grid: ChunkGrid, box: Box) -> tuple[CellPart, ...]:
+    """Every part of a cell that ``box`` holds, in cell order: what a rank stores for its box."""
+    parts = []
+    for index in span_cells(grid, cells_overlapping(grid, box)):
+        part = cell_part(grid, index, box)
+        if part is not None:  # never None for an overlapping cell; kept for the type
+            parts.append(part)
+    return tuple(parts)
