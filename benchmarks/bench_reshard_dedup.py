@@ -117,7 +117,7 @@ def sequence(rows: int) -> list[Step]:
             uneven,
             reshard=True,
         ),
-        Step(f"control: the same bytes, the same {'/'.join(map(str, uneven))} again", "a", 3, 0, uneven),
+        Step(f"control: the same {'/'.join(map(str, uneven))} again", "a", 3, 0, uneven),
         Step("castore import of a safetensors file", "b", 1, -1, imported=True),
         Step("then the same bytes, 2 ranks, rows", "b", 2, 0, reshard=True),
         Step("castore import of the base (fine-tune)", "c", 1, -1, imported=True),
