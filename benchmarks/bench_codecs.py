@@ -24,7 +24,8 @@ llm      one Llama-shaped decoder layer, scaled down to keep the state under
 Every tensor's bytes are cut into 4 MiB chunks as castore cut them before the
 chunk grid (every ``DEFAULT_CHUNK_SIZE`` bytes; the figures recorded were
 measured so, and a grid cell is never larger; a tensor's last chunk may be
-short, and most of the trained GPT's tensors are one short chunk). Each chunk goes through each codec on the calling thread alone:
+short, and most of the trained GPT's tensors are one short chunk). Each chunk
+goes through each codec on the calling thread alone:
 
 castore none       stored as is (ratio 1; not timed)
 castore zstd       ``codec.Encoder("zstd")``

@@ -196,7 +196,7 @@ def _write(store: castore.Store, array: np.ndarray, boxes: list[Box]) -> chunkio
 
 
 def test_saves_into_a_real_lmdb_store_share_the_cells_across_rank_counts(tmp_path) -> None:
-    shape = (4096, 64)  # 1 MiB of fp32: 128 cells of 8 KiB at the 64 KiB floor? no: 4 KiB chunks
+    shape = (4096, 64)  # 1 MiB of fp32, in 256 cells of 16 rows (4 KiB chunks)
     array = np.random.default_rng(1).standard_normal(shape).astype(np.float32)
     with castore.open(tmp_path / "s", chunk_size=CHUNK) as store:
         first = _write(store, array, layout(shape, {0: [1024, 2048, 3072]}))

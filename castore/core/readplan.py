@@ -84,7 +84,7 @@ class ReadPlan:
             )
         if not size:
             views = []
-        elif entry.cell is None and size <= chunk_size:
+        elif (size <= chunk_size) if entry.cell is None else len(chunks) == 1:
             views = [flat]
         elif entry.cell is None:
             views = [flat[at : at + chunk_size] for at in range(0, size, chunk_size)]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
 from itertools import pairwise
 
 import numpy as np
@@ -28,8 +29,12 @@ from castore.format.layout import Box
 # than MIN_CELL bytes, never larger than the store's chunk size. Small enough
 # that a change of rank count cuts few cells (each cut costs at most one cell),
 # large enough that a tensor's chunk count stays bounded (docs/FORMAT.md, "Chunks").
+# A tensor that would get fewer than MIN_CELLS cells of MIN_CELL is not cut finer
+# than the chunk size: any change of rank count cuts most of its few cells anyway,
+# and every chunk costs a save and a load a fixed amount of work.
 CELLS_PER_TENSOR = 128
 MIN_CELL = 64 << 10
+MIN_CELLS = 64
 # A format-3 tensor entry's cell dimension that means "no grid": chunks are the
 # box's own buffer cut every chunk_size bytes (the format-2 rule).
 RUNS = 255
@@ -228,9 +233,12 @@ def cell_parts(grid: ChunkGrid, box: Box) -> tuple[CellPart, ...]:
 
 def cell_target(nbytes: int, chunk_size: int) -> int:
     """The cell size (bytes) the writer aims at for a tensor of ``nbytes`` global bytes."""
+    if nbytes < MIN_CELLS * MIN_CELL:
+        return chunk_size
     return min(chunk_size, max(MIN_CELL, nbytes // CELLS_PER_TENSOR))
 
 
+@lru_cache(maxsize=4096)
 def writer_cell(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> tuple[int, int]:
     """The grid a save writes for a tensor, as (dimension, extent); (0, 1) for a 0-d one.
 
@@ -280,6 +288,13 @@ def box_chunk_count(
     return math.prod(local_shape[:dim]) * (-(-(lo + size) // extent) - lo // extent)
 
 
+# Shared, never written to: a box of one chunk, a box of none.
+_ONE_CHUNK = np.zeros(1, dtype=np.int64)
+_ONE_CHUNK.flags.writeable = False
+_NO_CHUNK = np.zeros(0, dtype=np.int64)
+_NO_CHUNK.flags.writeable = False
+
+
 def box_chunk_starts(
     offsets: tuple[int, ...],
     local_shape: tuple[int, ...],
@@ -293,18 +308,22 @@ def box_chunk_starts(
     coordinates, once for every index of the dimensions before it.
     """
     if not local_shape:
-        return np.zeros(1, dtype=np.int64)
+        return _ONE_CHUNK
     if 0 in local_shape:
-        return np.zeros(0, dtype=np.int64)
+        return _NO_CHUNK
     dim, extent = cell
     lo, size = offsets[dim], local_shape[dim]
     inner = math.prod(local_shape[dim + 1 :]) * itemsize
     first = lo // extent + 1
     last = -(-(lo + size) // extent)
+    lead = math.prod(local_shape[:dim])
+    if lead == 1 and last - first < 256:  # the common case, without numpy's per-call cost
+        if last <= first:
+            return _ONE_CHUNK
+        return np.array([0, *((m * extent - lo) * inner for m in range(first, last))], np.int64)
     cuts = np.concatenate(
         [np.zeros(1, dtype=np.int64), np.arange(first, last, dtype=np.int64) * extent - lo]
     )
-    lead = math.prod(local_shape[:dim])
     if lead == 1:
         return cuts * inner
     rows = np.arange(lead, dtype=np.int64) * (size * inner)

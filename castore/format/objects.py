@@ -14,7 +14,6 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any
 
 import msgpack
@@ -98,24 +97,33 @@ class TensorEntry:
         )
         return entry
 
-    @cached_property
+    @property
     def chunk_starts(self) -> np.ndarray:
         """Where each chunk starts in the box's buffer (int64, ascending, one per chunk)."""
-        if self.cell is None:
-            return np.arange(0, self.nbytes, self.chunk_size, dtype=np.int64)
-        itemsize = numpy_dtype(self.dtype).itemsize
-        return box_chunk_starts(self.offsets, self.local_shape, itemsize, self.cell)
+        starts: np.ndarray | None = self.__dict__.get("_starts")
+        if starts is None:  # computed once (not a cached_property: 3.11's takes a lock)
+            if self.cell is None:
+                starts = np.arange(0, self.nbytes, self.chunk_size, dtype=np.int64)
+            else:
+                itemsize = numpy_dtype(self.dtype).itemsize
+                starts = box_chunk_starts(self.offsets, self.local_shape, itemsize, self.cell)
+            self.__dict__["_starts"] = starts
+        return starts
 
     def chunk_start(self, index: int) -> int:
         """Where chunk ``index`` starts in the box's buffer."""
         if self.cell is None:
             return index * self.chunk_size
+        if len(self.chunks) == 1:
+            return 0
         return int(self.chunk_starts[index])
 
     def chunk_length(self, index: int) -> int:
         """The bytes chunk ``index`` holds (what its stored record must decode to)."""
         if self.cell is None:
             return min(self.chunk_size, self.nbytes - index * self.chunk_size)
+        if len(self.chunks) == 1:
+            return self.nbytes
         starts = self.chunk_starts
         end = int(starts[index + 1]) if index + 1 < len(starts) else self.nbytes
         return end - int(starts[index])
@@ -211,8 +219,8 @@ class TensorEntry:
             problem = cell_problem(self.shape, itemsize, self.cell)
             if problem:
                 return problem
-            expected_chunks = 0 if not self.nbytes else box_chunk_count(
-                self.offsets, self.local_shape, self.cell
+            expected_chunks = (
+                0 if not self.nbytes else box_chunk_count(self.offsets, self.local_shape, self.cell)
             )
         if len(self.chunks) != expected_chunks:
             return f"lists {len(self.chunks)} chunks, its size needs {expected_chunks}"

@@ -20,8 +20,8 @@ import numpy as np
 
 from castore import Store
 from castore.chunkstore.base import Namespace
-from castore.format.hashing import Digest, digest_bytes
 from castore.format.grid import RUNS
+from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GRID_SHARD_FORMAT, SHARD_FORMAT, TYPE_SHARD
 from castore.repo.records import RefValue
 
