@@ -21,10 +21,11 @@ llm      one Llama-shaped decoder layer, scaled down to keep the state under
          Groups: the weights cast to bf16, fp32 ``exp_avg``, fp32 ``exp_avg_sq``;
          "full training state" is all three (a mixed-precision checkpoint).
 
-Every tensor's bytes are cut into 4 MiB chunks exactly as castore cuts them
-(``castore.core.chunkio.cut_chunks`` with ``DEFAULT_CHUNK_SIZE``; a tensor's
-last chunk may be short, and most of the trained GPT's tensors are one short
-chunk). Each chunk goes through each codec on the calling thread alone:
+Every tensor's bytes are cut into 4 MiB chunks as castore cut them before the
+chunk grid (every ``DEFAULT_CHUNK_SIZE`` bytes; the figures recorded were
+measured so, and a grid cell is never larger; a tensor's last chunk may be
+short, and most of the trained GPT's tensors are one short chunk). Each chunk
+goes through each codec on the calling thread alone:
 
 castore none       stored as is (ratio 1; not timed)
 castore zstd       ``codec.Encoder("zstd")``
@@ -80,7 +81,7 @@ from _codec_states import (
 )
 from _common import print_goals
 
-from castore.core.chunkio import DEFAULT_CHUNK_SIZE, cut_chunks
+from castore.core.chunkio import DEFAULT_CHUNK_SIZE
 from castore.format import codec
 
 MIB = 1 << 20
@@ -193,6 +194,11 @@ class Measured:
     kept_raw: list[bool] = field(default_factory=list)
     compress_ns: list[list[int]] = field(default_factory=list)  # [chunk][rep]
     decompress_ns: list[list[int]] = field(default_factory=list)
+
+
+def cut_chunks(data: Any, chunk_size: int) -> list[memoryview]:
+    flat = memoryview(data).cast("B")
+    return [flat[at : at + chunk_size] for at in range(0, flat.nbytes, chunk_size)]
 
 
 def chunks_of(groups: dict[str, list[Tensor]]) -> list[Chunk]:

@@ -262,7 +262,7 @@ def new_chunk_bytes(new: list[TensorEntry], old: list[TensorEntry]) -> int:
             if digest in held or digest in seen:
                 continue
             seen.add(digest)
-            total += min(box.chunk_size, box.nbytes - index * box.chunk_size)
+            total += box.chunk_length(index)
     return total
 
 

@@ -177,7 +177,7 @@ def _references(
             chunks.update(entry.chunks)
             if raw is not None:
                 for index, chunk in enumerate(entry.chunks):
-                    length = min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+                    length = entry.chunk_length(index)
                     raw[chunk] = (length, entry.dtype)
     return objects, chunks
 

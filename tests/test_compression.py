@@ -26,6 +26,7 @@ from castore.errors import (
 )
 from castore.format import codec
 from castore.format.codec import CodecError, UnknownCodecError
+from castore.format.grid import box_chunk_starts, writer_cell
 from castore.testing.corrupt import raw_put
 from castore.verify import verify_store
 
@@ -153,9 +154,12 @@ def test_a_resave_compresses_only_new_chunks(tmp_path, monkeypatch) -> None:
         s.save({**state, "steps": state["steps"] + 1}, run="r", step=2)
         # Only the counter's chunks changed: only they are encoded again (those not
         # under MIN_CHUNK, which are stored raw).
-        size = state["steps"].nbytes
-        changed = [min(CHUNK, size - at) for at in range(0, size, CHUNK)]
+        steps = state["steps"]
+        cell = writer_cell(steps.shape, steps.itemsize, CHUNK)
+        starts = box_chunk_starts((0,), steps.shape, steps.itemsize, cell).tolist()
+        changed = np.diff([*starts, steps.nbytes]).tolist()  # its chunks' lengths, on its grid
         assert len(calls) - first == sum(n >= codec.MIN_CHUNK for n in changed) >= 2
+        assert sorted(calls[first:]) == sorted(n for n in changed if n >= codec.MIN_CHUNK)
 
 
 def test_copy_between_stores_of_different_codecs(tmp_path) -> None:

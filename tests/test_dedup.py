@@ -1,12 +1,15 @@
 """Deduplication: unchanged bytes are never written twice, changed bytes always are.
 
 Expected chunk counts are worked out independently, by cutting each tensor's
-bytes into chunk-size pieces here, and checked both against ``SaveStats`` and
-against the keys physically present in the LMDB ``chunks`` database.
+bytes here where its chunk grid puts the cells (only the grid's (dimension,
+extent) comes from ``castore.format.grid.writer_cell``, the rule docs/FORMAT.md
+states), and checked both against ``SaveStats`` and against the keys physically
+present in the LMDB ``chunks`` database.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +19,7 @@ import torch
 
 from castore import Store
 from castore.chunkstore.base import Namespace
+from castore.format.grid import writer_cell
 
 CHUNK = 1024
 
@@ -31,12 +35,33 @@ def tensor_leaves(state: Any) -> list[np.ndarray]:
     return []
 
 
+def grid_cuts(array: np.ndarray, chunk_size: int) -> list[bytes]:
+    """A whole tensor's chunks, in order: its row-major bytes cut where its grid's cells lie.
+
+    Cells are 1 along the dimensions before the cell dimension, ``extent`` along it
+    and whole after it, so for each index of the leading dimensions the run of bytes
+    along the cell dimension is cut every ``extent`` slabs (the last band may be short).
+    """
+    data = np.ascontiguousarray(array).tobytes()
+    if not data:
+        return []
+    if array.ndim == 0:
+        return [data]
+    dim, extent = writer_cell(array.shape, array.itemsize, chunk_size)
+    slab = math.prod(array.shape[dim + 1 :]) * array.itemsize
+    run, step = array.shape[dim] * slab, extent * slab
+    return [
+        data[lead + at : lead + min(at + step, run)]
+        for lead in range(0, len(data), run)
+        for at in range(0, run, step)
+    ]
+
+
 def pieces(state: Any, chunk_size: int) -> set[bytes]:
     """The distinct chunk contents a state cuts into (little-endian, row-major bytes)."""
     found: set[bytes] = set()
     for array in tensor_leaves(state):
-        data = np.ascontiguousarray(array).tobytes()
-        found.update(data[at : at + chunk_size] for at in range(0, len(data), chunk_size))
+        found.update(grid_cuts(array, chunk_size))
     return found
 
 
@@ -98,9 +123,11 @@ def test_dedup_check_catches_a_store_that_rewrites_everything(
     assert gen.stats.reused_chunks == len(pieces(state, CHUNK // 2) & pieces(state, CHUNK))
 
 
-ROWS, COLS = 64, 48  # float32: 192-byte rows, 12288 bytes, twelve 1 KiB chunks
+ROWS, COLS = 64, 48  # float32: 192-byte rows, 12288 bytes; cells of whole rows under 1 KiB
 
 
+# Before the grid, rows 5, 10 and 21 straddled a 1 KiB boundary (two chunks); row 63
+# lies in the short last cell.
 @pytest.mark.parametrize("row", [0, 5, 10, 21, 63])
 def test_changing_one_row_writes_only_its_chunks(store: Store, row: int) -> None:
     rng = np.random.default_rng(1)
@@ -110,37 +137,43 @@ def test_changing_one_row_writes_only_its_chunks(store: Store, row: int) -> None
     }
     store.save(state, run="rows", step=0)
     before = physical_chunks(store)
+    old_cuts = grid_cuts(state["big"], CHUNK)
 
     state["big"][row] += 1.0  # in place
     gen = store.save(state, run="rows", step=1)
 
-    row_bytes = COLS * 4
-    first, last = row * row_bytes // CHUNK, ((row + 1) * row_bytes - 1) // CHUNK
-    changed = last - first + 1
-    assert changed == (2 if row in (5, 10, 21) else 1)  # rows 5, 10, 21 straddle a boundary
-    assert gen.stats.new_chunks == changed
-    assert gen.stats.new_bytes == changed * CHUNK
-    assert gen.stats.reused_chunks == 12 + 7 - changed  # "other" is 6400 bytes: 7 chunks
+    new_cuts = grid_cuts(state["big"], CHUNK)
+    dim, band = writer_cell((ROWS, COLS), 4, CHUNK)
+    assert dim == 0 and 1 < band and band * COLS * 4 <= CHUNK  # bands of whole rows
+    changed = [i for i, (a, b) in enumerate(zip(old_cuts, new_cuts, strict=True)) if a != b]
+    # A row lies in one cell: exactly its chunk changes, wherever the row sits.
+    assert changed == [row // band]
+    changed_bytes = len(new_cuts[row // band])
+    assert changed_bytes == (min(ROWS, (row // band + 1) * band) - row // band * band) * COLS * 4
+    other_chunks = len(grid_cuts(state["other"], CHUNK))
+    assert gen.stats.new_chunks == 1
+    assert gen.stats.new_bytes == changed_bytes
+    assert gen.stats.reused_chunks == len(new_cuts) + other_chunks - 1
     after = physical_chunks(store)
-    assert after == (before[0] + changed, before[1] + changed * CHUNK)
+    assert after == (before[0] + 1, before[1] + changed_bytes)
     # The changed chunk digests are exactly the ones at those positions.
     old, new = (
         store.tensor_entries(store.resolve_root("rows", g)[1])["big"][0].chunks for g in (1, 2)
     )
-    assert [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b] == list(
-        range(first, last + 1)
-    )
+    assert [i for i, (a, b) in enumerate(zip(old, new, strict=True)) if a != b] == changed
     np.testing.assert_array_equal(store.load("rows")["big"], state["big"])
 
 
 def test_changing_last_partial_chunk_writes_only_its_bytes(store: Store) -> None:
-    array = np.random.default_rng(2).standard_normal((10, 100), dtype=np.float32)  # 4000 bytes
+    array = np.random.default_rng(2).standard_normal((11, 100), dtype=np.float32)  # 4400 bytes
+    cuts = grid_cuts(array, CHUNK)
+    assert len(cuts[-1]) < len(cuts[0])  # the last cell is short: 11 rows in bands
     store.save({"a": array}, run="tail", step=0)
     array[-1, -1] = 0.5
     gen = store.save({"a": array}, run="tail", step=1)
     assert gen.stats.new_chunks == 1
-    assert gen.stats.new_bytes == 4000 - 3 * CHUNK  # the 928-byte last chunk
-    assert gen.stats.reused_chunks == 3
+    assert gen.stats.new_bytes == len(cuts[-1]) == array.nbytes - sum(map(len, cuts[:-1]))
+    assert gen.stats.reused_chunks == len(cuts) - 1
 
 
 def test_identical_content_across_runs_is_stored_once(store: Store, make_state: Any) -> None:

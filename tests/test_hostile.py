@@ -28,6 +28,7 @@ from hostile import (
 )
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from pregrid import pre_grid_saves
 
 import castore
 import castore.dist
@@ -59,8 +60,11 @@ def assert_one_line_error(result: subprocess.CompletedProcess[str], *, code: int
 
 @pytest.fixture
 def saved(store: Store) -> Store:
-    """Generation 1 of RUN: one float32 tensor over several 1 KiB chunks, and a plain value."""
-    store.save({TENSOR: ORIGINAL, "note": "intact"}, run=RUN, step=1)
+    """Generation 1 of RUN: one float32 tensor over several 1 KiB chunks, and a plain value,
+    saved as castore did before the chunk grid (so every layout, format 1 included, can
+    hold its entries; tests/test_grid_wiring.py forges grids)."""
+    with pre_grid_saves():
+        store.save({TENSOR: ORIGINAL, "note": "intact"}, run=RUN, step=1)
     return store
 
 
@@ -263,7 +267,7 @@ BAD_TABLES: dict[str, tuple[Any, str]] = {
 def test_a_malformed_tensor_table_is_corrupt_for_every_reader(saved: Store, case: str) -> None:
     mutate, message = BAD_TABLES[case]
     _, root, shards = latest_wires(saved, RUN)
-    shards[0]["tensors"] = table_of(shards[0]["tensors"])
+    shards[0]["tensors"] = table_of(shards[0]["tensors"])  # format 2
     mutate(shards[0]["tensors"])
     forged = publish_forged(saved, RUN, root, shards)
     with pytest.raises(CorruptObjectError, match=message):

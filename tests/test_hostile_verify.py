@@ -10,6 +10,7 @@ and the CLI, must report the same generation, naming where.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from collections.abc import Callable
 from pathlib import Path
@@ -19,6 +20,7 @@ import msgpack
 import numpy as np
 import pytest
 from hostile import latest_wires, nested_tuple_payload, publish_forged
+from pregrid import pre_grid_saves
 from test_hostile import run_cli
 
 from castore import Store
@@ -27,7 +29,9 @@ from castore.format.tree import EXT_TENSOR, MAX_DEPTH
 from castore.verify import verify_store
 
 RUN = "hostile"
-ORIGINAL = np.arange(24 * 16, dtype=np.float32).reshape(24, 16)  # chunks of 1024 and 512 bytes
+# 64-byte rows: cut every 1 KiB (before the grid) or in bands of 16 rows (on it), the
+# same two chunks of 1024 and 512 bytes, as the messages in CASES say.
+ORIGINAL = np.arange(24 * 16, dtype=np.float32).reshape(24, 16)
 
 ShardMutation = Callable[[dict[str, Any]], None]
 
@@ -105,9 +109,16 @@ CASES: dict[str, tuple[ShardMutation, type[IntegrityError], str, str]] = {
 }
 
 
-@pytest.fixture
-def saved(store: Store) -> Store:
-    store.save({"w": ORIGINAL, "note": "intact"}, run=RUN, step=1)
+@pytest.fixture(params=["pre-grid", "grid"])
+def saved(store: Store, request: pytest.FixtureRequest) -> Store:
+    """Generation 1 of RUN, saved as castore did before the chunk grid (format 2) or on
+    it (format 3): each reader's checks must refuse the same forgeries."""
+    pre_grid = request.param == "pre-grid"
+    with pre_grid_saves() if pre_grid else contextlib.nullcontext():
+        store.save({"w": ORIGINAL, "note": "intact"}, run=RUN, step=1)
+    [entry] = store.tensor_entries(store.resolve_root(RUN)[1])["w"]
+    assert (entry.cell is None) == pre_grid
+    assert [entry.chunk_length(i) for i in range(len(entry.chunks))] == [1024, 512]
     return store
 
 

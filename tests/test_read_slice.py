@@ -20,11 +20,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
+from pregrid import pre_grid_saves
 
 import castore
 from castore import GenerationNotFoundError, Store
 from castore.chunkstore.base import ChunkReader, Namespace, ReadSink
 from castore.errors import InvalidIndexError, TensorNotFoundError
+from castore.format.grid import writer_cell
 
 # -- helpers ---------------------------------------------------------------------
 
@@ -79,6 +81,25 @@ def assert_same_result(actual: Any, expected: Any) -> None:
         assert isinstance(actual, np.ndarray)
 
 
+def grid_chunk_starts(shape: tuple[int, ...], itemsize: int, chunk: int) -> np.ndarray:
+    """Where a whole tensor's chunks start in its row-major bytes: its grid's cells.
+
+    Cells are 1 along the dimensions before the cell dimension, ``extent`` along it
+    and whole after it (docs/FORMAT.md, "The chunk grid"): for each index of the
+    leading dimensions, the bytes along the cell dimension are cut every ``extent`` slabs.
+    """
+    if not shape:
+        return np.zeros(1, dtype=np.int64)
+    nbytes = math.prod(shape) * itemsize
+    if not nbytes:
+        return np.zeros(0, dtype=np.int64)
+    dim, extent = writer_cell(shape, itemsize, chunk)
+    slab = math.prod(shape[dim + 1 :]) * itemsize
+    run = shape[dim] * slab
+    starts = [lead + at for lead in range(0, nbytes, run) for at in range(0, run, extent * slab)]
+    return np.asarray(starts, dtype=np.int64)
+
+
 def bounding_box_chunks(shape: tuple[int, ...], index: Any, itemsize: int, chunk: int) -> set[int]:
     """Chunks holding any byte of the bounding box of the elements ``index`` picks (brute force)."""
     flat = np.arange(math.prod(shape), dtype=np.int64).reshape(shape)
@@ -92,11 +113,12 @@ def bounding_box_chunks(shape: tuple[int, ...], index: Any, itemsize: int, chunk
         elements = flat[box].reshape(-1)
     else:
         elements = picked
+    starts = grid_chunk_starts(shape, itemsize, chunk)
     found: set[int] = set()
     for element in elements.tolist():
-        found.update(
-            range(element * itemsize // chunk, (element * itemsize + itemsize - 1) // chunk + 1)
-        )
+        first = int(np.searchsorted(starts, element * itemsize, side="right")) - 1
+        last = int(np.searchsorted(starts, element * itemsize + itemsize - 1, side="right")) - 1
+        found.update(range(first, last + 1))
     return found
 
 
@@ -309,10 +331,15 @@ def test_row_ranges_read_exactly_the_overlapping_chunks(
 def test_unaligned_rows_read_the_straddled_chunks(
     open_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A generation saved before the chunk grid (format 2, every 1 KiB of the buffer):
+    rows straddle chunks, and a slice reads every chunk its rows touch, and no other."""
     # 250 float32 = 1000-byte rows in 1024-byte chunks: rows 3..6 are bytes 3000..6999.
     store = open_store(tmp_path / "unaligned", chunk_size=1024)
     data = np.random.default_rng(1).standard_normal((16, 250), dtype=np.float32)
-    store.save({"w": data}, run="u", step=0)
+    with pre_grid_saves():
+        store.save({"w": data}, run="u", step=0)
+    (entry,) = store.tensor_entries(store.resolve_root("u")[1])["w"]
+    assert entry.cell is None  # cut every chunk_size bytes, as before the grid
     digests = chunk_digests(store, "u", "w")
     assert len(digests) == 16  # 16000 bytes: 15 full chunks and 640 bytes
     reads = count_chunk_reads(store, monkeypatch)
@@ -322,6 +349,37 @@ def test_unaligned_rows_read_the_straddled_chunks(
     np.testing.assert_array_equal(store.read_slice("u", "latest", "w", np.s_[15]), data[15])
     assert reads.keys[5:] == [digests[14], digests[15]]  # bytes 15000..15999
     assert store.read_counters.bytes == 5 * 1024 + 1024 + 640  # the last chunk is short
+
+
+def test_rows_read_the_grid_cells_they_overlap(
+    open_store: Any, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On the grid a cell is a band of whole rows: a row range reads the bands it touches,
+    whole (a band holds rows the slice did not ask for), and no other."""
+    chunk = 3000
+    store = open_store(tmp_path / "grid", chunk_size=chunk)
+    data = np.random.default_rng(1).standard_normal((16, 250), dtype=np.float32)
+    store.save({"w": data}, run="u", step=0)
+    row = 250 * 4
+    dim, band = writer_cell(data.shape, 4, chunk)
+    assert dim == 0 and band > 1 and 16 % band  # bands of several rows, the last one short
+    (entry,) = store.tensor_entries(store.resolve_root("u")[1])["w"]
+    assert entry.cell == (dim, band)
+    digests = chunk_digests(store, "u", "w")
+    assert len(digests) == -(-16 // band)
+    reads = count_chunk_reads(store, monkeypatch)
+
+    np.testing.assert_array_equal(store.read_slice("u", "latest", "w", np.s_[4:8]), data[4:8])
+    bands = list(range(4 // band, 7 // band + 1))  # the bands of rows 4 and 7, and between
+    assert len(bands) >= 2 and 4 % band  # the slice starts inside a band and spans two
+    assert reads.keys == [digests[i] for i in bands]
+    assert (store.read_counters.chunks, store.read_counters.bytes) == (
+        len(bands),
+        len(bands) * band * row,
+    )
+    np.testing.assert_array_equal(store.read_slice("u", "latest", "w", np.s_[15]), data[15])
+    assert reads.keys[len(bands) :] == [digests[-1]]  # the short last band
+    assert store.read_counters.bytes == len(bands) * band * row + (16 % band) * row
 
 
 def test_counting_wrapper_sees_a_full_read(

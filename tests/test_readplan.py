@@ -9,6 +9,7 @@ reclaim moved.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ import lmdb
 import numpy as np
 import pytest
 from hostile import forge_entry
+from pregrid import pre_grid_saves
 
 import castore
 from castore import Shard, Store
@@ -203,14 +205,23 @@ def test_the_first_damaged_chunk_in_plan_order_is_the_one_raised(
         assert info.value.tensor == damaged[0]
 
 
-def test_a_chunk_reused_with_another_length_is_damaged_for_that_tensor(store: Store) -> None:
-    store.save(
-        {"a": np.arange(256, dtype=np.float32), "b": np.zeros(128, dtype=np.float32)},
-        run=RUN,
-        step=1,
-    )
+@pytest.mark.parametrize("grid", [False, True], ids=["pre-grid", "grid"])
+def test_a_chunk_reused_with_another_length_is_damaged_for_that_tensor(
+    store: Store, grid: bool
+) -> None:
+    with contextlib.nullcontext() if grid else pre_grid_saves():
+        store.save(
+            {"a": np.arange(256, dtype=np.float32), "b": np.zeros(128, dtype=np.float32)},
+            run=RUN,
+            step=1,
+        )
     _, root = store.resolve_root(RUN)
-    [a] = store.tensor_entries(root)["a"]  # 1024 bytes: one chunk
+    [a] = store.tensor_entries(root)["a"]
+    [b] = store.tensor_entries(root)["b"]
+    assert (a.cell is not None, b.cell is not None) == (grid, grid)  # format 3, or format 2
+    # One chunk each, of different lengths: a's named as b's is the wrong length there.
+    assert (len(a.chunks), len(b.chunks)) == (1, 1)
+    assert (a.chunk_length(0), b.chunk_length(0)) == (a.nbytes, b.nbytes) == (1024, 512)
 
     def reuse(entry: dict[str, Any]) -> None:
         entry["chunks"] = [a.chunks[0]]  # 512 bytes said, 1024 stored

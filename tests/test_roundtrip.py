@@ -19,6 +19,7 @@ import torch
 import castore
 from castore import Generation, GenerationNotFoundError, Store, UnsupportedValueError
 from castore.format.dtypes import SUPPORTED_DTYPES, numpy_dtype
+from castore.format.grid import writer_cell
 
 DTYPES = sorted(SUPPORTED_DTYPES)
 HEX64 = re.compile(r"[0-9a-f]{64}")
@@ -374,16 +375,36 @@ def test_two_tensors_mapping_to_one_name_are_rejected(store: Store) -> None:
 # -- chunking --------------------------------------------------------------------------
 
 
+def grid_chunk_lengths(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> list[int]:
+    """A whole tensor's chunk lengths on its grid: cells 1 along the dimensions before the
+    cell dimension, ``extent`` along it (the last band short), whole after it."""
+    dim, extent = writer_cell(shape, itemsize, chunk_size)
+    slab = math.prod(shape[dim + 1 :]) * itemsize
+    band = [min(extent, shape[dim] - at) * slab for at in range(0, shape[dim], extent)]
+    return band * math.prod(shape[:dim])
+
+
 def test_tensor_spanning_chunks_with_partial_last_chunk(store: Store) -> None:
-    array = random_array("float32", (1000,))  # 4000 bytes: 3 full 1 KiB chunks + 928 bytes
-    tensor = random_tensor("int16", (3, 700), seed=2)  # 4200 bytes: 4 full + 104 bytes
+    array = random_array("float32", (1000,))  # 4000 bytes: full 1 KiB chunks and a short one
+    tensor = random_tensor("int16", (3, 700), seed=2)  # 1400-byte rows: each cut in two
     gen = store.save({"a": array, "t": tensor}, run="chunks", step=1)
     entries = tensor_entries(store, "chunks")
-    assert (entries["a"].nbytes, len(entries["a"].chunks)) == (4000, 4)
-    assert (entries["t"].nbytes, len(entries["t"].chunks)) == (4200, 5)
+    lengths = {
+        name: [entries[name].chunk_length(i) for i in range(len(entries[name].chunks))]
+        for name in ("a", "t")
+    }
+    # "a": bands of 256 items, a full chunk each, then the short rest.
+    assert lengths["a"] == grid_chunk_lengths((1000,), 4, 1024)
+    assert lengths["a"][:-1] == [1024] * (4000 // 1024) and 0 < lengths["a"][-1] < 1024
+    # "t": a row exceeds a chunk, so cells cut each row: a full chunk, then the row's rest.
+    assert writer_cell((3, 700), 2, 1024)[0] == 1
+    assert lengths["t"] == grid_chunk_lengths((3, 700), 2, 1024)
+    assert lengths["t"] == [1024, 1400 - 1024] * 3
+    assert (entries["a"].nbytes, entries["t"].nbytes) == (4000, 4200)
     assert entries["a"].chunk_size == entries["t"].chunk_size == 1024
     assert gen.stats.logical_bytes == 8200
-    assert gen.stats.new_chunks == 9 and gen.stats.new_bytes == 8200
+    count = len(lengths["a"]) + len(lengths["t"])
+    assert gen.stats.new_chunks == count and gen.stats.new_bytes == 8200
     loaded = store.load("chunks")
     assert_same_tensor(loaded["a"], array)
     assert_same_tensor(loaded["t"], tensor)

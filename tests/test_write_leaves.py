@@ -20,10 +20,13 @@ from castore.chunkstore.base import Namespace
 from castore.core import chunkio
 from castore.core.chunkio import write_leaves
 from castore.core.hashpool import INLINE_BYTES
+from castore.format.grid import writer_cell
 from castore.format.hashing import digest_bytes
 from castore.format.tree import TensorLeaf
 
-CHUNK = 4 * INLINE_BYTES  # chunks of a big leaf go to the pool, a small leaf's stay here
+# A big leaf's cells are at least MIN_CELL (= INLINE_BYTES) and at most CHUNK: its chunks
+# go to the pool, a small leaf's (and a big leaf's short last one) stay here.
+CHUNK = 4 * INLINE_BYTES
 
 
 def leaf(name: str, nbytes: int, seed: int) -> TensorLeaf:
@@ -36,9 +39,23 @@ def mixed_leaves() -> list[TensorLeaf]:
     return [leaf(f"t{i}", size, seed=i) for i, size in enumerate(sizes)]
 
 
-def expected_chunks(item: TensorLeaf) -> tuple[bytes, ...]:
+def expected_pieces(item: TensorLeaf) -> list[bytes]:
+    """A 1-d uint8 leaf cut on its grid: a cell is ``extent`` bytes (the last one short)."""
     raw = item.data.tobytes()
-    return tuple(digest_bytes(raw[at : at + CHUNK]) for at in range(0, len(raw), CHUNK))
+    dim, extent = writer_cell(item.shape, 1, CHUNK)
+    assert dim == 0
+    return [raw[at : at + extent] for at in range(0, len(raw), extent)]
+
+
+def expected_chunks(item: TensorLeaf) -> tuple[bytes, ...]:
+    return tuple(digest_bytes(piece) for piece in expected_pieces(item))
+
+
+def test_the_leaves_are_hashed_in_both_places() -> None:
+    """The premise of the test below: some chunks go to the pool, some stay inline."""
+    sizes = [len(piece) for item in mixed_leaves() for piece in expected_pieces(item)]
+    assert any(n >= INLINE_BYTES for n in sizes) and any(0 < n < INLINE_BYTES for n in sizes)
+    assert sum(n >= INLINE_BYTES for n in sizes) > 1  # several pool chunks: runs, not one
 
 
 def slow_on_the_pool(data: object, *, threads: int | None = None) -> bytes:

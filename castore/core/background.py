@@ -49,11 +49,12 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core import chunkio, hashpool, shutdown
 from castore.core.chunkio import (
     WriteStats,
-    cut_chunks,
     digests_in_order,
     entry_of,
     put_counted,
@@ -77,6 +78,7 @@ from castore.core.staging import (
     state_bytes,
 )
 from castore.errors import ChunkMissingError, CommitUnknownError, SaveAborted
+from castore.format.grid import cut_at
 from castore.format.objects import TensorEntry
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
 from castore.support.faults import fault_point
@@ -377,7 +379,8 @@ class _Batch:
                 continue
             if piece.ready is not None:
                 piece.ready.synchronize()  # the device-to-host copy has landed
-            views = cut_chunks(piece.buffer.array, self.chunk_size)
+            flat = memoryview(piece.buffer.array).cast("B")
+            views = cut_at(flat, np.asarray(piece.cuts or [0], dtype=np.int64))
             named = piece.digests or digests_in_order(views, inline=self.inline)
             self.leaf = piece.leaf
             for view, digest in zip(views, named, strict=True):

@@ -1,7 +1,8 @@
 """Writing tensor bytes: cut into chunks, hash, and store the new ones on save.
 
-A tensor's flat buffer is cut into ``chunk_size`` slices (memoryviews, no
-copies) and hashed while the main thread hands each hashed chunk to the
+A tensor's flat buffer is cut where its tensor's grid cuts it
+(:func:`leaf_cell`, castore.format.grid: slices of at most ``chunk_size``,
+memoryviews, no copies) and hashed while the main thread hands each hashed chunk to the
 backend, which writes it unless it has it already; one commit per batch.
 Chunks of at least ``INLINE_BYTES`` are hashed on the shared pool
 (:mod:`castore.core.hashpool`), the smaller ones by the calling thread.
@@ -10,6 +11,7 @@ Reading them back, verified, is :mod:`castore.core.chunkread`.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,10 +19,14 @@ from dataclasses import dataclass
 from itertools import chain, pairwise
 from typing import Any
 
+import numpy as np
+
 from castore.chunkstore.base import ChunkBackend, Namespace, PutResult
 from castore.core.encoding import EncodeStage, leaf_encoders
 from castore.core.hashpool import INLINE_BYTES, TASK_BYTES, shared_pool
 from castore.format.codec import Encoder
+from castore.format.dtypes import numpy_dtype
+from castore.format.grid import box_chunk_starts, cut_at, writer_cell
 from castore.format.hashing import Buffer, digest_bytes
 from castore.format.objects import TensorEntry
 from castore.format.tree import TensorLeaf
@@ -73,14 +79,32 @@ def _cut(leaves: Sequence[TensorLeaf], chunk_size: int) -> tuple[list[memoryview
     views: list[memoryview] = []
     ends: list[int] = []
     for leaf in leaves:
-        flat = memoryview(leaf.data)  # type: ignore[arg-type]  # ndarray exports a buffer
-        size = flat.nbytes
-        if 0 < size <= chunk_size:
-            views.append(flat)
-        elif size:
-            views += [flat[at : at + chunk_size] for at in range(0, size, chunk_size)]
+        views += cut_leaf(leaf, chunk_size)
         ends.append(len(views))
     return views, ends
+
+
+def leaf_cell(leaf: TensorLeaf, chunk_size: int) -> tuple[int, int] | None:
+    """The grid ``leaf``'s tensor is cut on (castore.format.grid.writer_cell); None
+    only where a test writes as castore did before the grid (tests/helpers/pregrid.py)."""
+    return writer_cell(leaf.shape, numpy_dtype(leaf.dtype).itemsize, chunk_size)
+
+
+def leaf_chunk_starts(leaf: TensorLeaf, chunk_size: int) -> Any:
+    """Where each of ``leaf``'s chunks starts in its box's buffer (int64 array)."""
+    itemsize = numpy_dtype(leaf.dtype).itemsize
+    cell = leaf_cell(leaf, chunk_size)
+    if cell is None:
+        return np.arange(0, math.prod(leaf.local_shape) * itemsize, chunk_size, dtype=np.int64)
+    return box_chunk_starts(leaf.offsets, leaf.local_shape, itemsize, cell)
+
+
+def cut_leaf(leaf: TensorLeaf, chunk_size: int, data: Buffer | None = None) -> list[memoryview]:
+    """``leaf``'s bytes (or ``data``, the same bytes elsewhere) cut into its grid chunks."""
+    flat = memoryview(leaf.data if data is None else data).cast("B")  # type: ignore[arg-type]
+    if not flat.nbytes:
+        return []
+    return cut_at(flat, leaf_chunk_starts(leaf, chunk_size))
 
 
 def _hash_run(pieces: list[memoryview]) -> list[bytes]:
@@ -121,12 +145,6 @@ def _collected(views: Sequence[memoryview], hashing: list[Future[list[bytes]]]) 
     finally:
         for future in hashing:
             future.cancel()
-
-
-def cut_chunks(data: Buffer, chunk_size: int) -> list[memoryview]:
-    """``data`` cut into ``chunk_size`` views (the last may be short; none when empty)."""
-    flat = memoryview(data).cast("B")
-    return [flat[at : at + chunk_size] for at in range(0, flat.nbytes, chunk_size)]
 
 
 def write_leaves(
@@ -182,7 +200,7 @@ def write_leaves(
 def entry_of(
     leaf: TensorLeaf, chunk_size: int, chunks: tuple[bytes, ...], nbytes: int | None = None
 ) -> TensorEntry:
-    """The tensor entry of ``leaf`` cut into ``chunks`` of ``chunk_size``; ``nbytes``
+    """The tensor entry of ``leaf`` cut on its grid into ``chunks``; ``nbytes``
     for a leaf whose bytes are not in ``leaf.data`` (an async save's, still on its GPU)."""
     return TensorEntry(
         name=leaf.name,
@@ -194,6 +212,7 @@ def entry_of(
         chunk_size=chunk_size,
         chunks=chunks,
         framework=leaf.framework,
+        cell=leaf_cell(leaf, chunk_size),
     )
 
 

@@ -41,7 +41,7 @@ class ReadCounters:
 
 def expected_length(entry: TensorEntry, index: int) -> int:
     """The length chunk ``index`` of ``entry`` must have (the last one may be short)."""
-    return min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+    return entry.chunk_length(index)
 
 
 def verify_chunk(

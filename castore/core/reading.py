@@ -253,17 +253,17 @@ def box_transfer(
     )
 
     def scatter(index: int, chunk: np.ndarray) -> None:
-        plan.copy_from_chunk(index * entry.chunk_size, chunk, dst_flat)
+        plan.copy_from_chunk(entry.chunk_start(index), chunk, dst_flat)
 
-    return plan.chunk_indices(entry.chunk_size), scatter
+    return entry.chunk_indices(plan.src_starts, plan.run_bytes), scatter
 
 
 def place_whole(entry: TensorEntry, dst_flat: np.ndarray) -> ChunkDelivery:
-    """Delivery into a buffer that is the saved box's own: chunk i lands at i*chunk_size."""
-    chunk_size = entry.chunk_size
+    """Delivery into a buffer that is the saved box's own: each chunk lands where it starts."""
+    start = entry.chunk_start
 
     def place(index: int, chunk: np.ndarray) -> None:
-        at = index * chunk_size
+        at = start(index)
         dst_flat[at : at + chunk.size] = chunk
 
     return place

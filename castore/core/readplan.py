@@ -42,6 +42,7 @@ from castore.core.hashpool import INLINE_BYTES, TASK_BYTES, shared_pool
 from castore.errors import CorruptObjectError
 from castore.format.codec import CodecError
 from castore.format.codec import decode as decode_frame
+from castore.format.grid import cut_at
 from castore.format.hashing import digest_here, hasher_here
 from castore.format.objects import TensorEntry
 from castore.support.progress import NO_BAR, Bar
@@ -69,7 +70,7 @@ class ReadPlan:
     def add_whole(
         self, entry: TensorEntry, flat: memoryview, where: dict[str, object] | None = None
     ) -> None:
-        """Every chunk of ``entry``'s box into ``flat``, its bytes: chunk i at i*chunk_size.
+        """Every chunk of ``entry``'s box into ``flat``, its bytes: each chunk where it starts.
 
         ``where`` (run, generation) goes into the error if the entry disagrees with ``flat``.
         """
@@ -83,10 +84,12 @@ class ReadPlan:
             )
         if not size:
             views = []
-        elif size <= chunk_size:
+        elif (size <= chunk_size) if entry.cell is None else len(chunks) == 1:
             views = [flat]
-        else:
+        elif entry.cell is None:
             views = [flat[at : at + chunk_size] for at in range(0, size, chunk_size)]
+        else:
+            views = cut_at(flat, entry.chunk_starts)
         if len(views) != len(chunks):
             raise CorruptObjectError(
                 f"tensor entry lists {len(chunks)} chunks, its size needs {len(views)}",

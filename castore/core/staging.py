@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from castore.core.chunkio import cut_chunks, digests_in_order
+from castore.core.chunkio import cut_leaf, digests_in_order, leaf_chunk_starts
 from castore.errors import SaveAborted
 from castore.format.tree import TensorLeaf
 from castore.support.faults import fault_point
@@ -71,6 +71,7 @@ class Piece:
     buffer: StagingBuffer | None = None
     digests: list[bytes] | None = None
     ready: Any = None  # a torch.cuda.Event to wait on before reading ``buffer``
+    cuts: list[int] | None = None  # where each chunk starts in ``buffer`` (one chunk: None)
 
 
 class StagingPool:
@@ -202,7 +203,7 @@ def stage_leaves(
         if mode == "changed" and device is None:
             _stage_changed(index, leaf, chunk_size, pool, known, hand, aborted, snapshot)
         else:
-            _stage_whole(index, leaf, device, step, pool, hand, aborted, snapshot)
+            _stage_whole(index, leaf, device, step, chunk_size, pool, hand, aborted, snapshot)
         fault_point("async.mid_snapshot")
     snapshot.seconds = time.perf_counter() - started
     return snapshot
@@ -218,6 +219,7 @@ def _stage_whole(
     leaf: TensorLeaf,
     device: Any,
     step: int,
+    chunk_size: int,
     pool: StagingPool,
     hand: Callable[[Piece], None],
     aborted: Callable[[], bool],
@@ -227,8 +229,7 @@ def _stage_whole(
     if nbytes == 0:
         hand(Piece(index, 0, None, []))
         return
-    for start in range(0, nbytes, step):
-        end = min(nbytes, start + step)
+    for start, end, cuts in whole_pieces(leaf_chunk_starts(leaf, chunk_size), nbytes, step):
         buffer = pool.take(end - start, pinned=device is not None, aborted=aborted)
         ready = None
         if device is None:
@@ -241,7 +242,23 @@ def _stage_whole(
             ready.record()
         snapshot.staged_bytes += end - start
         snapshot.pieces += 1
-        hand(Piece(index, end - start, buffer, None, ready))
+        hand(Piece(index, end - start, buffer, None, ready, cuts))
+
+
+def whole_pieces(starts: Any, nbytes: int, step: int) -> list[tuple[int, int, list[int]]]:
+    """A tensor's bytes as pieces of whole chunks, each at most ``step`` bytes (or one
+    chunk): (start, end, where each chunk starts within the piece)."""
+    pieces: list[tuple[int, int, list[int]]] = []
+    bounds = [*starts.tolist(), nbytes]
+    start, cuts = bounds[0], [0]
+    for at, after in zip(bounds[1:-1], bounds[2:], strict=True):
+        if after - start > step:  # the next chunk would not fit: close the piece at `at`
+            pieces.append((start, at, cuts))
+            start, cuts = at, [0]
+        else:
+            cuts.append(at - start)
+    pieces.append((start, nbytes, cuts))
+    return pieces
 
 
 def _stage_changed(
@@ -255,7 +272,7 @@ def _stage_changed(
     snapshot: Snapshot,
 ) -> None:
     """Hash every chunk in place; copy only those whose digest is not ``known``."""
-    views = cut_chunks(leaf.data, chunk_size)
+    views = cut_leaf(leaf, chunk_size)
     if not views:
         hand(Piece(index, 0, None, []))
         return

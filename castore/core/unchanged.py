@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.core.chunkio import leaf_cell
 from castore.format.objects import TensorEntry
 from castore.format.tree import TensorLeaf
 
@@ -64,6 +65,7 @@ class _Seen:
             and source._version == self.version  # not moved since it was encoded
             and source.data_ptr() == self.address
             and entry.chunk_size == chunk_size
+            and entry.cell == leaf_cell(leaf, chunk_size)  # cut the way this save cuts
             and entry.nbytes == leaf.data.nbytes
             and entry.dtype == leaf.dtype
             and entry.shape == leaf.shape

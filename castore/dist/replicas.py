@@ -24,7 +24,7 @@ from collections.abc import Iterable, Iterator
 import msgpack
 import numpy as np
 
-from castore.core.chunkio import cut_chunks, digests_in_order, entry_of
+from castore.core.chunkio import cut_leaf, digests_in_order, entry_of
 from castore.core.unchanged import VersionCache
 from castore.dist.comm import Group
 from castore.errors import ReplicaMismatchError
@@ -74,7 +74,7 @@ class ReplicaDigests:
             if index in trusted:
                 self._hashing.append((leaf, iter(trusted[index])))
             else:
-                views = cut_chunks(_host_bytes(leaf), self.chunk_size)
+                views = cut_leaf(leaf, self.chunk_size, _host_bytes(leaf))
                 self._hashing.append((leaf, digests_in_order(views, inline=aside)))
         if aside and self._hashing:
             self._aside = threading.Thread(

@@ -7,8 +7,10 @@ shape, its itemsize and the chunk size alone, never from a box, gives every
 rank, job and layout the same cells, so a cell held whole is the same chunk
 whoever holds it. The rule and why it was chosen are in docs/design/grid.md.
 
-Pure arithmetic on frozen dataclasses: no I/O, no scan over all cells.
-No save writes grid chunks yet; this module is the rule the wiring will use.
+Pure arithmetic on frozen dataclasses and small numpy arrays: no I/O, no
+scan over all cells. :func:`writer_cell` is the grid every save writes
+(docs/FORMAT.md, "Chunks"); :func:`box_chunk_starts` is where a box's chunks
+start in its own buffer, for writers and readers alike.
 """
 
 from __future__ import annotations
@@ -16,8 +18,27 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import lru_cache
+from itertools import pairwise
+
+import numpy as np
 
 from castore.format.layout import Box
+
+# The writer's cell target: about CELLS_PER_TENSOR cells per tensor, never smaller
+# than MIN_CELL bytes, never larger than the store's chunk size. Small enough
+# that a change of rank count cuts few cells (each cut costs at most one cell),
+# large enough that a tensor's chunk count stays bounded (docs/FORMAT.md, "Chunks").
+# A tensor that would get fewer than MIN_CELLS cells of MIN_CELL is not cut finer
+# than the chunk size: any change of rank count cuts most of its few cells anyway,
+# and every chunk costs a save and a load a fixed amount of work.
+CELLS_PER_TENSOR = 128
+MIN_CELL = 64 << 10
+MIN_CELLS = 64
+# A format-3 tensor entry's cell dimension that means "no grid": chunks are the
+# box's own buffer cut every chunk_size bytes (the format-2 rule).
+RUNS = 255
+MAX_CELL_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -91,16 +112,21 @@ def chunk_grid(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> ChunkG
 
 
 def _cell_shape(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> tuple[int, ...]:
-    if math.prod(shape) == 0:
-        return shape  # one empty cell: nothing to cut
+    if math.prod(shape) == 0 or not shape:
+        return shape  # one empty cell, or the one element of a 0-d tensor
+    dim, take = _split(shape, itemsize, chunk_size)
+    return (1,) * dim + (take,) + shape[dim + 1 :]
+
+
+def _split(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> tuple[int, int]:
+    """(k, take): cells are 1 before dimension k, ``take`` along it, whole after it."""
     # slab[d]: bytes of one index along dimension d (its later dimensions whole).
     slab = [itemsize * math.prod(shape[d + 1 :]) for d in range(len(shape))]
     for dim, size in enumerate(shape):
         if slab[dim] <= chunk_size or dim == len(shape) - 1:
             # max(1, ..): one element larger than a chunk is its own cell.
-            take = min(size, max(1, chunk_size // slab[dim]))
-            return (1,) * dim + (take,) + shape[dim + 1 :]
-    return shape  # 0-d: the one element
+            return dim, min(size, max(1, chunk_size // slab[dim]))
+    raise AssertionError("the last dimension always returns")
 
 
 def cell_count(grid: ChunkGrid) -> int:
@@ -193,3 +219,117 @@ def cell_parts(grid: ChunkGrid, box: Box) -> tuple[CellPart, ...]:
         if part is not None:  # never None for an overlapping cell; kept for the type
             parts.append(part)
     return tuple(parts)
+
+
+# -- the grid as a tensor entry records it: (dimension, extent) -------------------------
+#
+# The cells of :func:`chunk_grid` are 1 along the dimensions before one dimension
+# ``k``, ``extent`` along ``k`` and whole after it ("bands"). So the part of a cell any
+# box holds is a fixed index along the dimensions before ``k``, a range along ``k`` and
+# the box's whole extent after it: one contiguous byte run of the box's own buffer.
+# A box's chunks are therefore byte ranges of its buffer, as before the grid, only cut
+# where the cells are instead of every chunk_size bytes.
+
+
+def cell_target(nbytes: int, chunk_size: int) -> int:
+    """The cell size (bytes) the writer aims at for a tensor of ``nbytes`` global bytes."""
+    if nbytes < MIN_CELLS * MIN_CELL:
+        return chunk_size
+    return min(chunk_size, max(MIN_CELL, nbytes // CELLS_PER_TENSOR))
+
+
+@lru_cache(maxsize=4096)
+def writer_cell(shape: tuple[int, ...], itemsize: int, chunk_size: int) -> tuple[int, int]:
+    """The grid a save writes for a tensor, as (dimension, extent); (0, 1) for a 0-d one.
+
+    Derived from the global shape, the itemsize and the store's chunk size
+    alone: every rank and every job cuts the same cells.
+    """
+    if not shape:
+        return (0, 1)
+    if 0 in shape:
+        return (0, max(1, shape[0]))  # nothing to cut: no box of it has a byte
+    target = cell_target(math.prod(shape) * itemsize, chunk_size)
+    return _split(tuple(shape), itemsize, target)
+
+
+def cell_shape_of(shape: tuple[int, ...], cell: tuple[int, int]) -> tuple[int, ...]:
+    """The cell shape of the (dimension, extent) grid over ``shape``."""
+    if not shape:
+        return ()
+    dim, extent = cell
+    return (1,) * dim + (extent,) + tuple(shape[dim + 1 :])
+
+
+def cell_problem(shape: tuple[int, ...], itemsize: int, cell: tuple[int, int]) -> str | None:
+    """Why (dimension, extent) is not a grid a reader accepts for ``shape``, or None."""
+    dim, extent = cell
+    if not shape:
+        return None if cell == (0, 1) else f"has cell {list(cell)} for a 0-d tensor, not [0, 1]"
+    if not 0 <= dim < len(shape):
+        return f"has cell dimension {dim} for a tensor of {len(shape)} dimensions"
+    if not 1 <= extent <= max(1, shape[dim]):
+        return f"has cell extent {extent} along a dimension of {shape[dim]}"
+    if extent * math.prod(shape[dim + 1 :]) * itemsize > MAX_CELL_BYTES:
+        return f"has cells of more than {MAX_CELL_BYTES} bytes"
+    return None
+
+
+def box_chunk_count(
+    offsets: tuple[int, ...], local_shape: tuple[int, ...], cell: tuple[int, int]
+) -> int:
+    """How many chunks a box stores on the grid: one per cell it overlaps (0 when empty)."""
+    if not local_shape:
+        return 1
+    if 0 in local_shape:
+        return 0
+    dim, extent = cell
+    lo, size = offsets[dim], local_shape[dim]
+    return math.prod(local_shape[:dim]) * (-(-(lo + size) // extent) - lo // extent)
+
+
+# Shared, never written to: a box of one chunk, a box of none.
+_ONE_CHUNK = np.zeros(1, dtype=np.int64)
+_ONE_CHUNK.flags.writeable = False
+_NO_CHUNK = np.zeros(0, dtype=np.int64)
+_NO_CHUNK.flags.writeable = False
+
+
+def box_chunk_starts(
+    offsets: tuple[int, ...],
+    local_shape: tuple[int, ...],
+    itemsize: int,
+    cell: tuple[int, int],
+) -> np.ndarray:
+    """Where each chunk of a box starts in the box's own row-major buffer (int64, ascending).
+
+    Chunk ``i`` ends where chunk ``i + 1`` starts (the last at the box's byte
+    count). Cells are cut at the multiples of ``extent`` along ``dim`` in global
+    coordinates, once for every index of the dimensions before it.
+    """
+    if not local_shape:
+        return _ONE_CHUNK
+    if 0 in local_shape:
+        return _NO_CHUNK
+    dim, extent = cell
+    lo, size = offsets[dim], local_shape[dim]
+    inner = math.prod(local_shape[dim + 1 :]) * itemsize
+    first = lo // extent + 1
+    last = -(-(lo + size) // extent)
+    lead = math.prod(local_shape[:dim])
+    if lead == 1 and last - first < 256:  # the common case, without numpy's per-call cost
+        if last <= first:
+            return _ONE_CHUNK
+        return np.array([0, *((m * extent - lo) * inner for m in range(first, last))], np.int64)
+    cuts = np.concatenate(
+        [np.zeros(1, dtype=np.int64), np.arange(first, last, dtype=np.int64) * extent - lo]
+    )
+    if lead == 1:
+        return cuts * inner
+    rows = np.arange(lead, dtype=np.int64) * (size * inner)
+    return (rows[:, None] + cuts[None, :] * inner).ravel()
+
+
+def cut_at(flat: memoryview, starts: np.ndarray) -> list[memoryview]:
+    """``flat`` (a box's byte buffer) cut into its chunks: views from each start to the next."""
+    return [flat[a:b] for a, b in pairwise([*starts.tolist(), flat.nbytes])]

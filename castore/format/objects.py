@@ -21,15 +21,18 @@ import numpy as np
 
 from castore.errors import CorruptObjectError, FormatVersionError
 from castore.format.dtypes import SUPPORTED_DTYPES, numpy_dtype
+from castore.format.grid import RUNS, box_chunk_count, box_chunk_starts, cell_problem
 from castore.format.hashing import Digest, digest_of
 from castore.format.tree import check_depth
 
 # The newest object format this castore reads. Roots are written as format 1 (their
 # fields have not changed, so an older castore still lists them); shard manifests as
-# format 2, whose tensors are a table of columns (below) instead of a list of maps.
-FORMAT_VERSION = 2
+# format 2, whose tensors are a table of columns (below) instead of a list of maps, or
+# format 3 when any entry's chunks lie on its tensor's grid (castore.format.grid).
+FORMAT_VERSION = 3
 ROOT_FORMAT = 1
 SHARD_FORMAT = 2
+GRID_SHARD_FORMAT = 3
 # Limits a manifest must keep; a file never chooses a size beyond them.
 MAX_DIMS = 64
 MAX_CHUNK_SIZE = 1 << 30
@@ -46,8 +49,11 @@ class TensorEntry:
     """One rank's box of one tensor, as a list of chunk digests.
 
     ``offsets`` and ``local_shape`` place this box in the tensor's global
-    ``shape``; chunk ``i`` holds bytes ``[i*chunk_size, (i+1)*chunk_size)`` of
-    the box's row-major buffer (the last one may be shorter).
+    ``shape``. With ``cell`` (dimension, extent), the tensor's chunk grid
+    (castore.format.grid), chunk ``i`` holds the box's part of the ``i``-th cell
+    it overlaps, one byte range of its row-major buffer; without (entries
+    written before the grid), bytes ``[i*chunk_size, (i+1)*chunk_size)``.
+    :meth:`chunk_start` and :meth:`chunk_length` say where either kind lies.
     """
 
     name: str
@@ -59,6 +65,7 @@ class TensorEntry:
     chunk_size: int
     chunks: tuple[bytes, ...]
     framework: str = "numpy"
+    cell: tuple[int, int] | None = None
 
     @classmethod
     def trusted(
@@ -72,6 +79,7 @@ class TensorEntry:
         chunk_size: int,
         chunks: tuple[bytes, ...],
         framework: str,
+        cell: tuple[int, int] | None = None,
     ) -> TensorEntry:
         """An entry whose fields were checked together already (a decoded table)."""
         entry = object.__new__(cls)
@@ -85,10 +93,63 @@ class TensorEntry:
             chunk_size=chunk_size,
             chunks=chunks,
             framework=framework,
+            cell=cell,
         )
         return entry
 
+    @property
+    def chunk_starts(self) -> np.ndarray:
+        """Where each chunk starts in the box's buffer (int64, ascending, one per chunk)."""
+        starts: np.ndarray | None = self.__dict__.get("_starts")
+        if starts is None:  # computed once (not a cached_property: 3.11's takes a lock)
+            if self.cell is None:
+                starts = np.arange(0, self.nbytes, self.chunk_size, dtype=np.int64)
+            else:
+                itemsize = numpy_dtype(self.dtype).itemsize
+                starts = box_chunk_starts(self.offsets, self.local_shape, itemsize, self.cell)
+            self.__dict__["_starts"] = starts
+        return starts
+
+    def chunk_start(self, index: int) -> int:
+        """Where chunk ``index`` starts in the box's buffer."""
+        if self.cell is None:
+            return index * self.chunk_size
+        if len(self.chunks) == 1:
+            return 0
+        return int(self.chunk_starts[index])
+
+    def chunk_length(self, index: int) -> int:
+        """The bytes chunk ``index`` holds (what its stored record must decode to)."""
+        if self.cell is None:
+            return min(self.chunk_size, self.nbytes - index * self.chunk_size)
+        if len(self.chunks) == 1:
+            return self.nbytes
+        starts = self.chunk_starts
+        end = int(starts[index + 1]) if index + 1 < len(starts) else self.nbytes
+        return end - int(starts[index])
+
+    def chunk_indices(self, starts: np.ndarray, run_bytes: int) -> np.ndarray:
+        """Sorted indices of the chunks holding any byte of the runs at ``starts``
+        (``run_bytes`` each, in this box's buffer)."""
+        if starts.size == 0 or run_bytes == 0:
+            return np.empty(0, dtype=np.int64)
+        if self.cell is None:
+            first = starts // self.chunk_size
+            last = (starts + run_bytes - 1) // self.chunk_size
+        else:
+            bounds = self.chunk_starts
+            first = np.searchsorted(bounds, starts, side="right") - 1
+            last = np.searchsorted(bounds, starts + run_bytes - 1, side="right") - 1
+        if np.all(first == last):
+            return np.unique(first)
+        marks = np.zeros(int(last.max()) + 2, dtype=np.int64)
+        np.add.at(marks, first, 1)
+        np.add.at(marks, last + 1, -1)
+        return np.flatnonzero(np.cumsum(marks)[:-1] > 0)
+
     def to_wire(self) -> dict[str, Any]:
+        """The format-1 map of an entry (format 1 has no grid: a gridded entry is
+        written only in a table, see encode_table)."""
         return {
             "chunk_size": self.chunk_size,
             "chunks": list(self.chunks),
@@ -148,10 +209,19 @@ class TensorEntry:
             return "box outside its shape"
         if not 0 < self.chunk_size <= MAX_CHUNK_SIZE:
             return f"has chunk size {self.chunk_size} (1 to {MAX_CHUNK_SIZE})"
-        expected_bytes = math.prod(self.local_shape) * numpy_dtype(self.dtype).itemsize
+        itemsize = numpy_dtype(self.dtype).itemsize
+        expected_bytes = math.prod(self.local_shape) * itemsize
         if self.nbytes != expected_bytes:
             return f"says {self.nbytes} bytes, its box of {self.dtype} holds {expected_bytes}"
-        expected_chunks = -(-self.nbytes // self.chunk_size)
+        if self.cell is None:
+            expected_chunks = -(-self.nbytes // self.chunk_size)
+        else:
+            problem = cell_problem(self.shape, itemsize, self.cell)
+            if problem:
+                return problem
+            expected_chunks = (
+                0 if not self.nbytes else box_chunk_count(self.offsets, self.local_shape, self.cell)
+            )
         if len(self.chunks) != expected_chunks:
             return f"lists {len(self.chunks)} chunks, its size needs {expected_chunks}"
         if not all(isinstance(c, bytes) and len(c) == 32 for c in self.chunks):
@@ -177,21 +247,25 @@ class ShardManifest:
     local_tensors: tuple[TensorEntry, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
+        # Format 3 only where an entry lies on a grid: a shard of pre-grid entries
+        # stays format 2, which an older castore still reads.
+        grid = any(e.cell is not None for e in (*self.tensors, *self.local_tensors))
         return {
-            "format": SHARD_FORMAT,
+            "format": GRID_SHARD_FORMAT if grid else SHARD_FORMAT,
             "generation": self.generation,
             "local_state": self.local_state,
-            "local_tensors": encode_table(self.local_tensors),
+            "local_tensors": encode_table(self.local_tensors, grid=grid),
             "rank": self.rank,
             "run": self.run,
-            "tensors": encode_table(self.tensors),
+            "tensors": encode_table(self.tensors, grid=grid),
             "type": TYPE_SHARD,
             "writer": dict(sorted(self.writer.items())),
         }
 
     @classmethod
     def from_wire(cls, wire: dict[str, Any], *, only: str | None = None) -> ShardManifest:
-        """Decode a shard of format 1 (entries as maps) or 2 (entries as a table).
+        """Decode a shard of format 1 (entries as maps), 2 (entries as a table) or 3
+        (a table whose entries may lie on their tensor's grid).
 
         ``only``: decode just the entries of that global tensor and no rank-local
         tensors (a partial read); the table is still checked whole, column-wise.
@@ -208,10 +282,13 @@ class ShardManifest:
                     TensorEntry.from_wire(t) for t in _typed(wire, "local_tensors", list)
                 )
         else:
-            table = EntryTable(_typed(wire, "tensors", dict))
+            grid = wire.get("format") == GRID_SHARD_FORMAT
+            table = EntryTable(_typed(wire, "tensors", dict), grid=grid)
             tensors = table.entries() if only is None else table.named(only)
             local_tensors = (
-                EntryTable(_typed(wire, "local_tensors", dict)).entries() if only is None else ()
+                EntryTable(_typed(wire, "local_tensors", dict), grid=grid).entries()
+                if only is None
+                else ()
             )
         return cls(
             run=_typed(wire, "run", str),
@@ -326,6 +403,9 @@ TABLE_KEYS = (
     "chunk_size", "chunks", "dtype", "framework", "local_shape",
     "name", "nbytes", "ndim", "offsets", "shape",
 )  # fmt: skip
+# Format 3 adds, per entry, its tensor's grid: the cell dimension (u8; RUNS for an
+# entry cut every chunk_size bytes, as in format 2) and the cell extent along it (i64).
+GRID_TABLE_KEYS = tuple(sorted((*TABLE_KEYS, "cell_dim", "cell_extent")))
 _I64 = np.dtype("<i8")
 # A box may hold at most this many bytes (checked in floating point first, so the
 # exact integer products below cannot overflow).
@@ -333,8 +413,9 @@ MAX_BOX_BYTES = 1 << 61
 _ITEMSIZE = {name: numpy_dtype(name).itemsize for name in SUPPORTED_DTYPES}
 
 
-def encode_table(entries: Sequence[TensorEntry]) -> dict[str, Any]:
-    """The columns of ``entries``, keys in canonical (sorted) order."""
+def encode_table(entries: Sequence[TensorEntry], *, grid: bool = False) -> dict[str, Any]:
+    """The columns of ``entries``, keys in canonical (sorted) order; ``grid``: with
+    format 3's grid columns."""
     shape: list[int] = []
     offsets: list[int] = []
     local: list[int] = []
@@ -342,7 +423,7 @@ def encode_table(entries: Sequence[TensorEntry]) -> dict[str, Any]:
         shape += e.shape
         offsets += e.offsets
         local += e.local_shape
-    return {
+    columns = {
         "chunk_size": _i64_bytes([e.chunk_size for e in entries]),
         "chunks": b"".join(c for e in entries for c in e.chunks),
         "dtype": [e.dtype for e in entries],
@@ -354,6 +435,12 @@ def encode_table(entries: Sequence[TensorEntry]) -> dict[str, Any]:
         "offsets": _i64_bytes(offsets),
         "shape": _i64_bytes(shape),
     }
+    if grid:
+        columns["cell_dim"] = bytes(RUNS if e.cell is None else e.cell[0] for e in entries)
+        columns["cell_extent"] = _i64_bytes([0 if e.cell is None else e.cell[1] for e in entries])
+    elif any(e.cell is not None for e in entries):
+        raise ValueError("entries on a grid need the grid columns (format 3)")
+    return dict(sorted(columns.items()))
 
 
 def _i64_bytes(values: list[int]) -> bytes:
@@ -364,10 +451,11 @@ class EntryTable:
     """A decoded, checked tensor table: entries are built only when asked for."""
 
     __slots__ = ("names", "_dtypes", "_frameworks", "_ndim", "_dims", "_dim_start",
-                 "_nbytes", "_chunk_size", "_chunks", "_chunk_start")  # fmt: skip
+                 "_nbytes", "_chunk_size", "_chunks", "_chunk_start", "_cells")  # fmt: skip
 
-    def __init__(self, wire: Any) -> None:
-        if not isinstance(wire, dict) or sorted(wire) != list(TABLE_KEYS):
+    def __init__(self, wire: Any, *, grid: bool = False) -> None:
+        keys = GRID_TABLE_KEYS if grid else TABLE_KEYS
+        if not isinstance(wire, dict) or sorted(wire) != list(keys):
             raise CorruptObjectError("tensor table does not have the table's fields")
         names = _str_column(wire, "name")
         n = len(names)
@@ -386,6 +474,13 @@ class EntryTable:
                 f"where its entries' dimensions need {total_dims} each (rank mismatch)"
             )
         chunks = _typed(wire, "chunks", bytes)
+        self._cells: tuple[Any, Any] | None = None
+        if grid:
+            cell_dim = np.frombuffer(_typed(wire, "cell_dim", bytes), dtype=np.uint8)
+            cell_extent = _i64_column(wire, "cell_extent")
+            if not len(cell_dim) == len(cell_extent) == n:
+                raise CorruptObjectError(f"tensor table grid columns disagree on its {n} entries")
+            self._cells = (cell_dim.astype(np.int64), cell_extent)
         self.names, self._dtypes, self._frameworks = names, dtypes, frameworks
         self._ndim, self._dims, self._nbytes, self._chunk_size = ndim, dims, nbytes, chunk_size
         self._chunks = chunks
@@ -453,6 +548,8 @@ class EntryTable:
             return self._fail(i, f"says {int(self._nbytes[i])} bytes, its box of {dtypes[i]} "
                               f"holds {int(exact[i])}")  # fmt: skip
         counts = -(-self._nbytes // self._chunk_size)
+        if self._cells is not None:
+            counts = self._grid_counts(n, counts, itemsize)
         chunk_start = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(counts, out=chunk_start[1:])
         listed, rest = divmod(len(self._chunks), 32)
@@ -462,6 +559,54 @@ class EntryTable:
                 f"need {int(chunk_start[-1])} digests of 32 bytes"
             )
         return chunk_start
+
+    def _grid_counts(self, n: int, counts: Any, itemsize: Any) -> Any:
+        """Each entry's chunk count where its chunks lie on a grid (the others keep
+        ``counts``), after checking every grid against its tensor, column-wise."""
+        assert self._cells is not None
+        cell_dim, extent = self._cells
+        gridded = cell_dim != RUNS
+        shape, offsets, local = self._dims
+        ndim = self._ndim.astype(np.int64)
+        scalar = gridded & (ndim == 0)
+        bad = np.flatnonzero(scalar & ((cell_dim != 0) | (extent != 1)))
+        if len(bad):
+            return self._fail(int(bad[0]), "has a grid other than [0, 1] for a 0-d tensor")
+        banded = gridded & (ndim > 0)
+        bad = np.flatnonzero(banded & (cell_dim >= ndim))
+        if len(bad):
+            i = int(bad[0])
+            return self._fail(i, f"has cell dimension {int(cell_dim[i])} for a tensor of "
+                              f"{int(ndim[i])} dimensions")  # fmt: skip
+        where = self._dim_start[:-1] + np.where(banded, cell_dim, 0)
+        where = np.minimum(where, max(len(shape) - 1, 0))
+        size_k = np.where(banded, shape[where] if len(shape) else 0, 1)
+        bad = np.flatnonzero(banded & ((extent < 1) | (extent > np.maximum(size_k, 1))))
+        if len(bad):
+            i = int(bad[0])
+            return self._fail(i, f"has cell extent {int(extent[i])} along a dimension of "
+                              f"{int(size_k[i])}")  # fmt: skip
+        # Per dimension value: before, at or after its entry's cell dimension.
+        position = np.arange(len(shape), dtype=np.int64) - np.repeat(self._dim_start[:-1], ndim)
+        k = np.repeat(np.where(banded, cell_dim, -1), ndim)
+        has_dims = self._ndim > 0
+        starts = self._dim_start[:-1][has_dims]
+        after = np.ones(n, dtype=np.float64)
+        lead = np.ones(n, dtype=np.int64)
+        if len(starts):
+            tail = np.where((position > k) & (k >= 0), shape, 1).astype(np.float64)
+            after[has_dims] = np.multiply.reduceat(tail, starts)
+            lead[has_dims] = np.multiply.reduceat(np.where(position < k, local, 1), starts)
+        bad = np.flatnonzero(banded & (extent * after * itemsize > MAX_CHUNK_SIZE))
+        if len(bad):
+            return self._fail(int(bad[0]), f"has cells of more than {MAX_CHUNK_SIZE} bytes")
+        lo = np.where(banded, offsets[where] if len(offsets) else 0, 0)
+        span = np.where(banded, local[where] if len(local) else 0, 0)
+        safe = np.maximum(extent, 1)
+        bands = -(-(lo + span) // safe) - lo // safe
+        grid_counts = np.where(ndim == 0, 1, lead * bands)
+        grid_counts = np.where(self._nbytes == 0, 0, grid_counts)
+        return np.where(gridded, grid_counts, counts)
 
     def _of(self, column: int, i: int) -> tuple[int, ...]:
         start, stop = int(self._dim_start[i]), int(self._dim_start[i + 1])
@@ -479,6 +624,13 @@ class EntryTable:
         dim_start = self._dim_start.tolist()
         chunk_start = self._chunk_start.tolist()
         nbytes, chunk_size = self._nbytes.tolist(), self._chunk_size.tolist()
+        if self._cells is None:
+            cells: list[tuple[int, int] | None] = [None] * len(self.names)
+        else:
+            cells = [
+                None if d == RUNS else (d, e)
+                for d, e in zip(self._cells[0].tolist(), self._cells[1].tolist(), strict=True)
+            ]
         if indices is None:  # every digest: cut once, each entry takes a slice of the list
             raw = self._chunks
             every = [raw[at : at + 32] for at in range(0, len(raw), 32)]
@@ -506,6 +658,7 @@ class EntryTable:
                 chunk_size[i],
                 chunks_of(i),
                 self._frameworks[i],
+                cells[i],
             )
             for i in (range(len(self.names)) if indices is None else indices)
         )

@@ -20,7 +20,7 @@ import numpy as np
 # Chunks larger than blobreader.MERGE_GAP (64 KiB): a ranged request never spans
 # a chunk nobody asked for (a re-save leaves stale chunks between live ones).
 CHUNK_SIZE = 128 << 10
-ROWS, ROW_ELEMENTS = 20, CHUNK_SIZE // 4  # float32: one row is one chunk
+ROWS, ROW_ELEMENTS = 20, CHUNK_SIZE // 4  # float32: a row is a chunk size (two grid cells)
 PACK_BYTES = 256 << 10  # a rank's rows of big/rows span several packs
 ALIGNED = "big/rows"
 
@@ -133,8 +133,8 @@ def _stored_rows(store: Any, run: str, generation: int, start: int, count: int) 
     for entry in store.tensor_entries(root)[ALIGNED]:
         base = entry.offsets[0] * row_bytes
         for index, key in enumerate(entry.chunks):
-            first = base + index * entry.chunk_size
-            last = first + min(entry.chunk_size, entry.nbytes - index * entry.chunk_size)
+            first = base + entry.chunk_start(index)
+            last = first + entry.chunk_length(index)
             if first < high and last > low:
                 keys.append(key)
     return sum(where.length for where in store.backend.locate(keys))

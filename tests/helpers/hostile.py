@@ -20,8 +20,9 @@ import numpy as np
 
 from castore import Store
 from castore.chunkstore.base import Namespace
+from castore.format.grid import RUNS
 from castore.format.hashing import Digest, digest_bytes
-from castore.format.objects import TYPE_SHARD
+from castore.format.objects import GRID_SHARD_FORMAT, SHARD_FORMAT, TYPE_SHARD
 from castore.repo.records import RefValue
 
 Wire = dict[str, Any]
@@ -46,27 +47,36 @@ def latest_wires(
     """A root of ``run`` (default the newest) and its shard manifests, as plain wire maps.
 
     The shards' entries are given as a list of maps each (``tensors``,
-    ``local_tensors``), as format 1 lays them out; :func:`publish_forged` writes them
-    back in the layout a mutation asks for."""
+    ``local_tensors``), as format 1 lays them out, plus ``cell`` ([dimension, extent])
+    for an entry on its tensor's chunk grid; :func:`publish_forged` writes them back in
+    the layout a mutation asks for."""
     digest, root = store.resolve_root(run, generation)
     shards = []
     for d in root.shards:
         shard = store.read_object(d, expect=TYPE_SHARD, run=run)
         wire = shard.to_wire()
-        wire["tensors"] = [t.to_wire() for t in shard.tensors]
-        wire["local_tensors"] = [t.to_wire() for t in shard.local_tensors]
+        wire["tensors"] = [_entry_wire(t) for t in shard.tensors]
+        wire["local_tensors"] = [_entry_wire(t) for t in shard.local_tensors]
         shards.append(wire)
     return digest, root.to_wire(), shards
 
 
-def table_of(entries: list[Wire]) -> Wire:
-    """Entry maps as a format-2 tensor table, whatever their values say (hostile ones too:
-    lists of another length, negative numbers, digests of the wrong size)."""
+def _entry_wire(entry: Any) -> Wire:
+    wire: Wire = entry.to_wire()
+    if entry.cell is not None:
+        wire["cell"] = list(entry.cell)
+    return wire
+
+
+def table_of(entries: list[Wire], grid: bool = False) -> Wire:
+    """Entry maps as a tensor table, whatever their values say (hostile ones too: lists
+    of another length, negative numbers, digests of the wrong size); ``grid``: with
+    format 3's grid columns (an entry without ``cell`` cut every chunk_size bytes)."""
 
     def i64(values: list[int]) -> bytes:
         return np.asarray(values, dtype="<i8").tobytes()
 
-    return {
+    columns = {
         "chunk_size": i64([e["chunk_size"] for e in entries]),
         "chunks": b"".join(c for e in entries for c in e["chunks"]),
         "dtype": [e["dtype"] for e in entries],
@@ -78,9 +88,19 @@ def table_of(entries: list[Wire]) -> Wire:
         "offsets": i64([v for e in entries for v in e["offsets"]]),
         "shape": i64([v for e in entries for v in e["shape"]]),
     }
+    if grid:
+        columns["cell_dim"] = bytes(e["cell"][0] if "cell" in e else RUNS for e in entries)
+        columns["cell_extent"] = i64([e["cell"][1] if "cell" in e else 0 for e in entries])
+    elif any("cell" in e for e in entries):
+        raise ValueError("entries on a chunk grid need a format-3 table (layout 'grid')")
+    return columns
 
 
-LAYOUTS = ("table", "rows")
+def _gridded(shard: Wire) -> bool:
+    return any("cell" in e for e in (*shard["tensors"], *shard["local_tensors"]))
+
+
+LAYOUTS = ("grid", "table", "rows")
 
 
 def publish_forged(
@@ -88,8 +108,9 @@ def publish_forged(
 ) -> int:
     """Write the shards and root as the run's next generation and advance the ref to it.
 
-    ``layout``: the shards' entries as a format-2 table (what castore writes) or as
-    format 1's list of maps (what it still reads)."""
+    ``layout``: the shards' entries as a table (format 3 where an entry lies on a chunk
+    grid, what castore writes, else format 2), as a format-3 table whatever the entries
+    (``"grid"``), or as format 1's list of maps (``"rows"``, what it still reads)."""
     current = store.refs.read(run)
     assert current is not None
     parent = current.root
@@ -97,10 +118,14 @@ def publish_forged(
     for shard in shard_wires:
         shard["generation"] = generation
         if layout == "rows":
+            if _gridded(shard):
+                raise ValueError("format 1 has no chunk grid: save with pre_grid_saves()")
             shard["format"] = 1
         elif isinstance(shard["tensors"], list):
-            shard["tensors"] = table_of(shard["tensors"])
-            shard["local_tensors"] = table_of(shard["local_tensors"])
+            grid = layout == "grid" or _gridded(shard)
+            shard["format"] = GRID_SHARD_FORMAT if grid else SHARD_FORMAT
+            shard["tensors"] = table_of(shard["tensors"], grid)
+            shard["local_tensors"] = table_of(shard["local_tensors"], grid)
     root_wire["shards"] = [put_object(store, _packed(s)) for s in shard_wires]
     root_wire["parent"] = parent.raw
     root_bytes = _packed(root_wire)
