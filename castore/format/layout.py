@@ -55,6 +55,16 @@ class Box:
         )
 
 
+def spanned(first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Sorted indices covered by any of the ranges ``first[i] .. last[i]`` (inclusive)."""
+    if np.all(first == last):
+        return np.unique(first)
+    marks = np.zeros(int(last.max()) + 2, dtype=np.int64)
+    np.add.at(marks, first, 1)
+    np.add.at(marks, last + 1, -1)
+    return np.flatnonzero(np.cumsum(marks)[:-1] > 0)
+
+
 def _strides(shape: tuple[int, ...]) -> list[int]:
     strides, acc = [], 1
     for size in reversed(shape):
@@ -86,12 +96,7 @@ class CopyPlan:
             return np.empty(0, dtype=np.int64)
         first = self.src_starts // chunk_size
         last = (self.src_starts + self.run_bytes - 1) // chunk_size
-        if np.all(first == last):
-            return np.unique(first)
-        marks = np.zeros(int(last.max()) + 2, dtype=np.int64)
-        np.add.at(marks, first, 1)
-        np.add.at(marks, last + 1, -1)
-        return np.flatnonzero(np.cumsum(marks)[:-1] > 0)
+        return spanned(first, last)
 
     def copy_from_chunk(self, chunk_start: int, chunk: np.ndarray, dst: np.ndarray) -> int:
         """Copy the region's bytes held by one source chunk into ``dst``; return bytes copied."""

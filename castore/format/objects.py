@@ -23,6 +23,7 @@ from castore.errors import CorruptObjectError, FormatVersionError
 from castore.format.dtypes import SUPPORTED_DTYPES, numpy_dtype
 from castore.format.grid import RUNS, box_chunk_count, box_chunk_starts, cell_problem
 from castore.format.hashing import Digest, digest_of
+from castore.format.layout import spanned
 from castore.format.tree import check_depth
 
 # The newest object format this castore reads. Roots are written as format 1 (their
@@ -140,12 +141,7 @@ class TensorEntry:
             bounds = self.chunk_starts
             first = np.searchsorted(bounds, starts, side="right") - 1
             last = np.searchsorted(bounds, starts + run_bytes - 1, side="right") - 1
-        if np.all(first == last):
-            return np.unique(first)
-        marks = np.zeros(int(last.max()) + 2, dtype=np.int64)
-        np.add.at(marks, first, 1)
-        np.add.at(marks, last + 1, -1)
-        return np.flatnonzero(np.cumsum(marks)[:-1] > 0)
+        return spanned(first, last)
 
     def to_wire(self) -> dict[str, Any]:
         """The format-1 map of an entry (format 1 has no grid: a gridded entry is
