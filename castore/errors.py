@@ -54,6 +54,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── InvalidIndexError                (IndexError) a bad read_slice index
     ├── NotAPointerError                 (ValueError) a checkpoint path without castore's pointer
     ├── UnsupportedValueError            (TypeError) a value castore cannot encode
+    │   ├── UnsupportedPlacementError    a DTensor laid out in a way castore cannot hold as boxes
     │   └── ImportSourceError            (ValueError) a source to import is missing or unsafe
     ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
     ├── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
@@ -377,6 +378,15 @@ class NotAPointerError(CastoreError, ValueError):
 
 class UnsupportedValueError(CastoreError, TypeError):
     """A value in the state has a type castore cannot encode without pickle."""
+
+
+class UnsupportedPlacementError(UnsupportedValueError):
+    """A DTensor whose placements castore cannot hold as one box per rank.
+
+    ``Partial`` (a pending reduction: no rank holds the value) and strided
+    shards (FSDP2 with tensor parallelism) are refused, naming the key path and
+    the placement; so is a DTensor on a mesh that does not include this rank.
+    """
 
 
 class ImportSourceError(UnsupportedValueError, ValueError):

@@ -392,10 +392,11 @@ class Store(TierHooks):
         """The state, metadata and data order as a save writes them (none of it yet)."""
         encoded = encode_state(state, defer_device=not options.blocking)
         for leaf in encoded.leaves:
-            if leaf.sharded:
+            # A block that is the whole tensor (a DTensor on a one-rank mesh) is the tensor.
+            if leaf.sharded and leaf.local_shape != leaf.shape:
                 raise UnsupportedValueError(
-                    f"Shard at {leaf.name} is one rank's block: save sharded state with "
-                    "castore.dist.save",
+                    f"{leaf.name} is one rank's block (a castore.Shard or a DTensor): save "
+                    "sharded state with castore.dist.save",
                     key_path=leaf.name,
                 )
         return encoded, encode_metadata(options.metadata), check_data_order(data_order)

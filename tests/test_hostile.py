@@ -34,6 +34,7 @@ import castore
 import castore.dist
 from castore import Store
 from castore.chunkstore.base import Namespace
+from castore.core.reading import check_coverage
 from castore.errors import (
     CastoreError,
     CorruptObjectError,
@@ -42,6 +43,7 @@ from castore.errors import (
     LostRunError,
     UnsupportedValueError,
 )
+from castore.format.objects import TensorEntry
 from castore.format.tree import MAX_DEPTH
 from castore.gc import GcAbortedError, RetentionPolicy, collect_garbage
 from castore.verify import verify_store
@@ -105,6 +107,17 @@ def test_read_slice_of_a_region_no_box_covers_is_a_coverage_error(saved: Store) 
         saved.read_slice(RUN, forged, TENSOR, np.s_[23])
     with pytest.raises(CoverageError):
         saved.read_slice(RUN, forged, TENSOR, np.s_[0])  # fails closed for the whole tensor
+
+
+def test_overlapping_boxes_are_a_coverage_error_naming_the_tensor() -> None:
+    """Two boxes of one tensor sharing a row (it was a TypeError: the tensor named twice)."""
+
+    def rows(first: int) -> TensorEntry:
+        return TensorEntry(TENSOR, "float32", (4, 2), (first, 0), (3, 2), 24, 64, (bytes(32),))
+
+    with pytest.raises(CoverageError, match="overlap at offsets") as caught:
+        check_coverage([rows(0), rows(1)], {"run": RUN, "generation": 1})
+    assert caught.value.tensor == TENSOR
 
 
 def test_a_shape_of_1e15_elements_is_refused_before_allocating(saved: Store) -> None:

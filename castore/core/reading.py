@@ -216,7 +216,6 @@ def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
             if overlap is not None and overlap.numel:
                 raise CoverageError(
                     f"boxes of tensor {name!r} overlap at offsets {list(overlap.offsets)}",
-                    tensor=name,
                     **where,
                 )
     covered = sum(span.numel for span in spans)

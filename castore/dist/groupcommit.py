@@ -62,6 +62,9 @@ class Prepared:
     data_order: dict[str, Any]
     layout: str  # digest of the tensors' names, kinds, dtypes and global shapes
     replicated: list[tuple[str, int]]  # (name, nbytes) of tensors written by one rank
+    # The sharded tensors whose block this rank writes (all but the replicas of a
+    # block another rank writes: TensorLeaf.written_elsewhere), and their bytes.
+    blocks: set[str]
     sharded_bytes: int
     replicas: ReplicaDigests  # compared across ranks before the publish
     # The global tensors this rank writes, when fixed before the ranks meet
@@ -93,11 +96,12 @@ def prepare(
     replicated = sorted(
         (leaf.name, leaf_nbytes(leaf)) for leaf in encoded.leaves if not leaf.sharded
     )
+    blocks = [leaf for leaf in encoded.leaves if leaf.sharded and not leaf.written_elsewhere]
     owned = None
     if owner is not None:
         rank, world = owner
         owners = assign_replicated(replicated, [0] * world)
-        owned = {leaf.name for leaf in encoded.leaves if leaf.sharded}
+        owned = {leaf.name for leaf in blocks}
         owned |= {name for name, at in owners.items() if at == rank}
     return Prepared(
         encoded=encoded,
@@ -105,7 +109,8 @@ def prepare(
         data_order=check_data_order(data_order),
         layout=digest_bytes(msgpack.packb(layout)).hex(),
         replicated=replicated,
-        sharded_bytes=sum(leaf_nbytes(leaf) for leaf in encoded.leaves if leaf.sharded),
+        blocks={leaf.name for leaf in blocks},
+        sharded_bytes=sum(leaf_nbytes(leaf) for leaf in blocks),
         replicas=ReplicaDigests(encoded, chunk_size),
         owned=owned,
     )
@@ -179,7 +184,7 @@ def commit_in_group(
     mine = prepared.owned
     if mine is None:
         owners = assign_replicated(prepared.replicated, [i["sharded_bytes"] for i in infos])
-        mine = {leaf.name for leaf in prepared.encoded.leaves if leaf.sharded}
+        mine = set(prepared.blocks)
         mine |= {name for name, rank in owners.items() if rank == comm.rank}
 
     # Held from this rank's first dedup check until the outcome is known, so

@@ -41,6 +41,7 @@ from castore.errors import (
     RankLocalMismatchError,
     TensorNotFoundError,
 )
+from castore.format.dtensor import dtensor_block, is_dtensor
 from castore.format.dtypes import numpy_dtype
 from castore.format.hashing import Digest
 from castore.format.layout import Box
@@ -76,7 +77,7 @@ class LoadResult:
 @dataclass
 class _Target:
     name: str
-    live: Any  # the caller's Shard or tensor
+    live: Any  # the caller's Shard, DTensor or tensor
     tensor: Any  # the array or tensor to fill
     box: Box
     dtype: str  # castore dtype name, the saved tensor's
@@ -427,8 +428,8 @@ def agree_on_root(store: Store, run: str, generation: int | str, comm: Group) ->
 
 
 def _target_leaves(node: Any, path: str, found: list[tuple[str, Any]]) -> None:
-    """Every tensor or Shard in a target tree, named by key path like a saved state."""
-    if isinstance(node, Shard) or _is_array(node):
+    """Every tensor, DTensor or Shard in a target tree, named by key path like a saved state."""
+    if isinstance(node, Shard) or _is_array(node):  # a DTensor is a torch.Tensor
         found.append((path or ".", node))
     elif isinstance(node, dict):
         for key, value in node.items():
@@ -460,13 +461,15 @@ def _plan_targets(
             )
         saved = boxes[0]
         check_coverage(boxes, where)
-        tensor = live.local if isinstance(live, Shard) else live
+        # A DTensor fills its local tensor: the block its mesh and placements give.
+        shard = dtensor_block(live, name).shard if is_dtensor(live) else live
+        tensor = shard.local if isinstance(shard, Shard) else shard
         dtype = (
             name_of_numpy_dtype(tensor.dtype, name)
             if isinstance(tensor, np.ndarray)
             else name_of_torch_dtype(tensor.dtype, name)
         )
-        global_shape = live.global_shape if isinstance(live, Shard) else tuple(tensor.shape)
+        global_shape = shard.global_shape if isinstance(shard, Shard) else tuple(tensor.shape)
         if dtype != saved.dtype or tuple(global_shape) != saved.shape:
             raise LayoutMismatchError(
                 f"target {name!r} is {dtype}{list(global_shape)}, the saved tensor is "
@@ -475,8 +478,8 @@ def _plan_targets(
                 **where,
             )
         box = (
-            Box(live.offsets, live.local_shape)
-            if isinstance(live, Shard)
+            Box(shard.offsets, shard.local_shape)
+            if isinstance(shard, Shard)
             else Box.whole(saved.shape)
         )
         target = _Target(name, live, tensor, box, saved.dtype)

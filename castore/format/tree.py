@@ -18,6 +18,7 @@ import msgpack
 import numpy as np
 
 from castore.errors import CastoreError, CorruptObjectError, UnsupportedValueError
+from castore.format.dtensor import dtensor_block, is_dtensor
 from castore.format.dtypes import (
     SUPPORTED_DTYPES,
     name_of_numpy_dtype,
@@ -47,7 +48,10 @@ class TensorLeaf:
     """A tensor (or this rank's block of one) found in a state, with its bytes.
 
     ``shape`` is the global shape; ``offsets``/``local_shape`` place the block
-    (the whole tensor unless it came from a :class:`~castore.Shard`).
+    (the whole tensor unless it came from a :class:`~castore.Shard` or a DTensor).
+    ``written_elsewhere``: a replica of a block another rank writes (a DTensor
+    along its Replicate mesh dimensions, castore.format.dtensor): named in this
+    rank's layout, left out of its shard, so the block is written once.
     """
 
     name: str
@@ -58,6 +62,7 @@ class TensorLeaf:
     offsets: tuple[int, ...] = ()
     local_shape: tuple[int, ...] = ()
     sharded: bool = False
+    written_elsewhere: bool = False
     # An async save's tensor still on its GPU: its flat uint8 bytes there, copied
     # to pinned host memory by castore.core.staging (``data`` is then empty).
     device_bytes: Any = None
@@ -128,6 +133,9 @@ class _Encoder:
             return msgpack.ExtType(EXT_BIG_INT, str(int(value)).encode())
         if isinstance(value, (bytes, bytearray, memoryview)):
             return bytes(value)
+        if is_dtensor(value):  # a torch.Tensor too: before the plain tensors
+            block = dtensor_block(value, path)
+            return self._tensor(block.shard.local, path, block.shard, not block.writes)
         if isinstance(value, np.ndarray) or _is_torch_tensor(value):
             return self._tensor(value, path)
         if isinstance(value, OrderedDict):
@@ -178,7 +186,13 @@ class _Encoder:
         self.rank_local[path] = value.value
         return msgpack.ExtType(EXT_RANK_LOCAL, _pack(path))
 
-    def _tensor(self, value: Any, path: str, shard: Shard | None = None) -> msgpack.ExtType:
+    def _tensor(
+        self,
+        value: Any,
+        path: str,
+        shard: Shard | None = None,
+        written_elsewhere: bool = False,
+    ) -> msgpack.ExtType:
         if not self.allow_tensors:
             raise UnsupportedValueError(
                 f"tensors are not allowed here ({path or '<root>'})", key_path=path
@@ -202,6 +216,7 @@ class _Encoder:
                 offsets=shard.offsets,
                 local_shape=leaf.shape,
                 sharded=True,
+                written_elsewhere=written_elsewhere,
                 device_bytes=leaf.device_bytes,
                 source=leaf.source,
                 version=leaf.version,

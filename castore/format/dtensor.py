@@ -1,0 +1,152 @@
+"""DTensors as boxes: the block of a global tensor that each rank holds.
+
+A DTensor (FSDP2, tensor parallelism, HSDP) says its global shape, and
+through its device mesh and placements which block each rank holds. castore
+takes that block as a :class:`~castore.Shard` in global coordinates, with
+offsets derived here as DCP derives them: mesh dimensions left to right, each
+``Shard(d)`` cutting the block's current extent ``s`` along ``d`` into
+``torch.chunk``-style pieces (``ceil(s / n)`` long, the last ones short or
+empty), so two mesh dimensions sharding one tensor dimension nest. An empty
+block sits at the end of the dimension it is empty along, as DCP places it.
+``Replicate`` cuts nothing: the ranks along that mesh dimension hold the same
+block, and only the one at coordinate 0 on every such dimension writes it.
+``Partial`` (a pending reduction) and strided shards (FSDP2 with tensor
+parallelism) are refused (:class:`~castore.errors.UnsupportedPlacementError`).
+
+torch is never imported here: a value is a DTensor only once
+``torch.distributed.tensor`` is loaded, and is read through its public
+attributes (``shape``, ``device_mesh``, ``placements``, ``to_local``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from castore.errors import UnsupportedPlacementError
+from castore.format.layout import Box
+from castore.format.shard import Shard
+
+# A mesh dimension's placement, as the arithmetic below takes it: the tensor
+# dimension it shards, or None for Replicate.
+PlacementDim = int | None
+
+
+def is_dtensor(value: Any) -> bool:
+    """Whether ``value`` is a DTensor (never imports torch to find out)."""
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor is not None and isinstance(value, dtensor)
+
+
+@dataclass(frozen=True)
+class DTensorBlock:
+    """This rank's block of a DTensor.
+
+    ``shard``: the local tensor placed in global coordinates. ``writes``:
+    this rank writes the block (coordinate 0 on every Replicate mesh
+    dimension); its replicas on the other ranks leave it to this one.
+    """
+
+    shard: Shard
+    writes: bool
+
+
+def dtensor_block(value: Any, path: str) -> DTensorBlock:
+    """The block of the DTensor ``value`` (at key path ``path``) that this rank holds."""
+    name = path or "<root>"
+    mesh = value.device_mesh
+    coordinate = mesh.get_coordinate()
+    if coordinate is None:
+        raise UnsupportedPlacementError(
+            f"DTensor at {name} lives on a device mesh that does not include this rank: "
+            "every rank that saves or loads it must be on its mesh",
+            key_path=path,
+        )
+    global_shape = tuple(int(s) for s in value.shape)
+    dims = placement_dims(value.placements, len(global_shape), path)
+    box = block_of(global_shape, tuple(mesh.shape), tuple(coordinate), dims)
+    local = value.to_local()
+    if tuple(local.shape) != box.shape:
+        raise UnsupportedPlacementError(
+            f"DTensor at {name} holds a local tensor of shape {list(local.shape)} where its "
+            f"mesh {list(mesh.shape)} and placements {list(value.placements)} give "
+            f"{list(box.shape)}: its layout is not the one DCP derives",
+            key_path=path,
+        )
+    shard = Shard(local, global_shape, box.offsets)
+    return DTensorBlock(shard, writes_block(tuple(coordinate), dims))
+
+
+def placement_dims(placements: Sequence[Any], ndim: int, path: str) -> tuple[PlacementDim, ...]:
+    """Each mesh dimension's placement as the tensor dimension it shards (None: Replicate).
+
+    Refuses what one box per rank cannot hold, naming the key path and placement.
+    """
+    name = path or "<root>"
+    dims: list[PlacementDim] = []
+    for mesh_dim, placement in enumerate(placements):
+        where = f"DTensor at {name} has placement {placement!r} on mesh dimension {mesh_dim}"
+        # Strided first: in some torch versions a strided shard is a Shard subclass.
+        if "StridedShard" in type(placement).__name__ or hasattr(placement, "split_factor"):
+            raise UnsupportedPlacementError(
+                f"{where}: strided shards (FSDP2 with tensor parallelism) are not supported "
+                "yet; redistribute it to Shard or Replicate placements first",
+                key_path=path,
+            )
+        if placement.is_partial():
+            raise UnsupportedPlacementError(
+                f"{where}: a Partial placement is a pending reduction that no rank holds; "
+                "reduce it first (redistribute to Replicate or Shard)",
+                key_path=path,
+            )
+        if placement.is_replicate():
+            dims.append(None)
+        elif placement.is_shard() and -ndim <= placement.dim < ndim:
+            dims.append(placement.dim % ndim)
+        else:
+            raise UnsupportedPlacementError(
+                f"{where}: castore holds only Shard and Replicate placements of a "
+                f"{ndim}-dimensional tensor",
+                key_path=path,
+            )
+    return tuple(dims)
+
+
+def writes_block(coordinate: tuple[int, ...], dims: Sequence[PlacementDim]) -> bool:
+    """Whether the rank at ``coordinate`` writes its block: of the replicas along the
+    Replicate mesh dimensions, the one at coordinate 0 on each of them does."""
+    return all(at == 0 for at, dim in zip(coordinate, dims, strict=True) if dim is None)
+
+
+def block_of(
+    global_shape: tuple[int, ...],
+    mesh_shape: tuple[int, ...],
+    coordinate: tuple[int, ...],
+    dims: Sequence[PlacementDim],
+) -> Box:
+    """The block at ``coordinate`` of a mesh of ``mesh_shape``, placed per ``dims``.
+
+    Pure arithmetic, the module text's rule: each sharding mesh dimension, left
+    to right, takes ``torch.chunk``'s piece of the block's current extent.
+    """
+    if not len(mesh_shape) == len(coordinate) == len(dims):
+        raise ValueError(
+            f"mesh {list(mesh_shape)}, coordinate {list(coordinate)} and {len(dims)} "
+            "placements must have one entry per mesh dimension"
+        )
+    offsets, shape = [0] * len(global_shape), list(global_shape)
+    for count, at, dim in zip(mesh_shape, coordinate, dims, strict=True):
+        if dim is None:
+            continue
+        size = shape[dim]
+        piece = -(-size // count)
+        start = min(at * piece, size)
+        shape[dim] = min(start + piece, size) - start
+        offsets[dim] += start
+    for dim, size in enumerate(shape):
+        if size == 0:
+            offsets[dim] = global_shape[dim]
+    return Box(tuple(offsets), tuple(shape))
