@@ -1,10 +1,11 @@
 """The replicas of a DTensor block are compared before a publish (castore.dist.replicas).
 
-Two real ranks on a 1-D gloo mesh (tests/helpers/dtensor_replica_workers.py)
+Real ranks on a 1-D gloo mesh of two (tests/helpers/dtensor_replica_workers.py)
 hold one block of a ``[Replicate()]`` DTensor; rank 0 writes it. Equal
 replicas publish; rank 1's copy one element off raises ReplicaMismatchError on
 both ranks, naming the key path, the offsets and the ranks, and publishes
-nothing (the ref still names the last good generation), blocking and async. A
+nothing (the ref still names the last good generation), blocking and async;
+on a 2x2 HSDP mesh (4 ranks) the replicas of each shard are compared. A
 save that trusts version counters does not hash an unmoved replica again, and
 still catches one changed on one rank. The broken control disables the
 comparison of blocks: the differing save then publishes rank 0's copy.
@@ -29,9 +30,10 @@ TIMEOUT = 150.0
 
 @pytest.fixture(scope="module")
 def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
-    """Two ranks each: the cases blocking, the cases async, the trusting saves."""
+    """Two ranks each: the cases blocking, the cases async, the trusting saves; four
+    ranks on a 2x2 HSDP mesh."""
     base = tmp_path_factory.mktemp("dtensor_replicas")
-    paths = {name: str(base / name) for name in ("blocking", "async", "trusting")}
+    paths = {name: str(base / name) for name in ("blocking", "async", "trusting", "hsdp")}
     for path in paths.values():
         castore.open(path, chunk_size=rw.CHUNK_SIZE).close()
     outcomes = run_groups(
@@ -39,6 +41,7 @@ def launches(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[Any]]:
             (2, rw.equal_then_differing, (paths["blocking"], True), {"timeout": TIMEOUT}),
             (2, rw.equal_then_differing, (paths["async"], False), {"timeout": TIMEOUT}),
             (2, rw.trusting_saves, (paths["trusting"],), {"timeout": TIMEOUT}),
+            (4, rw.hsdp_one_replica_off, (paths["hsdp"],), {"timeout": TIMEOUT}),
         ]
     )
     results = {}
@@ -76,6 +79,20 @@ def test_broken_control_without_the_comparison_the_diverged_replica_is_lost(
     # Published: rank 0's copy; rank 1's differing element is gone, and nobody was told.
     np.testing.assert_array_equal(replica["loaded_w"], writer["held_w"])
     assert not np.array_equal(replica["loaded_w"], replica["held_w"])
+
+
+def test_hsdp_each_shard_s_replicas_are_compared_and_named_by_rank(
+    launches: dict[str, list[Any]],
+) -> None:
+    ranks = launches["hsdp"]
+    assert [r["equal"] for r in ranks] == [{"generation": 1, "latest": 1}] * 4
+    refused = [r["one_element"] for r in ranks]
+    assert {r.get("error") for r in refused} == {"ReplicaMismatchError"}, refused
+    assert {r["latest"] for r in refused} == {1}
+    for r in refused:  # rows 4-7, held by ranks 1 and 3; rows 0-3 (ranks 0, 2) agree
+        assert "DTensor block 'w' at offsets [4, 0] differs" in r["text"], r["text"]
+        assert "rank 3 differs from rank 1;" in r["text"], r["text"]
+        assert "(and" not in r["text"]
 
 
 def test_trusting_saves_skip_an_unmoved_replica_and_catch_a_moved_one(

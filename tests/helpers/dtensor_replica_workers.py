@@ -114,3 +114,18 @@ def trusting_saves(rank: int, world: int, path: str) -> list[dict[str, Any]]:
             result["hashed_to_compare"] = sum(hashed)
             out.append(result)
     return out
+
+
+def hsdp_one_replica_off(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A 2x2 mesh (replicate, shard): ``w`` placed ``[Replicate(), Shard(0)]``, so ranks 0
+    and 2 hold rows 0-3, ranks 1 and 3 rows 4-7. Equal, then rank 3's copy one element off."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    rows = 4 * mesh.get_coordinate()[1]
+    out: dict[str, Any] = {}
+    with castore.open(path, chunk_size=CHUNK_SIZE) as store:
+        for step, differ_on in [(1, None), (2, 3)]:
+            local = replica_w(rank, differ_on)[rows : rows + 4].clone()
+            w = DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False)
+            case = "equal" if differ_on is None else "one_element"
+            out[case] = save_case(store, {"w": w, "step": step}, step, blocking=True)
+    return out
