@@ -295,8 +295,9 @@ class LayoutMismatchError(DistributedError):
 
 
 class ReplicaMismatchError(DistributedError):
-    """A value every rank passes as replicated (a tensor without a Shard, a plain value)
-    differs between ranks; nothing was published. ``keys``: the values that differ."""
+    """A value every rank passes as replicated (a tensor without a Shard, a plain value),
+    or a DTensor block that several ranks hold (its Replicate mesh dimensions), differs
+    between ranks; nothing was published. ``keys``: the key paths that differ."""
 
 
 class RankLocalMismatchError(DistributedError):

@@ -14,12 +14,24 @@ digested from their chunk names, which the write computes anyway. Each rank's
 acknowledgement, which the ranks exchange already, carries one 32-byte digest
 of all its replicated values; only when those differ do the ranks exchange a
 digest per value, to name what differs.
+
+A DTensor block that several ranks hold (along a ``Replicate`` mesh dimension:
+HSDP's replicas) is written by one of them (castore.format.dtensor), so its
+copies are compared the same way: a rank that holds a block another rank
+writes hashes it as it hashes a replicated tensor (its grid chunks, as the
+writer cuts them), the writer digests it from its chunk names. The
+acknowledgement carries, for each set of ranks that hold the same blocks (one
+set for HSDP), one digest of the blocks this rank holds with them; only where
+two holders' digests differ do the ranks exchange a digest per block, and every
+rank raises ReplicaMismatchError naming the key path, the block's offsets and
+the ranks that differ.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import msgpack
 import numpy as np
@@ -42,13 +54,17 @@ def tensor_digest(chunks: Iterable[bytes]) -> bytes:
 
 
 class ReplicaDigests:
-    """This rank's digest of each value it passes as replicated."""
+    """This rank's digest of each value it passes as replicated, and of each DTensor
+    block it holds that other ranks hold too."""
 
     def __init__(self, encoded: EncodedTree, chunk_size: int) -> None:
         self.skeleton = encoded.skeleton
-        self.leaves = [leaf for leaf in encoded.leaves if not leaf.sharded]
+        # The replicated values' tensors, and the DTensor blocks other ranks hold too.
+        self.leaves = [leaf for leaf in encoded.leaves if not leaf.sharded or leaf.replicas]
+        self.blocks = {leaf.name: leaf for leaf in self.leaves if leaf.sharded}
         self.chunk_size = chunk_size
         self.tensors: dict[str, bytes] = {}
+        self.block_digests: dict[str, bytes] = {}
         self._hashing: list[tuple[TensorLeaf, Iterator[bytes]]] = []
         self._aside: threading.Thread | None = None
 
@@ -60,7 +76,7 @@ class ReplicaDigests:
         *,
         aside: bool = False,
     ) -> None:
-        """Start hashing the replicated tensors this rank does not write (``written``).
+        """Start hashing the replicated tensors and blocks this rank does not write (``written``).
 
         ``versions`` (a save that trusts version counters): a tensor that has not
         moved since this handle last digested it is not hashed again. ``aside``: on
@@ -95,24 +111,46 @@ class ReplicaDigests:
         hashed = [(leaf, tuple(digests)) for leaf, digests in self._hashing]
         self._hashing = []
         for leaf, chunks in hashed:
-            self.tensors[leaf.name] = tensor_digest(chunks)
+            self._digested(leaf.name, tensor_digest(chunks))
         if versions is not None:
             leaves = [leaf for leaf, _ in hashed]
             entries = [entry_of(leaf, self.chunk_size, chunks) for leaf, chunks in hashed]
             versions.record(run, leaves, entries, add=True)
 
+    def _digested(self, name: str, digest: bytes) -> None:
+        if name in self.blocks:
+            self.block_digests[name] = digest
+        else:
+            self.tensors[name] = digest
+
     def add_written(self, entries: Iterable[TensorEntry]) -> None:
-        """The replicated tensors this rank wrote, from their chunk names."""
+        """The replicated tensors and blocks this rank wrote, from their chunk names."""
         replicated = {leaf.name for leaf in self.leaves}
         for entry in entries:
             if entry.name in replicated:
-                self.tensors[entry.name] = tensor_digest(entry.chunks)
+                self._digested(entry.name, tensor_digest(entry.chunks))
 
-    def combined(self) -> bytes:
-        """One digest of every replicated value: what the ranks compare first."""
+    def combined(self) -> dict[str, Any]:
+        """What the ranks compare first: ``values``, one digest of every replicated value;
+        ``blocks``, for each set of ranks that hold the same DTensor blocks (by a digest
+        of the ranks), one digest of the blocks this rank holds with them."""
         self.settle()
         packed = msgpack.packb([digest_bytes(self.skeleton), sorted(self.tensors.items())])
-        return digest_bytes(packed)
+        held: dict[bytes, list[Any]] = {}
+        for name, digest in sorted(self.block_digests.items()):
+            leaf = self.blocks[name]
+            holders = digest_bytes(msgpack.packb(list(leaf.replicas)))
+            held.setdefault(holders, []).append([name, list(leaf.offsets), digest])
+        blocks = {holders: digest_bytes(msgpack.packb(each)) for holders, each in held.items()}
+        return {"values": digest_bytes(packed), "blocks": blocks}
+
+    def per_block(self) -> list[list[Any]]:
+        """Each block's ``[key path, offsets, digest]`` (a block other ranks hold too)."""
+        self.settle()
+        return [
+            [name, list(self.blocks[name].offsets), digest]
+            for name, digest in sorted(self.block_digests.items())
+        ]
 
     def per_value(self) -> dict[str, bytes]:
         """Each value's digest by key path (a tensor's bytes where it stands)."""
@@ -127,27 +165,72 @@ def _host_bytes(leaf: TensorLeaf) -> np.ndarray:
 
 
 def check_replicas(
-    combined: list[bytes], comm: Group, mine: ReplicaDigests, *, run: str, generation: int
+    combined: list[dict[str, Any]],
+    comm: Group,
+    mine: ReplicaDigests,
+    *,
+    run: str,
+    generation: int,
 ) -> None:
-    """Raise ReplicaMismatchError on every rank if the ranks' replicated values differ.
+    """Raise ReplicaMismatchError on every rank if the ranks' replicated values, or the
+    copies of a DTensor block that several ranks hold, differ.
 
     ``combined``: every rank's :meth:`ReplicaDigests.combined`, in rank order (the
     same list on every rank, so every rank takes the same branch). Where they
-    differ the ranks exchange a digest per value; values equal but for the order
-    of a dict's keys are equal.
+    differ the ranks exchange a digest per value and per block; values equal but
+    for the order of a dict's keys are equal.
     """
-    if len(set(combined)) <= 1:
+    if not _any_differ(combined):
         return
-    details = comm.all_gather(mine.per_value(), "save: compare replicas")
-    differing = differing_values(details)
+    details = comm.all_gather(
+        {"values": mine.per_value(), "blocks": mine.per_block()}, "save: compare replicas"
+    )
+    values = [detail["values"] for detail in details]
+    differing = differing_values(values)
     if differing:
         raise ReplicaMismatchError(
-            _message(differing, details, set(mine.tensors), run, generation),
+            _message(differing, values, set(mine.tensors), run, generation),
             run=run,
             generation=generation,
             rank=comm.rank,
             keys=[path for path, _ in differing],
         )
+    diverged = differing_blocks([detail["blocks"] for detail in details])
+    if diverged:
+        raise ReplicaMismatchError(
+            _block_message(diverged, run, generation),
+            run=run,
+            generation=generation,
+            rank=comm.rank,
+            keys=sorted({name for name, _, _ in diverged}),
+        )
+
+
+def _any_differ(combined: list[dict[str, Any]]) -> bool:
+    """Whether two ranks' values differ, or two holders of the same blocks' digests do."""
+    if len({sent["values"] for sent in combined}) > 1:
+        return True
+    seen: dict[bytes, set[bytes]] = {}
+    for sent in combined:
+        for holders, digest in sent["blocks"].items():
+            seen.setdefault(holders, set()).add(digest)
+    return any(len(digests) > 1 for digests in seen.values())
+
+
+def differing_blocks(
+    details: list[list[list[Any]]],
+) -> list[tuple[str, tuple[int, ...], list[list[int]]]]:
+    """Each block (key path, offsets) whose holders' digests differ, with its holders
+    grouped by what they hold, the largest group first."""
+    held: dict[tuple[str, tuple[int, ...]], dict[bytes, list[int]]] = {}
+    for rank, blocks in enumerate(details):
+        for name, offsets, digest in blocks:
+            held.setdefault((name, tuple(offsets)), {}).setdefault(digest, []).append(rank)
+    return [
+        (name, offsets, sorted(groups.values(), key=lambda g: (-len(g), g[0])))
+        for (name, offsets), groups in sorted(held.items())
+        if len(groups) > 1
+    ]
 
 
 def differing_values(details: list[dict[str, bytes]]) -> list[tuple[str, list[list[int]]]]:
@@ -188,6 +271,25 @@ def _message(
         "castore.Shard, and every plain value, is saved once and must be the same on every "
         "rank: pass a rank's block of a sharded tensor as castore.Shard(local, global_shape, "
         "offsets), and a value meant to differ between ranks as castore.RankLocal(value)"
+    )
+
+
+def _block_message(
+    diverged: list[tuple[str, tuple[int, ...], list[list[int]]]], run: str, generation: int
+) -> str:
+    name, offsets, groups = diverged[0]
+    others = [f"{n!r} at {list(o)}" for n, o, _ in diverged[1:_NAMED]]
+    more = f" (and {len(diverged) - 1}: {', '.join(others)}" if others else ""
+    if others:
+        more += ", ..." if len(diverged) > _NAMED else ""
+        more += ")"
+    return (
+        f"DTensor block {name!r} at offsets {list(offsets)}{more} differs between its "
+        f"replicas: {_who(groups, False)}; nothing of generation {generation} of run "
+        f"{run!r} is published. The ranks along a DTensor's Replicate mesh dimensions (HSDP's "
+        "replicas) must hold the same block and one rank writes it: a replica diverged (a "
+        "missed collective, or silent data corruption); restore the last published "
+        "generation on every rank (castore.dist.load)"
     )
 
 

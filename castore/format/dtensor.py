@@ -9,7 +9,9 @@ offsets derived here as DCP derives them: mesh dimensions left to right, each
 empty), so two mesh dimensions sharding one tensor dimension nest. An empty
 block sits at the end of the dimension it is empty along, as DCP places it.
 ``Replicate`` cuts nothing: the ranks along that mesh dimension hold the same
-block, and only the one at coordinate 0 on every such dimension writes it.
+block, and only the one at coordinate 0 on every such dimension writes it;
+the ranks that hold it are named (:attr:`DTensorBlock.replicas`) so that
+castore.dist.replicas compares their copies before a publish.
 ``Partial`` (a pending reduction) and strided shards (FSDP2 with tensor
 parallelism) are refused (:class:`~castore.errors.UnsupportedPlacementError`).
 
@@ -48,10 +50,14 @@ class DTensorBlock:
     ``shard``: the local tensor placed in global coordinates. ``writes``:
     this rank writes the block (coordinate 0 on every Replicate mesh
     dimension); its replicas on the other ranks leave it to this one.
+    ``replicas``: the global ranks that hold this same block (the mesh's ranks
+    along its Replicate dimensions), this one among them; empty where no other
+    rank holds it.
     """
 
     shard: Shard
     writes: bool
+    replicas: tuple[int, ...] = ()
 
 
 def dtensor_block(value: Any, path: str) -> DTensorBlock:
@@ -77,7 +83,8 @@ def dtensor_block(value: Any, path: str) -> DTensorBlock:
             key_path=path,
         )
     shard = Shard(local, global_shape, box.offsets)
-    return DTensorBlock(shard, writes_block(tuple(coordinate), dims))
+    at = tuple(coordinate)
+    return DTensorBlock(shard, writes_block(at, dims), replica_ranks(mesh.mesh, at, dims))
 
 
 def placement_dims(placements: Sequence[Any], ndim: int, path: str) -> tuple[PlacementDim, ...]:
@@ -119,6 +126,19 @@ def writes_block(coordinate: tuple[int, ...], dims: Sequence[PlacementDim]) -> b
     """Whether the rank at ``coordinate`` writes its block: of the replicas along the
     Replicate mesh dimensions, the one at coordinate 0 on each of them does."""
     return all(at == 0 for at, dim in zip(coordinate, dims, strict=True) if dim is None)
+
+
+def replica_ranks(
+    mesh_ranks: Any, coordinate: tuple[int, ...], dims: Sequence[PlacementDim]
+) -> tuple[int, ...]:
+    """The global ranks that hold the block at ``coordinate`` (of ``mesh_ranks``, a mesh's
+    tensor of ranks): those at the same coordinate but along the Replicate dimensions.
+    Empty where only this rank holds it."""
+    along = tuple(
+        slice(None) if dim is None else at for at, dim in zip(coordinate, dims, strict=True)
+    )
+    holders = tuple(int(rank) for rank in mesh_ranks[along].reshape(-1).tolist())
+    return holders if len(holders) > 1 else ()
 
 
 def block_of(

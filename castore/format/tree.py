@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 
 from castore.errors import CastoreError, CorruptObjectError, UnsupportedValueError
-from castore.format.dtensor import dtensor_block, is_dtensor
+from castore.format.dtensor import DTensorBlock, dtensor_block, is_dtensor
 from castore.format.dtypes import (
     SUPPORTED_DTYPES,
     name_of_numpy_dtype,
@@ -52,6 +52,9 @@ class TensorLeaf:
     ``written_elsewhere``: a replica of a block another rank writes (a DTensor
     along its Replicate mesh dimensions, castore.format.dtensor): named in this
     rank's layout, left out of its shard, so the block is written once.
+    ``replicas``: the global ranks that hold the same block, this one among
+    them (empty unless another does): their copies are compared before a
+    publish (castore.dist.replicas).
     """
 
     name: str
@@ -63,6 +66,7 @@ class TensorLeaf:
     local_shape: tuple[int, ...] = ()
     sharded: bool = False
     written_elsewhere: bool = False
+    replicas: tuple[int, ...] = ()
     # An async save's tensor still on its GPU: its flat uint8 bytes there, copied
     # to pinned host memory by castore.core.staging (``data`` is then empty).
     device_bytes: Any = None
@@ -135,7 +139,7 @@ class _Encoder:
             return bytes(value)
         if is_dtensor(value):  # a torch.Tensor too: before the plain tensors
             block = dtensor_block(value, path)
-            return self._tensor(block.shard.local, path, block.shard, not block.writes)
+            return self._tensor(block.shard.local, path, block.shard, block)
         if isinstance(value, np.ndarray) or _is_torch_tensor(value):
             return self._tensor(value, path)
         if isinstance(value, OrderedDict):
@@ -191,7 +195,7 @@ class _Encoder:
         value: Any,
         path: str,
         shard: Shard | None = None,
-        written_elsewhere: bool = False,
+        block: DTensorBlock | None = None,
     ) -> msgpack.ExtType:
         if not self.allow_tensors:
             raise UnsupportedValueError(
@@ -216,7 +220,8 @@ class _Encoder:
                 offsets=shard.offsets,
                 local_shape=leaf.shape,
                 sharded=True,
-                written_elsewhere=written_elsewhere,
+                written_elsewhere=block is not None and not block.writes,
+                replicas=block.replicas if block is not None else (),
                 device_bytes=leaf.device_bytes,
                 source=leaf.source,
                 version=leaf.version,
