@@ -13,6 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from replica_workers import trusting_saves_of
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -100,20 +101,8 @@ def trusting_saves(rank: int, world: int, path: str) -> list[dict[str, Any]]:
         ("unchanged", lambda: None),
         ("one_rank_moved", lambda: local[0, 0].add_(1.0) if rank == 1 else None),
     ]
-    out = []
     with castore.open(path, chunk_size=CHUNK_SIZE) as store:
-        for step, (case, change) in enumerate(steps, start=1):
-            change()
-            hashed.clear()
-            result: dict[str, Any] = {"case": case}
-            try:
-                castore.dist.save(store, state, run="T", step=step, trust_versions=True)
-                result["published"] = True
-            except castore.CastoreError as exc:
-                result["error"] = type(exc).__name__
-            result["hashed_to_compare"] = sum(hashed)
-            out.append(result)
-    return out
+        return trusting_saves_of(store, state, steps, hashed)
 
 
 def hsdp_one_replica_off(rank: int, world: int, path: str) -> dict[str, Any]:

@@ -112,17 +112,25 @@ def trusting_saves(rank: int, world: int, path: str) -> list[dict[str, Any]]:
         ("one_rank_moved", lambda: state["a"].add_(1.0) if rank == world - 1 else None),
         ("all_moved", lambda: state["a"].add_(1.0) if rank != world - 1 else None),
     ]
-    out = []
     with castore.open(path) as store:
-        for step, (case, change) in enumerate(steps, start=1):
-            change()
-            hashed.clear()
-            result: dict[str, Any] = {"case": case}
-            try:
-                castore.dist.save(store, state, run="T", step=step, trust_versions=True)
-                result["published"] = True
-            except castore.CastoreError as exc:
-                result["error"] = type(exc).__name__
-            result["hashed_to_compare"] = sum(hashed)
-            out.append(result)
+        return trusting_saves_of(store, state, steps, hashed)
+
+
+def trusting_saves_of(
+    store: Any, state: Any, steps: list[tuple[str, Any]], hashed: list[int]
+) -> list[dict[str, Any]]:
+    """Each step's change, then a trusting save of ``state``: published or the error's
+    name, and the bytes hashed to compare (``hashed``, filled by the caller's probe)."""
+    out = []
+    for step, (case, change) in enumerate(steps, start=1):
+        change()
+        hashed.clear()
+        result: dict[str, Any] = {"case": case}
+        try:
+            castore.dist.save(store, state, run="T", step=step, trust_versions=True)
+            result["published"] = True
+        except castore.CastoreError as exc:
+            result["error"] = type(exc).__name__
+        result["hashed_to_compare"] = sum(hashed)
+        out.append(result)
     return out
