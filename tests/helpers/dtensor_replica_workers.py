@@ -13,7 +13,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from replica_workers import trusting_saves_of
+from replica_workers import count_hashing, trusting_saves_of
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -84,14 +84,7 @@ def equal_then_differing(rank: int, world: int, path: str, blocking: bool) -> di
 def trusting_saves(rank: int, world: int, path: str) -> list[dict[str, Any]]:
     """Saves that trust version counters: an unmoved replica is not hashed again to
     compare, and one changed in place on one rank alone is still caught."""
-    hashed: list[int] = []
-    hash_views = replicas.digests_in_order
-
-    def counting(views: Any, **options: Any) -> Any:
-        hashed.append(len(views))
-        return hash_views(views, **options)
-
-    replicas.digests_in_order = counting  # type: ignore[assignment]
+    hashed = count_hashing()
     mesh = init_device_mesh("cpu", (world,))
     local = replica_w(rank, None)
     local.add_(1.0)  # a counter at 0 is never trusted

@@ -93,16 +93,7 @@ def trusting_saves(rank: int, world: int, path: str) -> list[dict[str, Any]]:
     again to compare, and one changed in place on one rank alone is still caught."""
     import torch
 
-    from castore.dist import replicas
-
-    hashed: list[int] = []
-    hash_views = replicas.digests_in_order
-
-    def counting(views: Any, **options: Any) -> Any:
-        hashed.append(len(views))
-        return hash_views(views, **options)
-
-    replicas.digests_in_order = counting  # type: ignore[assignment]
+    hashed = count_hashing()
     state = {"a": torch.zeros(4000), "b": torch.zeros(4000)}
     for tensor in state.values():
         tensor.add_(1.0)  # a counter at 0 is never trusted
@@ -114,6 +105,22 @@ def trusting_saves(rank: int, world: int, path: str) -> list[dict[str, Any]]:
     ]
     with castore.open(path) as store:
         return trusting_saves_of(store, state, steps, hashed)
+
+
+def count_hashing() -> list[int]:
+    """Count the chunks castore.dist.replicas hashes to compare: one entry per call,
+    cleared by trusting_saves_of before each save."""
+    from castore.dist import replicas
+
+    hashed: list[int] = []
+    hash_views = replicas.digests_in_order
+
+    def counting(views: Any, **options: Any) -> Any:
+        hashed.append(len(views))
+        return hash_views(views, **options)
+
+    replicas.digests_in_order = counting  # type: ignore[assignment]
+    return hashed
 
 
 def trusting_saves_of(
