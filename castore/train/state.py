@@ -39,6 +39,7 @@ from castore.train.optimizers import (
 )
 from castore.train.record import RNG_FIELDS, TRAIN_FORMAT, check_claim, check_record
 from castore.train.rng import capture_rng, cuda_devices, reseed_rng, restore_rng
+from castore.train.sharded import local_grad, optimizer_targets, placed_grad
 from castore.train.weights import check_model_keys, saved_skeleton
 
 if TYPE_CHECKING:
@@ -174,8 +175,8 @@ class TrainState:
             "examples": self.examples,
         }
         if mid_accumulation and self.microbatch:
-            per_rank["grads"] = {
-                name: param.grad.detach()
+            per_rank["grads"] = {  # a DTensor's: this rank's block (rank-local)
+                name: local_grad(param.grad.detach())
                 for name, param in model.named_parameters()
                 if param.grad is not None
             }
@@ -356,17 +357,19 @@ class TrainState:
         generation = self._agree_on_claim(store, run, resume, comm, digest)
         saved = generation.data_order
         same_world = saved["world_size"] == comm.world_size
+        model = unwrap(self.model)
         loaded = castore_dist.load(
             store,
             run,
-            {"model": dict(unwrap(self.model).state_dict())},
+            {"model": dict(model.state_dict())},
             digest.hex,
             group=comm.group,
             coordinator=comm.coordinator,
             timeout=comm.timeout,
             rank_local="same" if same_world else "drop",
             framework="torch",
-            load_rest=True,
+            # A sharded parameter's moments into DTensors of its layout; the rest whole.
+            load_rest=optimizer_targets(dict(model.named_parameters()), "optimizer"),
         )
         state = loaded.state
         notes: list[str] = []
@@ -468,7 +471,7 @@ class TrainState:
             named = dict(model.named_parameters())
             for name, grad in per_rank.get("grads", {}).items():
                 param = named[name]
-                param.grad = grad.to(device=param.device, dtype=param.dtype)
+                param.grad = placed_grad(grad, param)
             self.microbatch = microbatch
             self.examples = int(per_rank["examples"])
             return "restored"
