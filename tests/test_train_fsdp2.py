@@ -237,3 +237,20 @@ def test_through_tiers_an_fsdp2_job_that_lost_a_node_resumes_bitwise(
         assert all(s.get("durable", 0) > 0 for s in served[2:]), served
     assert verdict["losses_equal"] and all(verdict["final_equal"].values())
     assert tiers["holds"] and verdict["holds"]
+
+
+def test_a_mid_accumulation_save_with_unreduced_fsdp2_gradients_is_refused(
+    tmp_path: Path,
+) -> None:
+    """Under set_requires_gradient_sync(False) the sharded parameters have no gradient:
+    the save is refused in one line on every rank and publishes nothing. The broken
+    control, without the check, publishes a mid-accumulation save without them."""
+    path = str(tmp_path / "store")
+    ranks = values(run_ranks(2, w.unsynced_mid_accumulation_save, path, timeout=LAUNCH_TIMEOUT))
+    for rank in ranks:
+        refused = rank["refused"]
+        assert refused.get("error") == "SaveBoundaryError", refused
+        assert "set_requires_gradient_sync(False)" in refused["message"]
+        assert "\n" not in refused["message"]
+        assert rank["runs_after_refusal"] == []
+    assert ranks[0]["control_grads"] == []  # the partial update, silently lost

@@ -59,3 +59,31 @@ def placed_grad(saved: torch.Tensor, param: Any) -> torch.Tensor:
     return DTensor.from_local(
         local, param.device_mesh, param.placements, shape=param.shape, stride=param.stride()
     )
+
+
+def unreduced_gradients(model: torch.nn.Module) -> list[str]:
+    """The FSDP2 modules (by name) that hold gradients not yet reduce-scattered.
+
+    Under ``set_requires_gradient_sync(False)`` FSDP2 accumulates whole gradients
+    inside itself and the sharded parameters have none: a mid-accumulation save
+    would miss them. Read through FSDP2's internals (no public accessor exists);
+    where those change, nothing is found and nothing is refused.
+    """
+    holding = []
+    for name, module in model.named_modules():
+        state_of = getattr(module, "_get_fsdp_state", None)
+        if state_of is None:
+            continue
+        try:
+            group = state_of()._fsdp_param_group
+            params = group.fsdp_params if group is not None else []
+            held = any(
+                getattr(p, "unsharded_accumulated_grad", None) is not None
+                or getattr(p.unsharded_param, "grad", None) is not None
+                for p in params
+            )
+        except Exception:  # torch's internals moved: say nothing
+            held = False
+        if held:
+            holding.append(name or "<root>")
+    return holding

@@ -39,7 +39,12 @@ from castore.train.optimizers import (
 )
 from castore.train.record import RNG_FIELDS, TRAIN_FORMAT, check_claim, check_record
 from castore.train.rng import capture_rng, cuda_devices, reseed_rng, restore_rng
-from castore.train.sharded import local_grad, optimizer_targets, placed_grad
+from castore.train.sharded import (
+    local_grad,
+    optimizer_targets,
+    placed_grad,
+    unreduced_gradients,
+)
 from castore.train.weights import check_model_keys, saved_skeleton
 
 if TYPE_CHECKING:
@@ -266,6 +271,15 @@ class TrainState:
                     "optimizer-step boundary, or pass mid_accumulation=True to save the "
                     "partial gradients too"
                 )
+            if mid_accumulation and self.microbatch:
+                held = unreduced_gradients(unwrap(self.model))
+                if held:
+                    raise SaveBoundaryError(
+                        f"FSDP2 holds the partial gradients of {len(held)} module(s) "
+                        f"({', '.join(held[:3])}) unreduced, where no checkpoint sees them "
+                        "(set_requires_gradient_sync(False)): save at an optimizer-step "
+                        "boundary, or keep gradient sync on while accumulating"
+                    )
 
         _, failure = attempt(check)
         positions = comm.all_gather(

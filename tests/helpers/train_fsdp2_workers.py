@@ -105,3 +105,28 @@ def _one_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> float
     optimizer.step()
     optimizer.zero_grad()
     return float(np.float32(sum(p.to_local().sum().item() for p in model.parameters())))
+
+
+def unsynced_mid_accumulation_save(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A mid-accumulation save while FSDP2 holds the partial gradients unreduced
+    (``set_requires_gradient_sync(False)``): refused. The broken control skips the
+    check: the save publishes with no partial gradient in it."""
+    mesh = init_device_mesh("cpu", (world,))
+    store = castore.open(path, chunk_size=w.CHUNK_SIZE)
+    model, optimizer = w.sharded_model(mesh, seed=0, steps=1)
+    state = castore.train.TrainState(model, optimizer, accumulation_steps=2)
+    model.set_requires_gradient_sync(False)
+    torch.manual_seed(5)
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    state.microbatch_done(4)
+    out = {"refused": w.attempt(lambda: state.save(store, run="nosync", mid_accumulation=True))}
+    out["runs_after_refusal"] = sorted(store.runs())
+    original = castore.train.state.unreduced_gradients
+    castore.train.state.unreduced_gradients = lambda model: []
+    try:
+        state.save(store, run="nosync_control", mid_accumulation=True)
+    finally:
+        castore.train.state.unreduced_gradients = original
+    saved = castore.open(path).load("nosync_control", framework="torch")
+    out["control_grads"] = sorted(saved["rank"].get("grads", {})) if rank == 0 else None
+    return out
