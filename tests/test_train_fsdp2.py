@@ -28,6 +28,7 @@ import dtensor_workers
 import numpy as np
 import pytest
 import train_fsdp2_workers as w
+from cli_runner import run_cli
 from dist_harness import describe, run_ranks
 
 import castore
@@ -254,3 +255,33 @@ def test_a_mid_accumulation_save_with_unreduced_fsdp2_gradients_is_refused(
         assert "\n" not in refused["message"]
         assert rank["runs_after_refusal"] == []
     assert ranks[0]["control_grads"] == []  # the partial update, silently lost
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_generation_records_each_dtensors_mesh_and_placements(
+    world: int, saved: tuple[str, dict[str, np.ndarray]]
+) -> None:
+    """Every DTensor (parameters and moments) is recorded as saved from a mesh of 2 with
+    placement Shard(0); plain tensors (each "step") are not. Onto the same layout every
+    target is a saved box (resharded 0); at 3 ranks the sharded ones are not."""
+    path, expected = saved
+    ranks = values(run_ranks(world, w.recorded_layouts, path, timeout=LAUNCH_TIMEOUT))
+    layouts = ranks[0]["layouts"]
+    sharded = sorted(n for n in expected if not n.endswith("/step"))
+    assert sorted(layouts) == [n.replace("optimizer/", "optimizer/state/", 1) for n in sharded]
+    assert all(
+        v == {"mesh": [2], "mesh_dims": None, "placements": ["S(0)"]} for v in layouts.values()
+    )
+    resharded = [r["resharded"] for r in ranks]
+    if world == 2:
+        assert resharded == [0, 0]
+    else:  # the MLP's 3 weights and 2 biases and their 2 moments each, at least on one rank
+        assert max(resharded) >= len(sharded) // 2
+    with castore.open(path) as store:
+        shown = store.resolve(w.RUN).layouts
+    assert shown == layouts
+    show = run_cli("show", path, w.RUN)
+    assert show.returncode == 0, show.stderr
+    lines = {line.split()[0]: line for line in show.stdout.splitlines() if line.strip()}
+    assert lines["model/inp.weight"].rstrip().endswith("2: S(0)")
+    assert lines["optimizer/state/inp.weight/step"].rstrip().endswith("-")

@@ -64,6 +64,9 @@ class LoadReport:
     skipped: list[Skipped] = field(default_factory=list)  # generations a fallback passed over
     # Tiered stores on several nodes: the bytes each source gave ("fast", "peer", "durable").
     bytes_by_source: dict[str, int] = field(default_factory=dict)
+    # Targets that are no saved box (another layout: read by byte range from the boxes
+    # they overlap); 0 when each target is a box the save wrote (the same layout).
+    resharded: int = 0
 
 
 @dataclass
@@ -317,8 +320,13 @@ def _load_root(
         bytes_by_source=(
             session.sources() if session is not None else _served(store, served_before)
         ),
+        resharded=sum(1 for t in wanted if not _is_saved_box(t.box, entries[t.name])),
     )
     return LoadResult(state, report)
+
+
+def _is_saved_box(box: Box, boxes: list[TensorEntry]) -> bool:
+    return any(e.offsets == box.offsets and e.local_shape == box.shape for e in boxes)
 
 
 def _served(store: Store, before: dict[str, int]) -> dict[str, int]:

@@ -130,3 +130,15 @@ def unsynced_mid_accumulation_save(rank: int, world: int, path: str) -> dict[str
     saved = castore.open(path).load("nosync_control", framework="torch")
     out["control_grads"] = sorted(saved["rank"].get("grads", {})) if rank == 0 else None
     return out
+
+
+def recorded_layouts(rank: int, world: int, path: str) -> dict[str, Any]:
+    """A restore of run "train" onto ``world`` ranks: the generation's recorded layouts,
+    and how many targets were no saved box (resharded)."""
+    mesh = init_device_mesh("cpu", (world,))
+    store = castore.open(path)
+    model, optimizer = w.sharded_model(mesh, seed=11, steps=0)
+    state = castore.train.TrainState(model, optimizer)
+    resumed = state.load(store, run=RUN, resume="exact" if world == 2 else "continuation")
+    assert resumed.report is not None
+    return {"layouts": resumed.generation.layouts, "resharded": resumed.report.resharded}
