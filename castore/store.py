@@ -74,7 +74,7 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
-from castore.format.tree import EncodedTree, encode_state
+from castore.format.tree import EncodedTree, encode_state, layouts_of
 from castore.repo.base import LockHold
 from castore.repo.local import RefStore
 from castore.repo.records import RefValue, validate_run_name
@@ -526,6 +526,7 @@ class Store(TierHooks):
             held_seconds=None,
             faults=SINGLE_FAULTS,
             writer=writer,
+            layouts=layouts_of(encoded),
         )
         return Generation.from_root(digest, root)
 

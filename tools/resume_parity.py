@@ -95,11 +95,23 @@ def _job(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         nn.Dropout(0.2),
         nn.Linear(64, CLASSES),
     )
-    # DDP re-buckets gradients by their ready order after a process's first
-    # iteration; a resumed process would start with the initial layout, and a
-    # different layout sums the all-reduce in another order (ulp drift on 3+
-    # ranks). find_unused_parameters=True keeps one layout for the whole run.
-    model = DistributedDataParallel(inner, find_unused_parameters=True)
+    if config["model"] == "fsdp2":
+        # FSDP2: every Linear's parameters (and its AdamW moments) are DTensors
+        # sharded by rows over the ranks (uneven: 4 rows of the last layer at 3 ranks).
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in inner:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=mesh)
+        model = fully_shard(inner, mesh=mesh)
+    else:
+        # DDP re-buckets gradients by their ready order after a process's first
+        # iteration; a resumed process would start with the initial layout, and a
+        # different layout sums the all-reduce in another order (ulp drift on 3+
+        # ranks). find_unused_parameters=True keeps one layout for the whole run.
+        model = DistributedDataParallel(inner, find_unused_parameters=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
     scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.1, total_iters=4)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=3)
@@ -143,12 +155,14 @@ def _final(job: dict[str, Any]) -> dict[str, Any]:
     import castore.train
 
     def bits(tensor: Any) -> str:
-        return tensor.detach().contiguous().numpy().tobytes().hex()
+        return _whole(tensor).contiguous().numpy().tobytes().hex()
 
     params = {name: bits(p) for name, p in job["inner"].named_parameters()}
     optim = castore.train.optimizer_state_by_name(job["inner"], job["optimizer"])
     moments = {
-        f"{name}/{key}": bits(value) if hasattr(value, "numpy") else repr(value)
+        f"{name}/{key}": bits(value)
+        if hasattr(value, "to_local") or hasattr(value, "numpy")
+        else repr(value)
         for name, entry in optim["state"].items()
         for key, value in entry.items()
     }
@@ -189,7 +203,10 @@ def _train(
                 raise RuntimeError("the interrupted run was not killed")
             last = state.microbatch + 1 == ACCUMULATION
             x = x + torch.from_numpy(job["noise"].normal(0.0, 0.01, x.shape).astype("float32"))
-            sync = contextlib.nullcontext() if last else model.no_sync()
+            # FSDP2 reduce-scatters every microbatch: its sharded gradients accumulate
+            # where TrainState sees them (a mid-accumulation save keeps them).
+            no_sync = last or config["model"] == "fsdp2"
+            sync = contextlib.nullcontext() if no_sync else model.no_sync()
             with sync:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
                 scaler.scale(loss / ACCUMULATION).backward()
@@ -229,13 +246,19 @@ def _train(
         epoch += 1
 
 
+def _whole(tensor: Any) -> Any:
+    """A tensor's whole value, detached: a DTensor's gathered from every rank (a collective)."""
+    tensor = tensor.detach()
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
 def _weights_digest(model: Any) -> str:
-    """A digest of the parameters' bytes when the microbatch ran."""
+    """A digest of the parameters' bytes when the microbatch ran (whole, under FSDP2)."""
     import blake3
 
     hasher = blake3.blake3()
     for param in model.parameters():
-        hasher.update(param.detach().numpy().tobytes())
+        hasher.update(_whole(param).numpy().tobytes())
     return hasher.hexdigest()[:16]
 
 
@@ -416,14 +439,18 @@ def make_config(
     tiers: int | None = None,
     ranks_per_node: int = 2,
     durable_every: int = 3,
+    model: str = "ddp",
 ) -> dict[str, Any]:
     """The settings every launch of one comparison shares.
 
     ``tiers=F``: the job saves through ``castore.open_tiered`` with ``replicas=F``,
     one fast directory per node of ``ranks_per_node`` ranks (``STORE/fastK``) and a
     durable directory (``STORE/durable``) that takes every ``durable_every``-th
-    generation.
+    generation. ``model``: ``"ddp"`` (DistributedDataParallel) or ``"fsdp2"``
+    (``fully_shard``: DTensor parameters and moments).
     """
+    if model not in ("ddp", "fsdp2"):
+        raise ValueError(f"model must be 'ddp' or 'fsdp2', got {model!r}")
     Path(workdir).mkdir(parents=True, exist_ok=True)
     return {
         "workdir": str(workdir),
@@ -438,6 +465,7 @@ def make_config(
         "tiers": tiers,
         "ranks_per_node": ranks_per_node,
         "durable_every": durable_every,
+        "model": model,
     }
 
 
@@ -581,6 +609,7 @@ def run_parity(args: argparse.Namespace) -> dict[str, Any]:
         tiers=args.tiers,
         ranks_per_node=args.ranks_per_node,
         durable_every=args.durable_every,
+        model=args.model,
     )
     receipt: dict[str, Any] = {
         "config": {
@@ -851,6 +880,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         metavar="K",
         help="delete node K's fast directory after the kill, before the resume (--tiers)",
+    )
+    parser.add_argument(
+        "--model",
+        choices=["ddp", "fsdp2"],
+        default="ddp",
+        help="the model's parallelism: DistributedDataParallel, or FSDP2 (fully_shard)",
     )
     parser.add_argument("--workdir", default=None, help="keep launches' files here")
     parser.add_argument("--store", default=None, help="castore store (default: in workdir)")

@@ -129,8 +129,13 @@ def cmd_show(args: argparse.Namespace) -> int:
             total_chunks += chunks
             shape = "x".join(map(str, first.shape)) or "()"
             rows.append([name, first.dtype, shape, format_bytes(nbytes), len(boxes), chunks])
+            if root.layouts:
+                rows[-1].append(_layout_text(root.layouts.get(name)))
+        headers = ["tensor", "dtype", "shape", "size", "boxes", "chunks"]
+        if root.layouts:
+            headers.append("saved from (DTensor mesh: placements)")
         print()
-        print(tabulate(rows, headers=["tensor", "dtype", "shape", "size", "boxes", "chunks"]))
+        print(tabulate(rows, headers=headers))
         values = state_values(root.state, collapse=not args.all)
         if values:
             print()
@@ -144,6 +149,16 @@ def cmd_show(args: argparse.Namespace) -> int:
         + f"; {run}@{gen.id} step {gen.step}, {format_time(gen.time)}"
     )
     return 0
+
+
+def _layout_text(layout: dict[str, Any] | None) -> str:
+    """A DTensor's recorded layout in one cell: ``2x2 (dp, tp): R, S(0)``."""
+    if not layout:
+        return "-"
+    mesh = "x".join(str(n) for n in layout.get("mesh", []))
+    names = layout.get("mesh_dims")
+    named = f" ({', '.join(map(str, names))})" if names else ""
+    return f"{mesh}{named}: {', '.join(map(str, layout.get('placements', [])))}"
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

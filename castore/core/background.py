@@ -80,7 +80,7 @@ from castore.core.staging import (
 from castore.errors import ChunkMissingError, CommitUnknownError, SaveAborted
 from castore.format.grid import cut_at
 from castore.format.objects import TensorEntry
-from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state
+from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, layouts_of
 from castore.support.faults import fault_point
 
 IF_BUSY = ("wait", "skip")
@@ -700,6 +700,7 @@ def save_async(
                 held_seconds=pending.timings.get("held", 0.0),
                 faults=ASYNC_FAULTS,
                 writer=writer,
+                layouts=layouts_of(encoded),
             )
         pending.timings["publish"] = time.perf_counter() - clock
         background.remember(written.seen)

@@ -286,6 +286,7 @@ def publish_single(
     held_seconds: float | None,
     faults: PublishFaults,
     writer: dict[str, Any],
+    layouts: dict[str, Any] | None = None,
 ) -> tuple[Digest, GenerationRoot]:
     """Publish a single writer's generation: its one shard, still in memory, and its root.
 
@@ -313,6 +314,7 @@ def publish_single(
         frameworks=framework_versions(),
         data_order=data_order,
         writer=writer,
+        layouts=layouts,
     )
     digest = publish(
         store, parent=parent, root=root, faults=faults, extra_objects=((shard.digest, shard.data),)
@@ -376,6 +378,7 @@ def make_root(
     frameworks: dict[str, str],
     writer: dict[str, Any],
     data_order: dict[str, Any] | None = None,
+    layouts: dict[str, Any] | None = None,
 ) -> GenerationRoot:
     return GenerationRoot(
         run=run,
@@ -391,6 +394,7 @@ def make_root(
         data_order=dict(data_order or {}),
         stats=stats,
         writer=dict(writer),
+        layouts=dict(layouts or {}),
     )
 
 

@@ -97,6 +97,8 @@ class Generation:
     data_order: dict[str, Any] = field(default_factory=dict)
     # Who published it: host, pid, job and writer epoch (empty before epochs existed).
     writer: dict[str, Any] = field(default_factory=dict)
+    # Each DTensor's mesh and placements at the save, by key path (empty without DTensors).
+    layouts: dict[str, Any] = field(default_factory=dict)
 
     @property
     def logical_bytes(self) -> int:
@@ -132,6 +134,7 @@ class Generation:
             frameworks=dict(root.frameworks),
             data_order=dict(root.data_order),
             writer=dict(root.writer),
+            layouts=dict(root.layouts),
         )
 
 

@@ -49,7 +49,7 @@ from castore.errors import (
 )
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot, encode_object
-from castore.format.tree import EncodedTree, encode_state
+from castore.format.tree import EncodedTree, encode_state, layouts_of
 from castore.repo.records import RefValue
 from castore.store import Store, check_step
 from castore.support.faults import fault_point
@@ -312,6 +312,7 @@ def _validate_and_publish(
             frameworks=framework_versions(),
             data_order=prepared.data_order,
             writer=proposal["writer"],
+            layouts=layouts_of(prepared.encoded),
         )
 
     shards = [ack["shard"] for ack in acks]

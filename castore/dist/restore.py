@@ -64,6 +64,9 @@ class LoadReport:
     skipped: list[Skipped] = field(default_factory=list)  # generations a fallback passed over
     # Tiered stores on several nodes: the bytes each source gave ("fast", "peer", "durable").
     bytes_by_source: dict[str, int] = field(default_factory=dict)
+    # Targets that are no saved box (another layout: read by byte range from the boxes
+    # they overlap); 0 when each target is a box the save wrote (the same layout).
+    resharded: int = 0
 
 
 @dataclass
@@ -99,7 +102,7 @@ def load(
     timeout: float = DEFAULT_TIMEOUT,
     rank_local: RankLocalPolicy = "same",
     framework: str = "auto",
-    load_rest: bool = False,
+    load_rest: bool | Callable[[NotLoaded], Any] = False,
     fallback: str | None = None,
 ) -> LoadResult:
     """Restore ``run@generation`` into this rank's ``targets`` (a collective call).
@@ -111,6 +114,10 @@ def load(
     the saved rank whose value this rank takes. Saved tensors that no target
     names come back as :class:`~castore.NotLoaded`, or, with ``load_rest``,
     read whole into new arrays of ``framework`` (``"auto"``: as saved).
+    ``load_rest`` may instead be a callable: given each such tensor's
+    :class:`~castore.NotLoaded` (key path, dtype, global shape), it returns a
+    target for it (a tensor, DTensor or Shard of that dtype and shape, read
+    like any target: only its box), or None to read it whole as above.
 
     ``fallback="previous"``: when the ranks agree that the generation is
     damaged (every failure an integrity error), try the one before it, and so
@@ -193,7 +200,7 @@ class _Options:
     targets: Any
     rank_local: RankLocalPolicy
     framework: str
-    load_rest: bool
+    load_rest: bool | Callable[[NotLoaded], Any]
     newest: int | None  # the generation id the run's ref named as the load began
 
 
@@ -237,9 +244,11 @@ def _load_root(
         clock = time.perf_counter()
         where = {"run": run, "generation": root.generation, "rank": comm.rank}
         entries = store.tensor_entries(root, shards)
-        wanted = _plan_targets(targets, entries, where)
+        found: list[tuple[str, Any]] = []
+        _target_leaves(targets, "", found)
+        wanted = _plan_targets(found, entries, where)
         if load_rest:
-            wanted += _plan_rest(entries, {t.name for t in wanted}, framework, where)
+            wanted += _plan_rest(entries, {t.name for t in wanted}, framework, load_rest, where)
         requests = [r for t in wanted for r in _chunk_requests(t, entries[t.name])]
         timings["planning"] = time.perf_counter() - clock
         clock = time.perf_counter()
@@ -311,8 +320,13 @@ def _load_root(
         bytes_by_source=(
             session.sources() if session is not None else _served(store, served_before)
         ),
+        resharded=sum(1 for t in wanted if not _is_saved_box(t.box, entries[t.name])),
     )
     return LoadResult(state, report)
+
+
+def _is_saved_box(box: Box, boxes: list[TensorEntry]) -> bool:
+    return any(e.offsets == box.offsets and e.local_shape == box.shape for e in boxes)
 
 
 def _served(store: Store, before: dict[str, int]) -> dict[str, int]:
@@ -446,12 +460,11 @@ def _is_array(value: Any) -> bool:
 
 
 def _plan_targets(
-    targets: Any, entries: dict[str, list[TensorEntry]], where: dict[str, Any]
+    found: list[tuple[str, Any]], entries: dict[str, list[TensorEntry]], where: dict[str, Any]
 ) -> list[_Target]:
+    """Each target (key path, live tensor) checked against its saved boxes."""
     from castore.format.dtypes import name_of_numpy_dtype, name_of_torch_dtype
 
-    found: list[tuple[str, Any]] = []
-    _target_leaves(targets, "", found)
     planned: list[_Target] = []
     for name, live in found:
         boxes = entries.get(name)
@@ -491,19 +504,29 @@ def _plan_targets(
 
 
 def _plan_rest(
-    entries: dict[str, list[TensorEntry]], named: set[str], framework: str, where: dict[str, Any]
+    entries: dict[str, list[TensorEntry]],
+    named: set[str],
+    framework: str,
+    like: bool | Callable[[NotLoaded], Any],
+    where: dict[str, Any],
 ) -> list[_Target]:
-    """Whole new tensors for every saved tensor that no target names."""
+    """Every saved tensor that no target names: into the target ``like`` gives for it
+    (a callable), else whole into a new tensor."""
     planned: list[_Target] = []
+    given: list[tuple[str, Any]] = []
     for name, boxes in entries.items():
         if name in named:
             continue
         saved = boxes[0]
+        target = like(NotLoaded(name, saved.dtype, saved.shape)) if callable(like) else None
+        if target is not None:
+            given.append((name, target))
+            continue
         check_coverage(boxes, where)
         tensor, flat = allocate(saved.dtype, saved.shape, framework_for(saved, framework))
         target = _Target(name, tensor, tensor, Box.whole(saved.shape), saved.dtype, flat=flat)
         planned.append(target)
-    return planned
+    return planned + _plan_targets(given, entries, where)
 
 
 def _writable_bytes(tensor: Any) -> np.ndarray | None:

@@ -58,6 +58,8 @@ class DTensorBlock:
     shard: Shard
     writes: bool
     replicas: tuple[int, ...] = ()
+    # What a generation records of it (docs/FORMAT.md, the root's `layouts`).
+    layout: dict[str, Any] | None = None
 
 
 def dtensor_block(value: Any, path: str) -> DTensorBlock:
@@ -84,7 +86,24 @@ def dtensor_block(value: Any, path: str) -> DTensorBlock:
         )
     shard = Shard(local, global_shape, box.offsets)
     at = tuple(coordinate)
-    return DTensorBlock(shard, writes_block(at, dims), replica_ranks(mesh.mesh, at, dims))
+    return DTensorBlock(
+        shard,
+        writes_block(at, dims),
+        replica_ranks(mesh.mesh, at, dims),
+        layout_record(tuple(mesh.shape), getattr(mesh, "mesh_dim_names", None), dims),
+    )
+
+
+def layout_record(
+    mesh_shape: tuple[int, ...], names: Sequence[str] | None, dims: Sequence[PlacementDim]
+) -> dict[str, Any]:
+    """A DTensor's layout as a generation records it: the mesh's shape, its dimension
+    names (or None) and each mesh dimension's placement, ``"S(d)"`` or ``"R"``."""
+    return {
+        "mesh": [int(n) for n in mesh_shape],
+        "mesh_dims": None if names is None else [str(n) for n in names],
+        "placements": ["R" if dim is None else f"S({dim})" for dim in dims],
+    }
 
 
 def placement_dims(placements: Sequence[Any], ndim: int, path: str) -> tuple[PlacementDim, ...]:

@@ -316,6 +316,9 @@ class GenerationRoot:
     # Who published it: host, pid, job and writer epoch (castore.core.fencing); roots
     # written before epochs have none, and encode without the key.
     writer: dict[str, Any] = field(default_factory=dict)
+    # Each DTensor's mesh and placements, by key path (castore.format.dtensor.layout_record);
+    # roots without DTensors encode without the key.
+    layouts: dict[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -336,6 +339,8 @@ class GenerationRoot:
         }
         if self.writer:
             wire["writer"] = dict(sorted(self.writer.items()))
+        if self.layouts:
+            wire["layouts"] = dict(sorted(self.layouts.items()))
         return wire
 
     @property
@@ -370,6 +375,12 @@ class GenerationRoot:
         if not isinstance(writer, dict):
             raise CorruptObjectError("root field 'writer' is not a map")
         check_depth(writer, "root field 'writer'", MAX_FIELD_DEPTH)
+        layouts = wire.get("layouts", {})
+        if not isinstance(layouts, dict) or not all(
+            isinstance(k, str) and isinstance(v, dict) for k, v in layouts.items()
+        ):
+            raise CorruptObjectError("root field 'layouts' must map key paths to maps")
+        check_depth(layouts, "root field 'layouts'", MAX_FIELD_DEPTH)
         return cls(
             run=_typed(wire, "run", str),
             generation=_positive(wire, "generation"),
@@ -384,6 +395,7 @@ class GenerationRoot:
             data_order=data_order,
             stats=stats,
             writer=writer,
+            layouts=layouts,
         )
 
 

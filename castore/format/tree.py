@@ -67,6 +67,8 @@ class TensorLeaf:
     sharded: bool = False
     written_elsewhere: bool = False
     replicas: tuple[int, ...] = ()
+    # A DTensor's mesh and placements (castore.format.dtensor.layout_record); else None.
+    layout: dict[str, Any] | None = field(default=None, compare=False)
     # An async save's tensor still on its GPU: its flat uint8 bytes there, copied
     # to pinned host memory by castore.core.staging (``data`` is then empty).
     device_bytes: Any = None
@@ -95,6 +97,11 @@ def escape_key(key: str | int) -> str:
 
 def join_path(parent: str, key: str | int) -> str:
     return f"{parent}/{escape_key(key)}" if parent else escape_key(key)
+
+
+def layouts_of(encoded: EncodedTree) -> dict[str, Any]:
+    """Each DTensor leaf's mesh and placements, by key path (the root's ``layouts``)."""
+    return {leaf.name: leaf.layout for leaf in encoded.leaves if leaf.layout is not None}
 
 
 class _Encoder:
@@ -222,6 +229,7 @@ class _Encoder:
                 sharded=True,
                 written_elsewhere=block is not None and not block.writes,
                 replicas=block.replicas if block is not None else (),
+                layout=block.layout if block is not None else None,
                 device_bytes=leaf.device_bytes,
                 source=leaf.source,
                 version=leaf.version,

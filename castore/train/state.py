@@ -39,6 +39,12 @@ from castore.train.optimizers import (
 )
 from castore.train.record import RNG_FIELDS, TRAIN_FORMAT, check_claim, check_record
 from castore.train.rng import capture_rng, cuda_devices, reseed_rng, restore_rng
+from castore.train.sharded import (
+    local_grad,
+    optimizer_targets,
+    placed_grad,
+    unreduced_gradients,
+)
 from castore.train.weights import check_model_keys, saved_skeleton
 
 if TYPE_CHECKING:
@@ -174,8 +180,8 @@ class TrainState:
             "examples": self.examples,
         }
         if mid_accumulation and self.microbatch:
-            per_rank["grads"] = {
-                name: param.grad.detach()
+            per_rank["grads"] = {  # a DTensor's: this rank's block (rank-local)
+                name: local_grad(param.grad.detach())
                 for name, param in model.named_parameters()
                 if param.grad is not None
             }
@@ -265,6 +271,15 @@ class TrainState:
                     "optimizer-step boundary, or pass mid_accumulation=True to save the "
                     "partial gradients too"
                 )
+            if mid_accumulation and self.microbatch:
+                held = unreduced_gradients(unwrap(self.model))
+                if held:
+                    raise SaveBoundaryError(
+                        f"FSDP2 holds the partial gradients of {len(held)} module(s) "
+                        f"({', '.join(held[:3])}) unreduced, where no checkpoint sees them "
+                        "(set_requires_gradient_sync(False)): save at an optimizer-step "
+                        "boundary, or keep gradient sync on while accumulating"
+                    )
 
         _, failure = attempt(check)
         positions = comm.all_gather(
@@ -356,17 +371,19 @@ class TrainState:
         generation = self._agree_on_claim(store, run, resume, comm, digest)
         saved = generation.data_order
         same_world = saved["world_size"] == comm.world_size
+        model = unwrap(self.model)
         loaded = castore_dist.load(
             store,
             run,
-            {"model": dict(unwrap(self.model).state_dict())},
+            {"model": dict(model.state_dict())},
             digest.hex,
             group=comm.group,
             coordinator=comm.coordinator,
             timeout=comm.timeout,
             rank_local="same" if same_world else "drop",
             framework="torch",
-            load_rest=True,
+            # A sharded parameter's moments into DTensors of its layout; the rest whole.
+            load_rest=optimizer_targets(dict(model.named_parameters()), "optimizer"),
         )
         state = loaded.state
         notes: list[str] = []
@@ -468,7 +485,7 @@ class TrainState:
             named = dict(model.named_parameters())
             for name, grad in per_rank.get("grads", {}).items():
                 param = named[name]
-                param.grad = grad.to(device=param.device, dtype=param.dtype)
+                param.grad = placed_grad(grad, param)
             self.microbatch = microbatch
             self.examples = int(per_rank["examples"])
             return "restored"

@@ -66,7 +66,11 @@ class KeyMatch:
 def match_model_keys(model: torch.nn.Module, saved: Any, where: dict[str, Any]) -> KeyMatch:
     """Which of ``model``'s names ``saved`` (a saved model's skeleton) holds."""
     if not isinstance(saved, Mapping):
-        raise LayoutMismatchError("the generation holds no model state", **where)
+        raise LayoutMismatchError(
+            "the generation holds no model state under this prefix (an imported file "
+            "keeps its names at the top of the tree: load it with prefix='')",
+            **where,
+        )
     live = list(model.state_dict())
     known = set(live)
     return KeyMatch(
@@ -102,6 +106,8 @@ def saved_model(root: GenerationRoot, prefix: str) -> tuple[Any, dict[str, str] 
         items = layout.items_under(prefix)
         return (items or None), items
     skeleton = saved_skeleton(root)
+    if not prefix:  # the names at the top of the tree: an imported file's
+        return skeleton, None
     return (skeleton.get(prefix) if isinstance(skeleton, dict) else None), None
 
 
@@ -123,7 +129,10 @@ def load_weights(
     and nothing claims the next update matches any other run's. ``prefix`` is
     the key the model's state sits under in the saved tree (``"model"`` for
     :class:`TrainState` saves, and for a DCP save of ``{"model": model.state_dict(),
-    ...}`` through :class:`castore.dcp.CastoreWriter`).
+    ...}`` through :class:`castore.dcp.CastoreWriter`); ``""`` for names at the top
+    of the tree, as ``castore import`` keeps a safetensors file's. A sharded model
+    (FSDP2: DTensor parameters) is filled rank by rank, each rank reading only the
+    bytes its own shards cover.
 
     ``strict=True`` refuses a model whose names differ from the saved ones
     (LayoutMismatchError, nothing changed). ``strict=False`` loads the names
@@ -149,7 +158,8 @@ def load_weights(
     assert checked is not None
     keys, items = checked
     live = module.state_dict()
-    targets: dict[str, Any] = {prefix: {name: live[name] for name in keys.shared}}
+    shared = {name: live[name] for name in keys.shared}
+    targets: dict[str, Any] = {prefix: shared} if prefix else shared
     if items is not None:  # a DCP generation: its tensor items, by fqn (castore.format.dcplayout)
         targets = {TENSORS: {items[name]: live[name] for name in keys.shared}}
     loaded = castore_dist.load(
