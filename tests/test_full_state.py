@@ -14,6 +14,7 @@ tensors over every rank as if each held them, and nothing is published.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any
 
 import full_state_workers as w
@@ -22,10 +23,18 @@ import pytest
 from dist_harness import describe, run_ranks
 
 import castore
+from castore.dist.groupcommit import owned_tensors, prepare
+from castore.dist.holders import Holding, empty_dicts
+from castore.format.tree import encode_state
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dtensor")]
+pytestmark = [pytest.mark.xdist_group("dtensor")]
+launched = pytest.mark.slow  # the tests that start ranks
 
 LAUNCH_TIMEOUT = 120.0
+
+
+def castore_encoded(state: Any) -> bytes:
+    return encode_state(state).skeleton
 
 
 def values(outcomes: list[Any]) -> list[dict[str, Any]]:
@@ -39,6 +48,59 @@ def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray
         got = actual[name]
         assert (got.dtype, got.shape) == (array.dtype, array.shape), name
         assert got.tobytes() == array.tobytes(), name
+
+
+# -- the rule, without ranks ---------------------------------------------------------------------
+
+
+def test_get_state_dict_s_empty_dicts_make_regions_rank_0_holds() -> None:
+    holding = Holding.of([[], ["model", "optim"]])
+    assert holding.regions == ("model", "optim") and holding.full == [0]
+    assert holding.pruned == ((), ("model", "optim"))
+    assert holding.region_of("model/inp.weight") == "model"
+    assert holding.region_of("step") is None  # every rank holds it
+    assert holding.holders("optim") == [0] and holding.holders(None) == [0, 1]
+
+
+def test_an_empty_dict_every_rank_passes_or_no_rank_holds_is_just_empty() -> None:
+    assert Holding.of([["a"], ["a"]]).regions == ()
+    # Rank 0's "model" is empty and rank 1 passes nothing at all: nobody holds "model".
+    holding = Holding.of([["model"], [""]])
+    assert holding.regions == ("",) and holding.full == [0]
+
+
+def test_a_region_below_another_has_the_holders_of_both() -> None:
+    holding = Holding.of([[], [""], ["model"]])
+    assert holding.regions == ("", "model")
+    assert holding.holders("") == [0, 2] and holding.holders("model") == [0]
+    assert holding.region_of("model/w") == "model" and holding.region_of("step") == ""
+    assert not Holding.of([["optim"], ["model"]]).full  # each holds what the other lacks
+
+
+def test_empty_dicts_are_found_at_every_depth_and_kind() -> None:
+    state = {"a": {}, "b": OrderedDict(), "c": [{"d": {}}], "e": {"f": 1}}
+    assert empty_dicts(castore_encoded(state)) == ["a", "b", "c/0/d"]
+    assert empty_dicts(castore_encoded({})) == [""]
+
+
+def test_each_tensor_of_a_region_is_owned_by_one_of_its_holders() -> None:
+    """Rank 0 holds "model" alone: it owns all of it; the tensors both ranks hold are
+    balanced over both."""
+
+    def tensors(n: int) -> dict[str, np.ndarray]:
+        return {f"t{i}": np.zeros(64, np.float32) for i in range(n)}
+
+    states = [{"model": tensors(4), "both": tensors(2)}, {"model": {}, "both": tensors(2)}]
+    prepared = [prepare(state, 1, None, None, 1024) for state in states]
+    holding = Holding.of([p.empties for p in prepared])
+    owned = [owned_tensors(p, holding, [0, 0], rank) for rank, p in enumerate(prepared)]
+    assert {f"model/t{i}" for i in range(4)} <= owned[0]
+    assert not any(name.startswith("model/") for name in owned[1])
+    assert sorted(n for o in owned for n in o if n.startswith("both/")) == ["both/t0", "both/t1"]
+    assert all(any(n.startswith("both/") for n in o) for o in owned)
+
+
+# -- on ranks ------------------------------------------------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -62,6 +124,7 @@ def restored_at(saved: Any) -> Any:
     return at
 
 
+@launched
 def test_rank_0_alone_holds_the_full_state_and_it_is_published(saved: Any) -> None:
     path, ranks = saved
     held = ranks[0]["held"]
@@ -78,6 +141,7 @@ def test_rank_0_alone_holds_the_full_state_and_it_is_published(saved: Any) -> No
     assert [len(s.tensors) for s in shards] == [len(held), 0]  # each tensor whole, by rank 0
 
 
+@launched
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_full_state_restores_bitwise_into_fresh_sharded_models(
     world: int, saved: Any, restored_at: Any
@@ -97,6 +161,7 @@ def test_full_state_restores_bitwise_into_fresh_sharded_models(
         assert all(rank["sharded_targets"]["bytes_read"] < total for rank in ranks)
 
 
+@launched
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_full_state_restores_into_rank_0_then_broadcasts(
     world: int, saved: Any, restored_at: Any
@@ -113,6 +178,7 @@ def test_full_state_restores_into_rank_0_then_broadcasts(
             assert result["rank0_only"]["bytes_read"] == 0
 
 
+@launched
 @pytest.mark.parametrize("world", [1, 3])
 def test_the_plain_full_state_dicts_round_trip(world: int, saved: Any, restored_at: Any) -> None:
     """Model and optimizer as get_state_dict gave them: read whole by rank 0 alone
@@ -125,6 +191,7 @@ def test_the_plain_full_state_dicts_round_trip(world: int, saved: Any, restored_
         assert_bitwise(rank["whole_everywhere"]["loaded"], held)
 
 
+@launched
 @pytest.mark.parametrize("world", [1, 2])
 def test_a_generation_saved_sharded_restores_into_rank_0_s_full_state(
     world: int, saved: Any, restored_at: Any
@@ -136,6 +203,7 @@ def test_a_generation_saved_sharded_restores_into_rank_0_s_full_state(
         assert_bitwise(rank["reverse"]["after"], expected)
 
 
+@launched
 def test_trees_that_disagree_where_both_ranks_pass_something_are_refused(saved: Any) -> None:
     """One line on every rank naming the key and the ranks; run "full" still at 1."""
     _, ranks = saved
@@ -156,6 +224,7 @@ def test_trees_that_disagree_where_both_ranks_pass_something_are_refused(saved: 
     assert [r["after_refusals"] for r in ranks] == [1, 1]
 
 
+@launched
 def test_broken_control_balancing_over_every_rank_publishes_nothing(saved: Any) -> None:
     """Balanced as if every rank held each tensor, rank 1 owns tensors it does not have:
     nobody writes them, the coordinator's check names them missing."""
