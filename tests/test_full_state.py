@@ -204,6 +204,23 @@ def test_a_generation_saved_sharded_restores_into_rank_0_s_full_state(
 
 
 @launched
+def test_a_coordinator_that_holds_nothing_publishes_the_holder_s_tree(saved: Any) -> None:
+    path, ranks = saved
+    assert [r["coordinator_1"] for r in ranks] == [1, 1]
+    with castore.open(path) as store:
+        assert_bitwise(w.plain_arrays(store.load("coord1", framework="torch")), ranks[0]["held"])
+
+
+@launched
+def test_an_async_save_of_such_a_state_is_refused_for_now(saved: Any) -> None:
+    _, ranks = saved
+    for rank in ranks:
+        assert rank["async"].get("error") == "UnsupportedValueError", rank["async"]
+        assert "blocking=True" in rank["async"]["message"]
+    assert [r["async_ref"] for r in ranks] == [None, None]
+
+
+@launched
 def test_trees_that_disagree_where_both_ranks_pass_something_are_refused(saved: Any) -> None:
     """One line on every rank naming the key and the ranks; run "full" still at 1."""
     _, ranks = saved

@@ -116,6 +116,11 @@ def save_full(rank: int, world: int, path: str) -> dict[str, Any]:
     out["logical_bytes"] = generation.logical_bytes
     out["sharded_saved"] = full_arrays(sharded)
     out["sharded"] = castore.dist.save(store, sharded, run="sharded", step=2).id
+    out["coordinator_1"] = castore.dist.save(store, state, run="coord1", step=2, coordinator=1).id
+    out["async"] = attempt(
+        lambda: castore.dist.save(store, state, run="async", step=2, blocking=False).result()
+    )
+    out["async_ref"] = ref_generation(store, "async")
     out["refusals"] = refusals(store, rank)
     out["after_refusals"] = ref_generation(store, "full")
     out["broken"] = broken_assignment(store, state)
