@@ -16,8 +16,9 @@ Every collective wait is bounded by ``timeout`` seconds. Behind this face:
 ``state_dict_saver``, not named ``save``, which is the function),
 :mod:`castore.dist.groupcommit` (the two-phase commit),
 :mod:`castore.dist.restore` (``load``), :mod:`castore.dist.replicas`
-(replicated values compared across ranks) and :mod:`castore.dist.comm`
-(the collectives and their failures).
+(replicated values compared across ranks), :mod:`castore.dist.holders`
+(which ranks hold which parts of a state some ranks pass as empty dicts) and
+:mod:`castore.dist.comm` (the collectives and their failures).
 """
 
 from __future__ import annotations

@@ -43,10 +43,9 @@ from castore.dist.comm import (
     raise_failures,
     rebuild,
 )
+from castore.dist.holders import Holding, Outline, agree_on_holding, empty_dicts
 from castore.dist.replicas import ReplicaDigests, check_replicas
-from castore.errors import (
-    LayoutMismatchError,
-)
+from castore.errors import UnsupportedValueError
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.objects import GenerationRoot, encode_object
 from castore.format.tree import EncodedTree, encode_state, layouts_of
@@ -61,6 +60,8 @@ class Prepared:
     metadata: bytes
     data_order: dict[str, Any]
     layout: str  # digest of the tensors' names, kinds, dtypes and global shapes
+    outline: Outline  # those names, kinds, dtypes and global shapes
+    empties: list[str]  # the key paths of the state's empty dicts (castore.dist.holders)
     replicated: list[tuple[str, int]]  # (name, nbytes) of tensors written by one rank
     # The sharded tensors whose block this rank writes (all but the replicas of a
     # block another rank writes: TensorLeaf.written_elsewhere), and their bytes.
@@ -89,7 +90,7 @@ def prepare(
     """
     check_step(step)
     encoded = encode_state(state, defer_device=owner is not None)
-    layout = sorted(
+    layout: Outline = sorted(
         (leaf.name, "shard" if leaf.sharded else "replicated", leaf.dtype, list(leaf.shape))
         for leaf in encoded.leaves
     )
@@ -108,12 +109,33 @@ def prepare(
         metadata=encode_metadata(metadata),
         data_order=check_data_order(data_order),
         layout=digest_bytes(msgpack.packb(layout)).hex(),
+        outline=layout,
+        empties=empty_dicts(encoded.skeleton),
         replicated=replicated,
         blocks={leaf.name for leaf in blocks},
         sharded_bytes=sum(leaf_nbytes(leaf) for leaf in blocks),
         replicas=ReplicaDigests(encoded, chunk_size),
         owned=owned,
     )
+
+
+def owned_tensors(prepared: Prepared, holding: Holding, loads: list[int], rank: int) -> set[str]:
+    """The global tensors ``rank`` writes: its blocks, and its share of the replicated
+    tensors of each part of the state it holds, balanced among that part's holders."""
+    by_region: dict[str | None, list[tuple[str, int]]] = {}
+    for name, size in prepared.replicated:
+        by_region.setdefault(holding.region_of(name), []).append((name, size))
+    sizes = dict(prepared.replicated)
+    common = assign_replicated(by_region.pop(None, []), loads)
+    after = list(loads)
+    for name, at in common.items():
+        after[at] += sizes[name]
+    mine = set(prepared.blocks) | {name for name, at in common.items() if at == rank}
+    for region, tensors in by_region.items():  # only a holder of the region has its tensors
+        holders = holding.holders(region)
+        owners = assign_replicated(tensors, [after[h] for h in holders])
+        mine |= {name for name, at in owners.items() if holders[at] == rank}
+    return mine
 
 
 def assign_replicated(replicated: list[tuple[str, int]], loads: list[int]) -> dict[str, int]:
@@ -171,21 +193,31 @@ def commit_in_group(
         {
             "error": describe(failure),
             "layout": prepared.layout if prepared else None,
+            "empties": prepared.empties if prepared else [],
             "sharded_bytes": prepared.sharded_bytes if prepared else 0,
         },
         "save: prepare",
     )
     raise_failures(infos, comm, failure)
-    _check_same_layout(infos, comm)
     assert prepared is not None
+    holding = agree_on_holding(infos, comm, prepared.outline, prepared.encoded.skeleton)
+    if holding.regions and prepared.owned is not None:
+        raise UnsupportedValueError(
+            "an async save (blocking=False) of a state that some ranks pass as empty dicts "
+            "is not supported yet: pass blocking=True",
+            run=run,
+            rank=comm.rank,
+        )
+    prepared.replicas.hold(holding, comm.rank)
+    # The generation's tree: a rank's that passes all of it (castore.dist.holders).
+    reference = holding.reference(comm.coordinator)
 
     proposal = _propose(store, run, step, comm)
     generation = proposal["generation"]
     mine = prepared.owned
     if mine is None:
-        owners = assign_replicated(prepared.replicated, [i["sharded_bytes"] for i in infos])
-        mine = set(prepared.blocks)
-        mine |= {name for name, rank in owners.items() if rank == comm.rank}
+        loads = [i["sharded_bytes"] for i in infos]
+        mine = owned_tensors(prepared, holding, loads, comm.rank)
 
     # Held from this rank's first dedup check until the outcome is known, so
     # garbage collection cannot delete a chunk this save found present.
@@ -194,6 +226,8 @@ def commit_in_group(
     def locked_write() -> dict[str, Any]:
         lock.enter_context(store.save_lock())
         ack = write(generation, mine)
+        if comm.rank == reference != comm.coordinator:  # the coordinator's tree lacks parts
+            ack["skeleton"] = prepared.encoded.skeleton
         if session is not None:  # this rank's node holds its chunks; its manifest travels
             ack["manifest"] = session.attest(ack["shard"])
         return ack
@@ -216,7 +250,16 @@ def commit_in_group(
         if comm.is_coordinator:
             published, failure = attempt(
                 lambda: _validate_and_publish(
-                    store, prepared, acks, proposal, run, step, comm, started, session
+                    store,
+                    prepared,
+                    acks[reference].get("skeleton", prepared.encoded.skeleton),
+                    acks,
+                    proposal,
+                    run,
+                    step,
+                    comm,
+                    started,
+                    session,
                 )
             )
             outcome = {"error": describe(failure), "root": None}
@@ -231,18 +274,6 @@ def commit_in_group(
             raise failure
         raise rebuild(outcome["error"], comm.coordinator)
     return Digest(outcome["root"])
-
-
-def _check_same_layout(infos: list[Any], comm: Group) -> None:
-    reference = infos[comm.coordinator]["layout"]
-    for rank, info in enumerate(infos):
-        if info["layout"] != reference:
-            raise LayoutMismatchError(
-                f"rank {rank} passes tensors that differ from rank {comm.coordinator}'s "
-                "(names, sharding, dtypes or global shapes): every rank must pass the same "
-                "tree of tensors",
-                rank=comm.rank,
-            )
 
 
 def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
@@ -275,6 +306,7 @@ def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
 def _validate_and_publish(
     store: Store,
     prepared: Prepared,
+    skeleton: bytes,
     acks: list[dict[str, Any]],
     proposal: dict[str, Any],
     run: str,
@@ -300,7 +332,7 @@ def _validate_and_publish(
             parent=parent_ref,
             world_size=comm.world_size,
             shards=checked.digests,
-            state=prepared.encoded.skeleton,
+            state=skeleton,
             metadata=prepared.metadata,
             stats=root_stats(
                 stats,
@@ -324,7 +356,7 @@ def _validate_and_publish(
             parent=parent_ref,
             shards=shards,
             build_root=build_root,
-            skeleton=prepared.encoded.skeleton,
+            skeleton=skeleton,
         )
         return {"root": digest.raw}
     # Several nodes: the manifests came in the acks, and each rank checked its node holds
@@ -335,7 +367,7 @@ def _validate_and_publish(
         shards,
         run=run,
         generation=generation,
-        skeleton=prepared.encoded.skeleton,
+        skeleton=skeleton,
         chunks_attested=True,
     )
     root = build_root(checked)

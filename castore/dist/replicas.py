@@ -25,6 +25,12 @@ set for HSDP), one digest of the blocks this rank holds with them; only where
 two holders' digests differ do the ranks exchange a digest per block, and every
 rank raises ReplicaMismatchError naming the key path, the block's offsets and
 the ranks that differ.
+
+Where some ranks pass an empty dict for a subtree that others pass (a region,
+castore.dist.holders), a rank's values there are compared only with the other
+holders of the region: the acknowledgement carries one digest of the part every
+rank holds, and one per region this rank holds; a region only one rank holds has
+nothing to compare.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ import numpy as np
 from castore.core.chunkio import cut_leaf, digests_in_order, entry_of
 from castore.core.unchanged import VersionCache
 from castore.dist.comm import Group
+from castore.dist.holders import Holding
 from castore.errors import ReplicaMismatchError
 from castore.format.hashing import digest_bytes
 from castore.format.objects import TensorEntry
@@ -67,6 +74,12 @@ class ReplicaDigests:
         self.block_digests: dict[str, bytes] = {}
         self._hashing: list[tuple[TensorLeaf, Iterator[bytes]]] = []
         self._aside: threading.Thread | None = None
+        self.holding: Holding | None = None  # None or no regions: every rank holds all
+        self.rank = 0
+
+    def hold(self, holding: Holding, rank: int) -> None:
+        """Compare only what this rank holds: the part every rank holds, and its regions."""
+        self.holding, self.rank = holding, rank
 
     def start(
         self,
@@ -135,14 +148,26 @@ class ReplicaDigests:
         ``blocks``, for each set of ranks that hold the same DTensor blocks (by a digest
         of the ranks), one digest of the blocks this rank holds with them."""
         self.settle()
-        packed = msgpack.packb([digest_bytes(self.skeleton), sorted(self.tensors.items())])
+        regions: dict[str, bytes] = {}
+        if self.holding is not None and self.holding.regions:
+            by_region: dict[str | None, list[tuple[str, bytes]]] = {}
+            for path, digest in sorted(self.per_value().items()):
+                by_region.setdefault(self.holding.region_of(path), []).append((path, digest))
+            packed = msgpack.packb(by_region.pop(None, []))
+            regions = {
+                q: digest_bytes(msgpack.packb(each))
+                for q, each in by_region.items()
+                if q is not None
+            }
+        else:
+            packed = msgpack.packb([digest_bytes(self.skeleton), sorted(self.tensors.items())])
         held: dict[bytes, list[Any]] = {}
         for name, digest in sorted(self.block_digests.items()):
             leaf = self.blocks[name]
             holders = digest_bytes(msgpack.packb(list(leaf.replicas)))
             held.setdefault(holders, []).append([name, list(leaf.offsets), digest])
         blocks = {holders: digest_bytes(msgpack.packb(each)) for holders, each in held.items()}
-        return {"values": digest_bytes(packed), "blocks": blocks}
+        return {"values": digest_bytes(packed), "blocks": blocks, "regions": regions}
 
     def per_block(self) -> list[list[Any]]:
         """Each block's ``[key path, offsets, digest]`` (a block other ranks hold too)."""
@@ -153,9 +178,18 @@ class ReplicaDigests:
         ]
 
     def per_value(self) -> dict[str, bytes]:
-        """Each value's digest by key path (a tensor's bytes where it stands)."""
+        """Each value's digest by key path (a tensor's bytes where it stands), of the
+        parts of the state this rank holds."""
         self.settle()
-        return {**value_digests(self.skeleton), **self.tensors}
+        every = {**value_digests(self.skeleton), **self.tensors}
+        holding = self.holding
+        if holding is None or not holding.regions:
+            return every
+        return {
+            path: digest
+            for path, digest in every.items()
+            if holding.holds(self.rank, holding.region_of(path))
+        }
 
 
 def _host_bytes(leaf: TensorLeaf) -> np.ndarray:
@@ -186,7 +220,7 @@ def check_replicas(
         {"values": mine.per_value(), "blocks": mine.per_block()}, "save: compare replicas"
     )
     values = [detail["values"] for detail in details]
-    differing = differing_values(values)
+    differing = differing_values(values, mine.holding)
     if differing:
         raise ReplicaMismatchError(
             _message(differing, values, set(mine.tensors), run, generation),
@@ -210,10 +244,12 @@ def _any_differ(combined: list[dict[str, Any]]) -> bool:
     """Whether two ranks' values differ, or two holders of the same blocks' digests do."""
     if len({sent["values"] for sent in combined}) > 1:
         return True
-    seen: dict[bytes, set[bytes]] = {}
+    seen: dict[Any, set[bytes]] = {}
     for sent in combined:
         for holders, digest in sent["blocks"].items():
             seen.setdefault(holders, set()).add(digest)
+        for region, digest in sent["regions"].items():  # only its holders send one
+            seen.setdefault(("region", region), set()).add(digest)
     return any(len(digests) > 1 for digests in seen.values())
 
 
@@ -233,15 +269,20 @@ def differing_blocks(
     ]
 
 
-def differing_values(details: list[dict[str, bytes]]) -> list[tuple[str, list[list[int]]]]:
-    """Each key path whose digest is not the same on every rank, with the ranks grouped
-    by what they hold: the largest group first, the ranks that lack the key last."""
+def differing_values(
+    details: list[dict[str, bytes]], holding: Holding | None = None
+) -> list[tuple[str, list[list[int]]]]:
+    """Each key path whose digest is not the same on every rank that holds it
+    (``holding``: castore.dist.holders; None, every rank), with those ranks grouped by
+    what they hold: the largest group first, the ranks that lack the key last."""
     paths = sorted(set().union(*details))
     differing = []
     for path in paths:
         groups: dict[bytes | None, list[int]] = {}
+        region = holding.region_of(path) if holding is not None else None
         for rank, digests in enumerate(details):
-            groups.setdefault(digests.get(path), []).append(rank)
+            if holding is None or holding.holds(rank, region):
+                groups.setdefault(digests.get(path), []).append(rank)
         if len(groups) > 1:
             absent = groups.pop(None, [])
             held = sorted(groups.values(), key=lambda g: (-len(g), g[0]))

@@ -569,6 +569,31 @@ def value_digests(skeleton: bytes) -> dict[str, bytes]:
     return found
 
 
+def dict_sizes(skeleton: bytes) -> dict[str, int]:
+    """The number of keys of each dict (or ordered dict) in a state's skeleton, by key path.
+
+    Where a rank passes ``{}`` and another rank a subtree, the first holds
+    nothing there (castore.dist.holders). For a skeleton this process encoded.
+    """
+    found: dict[str, int] = {}
+    stack: list[tuple[Any, str]] = [(_unpack_raw(skeleton), "")]
+    while stack:
+        node, path = stack.pop()
+        if isinstance(node, msgpack.ExtType) and node.code in (EXT_TUPLE, EXT_ORDERED_DICT):
+            items = _unpack_raw(node.data)
+            pairs = enumerate(items) if node.code == EXT_TUPLE else items
+            if node.code == EXT_ORDERED_DICT:
+                found[path] = len(items)
+        elif isinstance(node, dict):
+            found[path], pairs = len(node), node.items()
+        elif isinstance(node, list):
+            pairs = enumerate(node)
+        else:
+            continue
+        stack.extend((value, join_path(path, key)) for key, value in pairs)
+    return found
+
+
 def _unpack_raw(data: bytes) -> Any:
     """msgpack with extension types left as they are (their payloads unread)."""
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
