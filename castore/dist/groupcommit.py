@@ -179,21 +179,80 @@ def commit_in_group(
     _check_same_layout(infos, comm)
     assert prepared is not None
 
-    proposal = _propose(store, run, step, comm)
+    proposal = propose(store, run, step, comm)
     generation = proposal["generation"]
     mine = prepared.owned
     if mine is None:
         owners = assign_replicated(prepared.replicated, [i["sharded_bytes"] for i in infos])
         mine = set(prepared.blocks)
         mine |= {name for name, rank in owners.items() if rank == comm.rank}
+    names, replicas = mine, prepared.replicas
 
+    def compare_replicas(acks: list[dict[str, Any]]) -> None:
+        check_replicas(
+            [ack["replicas"] for ack in acks],
+            comm,
+            replicas,
+            run=run,
+            generation=generation,
+        )
+
+    content = RootContent(prepared.encoded.skeleton, prepared.metadata, prepared.data_order)
+    return publish_in_group(
+        store,
+        comm,
+        run,
+        step,
+        proposal,
+        session,
+        lambda: write(generation, names),
+        content,
+        started,
+        check_acks=compare_replicas,
+    )
+
+
+@dataclass(frozen=True)
+class RootContent:
+    """What a collective save's root holds besides its shards and figures: the state's
+    skeleton (the tensors it names), the metadata, the data-order record."""
+
+    skeleton: bytes
+    metadata: bytes
+    data_order: dict[str, Any]
+
+
+def publish_in_group(
+    store: Store,
+    comm: Group,
+    run: str,
+    step: int,
+    proposal: dict[str, Any],
+    session: Any,
+    write: Callable[[], dict[str, Any]],
+    content: RootContent | None,
+    started: float,
+    *,
+    check_acks: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> Digest:
+    """Phase two of the module text, once the coordinator proposed the generation.
+
+    ``write()`` commits this rank's chunks and shard manifest (of
+    ``proposal["generation"]``) and returns its ack (:func:`commit_shard`);
+    ``check_acks(acks)`` checks every rank's ack before the publish (a
+    collective call); ``content`` is the root's (the coordinator's is used);
+    ``session``: the tiered store's on several nodes (castore.tiers.nodes),
+    or None. The castore.dist save and the DCP writer on several nodes
+    (castore.dcp) both end here. Returns the published root's digest on every
+    rank, or raises on every rank.
+    """
     # Held from this rank's first dedup check until the outcome is known, so
     # garbage collection cannot delete a chunk this save found present.
     lock = contextlib.ExitStack()
 
     def locked_write() -> dict[str, Any]:
         lock.enter_context(store.save_lock())
-        ack = write(generation, mine)
+        ack = write()
         if session is not None:  # this rank's node holds its chunks; its manifest travels
             ack["manifest"] = session.attest(ack["shard"])
         return ack
@@ -202,21 +261,17 @@ def commit_in_group(
         ack, failure = attempt(locked_write)
         acks = comm.all_gather({"error": describe(failure), **(ack or {})}, "save: write shards")
         raise_failures(acks, comm, failure)
-        check_replicas(
-            [ack["replicas"] for ack in acks],
-            comm,
-            prepared.replicas,
-            run=run,
-            generation=generation,
-        )
+        if check_acks is not None:
+            check_acks(acks)
         if session is not None:
             session.replicate(acks)
 
         outcome: dict[str, Any] = {}
         if comm.is_coordinator:
+            assert content is not None
             published, failure = attempt(
                 lambda: _validate_and_publish(
-                    store, prepared, acks, proposal, run, step, comm, started, session
+                    store, content, acks, proposal, run, step, comm, started, session
                 )
             )
             outcome = {"error": describe(failure), "root": None}
@@ -225,6 +280,7 @@ def commit_in_group(
         outcome = comm.broadcast(outcome, "save: publish")
         if session is not None and not outcome.get("error"):
             session.publish_on_node(run, outcome["root_bytes"], acks, proposal["parent"])
+            generation = proposal["generation"]
             session.after_save(run, generation, Digest(outcome["root"]), outcome["promote"])
     if outcome.get("error"):
         if comm.is_coordinator and failure is not None:
@@ -245,7 +301,7 @@ def _check_same_layout(infos: list[Any], comm: Group) -> None:
             )
 
 
-def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
+def propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
     """The coordinator reads the ref once and checks that this job may save the run
     (castore.core.fencing); every rank learns the id, the parent and the root's writer."""
     message: dict[str, Any] = {}
@@ -274,7 +330,7 @@ def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
 
 def _validate_and_publish(
     store: Store,
-    prepared: Prepared,
+    content: RootContent,
     acks: list[dict[str, Any]],
     proposal: dict[str, Any],
     run: str,
@@ -300,8 +356,8 @@ def _validate_and_publish(
             parent=parent_ref,
             world_size=comm.world_size,
             shards=checked.digests,
-            state=prepared.encoded.skeleton,
-            metadata=prepared.metadata,
+            state=content.skeleton,
+            metadata=content.metadata,
             stats=root_stats(
                 stats,
                 max([time.perf_counter() - started] + [ack["elapsed"] for ack in acks]),
@@ -310,7 +366,7 @@ def _validate_and_publish(
                 held_seconds=max(held) if held else None,
             ),
             frameworks=framework_versions(),
-            data_order=prepared.data_order,
+            data_order=content.data_order,
             writer=proposal["writer"],
         )
 
@@ -323,7 +379,7 @@ def _validate_and_publish(
             parent=parent_ref,
             shards=shards,
             build_root=build_root,
-            skeleton=prepared.encoded.skeleton,
+            skeleton=content.skeleton,
         )
         return {"root": digest.raw}
     # Several nodes: the manifests came in the acks, and each rank checked its node holds
@@ -334,7 +390,7 @@ def _validate_and_publish(
         shards,
         run=run,
         generation=generation,
-        skeleton=prepared.encoded.skeleton,
+        skeleton=content.skeleton,
         chunks_attested=True,
     )
     root = build_root(checked)
