@@ -456,21 +456,6 @@ def test_a_promotion_cut_off_on_several_nodes_is_retried_by_the_next_job(
             assert fast.refs.tags("r") == {}, node  # every pin released
 
 
-def test_the_dcp_writer_refuses_a_job_on_several_nodes(tmp_path: Path) -> None:
-    castore.open(tmp_path / "durable", shared=True).close()
-    ops = [{"op": "dcp_save", "run": "d", "step": 1}]
-    per_rank = [
-        r[0]
-        for r in script_results(
-            run_ranks(4, w.run_script, config(tmp_path, 1), ops, timeout=240), 4
-        )
-    ]
-    assert all("cannot save to tiered stores on several nodes" in r["message"] for r in per_rank)
-    for node in ("fast0", "fast1"):
-        with castore.open(tmp_path / node) as fast:
-            assert fast.runs() == []  # nothing published anywhere
-
-
 def test_a_node_uploads_its_shards_after_its_stagger(tmp_path: Path) -> None:
     """A node leader's upload (one process here): its shards' chunks reach the durable
     tier, no sooner than its stagger, and nothing is published there by the upload."""

@@ -22,6 +22,9 @@ bytes:
   ranks agree, and only then are the bytes copied once into the planner's
   tensors (invariant 4).
 
+On a tiered store whose ranks span several nodes (castore.tiers.nodes) the
+save and the load take castore.dist's path instead (:mod:`castore.dcp.nodes`).
+
 A checkpoint id ``castore://STORE/RUN[@GEN]`` is accepted by ``reset`` and
 ``validate_checkpoint_id``. torch 2.13 picks a backend from ``checkpoint_id``
 alone only among its own (file system, fsspec), so pass the writer or reader
@@ -29,6 +32,7 @@ explicitly: ``storage_writer=CastoreWriter.from_checkpoint_id("castore://...")``
 
 Behind this face: :mod:`castore.dcp.writer`, :mod:`castore.dcp.reader`,
 :mod:`castore.dcp.metadata` (DCP's metadata and values without pickle),
+:mod:`castore.dcp.nodes` (tiered stores on several nodes),
 :mod:`castore.dcp.stores` (checkpoint ids, the store a step works on) and
 :mod:`castore.dcp.importing` (``castore import`` of a DCP directory).
 """

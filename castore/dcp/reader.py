@@ -4,13 +4,17 @@ A read item fetches only the chunks that overlap its element range; every
 rank verifies all it reads where it lies in the store's memory map, the ranks
 agree, and only then are the bytes copied once into the planner's tensors
 (invariant 4).
+
+On a tiered store whose ranks span several nodes the generation is the one
+``castore.dist.load`` would choose, and each rank's chunks come from its node,
+a peer node or the durable tier (:mod:`castore.dcp.nodes`).
 """
 
 from __future__ import annotations
 
 import io
 import os
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -23,10 +27,11 @@ from torch.futures import Future
 from castore.core import fencing
 from castore.core.chunkread import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation
-from castore.core.reading import allocate, box_requests
+from castore.core.reading import allocate, box_requests, read_tensor
 from castore.dcp.metadata import metadata_from_wire, pickle_for_planner
 from castore.dcp.stores import StoreUser, closes_store, parse_checkpoint_id
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures
+from castore.dist.restore import every_failure_is_integrity, root_on_nodes
 from castore.errors import CorruptObjectError, RefConflictError
 from castore.format.dcplayout import BYTES, TENSORS, stored_name
 from castore.format.dtypes import name_of_torch_dtype
@@ -70,6 +75,11 @@ class CastoreReader(StoreUser, StorageReader):
         self.timeout = timeout
         self.root_hex: str | None = None
         self.generation: Generation | None = None
+        # The chunk bytes each source served this rank's last read_data ("fast", "peer",
+        # "durable"; a tiered store only).
+        self.bytes_by_source: dict[str, int] = {}
+        self._session: Any = None  # on several nodes: castore.tiers.nodes.NodeSession
+        self._damage_only = False  # the ranks agreed that a read failed for damage alone
 
     @classmethod
     def from_checkpoint_id(cls, checkpoint_id: str) -> CastoreReader:
@@ -87,7 +97,15 @@ class CastoreReader(StoreUser, StorageReader):
         """Resolve the generation (on the coordinator) and rebuild DCP's Metadata."""
         assert self.run is not None
         newest = fencing.newest_published(self.store.refs, self.run)  # before resolving
-        digest, root = self.store.resolve_root(self.run, self.generation_spec)
+        self._session = None
+        if self.collective:  # a tiered store on several nodes: castore.dist.load's choice
+            comm = Group(self.process_group, 0, self.timeout)
+            self._session = self.store.node_session(comm, self.run)
+        if self._session is not None:
+            digest = root_on_nodes(self.store, self.run, self.generation_spec, comm, self._session)
+            root = self.store.read_root(digest, run=self.run)
+        else:
+            digest, root = self.store.resolve_root(self.run, self.generation_spec)
         self.generation = Generation.from_root(digest, root)
         fencing.record_loaded(  # a resume point
             self.store.refs, self.run, digest, root.step, generation=root.generation, newest=newest
@@ -123,10 +141,39 @@ class CastoreReader(StoreUser, StorageReader):
 
     @closes_store
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        store, run = self.store, self.run
-        assert run is not None and self.root_hex is not None
         comm = Group(self.process_group, 0, self.timeout) if self.collective else None
+        served_before = self.store.served_by_tier()
+        if self._session is None:
+            self._read(plan, planner, comm, recheck=None)
+            self.bytes_by_source = {
+                k: v - served_before.get(k, 0)
+                for k, v in self.store.served_by_tier().items()
+                if v > served_before.get(k, 0)
+            }
+        else:
+            assert comm is not None
+            for recheck in (False, True):
+                try:
+                    self._read(plan, planner, comm, recheck=recheck)
+                    break
+                except Exception:
+                    if recheck or not self._damage_only:
+                        raise
+                    # every rank agreed: all read again, damaged copies fetched anew
+            self.bytes_by_source = self._session.sources()
+        future: Future[None] = Future()
+        future.set_result(None)
+        return future
+
+    def _read(
+        self, plan: LoadPlan, planner: LoadPlanner, comm: Group | None, recheck: bool | None
+    ) -> None:
+        """Plan, fetch (on several nodes: ``recheck`` is NodeSession.fetch's), verify,
+        agree, deliver."""
+        store, run, root_hex = self.store, self.run, self.root_hex
+        assert run is not None and root_hex is not None
         agreed = False
+        self._damage_only = False
 
         def agree(error: BaseException | None) -> None:
             # Every rank verified all it reads before any rank writes a target (invariant 4).
@@ -137,65 +184,97 @@ class CastoreReader(StoreUser, StorageReader):
                     raise error
                 return
             outcomes = comm.all_gather({"error": describe(error)}, "dcp.read: agree")
+            self._damage_only = every_failure_is_integrity(outcomes)
             raise_failures(outcomes, comm, error)
 
-        def plan_reads() -> tuple[list[Any], list[Any], list[ChunkRequest], dict[str, Any]]:
-            digest = Digest.from_hex(self.root_hex or "")
-            root = store.read_root(digest, run=run)
-            entries = store.tensor_entries(root)
-            where: dict[str, Any] = {"run": run, "generation": root.generation}
-            blobs, targets, requests = [], [], []
-            for item in plan.items:
-                fqn = item.storage_index.fqn
-                if item.type == LoadItemType.BYTE_IO:
-                    boxes = entries.get(stored_name(BYTES, fqn))
-                    if not boxes:
-                        raise CorruptObjectError(f"no saved bytes item {fqn!r}", **where)
-                    array = store.read_tensor(boxes, "numpy", {**where, "tensor": fqn})
-                    blobs.append((item, pickle_for_planner(array.tobytes(), fqn, where)))
-                    continue
-                boxes = entries.get(stored_name(TENSORS, fqn))
-                saved_offsets = tuple(item.storage_index.offset or ())
-                entry = next((b for b in boxes or [] if tuple(b.offsets) == saved_offsets), None)
-                if entry is None:
-                    raise CorruptObjectError(
-                        f"no saved chunk of {fqn!r} at offsets {list(saved_offsets)}", **where
-                    )
-                start = [o + s for o, s in zip(saved_offsets, item.storage_offsets, strict=True)]
-                region = Box(tuple(start), tuple(item.lengths))
-                inside = Box(entry.offsets, entry.local_shape).intersect(region) == region
-                if region.numel and not inside:
-                    raise CorruptObjectError(
-                        f"DCP metadata places {fqn!r} at {start}+{list(item.lengths)}, outside "
-                        f"its saved box at {list(saved_offsets)}+{list(entry.local_shape)}",
-                        **where,
-                    )
-                target = planner.resolve_tensor(item).detach()  # not written before `agree`
-                flat = _writable(target, entry.dtype)
-                staging = None
-                if flat is None:  # another device, dtype or layout: stage, copy once agreed
-                    staging, flat = allocate(entry.dtype, region.shape, "torch")
-                requests += box_requests(entry, region, region, flat)
-                targets.append((item, target, staging))
-            return blobs, targets, requests, where
-
-        planned, failure = attempt(plan_reads)
+        planned, failure = attempt(lambda: _plan_reads(store, run, root_hex, plan, planner))
+        backend = store.backend
+        if recheck is not None:  # every rank fetches, whatever its planning gave
+            keys = [] if planned is None else planned.keys()
+            session = self._session
+            backend, fetched = attempt(lambda: session.fetch(keys, recheck=recheck))
+            failure = failure or fetched
+        if failure is None:
+            assert planned is not None
+            _, failure = attempt(lambda: planned.read_bytes_items(backend, store))
         if failure is not None:
             agree(failure)
-        blobs, targets, requests, where = planned
+        assert planned is not None
         try:
             # Verified where they lie in the memory map, delivered only after `agree`.
-            read_agree_deliver(store.backend, requests, store.read_counters, where, agree)
+            read_agree_deliver(backend, planned.requests, store.read_counters, planned.where, agree)
         except Exception as exc:
             if not agreed:
                 agree(exc)
             raise
-        for item, value in blobs:
+        for item, value in planned.blobs:
             planner.load_bytes(item, io.BytesIO(value))
-        for item, target, staging in targets:
+        for item, target, staging in planned.targets:
             if staging is not None:
                 target.copy_(staging.reshape(target.shape))
             planner.commit_tensor(item, target)
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
+
+
+@dataclass
+class _Reads:
+    """One rank's reads of a load plan: its chunk requests into the targets, its bytes
+    items (read and decoded before the ranks agree)."""
+
+    where: dict[str, Any]
+    requests: list[ChunkRequest] = field(default_factory=list)
+    targets: list[Any] = field(default_factory=list)  # (item, target, staging or None)
+    bytes_items: list[Any] = field(default_factory=list)  # (item, saved boxes)
+    blobs: list[Any] = field(default_factory=list)  # (item, what the planner unpickles)
+
+    def keys(self) -> list[bytes]:
+        """Every chunk these reads need."""
+        keys = [r.entry.chunks[r.index] for r in self.requests]
+        return keys + [c for _, boxes in self.bytes_items for b in boxes for c in b.chunks]
+
+    def read_bytes_items(self, backend: Any, store: Store) -> None:
+        for item, boxes in self.bytes_items:
+            fqn = item.storage_index.fqn
+            where = {**self.where, "tensor": fqn}
+            array = read_tensor(backend, store.read_counters, boxes, "numpy", where)
+            self.blobs.append((item, pickle_for_planner(array.tobytes(), fqn, self.where)))
+
+
+def _plan_reads(
+    store: Store, run: str, root_hex: str, plan: LoadPlan, planner: LoadPlanner
+) -> _Reads:
+    root = store.read_root(Digest.from_hex(root_hex), run=run)
+    entries = store.tensor_entries(root)
+    reads = _Reads({"run": run, "generation": root.generation})
+    where = reads.where
+    for item in plan.items:
+        fqn = item.storage_index.fqn
+        if item.type == LoadItemType.BYTE_IO:
+            boxes = entries.get(stored_name(BYTES, fqn))
+            if not boxes:
+                raise CorruptObjectError(f"no saved bytes item {fqn!r}", **where)
+            reads.bytes_items.append((item, boxes))
+            continue
+        boxes = entries.get(stored_name(TENSORS, fqn))
+        saved_offsets = tuple(item.storage_index.offset or ())
+        entry = next((b for b in boxes or [] if tuple(b.offsets) == saved_offsets), None)
+        if entry is None:
+            raise CorruptObjectError(
+                f"no saved chunk of {fqn!r} at offsets {list(saved_offsets)}", **where
+            )
+        start = [o + s for o, s in zip(saved_offsets, item.storage_offsets, strict=True)]
+        region = Box(tuple(start), tuple(item.lengths))
+        inside = Box(entry.offsets, entry.local_shape).intersect(region) == region
+        if region.numel and not inside:
+            raise CorruptObjectError(
+                f"DCP metadata places {fqn!r} at {start}+{list(item.lengths)}, outside "
+                f"its saved box at {list(saved_offsets)}+{list(entry.local_shape)}",
+                **where,
+            )
+        target = planner.resolve_tensor(item).detach()  # not written before `agree`
+        flat = _writable(target, entry.dtype)
+        staging = None
+        if flat is None:  # another device, dtype or layout: stage, copy once agreed
+            staging, flat = allocate(entry.dtype, region.shape, "torch")
+        reads.requests += box_requests(entry, region, region, flat)
+        reads.targets.append((item, target, staging))
+    return reads

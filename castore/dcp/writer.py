@@ -6,6 +6,10 @@ item is stored as castore's msgpack encoding (:mod:`castore.dcp.metadata`).
 ``finish`` publishes through castore's compare-and-swap ref advance, after
 re-reading every rank's shard manifest and checking coverage and chunk
 presence: nothing is visible before ``finish`` succeeds.
+
+On a tiered store whose ranks span several nodes the ranks publish together
+inside ``write_data`` instead, through castore.dist's two-phase commit
+(:mod:`castore.dcp.nodes`), and ``finish`` checks what they published.
 """
 
 from __future__ import annotations
@@ -17,8 +21,9 @@ from typing import Any, SupportsIndex
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -36,13 +41,15 @@ from castore.core.commit import (
 )
 from castore.core.history import Generation
 from castore.dcp.metadata import metadata_to_wire, plain_bytes, state_tree
+from castore.dcp.nodes import planned_metadata, root_content, save_on_nodes
 from castore.dcp.stores import SCHEME, StoreUser, closes_store, parse_checkpoint_id
-from castore.dist.comm import DEFAULT_TIMEOUT
-from castore.errors import CorruptObjectError, UnsupportedOperationError
+from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt
+from castore.dist.groupcommit import RootContent
+from castore.errors import CorruptObjectError
 from castore.format.dcplayout import BYTES, TENSORS, stored_name
 from castore.format.objects import GenerationRoot
 from castore.format.shard import Shard
-from castore.format.tree import encode_state, escape_key
+from castore.format.tree import EncodedTree, encode_state, escape_key
 from castore.repo.records import validate_run_name
 from castore.store import Store, check_step
 
@@ -57,6 +64,7 @@ class CastoreWriter(StoreUser, StorageWriter):
         run: str | None = None,
         step: SupportsIndex = 0,
         timeout: float = DEFAULT_TIMEOUT,
+        process_group: Any = None,
     ) -> None:
         super().__init__()
         self._store_arg: Store | str | os.PathLike[str] | None = store
@@ -64,9 +72,14 @@ class CastoreWriter(StoreUser, StorageWriter):
         self.run = validate_run_name(run) if run is not None else None
         self.step = check_step(step)
         self.timeout = timeout
+        # DCP's group (None: the default one): castore's own exchanges on several nodes.
+        self.process_group = process_group
         self.is_coordinator = False
-        self.generation: Generation | None = None  # set by finish on the coordinator
+        self.rank: int | None = None  # in DCP's group, when DCP says it
+        # Set by finish on the coordinator (on several nodes: by write_data, on every rank).
+        self.generation: Generation | None = None
         self.started = time.perf_counter()
+        self._published_wire: dict[str, Any] | None = None  # several nodes: the root's
 
     @classmethod
     def from_checkpoint_id(cls, checkpoint_id: str, *, step: SupportsIndex = 0) -> CastoreWriter:
@@ -81,28 +94,36 @@ class CastoreWriter(StoreUser, StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank")
         self.started = time.perf_counter()  # the root's seconds: from here to the publish
+        self._published_wire = None
 
     def storage_meta(self) -> StorageMeta | None:
         where = self._store_arg.path if isinstance(self._store_arg, Store) else self._store_arg
         return StorageMeta(checkpoint_id=f"{SCHEME}{where}/{self.run}")
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        # A tiered store's node (castore.tiers): the coordinator refuses several of them.
+        # A tiered store's node (castore.tiers): several of them take castore.dcp.nodes.
         node = getattr(self._store_arg, "node_id", None)
         return replace(plan, storage_data={"castore_node": node})
 
+    def spans_nodes(self, plans: list[SavePlan]) -> bool:
+        """Whether the ranks' stores are tiered stores on several nodes."""
+        return len({(plan.storage_data or {}).get("castore_node") for plan in plans}) > 1
+
     @closes_store
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        """The coordinator proposes the generation; ranks with items get shard indices."""
+        """The coordinator proposes the generation; ranks with items get shard indices.
+
+        On several nodes the ranks propose and publish together in ``write_data``
+        (castore.dcp.nodes): every rank learns who coordinates."""
         assert self.run is not None
-        nodes = {(plan.storage_data or {}).get("castore_node") for plan in plans}
-        if len(nodes) > 1:
-            raise UnsupportedOperationError(
-                "the DCP writer cannot save to tiered stores on several nodes (each node's "
-                "fast tier holds only its ranks' chunks): save with castore.dist.save or "
-                "castore.train.TrainState there"
-            )
+        if self.spans_nodes(plans):
+            coordinator = self._rank_in_group()
+            return [
+                replace(plan, storage_data={"nodes": True, "coordinator": coordinator})
+                for plan in plans
+            ]
         parent = self.store.refs.read(self.run)
         # Refused before any rank writes when this job may not save the run
         # (castore.core.fencing); finish checks again under the store lock.
@@ -120,36 +141,21 @@ class CastoreWriter(StoreUser, StorageWriter):
             for i, plan in enumerate(plans)
         ]
 
+    def _rank_in_group(self) -> int:
+        if self.rank is not None:
+            return int(self.rank)
+        return dist.get_rank(self.process_group) if dist.is_initialized() else 0
+
     @closes_store
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         store, run = self.store, self.run
         assert run is not None
         proposal = plan.storage_data
         results: list[WriteResult] = []
-        if plan.items:
-            tree: dict[str, Any] = {TENSORS: {}, BYTES: {}}
-            sizes: dict[str, int] = {}
-            for item in plan.items:
-                data = planner.resolve_data(item)
-                fqn = item.index.fqn
-                if item.type == WriteItemType.BYTE_IO:
-                    raw = plain_bytes(data, fqn)
-                    blob = np.frombuffer(raw, dtype=np.uint8).copy()
-                    tree[BYTES][escape_key(fqn)] = Shard(blob, (len(raw),), (0,))
-                    sizes[stored_name(BYTES, fqn)] = len(raw)
-                    continue
-                assert isinstance(data, torch.Tensor) and item.tensor_data is not None
-                tensor = data.detach()
-                chunk = item.tensor_data.chunk
-                key = escape_key(fqn)
-                if key in tree[TENSORS]:
-                    raise CorruptObjectError(
-                        f"DCP gave this rank two chunks of {fqn!r}; castore stores one box "
-                        "per tensor per rank",
-                        run=run,
-                    )
-                tree[TENSORS][key] = Shard(tensor, item.tensor_data.size, chunk.offsets)
-                sizes[stored_name(TENSORS, fqn)] = tensor.numel() * tensor.element_size()
+        if proposal.get("nodes"):
+            results = self._write_on_nodes(plan, planner)
+        elif plan.items:
+            tree, sizes = _items_tree(plan, planner, run)
             encoded = encode_state(tree, allow_rank_local=False)
             with store.save_lock():
                 shard = write_shard(
@@ -163,11 +169,10 @@ class CastoreWriter(StoreUser, StorageWriter):
                 commit_objects(store, [(shard.digest, shard.data)])
             stats = vars(shard.stats)
             for item in plan.items:
-                kind = BYTES if item.type == WriteItemType.BYTE_IO else TENSORS
                 results.append(
                     WriteResult(
                         index=item.index,
-                        size_in_bytes=sizes[stored_name(kind, item.index.fqn)],
+                        size_in_bytes=sizes[_stored_name(item)],
                         storage_data={
                             "shard": shard.digest.hex(),
                             "rank": proposal["shard"],
@@ -179,11 +184,52 @@ class CastoreWriter(StoreUser, StorageWriter):
         future.set_result(results)
         return future
 
-    @closes_store
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        """Check every rank's shard, then commit the root and advance the ref."""
+    def _write_on_nodes(self, plan: SavePlan, planner: SavePlanner) -> list[WriteResult]:
+        """Every rank: write this rank's items and publish with the others (a collective
+        call: castore.dcp.nodes)."""
         store, run = self.store, self.run
         assert run is not None
+        comm = Group(self.process_group, plan.storage_data["coordinator"], self.timeout)
+
+        def prepare() -> tuple[EncodedTree, dict[str, int], RootContent | None]:
+            tree, sizes = _items_tree(plan, planner, run)
+            content = None
+            if comm.is_coordinator:
+                metadata = planned_metadata(planner)
+                content = root_content(metadata)
+                self._published_wire = metadata_to_wire(metadata)
+            return encode_state(tree, allow_rank_local=False), sizes, content
+
+        prepared, failure = attempt(prepare)
+        encoded, sizes, content = prepared if prepared is not None else (None, {}, None)
+        digest = save_on_nodes(store, comm, run, self.step, encoded, content, failure, self.started)
+        self.generation = Generation.from_root(digest, store.read_root(digest, run=run))
+        return [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=sizes[_stored_name(item)],
+                storage_data={"root": digest.hex, "rank": comm.rank},
+            )
+            for item in plan.items
+        ]
+
+    @closes_store
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Check every rank's shard, then commit the root and advance the ref.
+
+        On several nodes the ranks published in ``write_data``: check that it was
+        with the Metadata DCP finishes with."""
+        store, run = self.store, self.run
+        assert run is not None
+        if self._published_wire is not None:
+            if metadata_to_wire(metadata) != self._published_wire:
+                raise CorruptObjectError(
+                    "DCP finished with other Metadata than its planner gave write_data, "
+                    "which published the generation with the planner's",
+                    run=run,
+                    generation=self.generation.id if self.generation else None,
+                )
+            return
         shard_digests: dict[int, str] = {}
         stats = WriteStats()
         for rank_results in results:
@@ -232,3 +278,38 @@ class CastoreWriter(StoreUser, StorageWriter):
                 hint=": the ref moved during the save; save again",
             )
         self.generation = Generation.from_root(published, root)
+
+
+def _items_tree(
+    plan: SavePlan, planner: SavePlanner, run: str
+) -> tuple[dict[str, Any], dict[str, int]]:
+    """This rank's write items as a state tree of boxes, and each item's bytes by name."""
+    tree: dict[str, Any] = {TENSORS: {}, BYTES: {}}
+    sizes: dict[str, int] = {}
+    for item in plan.items:
+        data = planner.resolve_data(item)
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO:
+            raw = plain_bytes(data, fqn)
+            blob = np.frombuffer(raw, dtype=np.uint8).copy()
+            tree[BYTES][escape_key(fqn)] = Shard(blob, (len(raw),), (0,))
+            sizes[stored_name(BYTES, fqn)] = len(raw)
+            continue
+        assert isinstance(data, torch.Tensor) and item.tensor_data is not None
+        tensor = data.detach()
+        chunk = item.tensor_data.chunk
+        key = escape_key(fqn)
+        if key in tree[TENSORS]:
+            raise CorruptObjectError(
+                f"DCP gave this rank two chunks of {fqn!r}; castore stores one box "
+                "per tensor per rank",
+                run=run,
+            )
+        tree[TENSORS][key] = Shard(tensor, item.tensor_data.size, chunk.offsets)
+        sizes[stored_name(TENSORS, fqn)] = tensor.numel() * tensor.element_size()
+    return tree, sizes
+
+
+def _stored_name(item: WriteItem) -> str:
+    kind = BYTES if item.type == WriteItemType.BYTE_IO else TENSORS
+    return stored_name(kind, item.index.fqn)

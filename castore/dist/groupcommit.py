@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, SupportsIndex
 
 import msgpack
@@ -212,22 +212,91 @@ def commit_in_group(
     # The generation's tree: a rank's that passes all of it (castore.dist.holders).
     reference = holding.reference(comm.coordinator)
 
-    proposal = _propose(store, run, step, comm)
+    proposal = propose(store, run, step, comm)
     generation = proposal["generation"]
     mine = prepared.owned
     if mine is None:
         loads = [i["sharded_bytes"] for i in infos]
         mine = owned_tensors(prepared, holding, loads, comm.rank)
+    names, replicas = mine, prepared.replicas
 
+    def write_mine() -> dict[str, Any]:
+        ack = write(generation, names)
+        if comm.rank == reference != comm.coordinator:  # the coordinator's tree lacks parts
+            ack["skeleton"] = prepared.encoded.skeleton
+        return ack
+
+    def compare_replicas(acks: list[dict[str, Any]]) -> None:
+        check_replicas(
+            [ack["replicas"] for ack in acks],
+            comm,
+            replicas,
+            run=run,
+            generation=generation,
+        )
+
+    content = RootContent(
+        prepared.encoded.skeleton,
+        prepared.metadata,
+        prepared.data_order,
+        layouts_of(prepared.encoded),
+    )
+    return publish_in_group(
+        store,
+        comm,
+        run,
+        step,
+        proposal,
+        session,
+        write_mine,
+        content,
+        started,
+        check_acks=compare_replicas,
+    )
+
+
+@dataclass(frozen=True)
+class RootContent:
+    """What a collective save's root holds besides its shards and figures: the state's
+    skeleton (the tensors it names), the metadata, the data-order record."""
+
+    skeleton: bytes
+    metadata: bytes
+    data_order: dict[str, Any]
+    layouts: dict[str, Any] = field(default_factory=dict)  # each DTensor's mesh and placements
+
+
+def publish_in_group(
+    store: Store,
+    comm: Group,
+    run: str,
+    step: int,
+    proposal: dict[str, Any],
+    session: Any,
+    write: Callable[[], dict[str, Any]],
+    content: RootContent | None,
+    started: float,
+    *,
+    check_acks: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> Digest:
+    """Phase two of the module text, once the coordinator proposed the generation.
+
+    ``write()`` commits this rank's chunks and shard manifest (of
+    ``proposal["generation"]``) and returns its ack (:func:`commit_shard`);
+    ``check_acks(acks)`` checks every rank's ack before the publish (a
+    collective call); ``content`` is the root's (the coordinator's is used);
+    ``session``: the tiered store's on several nodes (castore.tiers.nodes),
+    or None. The castore.dist save and the DCP writer on several nodes
+    (castore.dcp) both end here. Returns the published root's digest on every
+    rank, or raises on every rank.
+    """
     # Held from this rank's first dedup check until the outcome is known, so
     # garbage collection cannot delete a chunk this save found present.
     lock = contextlib.ExitStack()
 
     def locked_write() -> dict[str, Any]:
         lock.enter_context(store.save_lock())
-        ack = write(generation, mine)
-        if comm.rank == reference != comm.coordinator:  # the coordinator's tree lacks parts
-            ack["skeleton"] = prepared.encoded.skeleton
+        ack = write()
         if session is not None:  # this rank's node holds its chunks; its manifest travels
             ack["manifest"] = session.attest(ack["shard"])
         return ack
@@ -236,30 +305,17 @@ def commit_in_group(
         ack, failure = attempt(locked_write)
         acks = comm.all_gather({"error": describe(failure), **(ack or {})}, "save: write shards")
         raise_failures(acks, comm, failure)
-        check_replicas(
-            [ack["replicas"] for ack in acks],
-            comm,
-            prepared.replicas,
-            run=run,
-            generation=generation,
-        )
+        if check_acks is not None:
+            check_acks(acks)
         if session is not None:
             session.replicate(acks)
 
         outcome: dict[str, Any] = {}
         if comm.is_coordinator:
+            assert content is not None
             published, failure = attempt(
                 lambda: _validate_and_publish(
-                    store,
-                    prepared,
-                    acks[reference].get("skeleton", prepared.encoded.skeleton),
-                    acks,
-                    proposal,
-                    run,
-                    step,
-                    comm,
-                    started,
-                    session,
+                    store, content, acks, proposal, run, step, comm, started, session
                 )
             )
             outcome = {"error": describe(failure), "root": None}
@@ -268,6 +324,7 @@ def commit_in_group(
         outcome = comm.broadcast(outcome, "save: publish")
         if session is not None and not outcome.get("error"):
             session.publish_on_node(run, outcome["root_bytes"], acks, proposal["parent"])
+            generation = proposal["generation"]
             session.after_save(run, generation, Digest(outcome["root"]), outcome["promote"])
     if outcome.get("error"):
         if comm.is_coordinator and failure is not None:
@@ -276,7 +333,7 @@ def commit_in_group(
     return Digest(outcome["root"])
 
 
-def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
+def propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
     """The coordinator reads the ref once and checks that this job may save the run
     (castore.core.fencing); every rank learns the id, the parent and the root's writer."""
     message: dict[str, Any] = {}
@@ -305,8 +362,7 @@ def _propose(store: Store, run: str, step: int, comm: Group) -> dict[str, Any]:
 
 def _validate_and_publish(
     store: Store,
-    prepared: Prepared,
-    skeleton: bytes,
+    content: RootContent,
     acks: list[dict[str, Any]],
     proposal: dict[str, Any],
     run: str,
@@ -315,7 +371,13 @@ def _validate_and_publish(
     started: float,
     session: Any = None,
 ) -> dict[str, Any]:
-    """Check the shards, build the root and publish it; the outcome every rank is sent."""
+    """Check the shards, build the root and publish it; the outcome every rank is sent.
+
+    Where the coordinator passes only part of the state (castore.dist.holders), the
+    rank whose tree is the generation's sent its skeleton in its ack."""
+    sent = [ack["skeleton"] for ack in acks if "skeleton" in ack]
+    if sent:
+        content = replace(content, skeleton=sent[0])
     generation = proposal["generation"]
     parent = proposal["parent"]
     parent_ref = None if parent is None else RefValue(run, parent[0], Digest(parent[1]), parent[2])
@@ -332,8 +394,8 @@ def _validate_and_publish(
             parent=parent_ref,
             world_size=comm.world_size,
             shards=checked.digests,
-            state=skeleton,
-            metadata=prepared.metadata,
+            state=content.skeleton,
+            metadata=content.metadata,
             stats=root_stats(
                 stats,
                 max([time.perf_counter() - started] + [ack["elapsed"] for ack in acks]),
@@ -342,9 +404,9 @@ def _validate_and_publish(
                 held_seconds=max(held) if held else None,
             ),
             frameworks=framework_versions(),
-            data_order=prepared.data_order,
+            data_order=content.data_order,
             writer=proposal["writer"],
-            layouts=layouts_of(prepared.encoded),
+            layouts=content.layouts,
         )
 
     shards = [ack["shard"] for ack in acks]
@@ -356,7 +418,7 @@ def _validate_and_publish(
             parent=parent_ref,
             shards=shards,
             build_root=build_root,
-            skeleton=skeleton,
+            skeleton=content.skeleton,
         )
         return {"root": digest.raw}
     # Several nodes: the manifests came in the acks, and each rank checked its node holds
@@ -367,7 +429,7 @@ def _validate_and_publish(
         shards,
         run=run,
         generation=generation,
-        skeleton=skeleton,
+        skeleton=content.skeleton,
         chunks_attested=True,
     )
     root = build_root(checked)

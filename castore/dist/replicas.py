@@ -339,7 +339,8 @@ def _who(groups: list[list[int]], lacking: bool) -> str:
     if lacking:
         holders = sorted(rank for group in groups[:-1] for rank in group)
         held = "it" if len(groups) == 2 else f"{len(groups) - 1} different copies"
-        return f"{_ranks(groups[-1])} {_verb('lack', groups[-1])} it; {_ranks(holders)} {_verb('hold', holders)} {held}"
+        lack = f"{_ranks(groups[-1])} {_verb('lack', groups[-1])} it"
+        return f"{lack}; {_ranks(holders)} {_verb('hold', holders)} {held}"
     if len(groups) == 2:
         return f"{_ranks(groups[1])} {_verb('differ', groups[1])} from {_ranks(groups[0])}"
     return f"{len(groups)} different copies, held by " + "; ".join(_ranks(g) for g in groups)

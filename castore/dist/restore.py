@@ -21,7 +21,6 @@ from typing import Any
 import numpy as np
 
 from castore import errors
-from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.core import fencing, reading
 from castore.core.chunkread import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation, Skipped, fall_back
@@ -33,6 +32,7 @@ from castore.core.reading import (
     framework_for,
     numpy_as_torch,
 )
+from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.errors import (
     CorruptObjectError,
     IntegrityError,
@@ -266,8 +266,7 @@ def _load_root(
         nonlocal agreed, clock
         agreed = True
         outcomes = comm.all_gather({"error": describe(error)}, "load: agree")
-        failed = [o["error"]["type"] for o in outcomes if o.get("error")]
-        outcome.every_failure_is_integrity = bool(failed) and all(map(_is_integrity, failed))
+        outcome.every_failure_is_integrity = every_failure_is_integrity(outcomes)
         raise_failures(outcomes, comm, error)
         timings["read_verify"] = time.perf_counter() - clock
         clock = time.perf_counter()  # what follows is assembly: copying into the targets
@@ -339,6 +338,13 @@ def _served(store: Store, before: dict[str, int]) -> dict[str, int]:
     }
 
 
+def every_failure_is_integrity(outcomes: list[dict[str, Any]]) -> bool:
+    """Whether some rank failed and every failure the ranks exchanged (``{"error": ...}``
+    messages, castore.dist.comm.describe) was damage (an IntegrityError)."""
+    failed = [o["error"]["type"] for o in outcomes if o.get("error")]
+    return bool(failed) and all(map(_is_integrity, failed))
+
+
 def _is_integrity(type_name: str) -> bool:
     cls = getattr(errors, type_name, None)
     return isinstance(cls, type) and issubclass(cls, IntegrityError)
@@ -407,6 +413,18 @@ def _node_candidates(
     return candidates
 
 
+def root_on_nodes(
+    store: Store, run: str, generation: int | str, comm: Group, session: Any
+) -> Digest:
+    """Through a tiered store whose ranks span several nodes (``session``: its
+    castore.tiers.nodes.NodeSession): the root :func:`load` would read, "latest" the
+    newest generation complete in the live nodes' fast tiers or in the durable tier;
+    every node that lacks its root and manifests is sent them (a collective call)."""
+    digest = _node_candidates(store, run, generation, comm, session)[0][1]
+    session.seed(run, digest)
+    return digest
+
+
 def seed_root(store: Store, run: str, digest: Digest, comm: Group) -> None:
     """Through a tiered store whose ranks span several nodes, give every node that lacks
     them the root and manifests of ``digest`` (a collective call there); else nothing."""
@@ -425,9 +443,7 @@ def agree_on_root(store: Store, run: str, generation: int | str, comm: Group) ->
     """
     session = store.node_session(comm, run)
     if session is not None:
-        digest = _node_candidates(store, run, generation, comm, session)[0][1]
-        session.seed(run, digest)
-        return digest
+        return root_on_nodes(store, run, generation, comm, session)
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:

@@ -115,7 +115,6 @@ def save(
     # Before any collective: every rank opened the same store, so every rank refuses.
     store.refuse_if_closed()
     store.refuse_if_readonly("save")
-    given = dict(keywords)
     data_order = keywords.pop("data_order", None)
     group = keywords.pop("group", None)
     coordinator = keywords.pop("coordinator", 0)

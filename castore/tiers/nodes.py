@@ -3,8 +3,10 @@
 A *node* is the ranks of a job that open the same fast directory
 (``open_tiered(node=...)``; by default the host name and the directory's real
 path), so nodes simulated on one machine need nothing but distinct ``fast``
-paths. When the ranks of a ``castore.dist`` call span more than one node, the
-tiered store works as follows; on one node nothing here runs.
+paths. When the ranks of a ``castore.dist`` call (or of a DCP save or load
+through castore.dcp, which takes the same path: castore.dcp.nodes) span more
+than one node, the tiered store works as follows; on one node nothing here
+runs.
 
 Save (``castore.dist.save``, ``TrainState.save``):
 

@@ -427,7 +427,6 @@ def run_script(
       overlap_rank, gap_rank, extra_tensor_rank, blocking]}
     * {"op": "load", run, [generation, names, framework, views, rank_local, timeout, path,
       wrong_dtype]}
-    * {"op": "dcp_save", run, step}: a DCP save through castore.dcp.CastoreWriter
     * {"op": "recovery_points", run}: a tiered store's collective recovery_points
     * {"op": "arm", rank, point, action}, {"op": "disarm"}, {"op": "sleep", rank, seconds},
       {"op": "barrier"}
@@ -466,19 +465,6 @@ def run_script(
                 results.append(run_op(me, size, store, op, options))
             elif kind == "recovery_points":  # a tiered store's RPO per tier, collectively
                 results.append(store.recovery_points(op["run"], collective=True))
-            elif kind == "dcp_save":  # through torch.distributed.checkpoint's own save
-                import torch
-                import torch.distributed.checkpoint as dcp
-
-                from castore.dcp import CastoreWriter
-
-                started = time.monotonic()
-                writer = CastoreWriter(store, run=op["run"], step=op["step"])
-                try:
-                    dcp.save({"w": torch.arange(8.0)}, storage_writer=writer)
-                    results.append({"saved": True})
-                except BaseException as exc:
-                    results.append(_error(exc, started))
             elif kind == "arm":
                 if rank == op["rank"]:
                     castore.support.faults.arm(op["point"], op["action"])
