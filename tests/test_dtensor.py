@@ -220,11 +220,13 @@ def test_partial_placement_is_refused_in_one_line_naming_the_key(fsdp: Any) -> N
         assert "partial" not in store.runs()
 
 
-def test_strided_shard_is_refused_as_not_supported_yet(fsdp: Any) -> None:
+def test_a_strided_shard_of_several_runs_per_rank_is_refused(fsdp: Any) -> None:
+    """Alone on its mesh, a strided shard gives each rank several runs of rows (FSDP2
+    over tensor parallelism, which castore holds, is tests/test_dtensor_tp.py)."""
     for rank in fsdp[1]:
         refused = rank["strided"]
         assert refused["error"] == "UnsupportedPlacementError", refused
-        assert "tp/w" in refused["message"] and "not supported yet" in refused["message"]
+        assert "tp/w" in refused["message"] and "several runs" in refused["message"]
         assert "\n" not in refused["message"]
 
 

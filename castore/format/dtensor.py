@@ -12,8 +12,11 @@ block sits at the end of the dimension it is empty along, as DCP places it.
 block, and only the one at coordinate 0 on every such dimension writes it;
 the ranks that hold it are named (:attr:`DTensorBlock.replicas`) so that
 castore.dist.replicas compares their copies before a publish.
-``Partial`` (a pending reduction) and strided shards (FSDP2 with tensor
-parallelism) are refused (:class:`~castore.errors.UnsupportedPlacementError`).
+FSDP2 over tensor parallelism shards a tensor-parallel piece again with a
+strided shard (``_StridedShard``): it applies after the plain shards of the
+same dimension, inside their pieces. ``Partial`` (a pending reduction), and
+strided shards that give a rank several runs of the tensor, are refused
+(:class:`~castore.errors.UnsupportedPlacementError`).
 
 torch is never imported here: a value is a DTensor only once
 ``torch.distributed.tensor`` is loaded, and is read through its public
@@ -22,6 +25,7 @@ attributes (``shape``, ``device_mesh``, ``placements``, ``to_local``).
 
 from __future__ import annotations
 
+import math
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,9 +35,20 @@ from castore.errors import UnsupportedPlacementError
 from castore.format.layout import Box
 from castore.format.shard import Shard
 
+
+@dataclass(frozen=True)
+class Strided:
+    """A strided shard (``_StridedShard``, FSDP2 over tensor parallelism) of tensor
+    dimension ``dim``: it cuts each of the ``split_factor`` pieces that the later
+    mesh dimensions sharding ``dim`` make, so it applies after them."""
+
+    dim: int
+    split_factor: int
+
+
 # A mesh dimension's placement, as the arithmetic below takes it: the tensor
-# dimension it shards, or None for Replicate.
-PlacementDim = int | None
+# dimension it shards, a strided shard of one, or None for Replicate.
+PlacementDim = int | Strided | None
 
 
 def is_dtensor(value: Any) -> bool:
@@ -75,6 +90,7 @@ def dtensor_block(value: Any, path: str) -> DTensorBlock:
         )
     global_shape = tuple(int(s) for s in value.shape)
     dims = placement_dims(value.placements, len(global_shape), path)
+    check_strided(dims, tuple(mesh.shape), value.placements, path)
     box = block_of(global_shape, tuple(mesh.shape), tuple(coordinate), dims)
     local = value.to_local()
     if tuple(local.shape) != box.shape:
@@ -102,8 +118,16 @@ def layout_record(
     return {
         "mesh": [int(n) for n in mesh_shape],
         "mesh_dims": None if names is None else [str(n) for n in names],
-        "placements": ["R" if dim is None else f"S({dim})" for dim in dims],
+        "placements": [_placement_text(dim) for dim in dims],
     }
+
+
+def _placement_text(dim: PlacementDim) -> str:
+    if dim is None:
+        return "R"
+    if isinstance(dim, Strided):
+        return f"S({dim.dim},sf={dim.split_factor})"
+    return f"S({dim})"
 
 
 def placement_dims(placements: Sequence[Any], ndim: int, path: str) -> tuple[PlacementDim, ...]:
@@ -117,11 +141,13 @@ def placement_dims(placements: Sequence[Any], ndim: int, path: str) -> tuple[Pla
         where = f"DTensor at {name} has placement {placement!r} on mesh dimension {mesh_dim}"
         # Strided first: in some torch versions a strided shard is a Shard subclass.
         if "StridedShard" in type(placement).__name__ or hasattr(placement, "split_factor"):
-            raise UnsupportedPlacementError(
-                f"{where}: strided shards (FSDP2 with tensor parallelism) are not supported "
-                "yet; redistribute it to Shard or Replicate placements first",
-                key_path=path,
-            )
+            if not -ndim <= placement.dim < ndim:
+                raise UnsupportedPlacementError(
+                    f"{where}: it shards no dimension of a {ndim}-dimensional tensor",
+                    key_path=path,
+                )
+            dims.append(Strided(placement.dim % ndim, int(placement.split_factor)))
+            continue
         if placement.is_partial():
             raise UnsupportedPlacementError(
                 f"{where}: a Partial placement is a pending reduction that no rank holds; "
@@ -139,6 +165,33 @@ def placement_dims(placements: Sequence[Any], ndim: int, path: str) -> tuple[Pla
                 key_path=path,
             )
     return tuple(dims)
+
+
+def check_strided(
+    dims: Sequence[PlacementDim], mesh_shape: tuple[int, ...], placements: Any, path: str
+) -> None:
+    """Refuse a strided shard whose rank blocks are not one box each: castore holds the
+    one FSDP2 makes over tensor parallelism, whose split factor is the product of the
+    later mesh dimensions that shard the same tensor dimension (each rank's rows are
+    then one run, inside its tensor-parallel piece)."""
+    for mesh_dim, dim in enumerate(dims):
+        if not isinstance(dim, Strided):
+            continue
+        after = zip(mesh_shape[mesh_dim + 1 :], dims[mesh_dim + 1 :], strict=True)
+        later = [n for n, d in after if d == dim.dim]
+        earlier = [d for d in dims[:mesh_dim] if _sharded_dim(d) == dim.dim]
+        if dim.split_factor != math.prod(later) or earlier:
+            raise UnsupportedPlacementError(
+                f"DTensor at {path or '<root>'} has placements {list(placements)}: its strided "
+                f"shard on mesh dimension {mesh_dim} (split factor {dim.split_factor}) gives "
+                "each rank several runs of the tensor, which castore cannot hold as one box; "
+                "redistribute it to Shard or Replicate placements first",
+                key_path=path,
+            )
+
+
+def _sharded_dim(dim: PlacementDim) -> int | None:
+    return dim.dim if isinstance(dim, Strided) else dim
 
 
 def writes_block(coordinate: tuple[int, ...], dims: Sequence[PlacementDim]) -> bool:
@@ -169,7 +222,8 @@ def block_of(
     """The block at ``coordinate`` of a mesh of ``mesh_shape``, placed per ``dims``.
 
     Pure arithmetic, the module text's rule: each sharding mesh dimension, left
-    to right, takes ``torch.chunk``'s piece of the block's current extent.
+    to right, takes ``torch.chunk``'s piece of the block's current extent; strided
+    shards (:class:`Strided`) after the others, as they cut within those pieces.
     """
     if not len(mesh_shape) == len(coordinate) == len(dims):
         raise ValueError(
@@ -177,7 +231,11 @@ def block_of(
             "placements must have one entry per mesh dimension"
         )
     offsets, shape = [0] * len(global_shape), list(global_shape)
-    for count, at, dim in zip(mesh_shape, coordinate, dims, strict=True):
+    placed = list(zip(mesh_shape, coordinate, dims, strict=True))
+    ordered = [p for p in placed if not isinstance(p[2], Strided)]
+    ordered += [p for p in placed if isinstance(p[2], Strided)]
+    for count, at, placement in ordered:
+        dim = _sharded_dim(placement)
         if dim is None:
             continue
         size = shape[dim]
