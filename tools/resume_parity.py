@@ -95,7 +95,7 @@ def _job(config: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         nn.Dropout(0.2),
         nn.Linear(64, CLASSES),
     )
-    if config["model"] == "fsdp2":
+    if config.get("model") == "fsdp2":
         # FSDP2: every Linear's parameters (and its AdamW moments) are DTensors
         # sharded by rows over the ranks (uneven: 4 rows of the last layer at 3 ranks).
         from torch.distributed.device_mesh import init_device_mesh
@@ -205,7 +205,7 @@ def _train(
             x = x + torch.from_numpy(job["noise"].normal(0.0, 0.01, x.shape).astype("float32"))
             # FSDP2 reduce-scatters every microbatch: its sharded gradients accumulate
             # where TrainState sees them (a mid-accumulation save keeps them).
-            no_sync = last or config["model"] == "fsdp2"
+            no_sync = last or config.get("model") == "fsdp2"
             sync = contextlib.nullcontext() if no_sync else model.no_sync()
             with sync:
                 loss = torch.nn.functional.cross_entropy(model(x), y)
