@@ -3,7 +3,7 @@
 Run from the repository root::
 
     .venv/bin/python benchmarks/bench_replicas.py [--state-mib 256] [--tensors 32] [--ranks 2]
-                                                  [--repeats 5] [--quiet 2] [--dir DIR]
+                                                  [--repeats 5] [--hsdp] [--quiet 2] [--dir DIR]
                                                   [--json OUT]
 
 ``--ranks`` spawned processes join one gloo group and stay alive for the whole
@@ -13,7 +13,9 @@ as a data-parallel job does: ``--tensors`` fp32 tensors of random values
 passed as replicated (no ``castore.Shard``). castore writes each replicated
 tensor once, on one rank; since the check, every rank also digests the
 replicated tensors the other ranks write, and the ranks compare one digest
-each before the publish (castore.dist.replicas).
+each before the publish (castore.dist.replicas). ``--hsdp`` passes each tensor
+as a DTensor replicated over a mesh of every rank (HSDP's replicas of a
+block): the rank at coordinate 0 writes it, and the others digest their copy.
 
 Each repetition, in a fresh scratch folder, times (in an order that rotates):
 
@@ -67,7 +69,9 @@ ROWS = METHODS + RESAVES
 GOAL = 1.05  # castore's save time <= 1.05x the unchecked save's (first save and re-save)
 
 
-def make_state(state_mib: int, tensors: int) -> dict[str, Any]:
+def make_state(state_mib: int, tensors: int, hsdp: bool = False) -> dict[str, Any]:
+    """The replicated state; ``hsdp``: each tensor a DTensor replicated over a mesh of
+    every rank (HSDP's replicas: the rank at coordinate 0 writes, the others hash)."""
     import torch
 
     numel = state_mib * MIB // 4 // tensors
@@ -77,6 +81,16 @@ def make_state(state_mib: int, tensors: int) -> dict[str, Any]:
     }
     for tensor in state.values():
         tensor.mul_(1.0)  # a version counter at 0 is never trusted (castore.core.unchanged)
+    if hsdp:
+        import torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate
+
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        state = {
+            name: DTensor.from_local(t, mesh, [Replicate()], run_check=False)
+            for name, t in state.items()
+        }
     return state
 
 
@@ -91,14 +105,16 @@ def switch_off_the_check() -> None:
     castore.dist.groupcommit.check_replicas = lambda *args, **kwargs: None
 
 
-def worker(rank: int, port: int, world: int, state_mib: int, tensors: int, conn: Any) -> None:
+def worker(
+    rank: int, port: int, world: int, state_mib: int, tensors: int, hsdp: bool, conn: Any
+) -> None:
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
     try:
         join_gloo(rank, port, world, COLLECTIVE_TIMEOUT)
-        state = make_state(state_mib, tensors)
+        state = make_state(state_mib, tensors, hsdp)
         conn.send({"ready": True})
     except Exception:  # noqa: BLE001 - the parent must hear about it
         conn.send({"error": traceback.format_exc()})
@@ -162,7 +178,9 @@ CHECK = castore.dist.groupcommit.check_replicas
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    ranks = PipedRanks(args.ranks, worker, (args.ranks, args.state_mib, args.tensors), "replicas")
+    ranks = PipedRanks(
+        args.ranks, worker, (args.ranks, args.state_mib, args.tensors, args.hsdp), "replicas"
+    )
     times: dict[str, list[float]] = {m: [] for m in ROWS}
     try:
         for rep in range(args.repeats):
@@ -240,6 +258,11 @@ def main() -> None:
     parser.add_argument("--tensors", type=int, default=32)
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--hsdp",
+        action="store_true",
+        help="the tensors as DTensors replicated over every rank (HSDP's replicas)",
+    )
     parser.add_argument("--quiet", type=float, default=2.0, help="seconds to pause before a step")
     parser.add_argument("--dir", default=None, help="scratch folder (default: the temp dir)")
     parser.add_argument("--json", default=None, help="write the medians and verdicts here")
