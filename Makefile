@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # The CPU build of torch; a bare `torch` requirement would pull a multi-GB CUDA build.
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: demo demo-s3 demo-tiers test lint bench bench-s3 bench-async bench-export cadence gpu-check clean
+.PHONY: demo demo-s3 demo-tiers test lint bench bench-s3 bench-async bench-export bench-fsdp2 cadence gpu-check clean
 
 # Each pip step says what it installs first: the first run is minutes of pip --quiet.
 $(VENV)/.installed: pyproject.toml Makefile
@@ -65,6 +65,12 @@ bench-async: $(VENV)/.installed
 # Export to safetensors against DCP's consolidation, one 1 GiB state saved by 4 ranks.
 bench-export: $(VENV)/.installed
 	$(PY) benchmarks/bench_export.py $(BENCH_EXPORT_ARGS)
+
+# An FSDP2 model's state (256 MiB, 2 and 3 gloo ranks) against DCP, and against Meta's
+# torch_checkpointing where it imports (it is not in the venv: the script's docstring says
+# how to add it for one run). BENCH_FSDP2_ARGS=--small: the smoke run (under a minute).
+bench-fsdp2: $(VENV)/.installed
+	$(PY) benchmarks/bench_fsdp2.py $(BENCH_FSDP2_ARGS)
 
 # The receipt of issue 13: a real DDP job with a save every K steps, every mode
 # interleaved (castore sync and async, DCP save and async_save); writes
