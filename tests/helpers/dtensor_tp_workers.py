@@ -27,8 +27,8 @@ CHUNK_SIZE = 64
 
 
 def model_2d(mesh: DeviceMesh, rows: int = 10, seed: int = 0, steps: int = 1) -> Any:
-    """A column- then row-parallel MLP (``rows`` hidden units: 5 per tp rank, 3 and 2 per dp rank), FSDP2 on "dp",
-    after ``steps`` AdamW steps; returns (model, optimizer)."""
+    """A column- then row-parallel MLP (``rows`` hidden units: 5 per tp rank, 3 and 2
+    per dp rank), FSDP2 on "dp", after ``steps`` AdamW steps: (model, optimizer)."""
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(5, rows), torch.nn.ReLU(), torch.nn.Linear(rows, 7))
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
