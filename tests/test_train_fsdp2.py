@@ -285,3 +285,18 @@ def test_the_generation_records_each_dtensors_mesh_and_placements(
     lines = {line.split()[0]: line for line in show.stdout.splitlines() if line.strip()}
     assert lines["model/inp.weight"].rstrip().endswith("2: S(0)")
     assert lines["optimizer/state/inp.weight/step"].rstrip().endswith("-")
+
+
+@pytest.mark.parametrize("kind", ["hsdp", "tp"])
+def test_train_state_restores_hsdp_and_fsdp2_over_tp_bitwise(kind: str, tmp_path: Path) -> None:
+    """On a 2x2 mesh: HSDP (Replicate, Shard(0)) and FSDP2 over tensor parallelism
+    (strided shards) saved through TrainState, restored into fresh models of the same
+    layout: parameters and moments bitwise, each moment a DTensor like its parameter."""
+    path = str(tmp_path / "store")
+    ranks = values(run_ranks(4, w.train_2d, path, kind, timeout=LAUNCH_TIMEOUT))
+    for rank in ranks:
+        assert rank["claim"] == "exact"
+        assert_bitwise(rank["after"], rank["saved"])
+        assert rank["layout"] == []
+    marker = "Replicate()" if kind == "hsdp" else "_StridedShard"
+    assert any(marker in p for p in ranks[0]["placements"]), ranks[0]["placements"]

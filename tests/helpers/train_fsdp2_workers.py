@@ -142,3 +142,39 @@ def recorded_layouts(rank: int, world: int, path: str) -> dict[str, Any]:
     resumed = state.load(store, run=RUN, resume="exact" if world == 2 else "continuation")
     assert resumed.report is not None
     return {"layouts": resumed.generation.layouts, "resharded": resumed.report.resharded}
+
+
+def train_2d(rank: int, world: int, path: str, kind: str) -> dict[str, Any]:
+    """TrainState on a 2x2 mesh: ``kind`` "hsdp" (FSDP2 replicated over "replicate") or
+    "tp" (tensor parallel on "tp", FSDP2 on "dp": strided shards). Two updates saved,
+    restored into a fresh model and optimizer of the same layout, then one more step."""
+    import dtensor_tp_workers
+
+    if kind == "hsdp":
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+        def build(seed: int, steps: int) -> Any:
+            return w.sharded_model(mesh, seed=seed, steps=steps)
+    else:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+
+        def build(seed: int, steps: int) -> Any:
+            return dtensor_tp_workers.model_2d(mesh, seed=seed, steps=steps)
+
+    store = castore.open(path, chunk_size=w.CHUNK_SIZE)
+    model, optimizer = build(0, UPDATES)
+    state = castore.train.TrainState(model, optimizer)
+    for _ in range(UPDATES):
+        state.microbatch_done(4)
+        state.update_done()
+    state.save(store, run=kind)
+    saved = w.full_arrays(live_state(model, optimizer))
+    fresh, fresh_optimizer = build(11, 0)
+    resumed = castore.train.TrainState(fresh, fresh_optimizer).load(store, run=kind)
+    return {
+        "claim": resumed.claim,
+        "saved": saved,
+        "after": w.full_arrays(live_state(fresh, fresh_optimizer)),
+        "layout": moments_laid_out_like_their_parameters(fresh, fresh_optimizer),
+        "placements": sorted({str(p.placements) for p in fresh.parameters()}),
+    }
