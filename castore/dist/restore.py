@@ -22,6 +22,7 @@ import numpy as np
 
 from castore import errors
 from castore.core import fencing, reading
+from castore.core.boxindex import BoxIndex, covered_once
 from castore.core.chunkread import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation, Skipped, fall_back
 from castore.core.reading import (
@@ -86,6 +87,7 @@ class _Target:
     dtype: str  # castore dtype name, the saved tensor's
     flat: Any = None  # the bytes chunks are delivered into (the tensor's own, or staging)
     staging: Any = None  # set when the tensor's memory cannot take bytes directly
+    sources: list[TensorEntry] | None = None  # the saved boxes it overlaps (None: all)
 
 
 RankLocalPolicy = str | Callable[[int], int]
@@ -319,9 +321,13 @@ def _load_root(
         bytes_by_source=(
             session.sources() if session is not None else _served(store, served_before)
         ),
-        resharded=sum(1 for t in wanted if not _is_saved_box(t.box, entries[t.name])),
+        resharded=sum(1 for t in wanted if not _is_saved_box(t.box, _sources(t, entries))),
     )
     return LoadResult(state, report)
+
+
+def _sources(target: _Target, entries: dict[str, list[TensorEntry]]) -> list[TensorEntry]:
+    return entries[target.name] if target.sources is None else target.sources
 
 
 def _is_saved_box(box: Box, boxes: list[TensorEntry]) -> bool:
@@ -481,6 +487,7 @@ def _plan_targets(
     """Each target (key path, live tensor) checked against its saved boxes."""
     from castore.format.dtypes import name_of_numpy_dtype, name_of_torch_dtype
 
+    indexes: dict[str, BoxIndex] = {}
     planned: list[_Target] = []
     for name, live in found:
         boxes = entries.get(name)
@@ -489,7 +496,6 @@ def _plan_targets(
                 f"target {name!r} is not a tensor of this generation", **where
             )
         saved = boxes[0]
-        check_coverage(boxes, where)
         # A DTensor fills its local tensor: the block its mesh and placements give.
         shard = dtensor_block(live, name).shard if is_dtensor(live) else live
         tensor = shard.local if isinstance(shard, Shard) else shard
@@ -499,6 +505,8 @@ def _plan_targets(
             else name_of_torch_dtype(tensor.dtype, name)
         )
         global_shape = shard.global_shape if isinstance(shard, Shard) else tuple(tensor.shape)
+        if any(b.shape != saved.shape or b.dtype != saved.dtype for b in boxes[:2]):
+            check_coverage(boxes, where)  # raises: the saved boxes disagree
         if dtype != saved.dtype or tuple(global_shape) != saved.shape:
             raise LayoutMismatchError(
                 f"target {name!r} is {dtype}{list(global_shape)}, the saved tensor is "
@@ -511,7 +519,14 @@ def _plan_targets(
             if isinstance(shard, Shard)
             else Box.whole(saved.shape)
         )
-        target = _Target(name, live, tensor, box, saved.dtype)
+        # The saved boxes this target reads, found by index, and checked to cover its
+        # box exactly once: what its bytes depend on (castore.core.boxindex).
+        index = indexes.get(name)
+        if index is None:
+            index = indexes[name] = BoxIndex(boxes)
+        sources = index.overlapping(box)
+        covered_once(sources, box, {**where, "tensor": name}, check_coverage)
+        target = _Target(name, live, tensor, box, saved.dtype, sources=sources)
         target.flat = _writable_bytes(tensor)
         if target.flat is None:
             target.staging, target.flat = allocate(saved.dtype, box.shape, "numpy")
@@ -559,7 +574,7 @@ def _writable_bytes(tensor: Any) -> np.ndarray | None:
 
 def _chunk_requests(target: _Target, boxes: list[TensorEntry]) -> list[ChunkRequest]:
     requests: list[ChunkRequest] = []
-    for entry in boxes:
+    for entry in boxes if target.sources is None else target.sources:
         region = target.box.intersect(Box(entry.offsets, entry.local_shape))
         if region is None or not region.numel:
             continue

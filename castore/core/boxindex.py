@@ -1,0 +1,119 @@
+"""The saved boxes of one tensor, found by the region a reader needs.
+
+A restoring rank needs, for each of its targets, the saved boxes that overlap
+it. Scanning every box of the tensor costs O(R) per target, so O(R x T) per
+rank and per restore, growing with the job's size rather than with what the
+rank reads. :class:`BoxIndex` sorts a tensor's boxes once along the
+dimension where their starts differ most (rows for FSDP, columns for tensor
+parallelism) and answers a region with a binary search and a window of the
+boxes that can reach it: O(log R + k) for k boxes found in the usual layouts.
+
+:func:`covered_once` then checks that those boxes cover the region exactly
+once, which is what the rank's bytes depend on: a reader validates what it
+reads (the coordinator checked the whole tensor before the publish,
+castore.core.commit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from castore.errors import CoverageError
+from castore.format.layout import Box
+from castore.format.objects import TensorEntry
+
+# Below this many boxes a scan is as fast as the index.
+_SCAN = 16
+
+
+class BoxIndex:
+    """A tensor's non-empty saved boxes, searchable by the region they overlap."""
+
+    def __init__(self, boxes: Sequence[TensorEntry]) -> None:
+        kept = [b for b in boxes if all(b.local_shape)]
+        self.dim: int | None = None
+        self.boxes = kept
+        if len(kept) <= _SCAN or not kept[0].shape:
+            return
+        offsets = np.array([b.offsets for b in kept], dtype=np.int64)
+        sizes = np.array([b.local_shape for b in kept], dtype=np.int64)
+        distinct = [len(np.unique(offsets[:, d])) for d in range(offsets.shape[1])]
+        dim = int(np.argmax(distinct))
+        order = np.argsort(offsets[:, dim], kind="stable")
+        self.dim = dim
+        self.boxes = [kept[i] for i in order]
+        self.starts = offsets[order, dim]
+        self.longest = int(sizes[:, dim].max())
+
+    def overlapping(self, region: Box) -> list[TensorEntry]:
+        """The boxes that share at least one element with ``region``."""
+        if not region.numel:
+            return []
+        candidates = self.boxes
+        if self.dim is not None:
+            lo, hi = region.offsets[self.dim], region.stops[self.dim]
+            # A box reaching past lo starts after lo - longest; one reaching into it, before hi.
+            first = int(np.searchsorted(self.starts, lo - self.longest, side="right"))
+            last = int(np.searchsorted(self.starts, hi, side="left"))
+            candidates = self.boxes[first:last]
+        found = []
+        for box in candidates:
+            part = region.intersect(Box(box.offsets, box.local_shape))
+            if part is not None and part.numel:
+                found.append(box)
+        return found
+
+
+@dataclass(frozen=True)
+class _Part:
+    """A saved box clipped to a region, placed in the region's coordinates: what
+    castore.core.reading.check_coverage reads of an entry."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    local_shape: tuple[int, ...]
+
+
+def covered_once(
+    boxes: Sequence[TensorEntry],
+    region: Box,
+    where: dict[str, Any],
+    check: Callable[..., None],
+) -> None:
+    """``boxes`` (those overlapping ``region``) cover it exactly once and agree on the
+    tensor's dtype and shape; else CoverageError. ``check`` is the whole-tensor check
+    (castore.core.reading.check_coverage), run here on the boxes clipped to the region."""
+    if not region.numel:
+        return
+    if not boxes:
+        raise CoverageError(
+            f"no saved box holds the region at offsets {list(region.offsets)} "
+            f"(shape {list(region.shape)}) of the tensor",
+            **where,
+        )
+    first = boxes[0]
+    if any(b.shape != first.shape or b.dtype != first.dtype for b in boxes):
+        check(boxes, where)  # raises: the boxes disagree
+    if region == Box.whole(first.shape):
+        check(boxes, where)
+        return
+    parts = []
+    for box in boxes:
+        part = region.intersect(Box(box.offsets, box.local_shape))
+        assert part is not None  # BoxIndex.overlapping found it
+        relative = part.relative_to(region)
+        parts.append(_Part(box.name, box.dtype, region.shape, relative.offsets, relative.shape))
+    try:
+        check(parts, where)
+    except CoverageError as exc:
+        raise CoverageError(
+            f"{exc}, within the region at offsets {list(region.offsets)} (shape "
+            f"{list(region.shape)}) that this rank reads",
+            **where,
+        ) from exc
