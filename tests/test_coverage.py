@@ -396,7 +396,7 @@ def test_coordinates_past_int64_are_ranked_and_sizes_counted_exactly() -> None:
     huge = 2**70
     halves = [entry((huge,), (0,), (huge // 2,)), entry((huge,), (huge // 2,), (huge // 2,))]
     corners = coverage.box_corners([b.offsets for b in halves], [b.local_shape for b in halves], 1)
-    assert corners.ranked and corners.lo.tolist() == [[0], [1]]
+    assert corners.ranked and corners.lo.tolist() == [[0, 1]]
     assert coverage.element_count(corners, [b.local_shape for b in halves]) == huge
     check_coverage(halves, WHERE)
     halves[1] = entry((huge,), (huge // 2 - 1,), (huge // 2,))

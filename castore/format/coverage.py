@@ -3,8 +3,10 @@
 Every publish and every restore checks that a tensor's boxes overlap nowhere
 (``castore.core.reading.check_coverage``). Comparing every pair is quadratic:
 a million boxes (1,024 ranks x 1,024 tensors) would take most of an hour.
-Here the boxes are rows of two int64 arrays, ``lo`` (offsets) and ``hi``
-(stops), and :func:`overlapping_pair` names two boxes that meet, or None:
+Here the boxes are the columns of two ``(dims, n)`` int64 arrays, ``lo``
+(offsets) and ``hi`` (stops): one row per dimension, so that what numpy
+computes per box runs along contiguous rows. :func:`overlapping_pair` names
+two boxes that meet, or None:
 
 - empty boxes (an extent of 0) share no element with anything;
 - a dimension in which every box has the same extent is left out: every pair
@@ -50,7 +52,8 @@ Pair = tuple[int, int]
 
 
 class Corners(NamedTuple):
-    """Each box's offsets and stops as ``(n, dims)`` int64 arrays.
+    """The boxes as ``(dims, n)`` int64 arrays: ``lo[d, i]`` is box ``i``'s offset in
+    dimension ``d``, ``hi[d, i]`` its stop.
 
     ``ranked``: the coordinates were too large for int64 and are each
     coordinate's rank among those of its dimension instead, which keeps every
@@ -66,31 +69,33 @@ def box_corners(
     offsets: Sequence[tuple[int, ...]], extents: Sequence[tuple[int, ...]], dims: int
 ) -> Corners:
     """The boxes at ``offsets`` with ``extents`` (one tuple of ``dims`` each) as arrays."""
-    shape = (len(offsets), dims)
+    count = len(offsets) * dims
     try:
-        lo = np.fromiter(chain.from_iterable(offsets), np.int64, shape[0] * dims).reshape(shape)
-        extent = np.fromiter(chain.from_iterable(extents), np.int64, lo.size).reshape(shape)
+        lo = np.fromiter(chain.from_iterable(offsets), np.int64, count)
+        extent = np.fromiter(chain.from_iterable(extents), np.int64, count)
     except OverflowError:
         return _ranked_corners(offsets, extents, dims)
-    if lo.size and not (
+    if count and not (
         -SAFE_COORDINATE < min(lo.min(), extent.min())
         and max(lo.max(), extent.max()) < SAFE_COORDINATE
     ):
         return _ranked_corners(offsets, extents, dims)
-    return Corners(lo, lo + extent, ranked=False)
+    lo = np.ascontiguousarray(lo.reshape(len(offsets), dims).T)
+    hi = lo + extent.reshape(len(offsets), dims).T
+    return Corners(lo, hi, ranked=False)
 
 
 def _ranked_corners(
     offsets: Sequence[tuple[int, ...]], extents: Sequence[tuple[int, ...]], dims: int
 ) -> Corners:
-    lo = np.empty((len(offsets), dims), dtype=np.int64)
+    lo = np.empty((dims, len(offsets)), dtype=np.int64)
     hi = np.empty_like(lo)
     for dim in range(dims):
         starts = [o[dim] for o in offsets]
         stops = [o[dim] + e[dim] for o, e in zip(offsets, extents, strict=True)]
         rank = {value: i for i, value in enumerate(sorted({*starts, *stops}))}
-        lo[:, dim] = [rank[v] for v in starts]
-        hi[:, dim] = [rank[v] for v in stops]
+        lo[dim] = [rank[v] for v in starts]
+        hi[dim] = [rank[v] for v in stops]
     return Corners(lo, hi, ranked=True)
 
 
@@ -98,34 +103,39 @@ def element_count(corners: Corners, extents: Sequence[tuple[int, ...]]) -> int:
     """The elements of all the boxes together (each box's product of extents, summed)."""
     extent = corners.hi - corners.lo
     if not corners.ranked and extent.size:
-        largest = np.abs(extent).max(axis=0).astype(np.float64)
-        if len(extent) * float(np.prod(largest)) < SAFE_COORDINATE:
-            return int(extent.prod(axis=1).sum())  # no int64 product or sum overflows
+        largest = np.abs(extent).max(axis=1).astype(np.float64)
+        if extent.shape[1] * float(np.prod(largest)) < SAFE_COORDINATE:
+            return int(extent.prod(axis=0).sum())  # no int64 product or sum overflows
     return sum(math.prod(e) for e in extents)
 
 
 def overlapping_pair(lo: np.ndarray, hi: np.ndarray) -> Pair | None:
-    """Two boxes (row numbers) that share an element, or None when no two do."""
-    kept = np.flatnonzero((hi > lo).all(axis=1))  # 0-d boxes are never empty
+    """Two boxes (column numbers) that share an element, or None when no two do."""
+    count = lo.shape[1]
+    nonempty = (hi > lo).all(axis=0)  # 0-d boxes are never empty
+    if nonempty.all():
+        return _nonempty_overlap(lo, hi) if count > 1 else None
+    kept = np.flatnonzero(nonempty)
     if kept.size < 2:
         return None
-    pair = _nonempty_overlap(lo[kept], hi[kept])
+    pair = _nonempty_overlap(lo[:, kept], hi[:, kept])
     return None if pair is None else (int(kept[pair[0]]), int(kept[pair[1]]))
 
 
 def _nonempty_overlap(lo: np.ndarray, hi: np.ndarray) -> Pair | None:
-    if len(lo) < 2:
+    count = lo.shape[1]
+    if count < 2:
         return None
-    varying = np.flatnonzero((lo != lo[0]).any(axis=0) | (hi != hi[0]).any(axis=0))
+    varying = np.flatnonzero((lo != lo[:, :1]).any(axis=1) | (hi != hi[:, :1]).any(axis=1))
     if varying.size == 0:
         return 0, 1  # two boxes alike, each holding an element
     if varying.size == 1:
         dim = int(varying[0])
-        return interval_overlap(lo[:, dim], hi[:, dim])
-    lo, hi = lo[:, varying], hi[:, varying]
+        return interval_overlap(lo[dim], hi[dim])
+    lo, hi = lo[varying], hi[varying]
     if varying.size <= GRID_MAX_DIMS:
-        cuts = [distinct(np.concatenate((lo[:, d], hi[:, d]))) for d in range(varying.size)]
-        if math.prod(len(c) for c in cuts) <= max(GRID_FLOOR, GRID_CELLS_PER_BOX * len(lo)):
+        cuts = [distinct(np.concatenate((lo[d], hi[d]))) for d in range(varying.size)]
+        if math.prod(len(c) for c in cuts) <= max(GRID_FLOOR, GRID_CELLS_PER_BOX * count):
             return grid_overlap(lo, hi, cuts)
     return sweep_overlap(lo, hi)
 
@@ -165,8 +175,8 @@ def grid_overlap(lo: np.ndarray, hi: np.ndarray, cuts: list[np.ndarray]) -> Pair
     its block in a difference array; running sums along every dimension give
     how many boxes hold each cell.
     """
-    first = np.stack([np.searchsorted(c, lo[:, d]) for d, c in enumerate(cuts)])
-    last = np.stack([np.searchsorted(c, hi[:, d]) for d, c in enumerate(cuts)])
+    first = np.stack([np.searchsorted(c, lo[d]) for d, c in enumerate(cuts)])
+    last = np.stack([np.searchsorted(c, hi[d]) for d, c in enumerate(cuts)])
     sizes = tuple(len(c) for c in cuts)
     plus: list[np.ndarray] = []
     minus: list[np.ndarray] = []
@@ -200,18 +210,18 @@ def sweep_overlap(lo: np.ndarray, hi: np.ndarray) -> Pair | None:
     entering x open comparisons are fewest.
     """
     dim = _cheapest_sweep(lo, hi)
-    rest = [d for d in range(lo.shape[1]) if d != dim]
-    order = np.argsort(lo[:, dim], kind="stable")
-    starts = lo[order, dim]
+    rest = [d for d in range(lo.shape[0]) if d != dim]
+    lo_rest, hi_rest = lo[rest], hi[rest]
+    order = np.argsort(lo[dim], kind="stable")
+    starts = lo[dim, order]
     bounds = [0, *(np.flatnonzero(starts[1:] != starts[:-1]) + 1).tolist(), len(order)]
     open_ = np.empty(0, dtype=np.int64)
     for begin, end in zip(bounds[:-1], bounds[1:], strict=True):
-        at = starts[begin]
-        open_ = open_[hi[open_, dim] > at]
+        open_ = open_[hi[dim, open_] > starts[begin]]
         entering = order[begin:end]
-        pair = _among(lo[:, rest], hi[:, rest], entering)
+        pair = _among(lo_rest, hi_rest, entering)
         if pair is None:
-            pair = _across(lo[:, rest], hi[:, rest], entering, open_)
+            pair = _across(lo_rest, hi_rest, entering, open_)
         if pair is not None:
             return pair
         open_ = np.concatenate((open_, entering))
@@ -221,10 +231,10 @@ def sweep_overlap(lo: np.ndarray, hi: np.ndarray) -> Pair | None:
 def _cheapest_sweep(lo: np.ndarray, hi: np.ndarray) -> int:
     """The dimension whose sweep compares fewest entering x open pairs."""
     costs = []
-    for dim in range(lo.shape[1]):
-        starts, counts = np.unique(lo[:, dim], return_counts=True)
-        started_before = np.searchsorted(np.sort(lo[:, dim]), starts, side="left")
-        stopped_by = np.searchsorted(np.sort(hi[:, dim]), starts, side="right")
+    for dim in range(lo.shape[0]):
+        starts, counts = np.unique(lo[dim], return_counts=True)
+        started_before = np.searchsorted(np.sort(lo[dim]), starts, side="left")
+        stopped_by = np.searchsorted(np.sort(hi[dim]), starts, side="right")
         costs.append(int((counts * (started_before - stopped_by)).sum()))
     return int(np.argmin(costs))
 
@@ -233,7 +243,7 @@ def _among(lo: np.ndarray, hi: np.ndarray, boxes: np.ndarray) -> Pair | None:
     """Two of ``boxes`` that meet in the dimensions of ``lo``/``hi``, or None."""
     if boxes.size < 2:
         return None
-    pair = _nonempty_overlap(lo[boxes], hi[boxes])
+    pair = _nonempty_overlap(lo[:, boxes], hi[:, boxes])
     return None if pair is None else (int(boxes[pair[0]]), int(boxes[pair[1]]))
 
 
@@ -243,12 +253,11 @@ def _across(lo: np.ndarray, hi: np.ndarray, entering: np.ndarray, open_: np.ndar
         return None
     if entering.size * open_.size > PAIR_BLOCK:
         # As many comparisons as boxes: ask the question of them all together.
-        both = np.concatenate((open_, entering))
-        return _among(lo, hi, both)
+        return _among(lo, hi, np.concatenate((open_, entering)))
     meet = (
-        np.maximum(lo[entering, None, :], lo[None, open_, :])
-        < np.minimum(hi[entering, None, :], hi[None, open_, :])
-    ).all(axis=2)
+        np.maximum(lo[:, entering, None], lo[:, None, open_])
+        < np.minimum(hi[:, entering, None], hi[:, None, open_])
+    ).all(axis=0)
     hit = np.argwhere(meet)
     if not hit.size:
         return None
