@@ -16,6 +16,7 @@ a torch tensor.
 
 from __future__ import annotations
 
+import math
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -36,6 +37,7 @@ from castore.errors import (
     TensorNotFoundError,
 )
 from castore.format import dtypes
+from castore.format.coverage import box_corners, element_count, overlapping_pair
 from castore.format.hashing import Digest, digest_bytes
 from castore.format.layout import Box, normalize_index, plan_copy
 from castore.format.objects import (
@@ -198,33 +200,47 @@ def group_entries(
 
 
 def check_coverage(boxes: list[TensorEntry], where: dict[str, Any]) -> None:
-    """The boxes of one tensor must agree and cover it exactly once."""
+    """The boxes of one tensor must agree and cover it exactly once.
+
+    No two boxes share an element, and together they hold as many elements as
+    the tensor (each entry's own check put its box inside the shape). Boxes
+    alike are two boxes: callers count replicas once (:func:`group_entries`).
+    O(n log n) in the boxes for the usual layouts (castore.format.coverage).
+    """
     first = boxes[0]
-    name = first.name
+    name, shape = first.name, first.shape
     where = {**where, "tensor": name}
-    for box in boxes:
-        if box.shape != first.shape or box.dtype != first.dtype:
-            raise CoverageError(
-                f"boxes of tensor {name!r} disagree: {first.dtype}{list(first.shape)} vs "
-                f"{box.dtype}{list(box.shape)}",
-                **where,
-            )
-    spans = [Box(b.offsets, b.local_shape) for b in boxes]
-    for i, a in enumerate(spans):
-        for b in spans[i + 1 :]:
-            overlap = a.intersect(b)
-            if overlap is not None and overlap.numel:
-                raise CoverageError(
-                    f"boxes of tensor {name!r} overlap at offsets {list(overlap.offsets)}",
-                    **where,
-                )
-    covered = sum(span.numel for span in spans)
-    total = Box.whole(first.shape).numel
+    odd = first_disagreeing(boxes)
+    if odd is not None:
+        raise CoverageError(
+            f"boxes of tensor {name!r} disagree: {first.dtype}{list(shape)} vs "
+            f"{odd.dtype}{list(odd.shape)}",
+            **where,
+        )
+    offsets = [b.offsets for b in boxes]
+    extents = [b.local_shape for b in boxes]
+    corners = box_corners(offsets, extents, len(shape))
+    pair = overlapping_pair(corners.lo, corners.hi)
+    if pair is not None:
+        at = [max(a, b) for a, b in zip(offsets[pair[0]], offsets[pair[1]], strict=True)]
+        raise CoverageError(f"boxes of tensor {name!r} overlap at offsets {at}", **where)
+    covered = element_count(corners, extents)
+    total = math.prod(shape)
     if covered != total:
         raise CoverageError(
             f"boxes of tensor {name!r} cover {covered} of its {total} elements",
             **where,
         )
+
+
+def first_disagreeing(boxes: list[TensorEntry]) -> TensorEntry | None:
+    """The first box whose global shape or dtype is not the first box's, or None."""
+    shape, dtype, count = boxes[0].shape, boxes[0].dtype, len(boxes)
+    if [b.shape for b in boxes].count(shape) == count and [b.dtype for b in boxes].count(
+        dtype
+    ) == count:
+        return None
+    return next(b for b in boxes if b.shape != shape or b.dtype != dtype)
 
 
 # -- where chunks land --------------------------------------------------------
