@@ -23,7 +23,8 @@ code, timed on one core (one process, no threads):
             ``_chunk_requests``, which scans every saved box of the tensor)
 
 Layouts: ``fsdp`` (each rank a block of rows of every tensor, 4 rows of a
-(4R, 1024) fp32 tensor), ``tp`` (a block of 4 columns of (1024, 4R)) and
+(4R, 1024) fp32 tensor), ``tp`` (FSDP over 8-way tensor parallelism: blocks
+of 4 rows x 128 columns of (4R/8, 1024)) and
 ``hsdp`` (two replica groups of R/2 ranks, each holding blocks of 8 rows;
 identical boxes count once). Per-tensor phases (coverage, plan's per-target
 work) are timed on ``--sample`` tensors and scaled by T/sample where the
@@ -75,6 +76,7 @@ DEFAULT_JSON = ROOT / "benchmarks" / "results" / "metadata-scale.json"
 CHUNK_SIZE = 4 << 20
 ITEMSIZE = 4  # float32
 WIDTH = 1024
+TP = 8  # the tensor-parallel degree of the "tp" layout
 RUN = "scale"
 WHERE = {"run": RUN, "generation": 1}
 
@@ -85,8 +87,13 @@ def boxes_of(layout: str, ranks: int) -> tuple[tuple[int, int], list[Box]]:
         shape = (4 * ranks, WIDTH)
         return shape, [Box((4 * r, 0), (4, WIDTH)) for r in range(ranks)]
     if layout == "tp":
-        shape = (WIDTH, 4 * ranks)
-        return shape, [Box((0, 4 * r), (WIDTH, 4)) for r in range(ranks)]
+        # FSDP over 8-way tensor parallelism of a row-parallel weight: tp cuts columns,
+        # FSDP rows (2-D blocks of 4 rows x 128 columns).
+        tp = min(TP, ranks)
+        groups = ranks // tp
+        shape = (4 * groups, WIDTH)
+        cols = WIDTH // tp
+        return shape, [Box((4 * (r // tp), cols * (r % tp)), (4, cols)) for r in range(ranks)]
     if layout == "hsdp":
         group = max(ranks // 2, 1)
         shape = (8 * group, WIDTH)
