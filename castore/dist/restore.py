@@ -327,7 +327,12 @@ def _load_root(
 
 
 def _sources(target: _Target, entries: dict[str, list[TensorEntry]]) -> list[TensorEntry]:
-    return entries[target.name] if target.sources is None else target.sources
+    """The saved boxes to compare a target's box with: those it overlaps, or, for an
+    empty box (which overlaps none), every box of the tensor (an empty local shard
+    saved as such is a saved box too)."""
+    if target.sources is None or not target.box.numel:
+        return entries[target.name]
+    return target.sources
 
 
 def _is_saved_box(box: Box, boxes: list[TensorEntry]) -> bool:
