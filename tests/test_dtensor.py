@@ -20,7 +20,8 @@ from typing import Any
 import dtensor_workers as w
 import numpy as np
 import pytest
-from dist_harness import describe, run_ranks
+from _helpers import assert_bitwise, rank_values
+from dist_harness import run_ranks
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
@@ -42,30 +43,17 @@ def new_store(path: Path) -> str:
     return str(path)
 
 
-def values(outcomes: list[Any]) -> list[dict[str, Any]]:
-    assert all(o.ok for o in outcomes), describe(outcomes)
-    return [o.value for o in outcomes]
-
-
-def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, array in expected.items():
-        got = actual[name]
-        assert (got.dtype, got.shape) == (array.dtype, array.shape), name
-        assert got.tobytes() == array.tobytes(), name
-
-
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
     """Run "fsdp" saved by 2 ranks (and restored there at once; the refusals; the control)."""
     path = new_store(tmp_path_factory.mktemp("fsdp") / "store")
-    return path, values(run_ranks(2, w.save_fsdp, path, timeout=LAUNCH_TIMEOUT))
+    return path, rank_values(run_ranks(2, w.save_fsdp, path, timeout=LAUNCH_TIMEOUT))
 
 
 @pytest.fixture(scope="module")
 def hsdp(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
     path = new_store(tmp_path_factory.mktemp("hsdp") / "store")
-    return path, values(run_ranks(4, w.save_hsdp, path, timeout=LAUNCH_TIMEOUT))
+    return path, rank_values(run_ranks(4, w.save_hsdp, path, timeout=LAUNCH_TIMEOUT))
 
 
 # -- the arithmetic ----------------------------------------------------------------------------
@@ -138,7 +126,7 @@ def restored_at(fsdp: Any) -> Restored:
     def at(world: int) -> list[dict[str, Any]]:
         if world not in launched:
             outcomes = run_ranks(world, w.restore_fsdp, path, timeout=LAUNCH_TIMEOUT)
-            launched[world] = values(outcomes)
+            launched[world] = rank_values(outcomes)
         return launched[world]
 
     return at

@@ -18,7 +18,8 @@ from typing import Any
 import dtensor_tp_workers as w
 import numpy as np
 import pytest
-from dist_harness import describe, run_ranks
+from _helpers import assert_bitwise, rank_values
+from dist_harness import run_ranks
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as torch_block
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -30,22 +31,11 @@ from castore.format.dtensor import Strided, block_of, check_strided
 pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("dtensor")]
 
 
-def values(outcomes: list[Any]) -> list[dict[str, Any]]:
-    assert all(o.ok for o in outcomes), describe(outcomes)
-    return [o.value for o in outcomes]
-
-
-def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, array in expected.items():
-        assert actual[name].tobytes() == array.tobytes(), name
-
-
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str, Any]]]:
     path = str(tmp_path_factory.mktemp("tp") / "store")
     castore.open(path, chunk_size=w.CHUNK_SIZE).close()
-    return path, values(run_ranks(4, w.save_2d, path, timeout=180.0))
+    return path, rank_values(run_ranks(4, w.save_2d, path, timeout=180.0))
 
 
 def test_strided_arithmetic_is_torchs_on_a_2x2_mesh() -> None:
@@ -92,7 +82,7 @@ def test_fsdp2_with_tp_restores_into_fsdp2_alone(
     world: int, saved: tuple[str, list[dict[str, Any]]]
 ) -> None:
     path, ranks = saved
-    for rank in values(run_ranks(world, w.restore_1d, path, timeout=180.0)):
+    for rank in rank_values(run_ranks(world, w.restore_1d, path, timeout=180.0)):
         assert_bitwise(rank["restored"], ranks[0]["saved"])
 
 
@@ -114,7 +104,7 @@ def test_uneven_dp4_tp2_blocks_are_the_rows_fsdp2_holds(tmp_path: Path) -> None:
     """dp=4, tp=2 over 9 rows: tp cuts rows 0-4 | 5-8, dp cuts each again; rank (3, 0)
     holds nothing, rank (3, 1) row 8. castore's block is what each rank holds (and the
     save restores bitwise into FSDP2 alone); torch's derivation swaps those two."""
-    ranks = values(run_ranks(8, w.uneven_blocks, str(tmp_path / "store"), timeout=300.0))
+    ranks = rank_values(run_ranks(8, w.uneven_blocks, str(tmp_path / "store"), timeout=300.0))
     by_coordinate = {r["coordinate"]: r for r in ranks}
     assert by_coordinate[(3, 0)]["held"] == [] and by_coordinate[(3, 1)]["held"] == [8]
     for rank in ranks:

@@ -20,7 +20,8 @@ from typing import Any
 import full_state_workers as w
 import numpy as np
 import pytest
-from dist_harness import describe, run_ranks
+from _helpers import assert_bitwise, rank_values
+from dist_harness import run_ranks
 
 import castore
 from castore.dist.groupcommit import owned_tensors, prepare
@@ -35,19 +36,6 @@ LAUNCH_TIMEOUT = 120.0
 
 def castore_encoded(state: Any) -> bytes:
     return encode_state(state).skeleton
-
-
-def values(outcomes: list[Any]) -> list[dict[str, Any]]:
-    assert all(o.ok for o in outcomes), describe(outcomes)
-    return [o.value for o in outcomes]
-
-
-def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, array in expected.items():
-        got = actual[name]
-        assert (got.dtype, got.shape) == (array.dtype, array.shape), name
-        assert got.tobytes() == array.tobytes(), name
 
 
 # -- the rule, without ranks ---------------------------------------------------------------------
@@ -108,7 +96,7 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[dict[str,
     """Runs "full" (from rank 0's full state) and "sharded" saved by 2 ranks."""
     path = tmp_path_factory.mktemp("full") / "store"
     castore.open(path, chunk_size=w.CHUNK_SIZE).close()
-    return str(path), values(run_ranks(2, w.save_full, str(path), timeout=LAUNCH_TIMEOUT))
+    return str(path), rank_values(run_ranks(2, w.save_full, str(path), timeout=LAUNCH_TIMEOUT))
 
 
 @pytest.fixture(scope="module")
@@ -118,7 +106,7 @@ def restored_at(saved: Any) -> Any:
     def at(world: int) -> list[dict[str, Any]]:
         if world not in launched:
             outcomes = run_ranks(world, w.restore_full, saved[0], timeout=LAUNCH_TIMEOUT)
-            launched[world] = values(outcomes)
+            launched[world] = rank_values(outcomes)
         return launched[world]
 
     return at

@@ -28,8 +28,9 @@ import dtensor_workers
 import numpy as np
 import pytest
 import train_fsdp2_workers as w
+from _helpers import assert_bitwise, rank_values
 from cli_runner import run_cli
-from dist_harness import describe, run_ranks
+from dist_harness import run_ranks
 
 import castore
 
@@ -42,18 +43,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("train_fsdp2")]
 LAUNCH_TIMEOUT = 120.0
 
 
-def values(outcomes: list[Any]) -> list[dict[str, Any]]:
-    assert all(o.ok for o in outcomes), describe(outcomes)
-    return [o.value for o in outcomes]
-
-
-def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
-    assert sorted(actual) == sorted(expected)
-    for name, array in expected.items():
-        assert actual[name].dtype == array.dtype and actual[name].shape == array.shape, name
-        assert actual[name].tobytes() == array.tobytes(), name
-
-
 # -- restore into a fresh sharded model and optimizer, at any world size ----------------------
 
 
@@ -61,7 +50,7 @@ def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray
 def saved(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, dict[str, np.ndarray]]:
     path = str(tmp_path_factory.mktemp("train") / "store")
     castore.open(path, chunk_size=dtensor_workers.CHUNK_SIZE).close()
-    ranks = values(run_ranks(2, w.save_train, path, timeout=LAUNCH_TIMEOUT))
+    ranks = rank_values(run_ranks(2, w.save_train, path, timeout=LAUNCH_TIMEOUT))
     assert [r["generation"] for r in ranks] == [1, 1]
     return path, ranks[0]["saved"]
 
@@ -71,7 +60,7 @@ def test_train_state_restores_fsdp2_params_and_moments_bitwise_at_any_world_size
     world: int, saved: tuple[str, dict[str, np.ndarray]]
 ) -> None:
     path, expected = saved
-    ranks = values(run_ranks(world, w.load_train, path, timeout=LAUNCH_TIMEOUT))
+    ranks = rank_values(run_ranks(world, w.load_train, path, timeout=LAUNCH_TIMEOUT))
     for rank in ranks:
         assert rank["claim"] == ("exact" if world == 2 else "continuation")
         assert rank["update"] == w.UPDATES
@@ -94,7 +83,7 @@ def test_broken_control_moments_read_whole_cannot_step(
     """Moments read whole as plain tensors (no DTensor targets): the bytes are all there,
     but each rank read the whole state and the optimizer cannot step."""
     path, expected = saved
-    ranks = values(run_ranks(3, w.load_train, path, True, timeout=LAUNCH_TIMEOUT))
+    ranks = rank_values(run_ranks(3, w.load_train, path, True, timeout=LAUNCH_TIMEOUT))
     whole = sum(a.nbytes for a in expected.values())
     for rank in ranks:
         assert_bitwise(rank["after"], expected)
@@ -247,7 +236,9 @@ def test_a_mid_accumulation_save_with_unreduced_fsdp2_gradients_is_refused(
     the save is refused in one line on every rank and publishes nothing. The broken
     control, without the check, publishes a mid-accumulation save without them."""
     path = str(tmp_path / "store")
-    ranks = values(run_ranks(2, w.unsynced_mid_accumulation_save, path, timeout=LAUNCH_TIMEOUT))
+    ranks = rank_values(
+        run_ranks(2, w.unsynced_mid_accumulation_save, path, timeout=LAUNCH_TIMEOUT)
+    )
     for rank in ranks:
         refused = rank["refused"]
         assert refused.get("error") == "SaveBoundaryError", refused
@@ -265,7 +256,7 @@ def test_the_generation_records_each_dtensors_mesh_and_placements(
     placement Shard(0); plain tensors (each "step") are not. Onto the same layout every
     target is a saved box (resharded 0); at 3 ranks the sharded ones are not."""
     path, expected = saved
-    ranks = values(run_ranks(world, w.recorded_layouts, path, timeout=LAUNCH_TIMEOUT))
+    ranks = rank_values(run_ranks(world, w.recorded_layouts, path, timeout=LAUNCH_TIMEOUT))
     layouts = ranks[0]["layouts"]
     sharded = sorted(n for n in expected if not n.endswith("/step"))
     assert sorted(layouts) == [n.replace("optimizer/", "optimizer/state/", 1) for n in sharded]
@@ -293,7 +284,7 @@ def test_train_state_restores_hsdp_and_fsdp2_over_tp_bitwise(kind: str, tmp_path
     (strided shards) saved through TrainState, restored into fresh models of the same
     layout: parameters and moments bitwise, each moment a DTensor like its parameter."""
     path = str(tmp_path / "store")
-    ranks = values(run_ranks(4, w.train_2d, path, kind, timeout=LAUNCH_TIMEOUT))
+    ranks = rank_values(run_ranks(4, w.train_2d, path, kind, timeout=LAUNCH_TIMEOUT))
     for rank in ranks:
         assert rank["claim"] == "exact"
         assert_bitwise(rank["after"], rank["saved"])

@@ -39,3 +39,20 @@ def process_context() -> multiprocessing.context.BaseContext:
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(PROCESS_PRELOAD)
     return context
+
+
+def rank_values(outcomes: list[Any]) -> list[Any]:
+    """What each rank of a dist_harness launch returned, once every rank returned."""
+    from dist_harness import describe
+
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    return [o.value for o in outcomes]
+
+
+def assert_bitwise(actual: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    """The same names, and for each the same dtype, shape and bytes."""
+    assert sorted(actual) == sorted(expected)
+    for name, array in expected.items():
+        got = actual[name]
+        assert (got.dtype, got.shape) == (array.dtype, array.shape), name
+        assert got.tobytes() == array.tobytes(), name
