@@ -11,7 +11,7 @@ path in the decoded state skeletons, with tensors replaced by placeholders.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -184,8 +184,8 @@ def diff_history(
 
 def _same_bytes(
     store: Store,
-    side_a: tuple[GenerationRoot, dict[str, list[TensorEntry]]],
-    side_b: tuple[GenerationRoot, dict[str, list[TensorEntry]]],
+    side_a: tuple[GenerationRoot, Mapping[str, list[TensorEntry]]],
+    side_b: tuple[GenerationRoot, Mapping[str, list[TensorEntry]]],
     name: str,
 ) -> bool:
     """Whether tensor ``name`` holds the same bytes on both sides (every chunk verified)."""
@@ -218,8 +218,8 @@ def _other_root(
 
 def _compare_tensors(
     diff: GenerationDiff,
-    tensors_a: dict[str, list[TensorEntry]],
-    tensors_b: dict[str, list[TensorEntry]],
+    tensors_a: Mapping[str, list[TensorEntry]],
+    tensors_b: Mapping[str, list[TensorEntry]],
 ) -> None:
     for name, boxes in sorted(tensors_a.items()):
         if name not in tensors_b:

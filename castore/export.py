@@ -28,7 +28,7 @@ import os
 import secrets
 import shutil
 import struct
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -154,7 +154,7 @@ def export_name(
 
 
 def select_tensors(
-    entries: dict[str, list[TensorEntry]],
+    entries: Mapping[str, list[TensorEntry]],
     *,
     prefix: str | None,
     strip_prefix: bool,
@@ -195,7 +195,7 @@ def select_tensors(
     return list(chosen.values())
 
 
-def saved_tensors(store: Store, root: GenerationRoot) -> dict[str, list[TensorEntry]]:
+def saved_tensors(store: Store, root: GenerationRoot) -> Mapping[str, list[TensorEntry]]:
     """A generation's tensors by the names they were saved under.
 
     A generation saved through castore.dcp stores DCP's items as ``t/<fqn>`` and

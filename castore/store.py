@@ -27,7 +27,7 @@ import reprlib
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, SupportsIndex, overload
@@ -168,7 +168,7 @@ def _not_a_step(step: Any) -> TypeError:
 
 def digests_of(shard: ShardManifest) -> set[bytes]:
     """Every chunk a shard names (what a changed-chunk save after it need not stage)."""
-    return {digest for entry in shard.tensors + shard.local_tensors for digest in entry.chunks}
+    return set(shard.chunk_digests())
 
 
 class Store(TierHooks):
@@ -557,8 +557,9 @@ class Store(TierHooks):
 
     def tensor_entries(
         self, root: GenerationRoot, shards: list[ShardManifest] | None = None
-    ) -> dict[str, list[TensorEntry]]:
-        """Every global tensor of a generation: name -> the distinct boxes that make it up."""
+    ) -> Mapping[str, list[TensorEntry]]:
+        """Every global tensor of a generation: name -> the distinct boxes that make it up
+        (each tensor's entries built when it is first looked up)."""
         return reading.tensor_entries(self.backend, root, shards)
 
     # -- resolving generations (castore.core.history) --------------------------

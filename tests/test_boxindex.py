@@ -142,7 +142,7 @@ def test_broken_control_a_window_that_ignores_how_far_boxes_reach_misses_one(
     region = Box((20, 0), (2, 4))
     assert key(BoxIndex(boxes).overlapping(region)) == [((0, 0), (30, 4))]
     broken = BoxIndex(boxes)
-    broken.longest = 0  # the window ignores how far a box reaches back
+    broken.sorted.longest = 0  # the window ignores how far a box reaches back
     assert broken.overlapping(region) == []
     with pytest.raises(CoverageError):
         covered_once(broken.overlapping(region), region, WHERE, check_coverage)

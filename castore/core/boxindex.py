@@ -30,42 +30,57 @@ from castore.format.objects import TensorEntry
 _SCAN = 16
 
 
-class BoxIndex:
-    """A tensor's non-empty saved boxes, searchable by the region they overlap."""
+class SortedBoxes:
+    """Boxes given as ``(n, dims)`` offsets and sizes, the non-empty ones sorted along
+    the dimension where their starts differ most (when there are more than a few):
+    :meth:`overlapping` answers a region with a binary search and a window."""
 
-    def __init__(self, boxes: Sequence[TensorEntry]) -> None:
-        kept = [b for b in boxes if all(b.local_shape)]
+    def __init__(self, lo: np.ndarray, size: np.ndarray) -> None:
+        kept = np.flatnonzero((size > 0).all(axis=1))
+        lo, size = lo[kept], size[kept]
         self.dim: int | None = None
-        self.boxes = kept
-        if len(kept) <= _SCAN or not kept[0].shape:
-            return
-        offsets = np.array([b.offsets for b in kept], dtype=np.int64)
-        sizes = np.array([b.local_shape for b in kept], dtype=np.int64)
-        distinct = [len(np.unique(offsets[:, d])) for d in range(offsets.shape[1])]
-        dim = int(np.argmax(distinct))
-        order = np.argsort(offsets[:, dim], kind="stable")
-        self.dim = dim
-        self.boxes = [kept[i] for i in order]
-        self.starts = offsets[order, dim]
-        self.longest = int(sizes[:, dim].max())
+        if len(kept) > _SCAN and lo.shape[1]:
+            distinct = [len(np.unique(lo[:, d])) for d in range(lo.shape[1])]
+            dim = int(np.argmax(distinct))
+            order = np.argsort(lo[:, dim], kind="stable")
+            kept, lo, size = kept[order], lo[order], size[order]
+            self.dim = dim
+            self.starts = lo[:, dim]
+            self.longest = int(size[:, dim].max())
+        self.positions, self.lo, self.hi = kept, lo, lo + size
 
-    def overlapping(self, region: Box) -> list[TensorEntry]:
-        """The boxes that share at least one element with ``region``."""
+    def overlapping(self, region: Box) -> np.ndarray:
+        """The positions (in the arrays given) of the boxes that share at least one
+        element with ``region``."""
         if not region.numel:
-            return []
-        candidates = self.boxes
+            return self.positions[:0]
+        first, last = 0, len(self.positions)
         if self.dim is not None:
             lo, hi = region.offsets[self.dim], region.stops[self.dim]
             # A box reaching past lo starts after lo - longest; one reaching into it, before hi.
             first = int(np.searchsorted(self.starts, lo - self.longest, side="right"))
             last = int(np.searchsorted(self.starts, hi, side="left"))
-            candidates = self.boxes[first:last]
-        found = []
-        for box in candidates:
-            part = region.intersect(Box(box.offsets, box.local_shape))
-            if part is not None and part.numel:
-                found.append(box)
-        return found
+        window = self.positions[first:last]
+        if not self.lo.shape[1]:
+            return window  # 0-d: every box holds the one element
+        meets = (self.lo[first:last] < np.asarray(region.stops, dtype=np.int64)).all(axis=1)
+        meets &= (self.hi[first:last] > np.asarray(region.offsets, dtype=np.int64)).all(axis=1)
+        return window[meets]
+
+
+class BoxIndex:
+    """A tensor's saved boxes (entries), searchable by the region they overlap."""
+
+    def __init__(self, boxes: Sequence[TensorEntry]) -> None:
+        self.boxes = list(boxes)
+        dims = len(self.boxes[0].shape) if self.boxes else 0
+        lo = np.array([b.offsets for b in self.boxes], dtype=np.int64).reshape(-1, dims)
+        size = np.array([b.local_shape for b in self.boxes], dtype=np.int64).reshape(-1, dims)
+        self.sorted = SortedBoxes(lo, size)
+
+    def overlapping(self, region: Box) -> list[TensorEntry]:
+        """The boxes that share at least one element with ``region``."""
+        return [self.boxes[i] for i in self.sorted.overlapping(region).tolist()]
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -36,7 +36,7 @@ import numpy as np
 from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core.chunkio import WriteStats, write_leaves
 from castore.core.fencing import record_published, ref_for_root, root_writer, writer_epoch
-from castore.core.reading import check_coverage, group_entries, read_object, read_root
+from castore.core.reading import checked_entries, read_object, read_root
 from castore.core.unchanged import VersionCache
 from castore.errors import (
     ChunkMissingError,
@@ -443,7 +443,7 @@ def check_chunks_present(
     store: StoreParts, shards: list[ShardManifest], where: dict[str, Any]
 ) -> None:
     """Every chunk the shards name is in the store (a collection may not have raced a save)."""
-    digests = list({c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks})
+    digests = list({c for s in shards for c in s.chunk_digests()})
     present = store.backend.has_many(Namespace.CHUNKS, digests)
     for digest, found in zip(digests, present, strict=True):
         if not found:
@@ -453,7 +453,7 @@ def check_chunks_present(
 
 
 def check_names(
-    skeleton: bytes, entries: dict[str, list[TensorEntry]], where: dict[str, Any]
+    skeleton: bytes, entries: Mapping[str, list[TensorEntry]], where: dict[str, Any]
 ) -> None:
     """The shards hold exactly the global tensors the state's skeleton names."""
     referenced = {name for name, _ in tensor_names(skeleton)}
@@ -475,7 +475,7 @@ class CheckedShards:
 
     digests: list[bytes]
     manifests: list[ShardManifest]
-    entries: dict[str, list[TensorEntry]]  # every global tensor: name -> its distinct boxes
+    entries: Mapping[str, list[TensorEntry]]  # every global tensor: name -> its distinct boxes
 
     @property
     def tensors(self) -> int:
@@ -502,9 +502,7 @@ def check_shards(
     """
     where = {"run": run, "generation": generation}
     manifests = read_written_shards(store, digests, run=run, generation=generation, hint=hint)
-    entries = group_entries(manifests, where)
-    for boxes in entries.values():
-        check_coverage(boxes, where)
+    entries = checked_entries(manifests, where)
     if skeleton is not None:
         check_names(skeleton, entries, where)
     if not chunks_attested:  # else each writer checked its own, in the store that holds them

@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.core.boxtable import box_table
 from castore.core.chunkread import ChunkRequest, ReadCounters, read_requests
 from castore.core.readplan import ReadPlan, read_plan
 from castore.errors import (
@@ -163,13 +164,38 @@ def read_shards(
 
 def tensor_entries(
     backend: ChunkBackend, root: GenerationRoot, shards: list[ShardManifest] | None = None
-) -> dict[str, list[TensorEntry]]:
+) -> Mapping[str, list[TensorEntry]]:
     """Every global tensor of a generation: name -> the distinct boxes that make it up."""
     where = {"run": root.run, "generation": root.generation}
-    return group_entries(read_shards(backend, root) if shards is None else shards, where)
+    return grouped_entries(read_shards(backend, root) if shards is None else shards, where)
 
 
 # -- layout checks ------------------------------------------------------------
+
+
+def grouped_entries(
+    shards: list[ShardManifest], where: dict[str, Any]
+) -> Mapping[str, list[TensorEntry]]:
+    """:func:`group_entries`, read from the shards' tables as columns where they have
+    them (castore.core.boxtable: entries built only for the tensors asked for)."""
+    table = box_table(shards)
+    return table if table is not None else group_entries(shards, where)
+
+
+def checked_entries(
+    shards: list[ShardManifest], where: dict[str, Any]
+) -> Mapping[str, list[TensorEntry]]:
+    """The shards' tensors grouped (:func:`grouped_entries`), each checked to be covered
+    exactly once by boxes that agree (:func:`check_coverage`): column-wise where the
+    shards have tables, else, or at the first doubt, box by box (which names the fault)."""
+    table = box_table(shards)
+    if table is not None and table.check():
+        return table
+    # The per-entry path raises, naming the tensor and the fault.
+    entries = group_entries(shards, where)
+    for boxes in entries.values():
+        check_coverage(boxes, where)
+    return entries
 
 
 def group_entries(
@@ -476,7 +502,7 @@ def load_state(
     counters: ReadCounters,
     root: GenerationRoot,
     shards: list[ShardManifest],
-    entries: dict[str, list[TensorEntry]],
+    entries: Mapping[str, list[TensorEntry]],
     framework: str,
     progress: bool = False,
 ) -> Any:

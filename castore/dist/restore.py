@@ -14,7 +14,7 @@ same restore reading through other sources.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +23,7 @@ import numpy as np
 from castore import errors
 from castore.core import fencing, reading
 from castore.core.boxindex import BoxIndex, covered_once
+from castore.core.boxtable import BoxTable
 from castore.core.chunkread import ChunkRequest, read_agree_deliver
 from castore.core.history import Generation, Skipped, fall_back
 from castore.core.reading import (
@@ -251,7 +252,7 @@ def _load_root(
         wanted = _plan_targets(found, entries, where)
         if load_rest:
             wanted += _plan_rest(entries, {t.name for t in wanted}, framework, load_rest, where)
-        requests = [r for t in wanted for r in _chunk_requests(t, entries[t.name])]
+        requests = [r for t in wanted for r in _chunk_requests(t, entries)]
         timings["planning"] = time.perf_counter() - clock
         clock = time.perf_counter()
         if session is not None:  # read after the fetch from the other nodes
@@ -326,7 +327,7 @@ def _load_root(
     return LoadResult(state, report)
 
 
-def _sources(target: _Target, entries: dict[str, list[TensorEntry]]) -> list[TensorEntry]:
+def _sources(target: _Target, entries: Mapping[str, list[TensorEntry]]) -> list[TensorEntry]:
     """The saved boxes to compare a target's box with: those it overlaps, or, for an
     empty box (which overlaps none), every box of the tensor (an empty local shard
     saved as such is a saved box too)."""
@@ -487,20 +488,20 @@ def _is_array(value: Any) -> bool:
 
 
 def _plan_targets(
-    found: list[tuple[str, Any]], entries: dict[str, list[TensorEntry]], where: dict[str, Any]
+    found: list[tuple[str, Any]], entries: Mapping[str, list[TensorEntry]], where: dict[str, Any]
 ) -> list[_Target]:
     """Each target (key path, live tensor) checked against its saved boxes."""
     from castore.format.dtypes import name_of_numpy_dtype, name_of_torch_dtype
 
     indexes: dict[str, BoxIndex] = {}
     planned: list[_Target] = []
+    table = entries if isinstance(entries, BoxTable) else None
     for name, live in found:
-        boxes = entries.get(name)
-        if not boxes:
+        if name not in entries:
             raise TensorNotFoundError(
                 f"target {name!r} is not a tensor of this generation", **where
             )
-        saved = boxes[0]
+        saved = table.first(name) if table is not None else entries[name][0]
         # A DTensor fills its local tensor: the block its mesh and placements give.
         shard = dtensor_block(live, name).shard if is_dtensor(live) else live
         tensor = shard.local if isinstance(shard, Shard) else shard
@@ -510,8 +511,8 @@ def _plan_targets(
             else name_of_torch_dtype(tensor.dtype, name)
         )
         global_shape = shard.global_shape if isinstance(shard, Shard) else tuple(tensor.shape)
-        if any(b.shape != saved.shape or b.dtype != saved.dtype for b in boxes[:2]):
-            check_coverage(boxes, where)  # raises: the saved boxes disagree
+        if not (table.agree(name) if table is not None else _agree(entries[name])):
+            check_coverage(entries[name], where)  # raises: the saved boxes disagree
         if dtype != saved.dtype or tuple(global_shape) != saved.shape:
             raise LayoutMismatchError(
                 f"target {name!r} is {dtype}{list(global_shape)}, the saved tensor is "
@@ -526,10 +527,13 @@ def _plan_targets(
         )
         # The saved boxes this target reads, found by index, and checked to cover its
         # box exactly once: what its bytes depend on (castore.core.boxindex).
-        index = indexes.get(name)
-        if index is None:
-            index = indexes[name] = BoxIndex(boxes)
-        sources = index.overlapping(box)
+        if table is not None:
+            sources = table.overlapping(name, box)
+        else:
+            index = indexes.get(name)
+            if index is None:
+                index = indexes[name] = BoxIndex(entries[name])
+            sources = index.overlapping(box)
         covered_once(sources, box, {**where, "tensor": name}, check_coverage)
         target = _Target(name, live, tensor, box, saved.dtype, sources=sources)
         target.flat = _writable_bytes(tensor)
@@ -539,8 +543,13 @@ def _plan_targets(
     return planned
 
 
+def _agree(boxes: list[TensorEntry]) -> bool:
+    first = boxes[0]
+    return all(b.shape == first.shape and b.dtype == first.dtype for b in boxes)
+
+
 def _plan_rest(
-    entries: dict[str, list[TensorEntry]],
+    entries: Mapping[str, list[TensorEntry]],
     named: set[str],
     framework: str,
     like: bool | Callable[[NotLoaded], Any],
@@ -577,9 +586,11 @@ def _writable_bytes(tensor: Any) -> np.ndarray | None:
     return None
 
 
-def _chunk_requests(target: _Target, boxes: list[TensorEntry]) -> list[ChunkRequest]:
+def _chunk_requests(
+    target: _Target, entries: Mapping[str, list[TensorEntry]]
+) -> list[ChunkRequest]:
     requests: list[ChunkRequest] = []
-    for entry in boxes if target.sources is None else target.sources:
+    for entry in entries[target.name] if target.sources is None else target.sources:
         region = target.box.intersect(Box(entry.offsets, entry.local_shape))
         if region is None or not region.numel:
             continue
@@ -667,7 +678,7 @@ def _assign(target: _Target) -> None:
 
 def _result_tree(
     root: GenerationRoot,
-    entries: dict[str, list[TensorEntry]],
+    entries: Mapping[str, list[TensorEntry]],
     wanted: list[_Target],
     per_rank: dict[str, Any],
 ) -> Any:
@@ -676,9 +687,9 @@ def _result_tree(
     def tensor(name: str, _framework: str) -> Any:
         if name in by_name:
             return by_name[name]
-        boxes = entries.get(name)
-        if not boxes:
+        if name not in entries:
             raise CorruptObjectError(f"state refers to tensor {name!r}, no shard holds it")
-        return NotLoaded(name, boxes[0].dtype, boxes[0].shape)
+        saved = entries.first(name) if isinstance(entries, BoxTable) else entries[name][0]
+        return NotLoaded(name, saved.dtype, saved.shape)
 
     return decode_tree(root.state, tensor, lambda path: per_rank.get(path))

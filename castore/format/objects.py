@@ -258,6 +258,10 @@ class ShardManifest:
             "writer": dict(sorted(self.writer.items())),
         }
 
+    def chunk_digests(self) -> list[bytes]:
+        """Every chunk digest the shard names, in order (repeats included)."""
+        return [c for e in (*self.tensors, *self.local_tensors) for c in e.chunks]
+
     @classmethod
     def from_wire(cls, wire: dict[str, Any], *, only: str | None = None) -> ShardManifest:
         """Decode a shard of format 1 (entries as maps), 2 (entries as a table) or 3
@@ -280,12 +284,14 @@ class ShardManifest:
         else:
             grid = wire.get("format") == GRID_SHARD_FORMAT
             table = EntryTable(_typed(wire, "tensors", dict), grid=grid)
-            tensors = table.entries() if only is None else table.named(only)
             local_tensors = (
                 EntryTable(_typed(wire, "local_tensors", dict), grid=grid).entries()
                 if only is None
                 else ()
             )
+            if only is None:  # entries built when first asked for
+                return TableShard.from_table(wire, table, writer, local_tensors)
+            tensors = table.named(only)
         return cls(
             run=_typed(wire, "run", str),
             generation=_positive(wire, "generation"),
@@ -295,6 +301,50 @@ class ShardManifest:
             writer=writer,
             local_tensors=local_tensors,
         )
+
+
+class TableShard(ShardManifest):
+    """A decoded shard whose tensor entries are built from its checked ``table`` when
+    first asked for: the coordinator's checks and a restore's planning read the table's
+    columns (castore.core.boxtable) and build entries only for the boxes they use."""
+
+    table: EntryTable
+
+    @classmethod
+    def from_table(
+        cls,
+        wire: dict[str, Any],
+        table: EntryTable,
+        writer: dict[str, Any],
+        local_tensors: tuple[TensorEntry, ...],
+    ) -> TableShard:
+        shard = object.__new__(cls)
+        shard.__dict__.update(
+            run=_typed(wire, "run", str),
+            generation=_positive(wire, "generation"),
+            rank=_non_negative(wire, "rank"),
+            local_state=_typed(wire, "local_state", bytes),
+            writer=writer,
+            local_tensors=local_tensors,
+            table=table,
+        )
+        return shard
+
+    def chunk_digests(self) -> list[bytes]:
+        raw = self.table.chunk_bytes  # cut from the table, no entry built
+        own = [raw[at : at + 32] for at in range(0, len(raw), 32)]
+        return own + [c for e in self.local_tensors for c in e.chunks]
+
+    @property  # type: ignore[override]
+    def tensors(self) -> tuple[TensorEntry, ...]:
+        built: tuple[TensorEntry, ...] | None = self.__dict__.get("_tensors")
+        if built is None:
+            built = self.__dict__["_tensors"] = self.table.entries()
+        return built
+
+    @tensors.setter
+    def tensors(self, value: tuple[TensorEntry, ...]) -> None:
+        self.__dict__["_tensors"] = value
 
 
 @dataclass(frozen=True)
@@ -626,6 +676,35 @@ class EntryTable:
     def __len__(self) -> int:
         return len(self.names)
 
+    @property
+    def dtypes(self) -> list[str]:
+        return self._dtypes
+
+    @property
+    def ndim(self) -> Any:
+        """Each entry's number of dimensions (uint8)."""
+        return self._ndim
+
+    @property
+    def dims(self) -> tuple[Any, Any, Any]:
+        """Every entry's shape, offsets and box sizes, one int64 array each, entry after
+        entry (entry ``i``'s values from ``dim_start[i]`` to ``dim_start[i + 1]``)."""
+        return self._dims[0], self._dims[1], self._dims[2]
+
+    @property
+    def dim_start(self) -> Any:
+        return self._dim_start
+
+    @property
+    def chunk_start(self) -> Any:
+        """Where each entry's digests start in :attr:`chunk_bytes`, in digests (n + 1)."""
+        return self._chunk_start
+
+    @property
+    def chunk_bytes(self) -> bytes:
+        """Every entry's chunk digests, 32 bytes each, entry after entry."""
+        return self._chunks
+
     def entries(self, indices: Iterable[int] | None = None) -> tuple[TensorEntry, ...]:
         """The entries at ``indices`` (default all), in order."""
         shape, offsets, local = (column.tolist() for column in self._dims)
@@ -669,6 +748,28 @@ class EntryTable:
                 cells[i],
             )
             for i in (range(len(self.names)) if indices is None else indices)
+        )
+
+    def entry_at(self, i: int) -> TensorEntry:
+        """Entry ``i`` alone (without the whole columns :meth:`entries` converts)."""
+        d0, d1 = int(self._dim_start[i]), int(self._dim_start[i + 1])
+        c0, c1 = int(self._chunk_start[i]) * 32, int(self._chunk_start[i + 1]) * 32
+        raw = self._chunks
+        cell = None
+        if self._cells is not None and int(self._cells[0][i]) != RUNS:
+            cell = (int(self._cells[0][i]), int(self._cells[1][i]))
+        shape, offsets, local = self._dims
+        return TensorEntry.trusted(
+            self.names[i],
+            self._dtypes[i],
+            tuple(shape[d0:d1].tolist()),
+            tuple(offsets[d0:d1].tolist()),
+            tuple(local[d0:d1].tolist()),
+            int(self._nbytes[i]),
+            int(self._chunk_size[i]),
+            tuple(raw[at : at + 32] for at in range(c0, c1, 32)),
+            self._frameworks[i],
+            cell,
         )
 
     def named(self, name: str) -> tuple[TensorEntry, ...]:

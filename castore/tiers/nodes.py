@@ -158,7 +158,7 @@ class NodeSession:
                 rank=self.comm.rank,
             )
         manifest = decode_shard(found[0])
-        chunks = sorted({c for e in manifest.tensors + manifest.local_tensors for c in e.chunks})
+        chunks = sorted(set(manifest.chunk_digests()))
         present = self.fast.backend.has_many(Namespace.CHUNKS, chunks)
         for chunk, here in zip(chunks, present, strict=True):
             if not here:
@@ -185,9 +185,7 @@ class NodeSession:
         def ask() -> dict[int, bytes]:
             for source in sources:
                 manifest = decode_shard(bytes(acks[source]["manifest"]))
-                chunks = sorted(
-                    {c for e in manifest.tensors + manifest.local_tensors for c in e.chunks}
-                )
+                chunks = sorted(set(manifest.chunk_digests()))
                 present = self.fast.backend.has_many(Namespace.CHUNKS, chunks)
                 wanted[source] = [c for c, here in zip(chunks, present, strict=True) if not here]
             return {s: b"".join(keys) or b"\0" for s, keys in wanted.items()}

@@ -115,7 +115,7 @@ def publish_uploaded(
     (the nodes' uploads), then publish it there with the same root digest."""
     _, root = fast.resolve_root(run, generation)
     shards = fast.read_shards(root)
-    chunks = sorted({c for s in shards for e in s.tensors + s.local_tensors for c in e.chunks})
+    chunks = sorted({c for s in shards for c in s.chunk_digests()})
     wait_for_chunks(durable, chunks, timeout=wait_s)
     return promote_generation(
         fast, durable, run, generation, retention=retention, after_uploads=True
