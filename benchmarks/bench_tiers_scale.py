@@ -28,7 +28,9 @@ its background work (collection, promotion); its collectives and seconds are
 its own. The model (benchmarks/_scale_model.py; docs/SCALE.md, "A model
 of scale") gives each count as a function of R, N, F, C and the generation.
 The run prints predicted against measured, the durable requests of the second
-promotion by kind, and the model at 1,000 and 10,000 ranks; it exits non-zero
+promotion by kind, and the model at 1,000 and 10,000 ranks (its CPU rows read
+from benchmarks/results/metadata-scale.json, bench_metadata_scale.py's
+results, beside DCP's reported plan check); it exits non-zero
 unless every count agrees exactly (those that hang on timing: at least their
 floor) and every byte figure within BYTE_TOLERANCE. Byte figures are predicted
 from message sizes read off the first job on several nodes (R = 4). Times are
