@@ -16,13 +16,20 @@ thread renews at once when it starts and then every 15 s), the coordinator's
 polls for the nodes' uploads (each one more ``list index`` and ``list packs``),
 and which handle fetches a new index blob first (``get index``). For those the
 model gives a floor (``FLOORS``); ``get index`` it leaves to the text.
+
+The CPU that metadata costs (the coordinator's publish path, a rank's restore
+planning) is not a formula: :func:`cpu_rows` reads it from
+benchmarks/bench_metadata_scale.py's results (``METADATA_SCALE``), so the table
+at 1,000 and 10,000 ranks shows whatever that benchmark last measured.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 from castore.format.objects import ShardManifest, TensorEntry, encode_object
 
@@ -331,6 +338,7 @@ def restore_p2p(s: Shape, chunk_bytes: int, lost_rank: bool) -> dict[str, int]:
 
 PACK_BYTES = 128 << 20  # castore.chunkstore.blobpacks.DEFAULT_PACK_BYTES
 LIST_PAGE = 1000  # names per ListObjectsV2 page
+S3_GETS_PER_SECOND = 5500  # S3's published GET rate per prefix
 
 
 def manifest_bytes(ranks: int, tensors: int, chunks: int, chunk_size: int) -> int:
@@ -387,32 +395,105 @@ def extrapolate(ref: Reference, save_small: float, restore_small: float) -> dict
     objects = promotion["create objects"] + promotion["get objects"]
     packs = promotion["create packs"] + promotion["create index"]
     others = sum(promotion.values()) - objects - packs - 2 * refreshes
+    gets = s.nodes * s.packs * (s.nodes - 1)
+    checked = save_objects(s, 3, False)[0] - collect_objects(s, 3)
+    gathered = (s.ranks - 1) * (save_small + m)
     peer = (min(s.replicas, s.nodes) - 1) * s.chunks * (SIZE + ref.chunk_size + 32)
     wanted = SIZE + 32 * s.chunks + 3 + SIZE + s.per_node * (s.chunks + 4)
     return {
-        "manifest bytes": m,
-        "save rounds": sum(save_calls(s).values()),
-        "save objects, coordinator": save_objects(s, 3, False)[0] - collect_objects(s, 3),
-        "save objects, a node leader's collection": collect_objects(s, 3),
-        "save: MiB in per rank from all_gathers": (s.ranks - 1) * (save_small + m) / 2**20,
-        "save: MiB in per rank, peer copies": peer / 2**20,
-        "save: MiB of manifests each node commits": s.ranks * m / 2**20,
-        "promotion objects, coordinator": promotion_objects(s)[0],
+        "one rank's manifest, bytes (m)": m,
+        "save: collective rounds": sum(save_calls(s).values()),
+        "save: objects the coordinator reads and checks": checked,
+        "save: objects each node leader's collection reads": collect_objects(s, 3),
+        "save: MiB each rank receives in all_gathers (the manifests)": gathered / 2**20,
+        "save: MiB each rank receives as peer copies": peer / 2**20,
+        "save: MiB of manifests each node commits to its fast tier": s.ranks * m / 2**20,
+        "promotion: objects the coordinator reads": promotion_objects(s)[0],
         "promotion: manifest and root requests": objects,
         "promotion: pack and index blob creates": packs,
-        "promotion: leases, run locks, refs, reflog": others,
-        "promotion: LIST pages (index refreshes)": refreshes
+        "promotion: leases, run lock, ref, reflog": others,
+        "promotion: LIST pages of index refreshes": refreshes
         * 2
         * math.ceil(index_blobs / LIST_PAGE),
-        "promotion: index blob GETs (every node learns the others')": s.nodes
-        * s.packs
-        * (s.nodes - 1),
-        "restore rounds": sum(restore_calls(s).values()),
-        "restore objects per rank": s.ranks + 2,
+        "promotion: index blob GETs (every node fetches the others')": gets,
+        "promotion: those GETs at S3's 5,500 a second, s": gets / S3_GETS_PER_SECOND,
+        "restore: collective rounds": sum(restore_calls(s).values()),
+        "restore: objects each rank reads": s.ranks + 2,
         "restore: MiB of manifests each rank reads": (s.ranks + 1) * m / 2**20,
-        "restore: MiB in per rank": (s.ranks - 1) * restore_small / 2**20,
-        "restore after a node loss: MiB in per rank": (s.ranks - 1)
+        "restore: MiB each rank receives": (s.ranks - 1) * restore_small / 2**20,
+        "restore after a node loss: MiB each rank receives": (s.ranks - 1)
         * (restore_small + wanted)
         / 2**20,
-        "cold index cache: index blob GETs": index_blobs,
+        "a cold index cache (a new node reading the durable tier): index blob GETs": index_blobs,
+    }
+
+
+# -- the metadata's CPU, as benchmarks/bench_metadata_scale.py measured it ---------------
+
+METADATA_SCALE = Path(__file__).resolve().parent / "results" / "metadata-scale.json"
+CPU_LAYOUT, CPU_TENSORS = "fsdp", 1024  # FSDP row blocks of 1,024 tensors
+NEAR = 1.1  # a measured rank count stands for a reference within this factor
+# DCP's global-plan check (_validate_global_plan) as reported in pytorch#163548:
+# "200+ s" at 1,024 tensors x 1,024 ranks; no figure is reported at other sizes.
+DCP_REPORTED = {1024: "200+"}
+
+
+@dataclass(frozen=True)
+class MeasuredCpu:
+    """One row of bench_metadata_scale's results: seconds on one core."""
+
+    ranks: int
+    tensors: int
+    coordinator: float  # decode the R manifests, group, check coverage and names, build the root
+    planning: float  # one restoring rank: decode the R manifests, group, plan its targets
+    extrapolated: bool  # per-tensor phases timed on a sample of the tensors and scaled
+
+
+def measured_cpu(ranks: int, path: Path = METADATA_SCALE) -> MeasuredCpu:
+    """The measured row (FSDP, 1,024 tensors) whose rank count is nearest ``ranks``;
+    ValueError if none lies within ``NEAR`` of it (run bench_metadata_scale.py there)."""
+    rows = [
+        row
+        for row in json.loads(path.read_text())["rows"]
+        if row["layout"] == CPU_LAYOUT and row["tensors"] == CPU_TENSORS
+    ]
+    near = [row for row in rows if max(row["ranks"], ranks) / min(row["ranks"], ranks) <= NEAR]
+    if not near:
+        measured = sorted(row["ranks"] for row in rows)
+        raise ValueError(
+            f"{path.name}: no {CPU_LAYOUT} row of {CPU_TENSORS} tensors near {ranks:,} ranks "
+            f"(it has {measured}); run benchmarks/bench_metadata_scale.py --ranks {ranks} "
+            f"--tensors {CPU_TENSORS} --layouts {CPU_LAYOUT}"
+        )
+    row = min(near, key=lambda r: abs(r["ranks"] - ranks))
+    seconds = row["seconds"]
+    return MeasuredCpu(
+        row["ranks"], row["tensors"], seconds["coordinator"],
+        seconds["restore planning (one rank)"], bool(row["extrapolated"]),
+    )  # fmt: skip
+
+
+def cpu_rows(ranks: list[int], path: Path = METADATA_SCALE) -> dict[str, list[str]]:
+    """The CPU rows of the table at ``ranks``, each cell "seconds (where measured)", beside
+    DCP's reported plan check."""
+    measured = [measured_cpu(r, path) for r in ranks]
+
+    def cell(seconds: float, m: MeasuredCpu, r: int) -> str:
+        notes = [f"at {m.ranks:,} ranks"] if m.ranks != r else []
+        notes += ["extrapolated"] if m.extrapolated else []
+        return f"{seconds:,.1f}" + (f" ({', '.join(notes)})" if notes else "")
+
+    return {
+        f"save: the coordinator's CPU, s (one core; {CPU_TENSORS:,} tensors, FSDP)": [
+            cell(m.coordinator, m, r) for m, r in zip(measured, ranks, strict=True)
+        ],
+        "restore: a rank's planning CPU, s (one core; the same job)": [
+            cell(m.planning, m, r) for m, r in zip(measured, ranks, strict=True)
+        ],
+        "DCP's global-plan check alone, s (pytorch#163548)": [
+            f"{DCP_REPORTED[m.ranks]} (reported at {m.ranks:,} ranks)"
+            if m.ranks in DCP_REPORTED
+            else "not reported"
+            for m in measured
+        ],
     }

@@ -28,7 +28,9 @@ its background work (collection, promotion); its collectives and seconds are
 its own. The model (benchmarks/_scale_model.py; docs/SCALE.md, "A model
 of scale") gives each count as a function of R, N, F, C and the generation.
 The run prints predicted against measured, the durable requests of the second
-promotion by kind, and the model at 1,000 and 10,000 ranks; it exits non-zero
+promotion by kind, and the model at 1,000 and 10,000 ranks (its CPU rows read
+from benchmarks/results/metadata-scale.json, bench_metadata_scale.py's
+results, beside DCP's reported plan check); it exits non-zero
 unless every count agrees exactly (those that hang on timing: at least their
 floor) and every byte figure within BYTE_TOLERANCE. Byte figures are predicted
 from message sizes read off the first job on several nodes (R = 4). Times are
@@ -112,6 +114,7 @@ def span(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     objects = after["objects"] - before["objects"]
     out: dict[str, Any] = {
         "calls": dict(comm.calls),
+        "phases": dict(comm.phases),
         "sent": comm.sent,
         "received": comm.received,
         "received_by_phase": dict(comm.received_by_phase),
@@ -477,21 +480,28 @@ def print_promotion(rows: list[Row], raw: dict[str, Any], op: str) -> None:
         print(f"| {row.ranks} | {row.replicas} | " + " | ".join(cells) + " |")
 
 
+REFERENCE = (1000, 10000)  # the rank counts the model is carried to
+
+
 def print_extrapolation(small: dict[int, tuple[float, float, int]]) -> None:
     """The model at 1,000 and 10,000 ranks (docs/SCALE.md, "A model of scale")."""
     print("\nextrapolated (8 ranks per node, 1 GiB per rank in 4 MiB chunks, every chunk new, "
-          "100 promotions held; fixed-size messages as measured here):")  # fmt: skip
+          "100 promotions held; fixed-size messages as measured here; the CPU rows from "
+          f"{model.METADATA_SCALE.name}, bench_metadata_scale.py's results):")  # fmt: skip
+    cpu = model.cpu_rows(list(REFERENCE))
     for replicas, (save_small, restore_small, manifest) in sorted(small.items()):
         print(f"F={replicas}: per other rank, {save_small:.0f} bytes in a save besides the "
               f"manifest (here {manifest} bytes), {restore_small:.0f} in a restore")  # fmt: skip
         figures = {r: model.extrapolate(model.Reference(r, replicas=replicas), save_small,
-                                        restore_small) for r in (1000, 10000)}  # fmt: skip
+                                        restore_small) for r in REFERENCE}  # fmt: skip
         print(f"| F={replicas} | 1,000 ranks | 10,000 ranks |\n| --- | --- | --- |")
-        for what in figures[1000]:
+        for what in figures[REFERENCE[0]]:
             shown = "{:,.1f}" if "MiB" in what else "{:,.0f}"
             print(
                 f"| {what} | " + " | ".join(shown.format(figures[r][what]) for r in figures) + " |"
             )
+        for what, cells in cpu.items():
+            print(f"| {what} | " + " | ".join(cells) + " |")
 
 
 def small_messages(job: Job, sizes: dict[str, Any], measured: dict[str, Any]) -> tuple:

@@ -57,6 +57,19 @@ def test_a_group_of_one_moves_nothing_and_is_not_counted() -> None:
     assert collective_counts() - before == collective_counts() - collective_counts()
 
 
+
+@pytest.mark.slow
+def test_a_one_node_tiered_restore_discovers_the_nodes_once(tmp_path: Path) -> None:
+    # docs/SCALE.md's model: on one node a restore is "tiers: nodes", the root's
+    # broadcast and the agreement (3 rounds). The restore used to discover the nodes
+    # twice, once in castore.dist.load and again in agree_on_root (3 all_gathers).
+    outcomes = run_ranks(2, w.one_node_restores_counted, str(tmp_path), timeout=120)
+    assert all(o.ok for o in outcomes), [o.error_traceback for o in outcomes]
+    for without, previous in (o.value for o in outcomes):
+        assert without == {"tiers: nodes": 1, "load: resolve": 1, "load: agree": 1}
+        assert previous == {"tiers: nodes": 1, "load: candidates": 1, "load: agree": 1}
+
+
 # -- blob requests ----------------------------------------------------------------------
 
 

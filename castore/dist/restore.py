@@ -140,10 +140,12 @@ def load(
     session = store.node_session(comm, run)
     if session is not None:
         return _load_from_nodes(store, run, generation, comm, options, fallback, session)
+    # One node (or no tiers): the discovery above was this load's one "tiers: nodes"
+    # round; agree_on_root and agree_on_candidates would run it again.
     if fallback is None:
-        digest = agree_on_root(store, run, generation, comm)
+        digest = _resolve_root(store, run, generation, comm)
         return _load_root(store, run, digest, None, comm, options, [], _Outcome())
-    candidates, skipped = agree_on_candidates(store, run, generation, comm)
+    candidates, skipped = _resolve_candidates(store, run, generation, comm)
     outcome = _Outcome()  # the attempt's: what the ranks agreed its failure was
 
     def load_one(gen_id: int, digest: Digest) -> LoadResult:
@@ -374,6 +376,13 @@ def agree_on_candidates(
     session = store.node_session(comm, run)
     if session is not None:
         return _node_candidates(store, run, generation, comm, session), []
+    return _resolve_candidates(store, run, generation, comm)
+
+
+def _resolve_candidates(
+    store: Store, run: str, generation: int | str, comm: Group
+) -> tuple[list[tuple[int, Digest]], list[Skipped]]:
+    """:func:`agree_on_candidates` on one node: the coordinator's order, broadcast."""
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:
@@ -456,6 +465,11 @@ def agree_on_root(store: Store, run: str, generation: int | str, comm: Group) ->
     session = store.node_session(comm, run)
     if session is not None:
         return root_on_nodes(store, run, generation, comm, session)
+    return _resolve_root(store, run, generation, comm)
+
+
+def _resolve_root(store: Store, run: str, generation: int | str, comm: Group) -> Digest:
+    """:func:`agree_on_root` on one node: the coordinator's root, broadcast."""
     message: dict[str, Any] = {}
     failure: BaseException | None = None
     if comm.is_coordinator:

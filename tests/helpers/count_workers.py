@@ -30,3 +30,31 @@ def collectives_counted(rank: int, world_size: int) -> list[dict[str, Any]]:
             }
         )
     return spans
+
+
+def one_node_restores_counted(rank: int, world_size: int, work: str) -> list[dict[str, int]]:
+    """Both ranks on one node (one fast tier): save once, then restore without and with
+    ``fallback="previous"``; each restore's collective calls by phase."""
+    import os
+
+    import numpy as np
+
+    import castore
+    import castore.dist
+    from castore.dist.comm import collective_counts
+
+    block = np.full((2, 4), rank, dtype=np.float32)
+    with castore.open_tiered(
+        os.path.join(work, "fast"), os.path.join(work, "durable"), chunk_size=16
+    ) as store:
+        state = {"w": castore.Shard(block, (2 * world_size, 4), (2 * rank, 0))}
+        castore.dist.save(store, state, run="r", step=1)
+        phases = []
+        for fallback in (None, "previous"):
+            target = np.zeros_like(block)
+            shard = castore.Shard(target, (2 * world_size, 4), (2 * rank, 0))
+            before = collective_counts()
+            castore.dist.load(store, "r", {"w": shard}, fallback=fallback)
+            phases.append(dict((collective_counts() - before).phases))
+            assert np.array_equal(target, block)
+    return phases
