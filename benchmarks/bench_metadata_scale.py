@@ -13,23 +13,23 @@ code, timed on one core (one process, no threads):
 
   encode    one rank encodes its shard manifest (``encode_object``)
   decode    the coordinator decodes the R manifests (``decode_object``)
-  group     their boxes grouped by tensor (``group_entries``)
-  coverage  every tensor's boxes checked to tile it once (``check_coverage``)
+  group     their boxes grouped by tensor, replicas once, as columns
+            (``grouped_entries``: castore.core.boxtable, no object per box)
+  coverage  every tensor's boxes checked to tile it once (``BoxTable.check``)
   names     the skeleton's tensors against the shards' (``check_names``)
   root      the root built and encoded (``make_root``, ``encode_object``)
-  plan      one restoring rank, onto the same layout: it decodes the R manifests,
-            groups them and plans its T targets (``castore.dist.restore``'s
-            ``_plan_targets``, which checks each tensor's coverage again, and
-            ``_chunk_requests``, which scans every saved box of the tensor)
+  plan      one restoring rank onto the same layout (``castore.dist.restore``'s
+            ``plan_restore`` and ``_chunk_requests``): it decodes its own manifest
+            and rank 0's and plans its T targets from them; "resharding": the
+            same rank planning as any other layout does, decoding all R manifests
 
 Layouts: ``fsdp`` (each rank a block of rows of every tensor, 4 rows of a
 (4R, 1024) fp32 tensor), ``tp`` (FSDP over 8-way tensor parallelism: blocks
 of 4 rows x 128 columns of (4R/8, 1024)) and
 ``hsdp`` (two replica groups of R/2 ranks, each holding blocks of 8 rows;
-identical boxes count once). Per-tensor phases (coverage, plan's per-target
-work) are timed on ``--sample`` tensors and scaled by T/sample where the
-sample is smaller (such rows say "extrapolated"): each tensor's work is
-independent of the others'. Also reported: manifest bytes per box beyond its
+identical boxes count once). Where the per-entry path is taken (shards
+without tables), its per-tensor phases are timed on ``--sample`` tensors and
+scaled by T/sample (such rows say "extrapolated"). Also reported: manifest bytes per box beyond its
 chunk digests, and the root's bytes. Prints a table; ``--json`` writes
 ``benchmarks/results/metadata-scale.json`` (or OUT).
 
@@ -49,7 +49,7 @@ import os
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -138,6 +138,24 @@ def skeleton_of(tensors: int) -> bytes:
     return encode_state({f"layers.{t}.weight": empty for t in range(tensors)}).skeleton
 
 
+class Decoded(Sequence[ShardManifest]):
+    """The encoded manifests, each decoded when a planner first asks for it."""
+
+    def __init__(self, encoded: list[bytes]) -> None:
+        self.encoded = encoded
+        self.read: dict[int, ShardManifest] = {}
+
+    def __len__(self) -> int:
+        return len(self.encoded)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        if index not in self.read:
+            self.read[index] = decode_object(self.encoded[index])
+        return self.read[index]
+
+
 def timed(call: Callable[[], Any], repeats: int) -> tuple[float, Any]:
     """The median seconds of ``call`` (garbage collection off while it runs) and its value."""
     seconds, value = [], None
@@ -205,16 +223,27 @@ def measure(layout: str, ranks: int, tensors: int, args: argparse.Namespace) -> 
         return encode_object(made)
 
     root_s, root_bytes = timed(root, repeats)
-    targets = targets_of(layout, ranks, names, ranks // 2)
+    saved_root = decode_object(root_bytes)
+    rank = ranks // 2
+    targets = targets_of(layout, ranks, names, rank)
 
-    def plan() -> int:
-        wanted = restore._plan_targets(targets, entries, WHERE)
-        return sum(len(restore._chunk_requests(t, entries)) for t in wanted)
+    def plan(direct: bool) -> int:
+        """One rank's planning from the encoded manifests: onto the saved layout (its
+        own manifest and rank 0's) or as any other layout is planned (all of them)."""
+        shards = Decoded(encoded)
+        picks = restore._direct_shards(shards, rank) if direct else None
+        found, wanted = restore.plan_restore(shards, saved_root, targets, WHERE, direct=picks)
+        return sum(len(restore._chunk_requests(t, found)) for t in wanted)
 
-    plan_s, requests = timed(plan, repeats)
+    plan_s, requests = timed(lambda: plan(True), repeats)
+    plan_all_s, _ = timed(lambda: plan(False), 1)
     chunks = sum(len(e.chunks) for e in decoded[0].tensors)
     coordinator = decode_s + group_s + coverage_s * scale + names_s + root_s
-    planning = decode_s + group_s + plan_s * scale
+    if columns:
+        planning, planning_all = plan_s, plan_all_s
+    else:  # the per-entry path plans a sample of targets: scaled
+        planning = decode_s + group_s + (plan_s - decode_s - group_s) * scale
+        planning_all = decode_s + group_s + (plan_all_s - decode_s - group_s) * scale
     return {
         "layout": layout,
         "ranks": ranks,
@@ -230,8 +259,8 @@ def measure(layout: str, ranks: int, tensors: int, args: argparse.Namespace) -> 
             "names": names_s,
             "root": root_s,
             "coordinator": coordinator,
-            "plan (targets)": plan_s * scale,
             "restore planning (one rank)": planning,
+            "restore planning, another layout (one rank)": planning_all,
         },
         "requests_per_tensor": requests / sample,
         "manifest_bytes_per_box": (len(encoded[0]) - 32 * chunks) / tensors,
@@ -257,6 +286,7 @@ def report(rows: list[dict[str, Any]]) -> None:
                 f"{s['decode']:.3f}",
                 f"{s['coordinator']:.3f}{mark}",
                 f"{s['restore planning (one rank)']:.3f}{mark}",
+                f"{s['restore planning, another layout (one rank)']:.3f}{mark}",
                 f"{row['manifest_bytes_per_box']:.0f}",
                 f"{row['root_bytes']:,}",
             ]
@@ -273,6 +303,7 @@ def report(rows: list[dict[str, Any]]) -> None:
                 "decode s",
                 "coordinator s",
                 "rank planning s",
+                "resharding s",
                 "manifest B/box",
                 "root B",
             ],

@@ -48,16 +48,9 @@ class BoxTable(Mapping[str, list[TensorEntry]]):
         counts = np.array([len(t) for t in tables], dtype=np.int64)
         total = int(counts.sum())
         ids: dict[str, int] = {}
-        name_id = np.fromiter(
-            (ids.setdefault(n, len(ids)) for t in tables for n in t.names), np.int64, total
-        )
+        name_id = _numbered([t.names for t in tables], ids, total)
         self._names = list(ids)
-        dtype_ids: dict[str, int] = {}
-        dtype_id = np.fromiter(
-            (dtype_ids.setdefault(d, len(dtype_ids)) for t in tables for d in t.dtypes),
-            np.int64,
-            total,
-        )
+        dtype_id = _numbered([t.dtypes for t in tables], {}, total)
         ndim = np.concatenate([t.ndim for t in tables]).astype(np.int64) if total else counts[:0]
         width = int(ndim.max()) if total else 0
         # Each entry's shape, offsets and box sizes as rows padded with zeros.
@@ -93,6 +86,7 @@ class BoxTable(Mapping[str, list[TensorEntry]]):
         self._order = order
         self._bounds = np.concatenate(([0], cuts, [len(order)])).astype(np.int64)
         self._built: dict[str, list[TensorEntry]] = {}
+        self._entries: dict[int, TensorEntry] = {}  # built one at a time, by row
         self._indexes: dict[str, tuple[np.ndarray, SortedBoxes]] = {}
 
     # -- grouping --------------------------------------------------------------
@@ -210,9 +204,13 @@ class BoxTable(Mapping[str, list[TensorEntry]]):
         return built
 
     def _entry(self, i: int) -> TensorEntry:
-        at, row = int(self._shard_of[i]), int(self._row[i])
-        ready = self._shards[at].__dict__.get("_tensors")
-        return ready[row] if ready is not None else self._tables[at].entry_at(row)
+        entry = self._entries.get(i)
+        if entry is None:
+            at, row = int(self._shard_of[i]), int(self._row[i])
+            ready = self._shards[at].__dict__.get("_tensors")
+            entry = ready[row] if ready is not None else self._tables[at].entry_at(row)
+            self._entries[i] = entry
+        return entry
 
     def items(self) -> Any:
         self._build_all()
@@ -244,6 +242,8 @@ class BoxTable(Mapping[str, list[TensorEntry]]):
     def agree(self, name: str) -> bool:
         """Whether every box of ``name`` has the first's dtype and shape."""
         rows = self._rows(name)
+        if len(rows) == 1:
+            return True
         head = rows[0]
         return bool(
             (self._dtype_id[rows] == self._dtype_id[head]).all()
@@ -268,6 +268,24 @@ class BoxTable(Mapping[str, list[TensorEntry]]):
             )
         rows, boxes = index
         return [self._entry(int(rows[i])) for i in boxes.overlapping(region)]
+
+
+def _numbered(columns: list[list[str]], ids: dict[str, int], total: int) -> np.ndarray:
+    """Each string of the columns as the order it was first seen in (``ids`` filled).
+    A column equal to the one before (every FSDP rank names the same tensors) takes
+    its numbers without a lookup per string."""
+    out = np.empty(total, dtype=np.int64)
+    at, before = 0, None
+    numbers = out[:0]
+    for column in columns:
+        if column != before:
+            numbers = np.fromiter(
+                (ids.setdefault(v, len(ids)) for v in column), np.int64, len(column)
+            )
+            before = column
+        out[at : at + len(column)] = numbers
+        at += len(column)
+    return out
 
 
 def box_table(shards: Sequence[ShardManifest]) -> BoxTable | None:

@@ -136,18 +136,52 @@ def read_shards(
 
     ``only``: each shard with just that tensor's entries decoded (a partial read:
     its other entries are checked column-wise, never built)."""
-    where = {"run": root.run, "generation": root.generation}
-    if len(root.shards) != root.world_size:
-        raise CorruptObjectError(
-            f"root says {root.world_size} rank(s) wrote it but lists "
-            f"{len(root.shards)} shard manifest(s)",
-            **where,
-        )
-    shards: list[ShardManifest] = []
-    for index, digest in enumerate(root.shards):
+    return list(ShardList(backend, root, only=only))
+
+
+class ShardList(Sequence[ShardManifest]):
+    """The shard manifests ``root`` names, each read, verified and checked to be its
+    rank's when first indexed: a restoring rank reads only those it needs."""
+
+    def __init__(
+        self, backend: ChunkBackend, root: GenerationRoot, *, only: str | None = None
+    ) -> None:
+        self.where = {"run": root.run, "generation": root.generation}
+        if len(root.shards) != root.world_size:
+            raise CorruptObjectError(
+                f"root says {root.world_size} rank(s) wrote it but lists "
+                f"{len(root.shards)} shard manifest(s)",
+                **self.where,
+            )
+        self._backend, self._root, self._only = backend, root, only
+        self._read: dict[int, ShardManifest] = {}
+
+    def __len__(self) -> int:
+        return len(self._root.shards)
+
+    @property
+    def read(self) -> int:
+        """How many of the manifests were read so far."""
+        return len(self._read)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        if index < 0:
+            index += len(self)
+        if not 0 <= index < len(self):
+            raise IndexError(f"shard {index} of {len(self)}")
+        shard = self._read.get(index)
+        if shard is None:
+            shard = self._read[index] = self._fetch(index)
+        return shard
+
+    def _fetch(self, index: int) -> ShardManifest:
+        root, where = self._root, self.where
         shard: ShardManifest = verified_object(
-            backend, digest, expect=TYPE_SHARD, only=only, shard=index, **where
-        )[1]
+            self._backend, root.shards[index], expect=TYPE_SHARD, only=self._only,
+            shard=index, **where,
+        )[1]  # fmt: skip
         if shard.run != root.run or shard.generation != root.generation:
             raise CorruptObjectError(
                 f"shard {index} belongs to {shard.run}@{shard.generation}", **where
@@ -158,8 +192,7 @@ def read_shards(
                 "rank order)",
                 **where,
             )
-        shards.append(shard)
-    return shards
+        return shard
 
 
 def tensor_entries(

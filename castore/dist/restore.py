@@ -14,7 +14,7 @@ same restore reading through other sources.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,11 +32,13 @@ from castore.core.reading import (
     check_coverage,
     check_framework,
     framework_for,
+    grouped_entries,
     numpy_as_torch,
 )
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.errors import (
     CorruptObjectError,
+    CoverageError,
     IntegrityError,
     LayoutMismatchError,
     NoValidGenerationError,
@@ -49,7 +51,7 @@ from castore.format.hashing import Digest
 from castore.format.layout import Box
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry
 from castore.format.shard import NotLoaded, Shard
-from castore.format.tree import decode_tree, join_path, torch_bytes
+from castore.format.tree import decode_tree, join_path, tensor_names, torch_bytes
 from castore.repo.records import validate_run_name
 from castore.store import Store
 
@@ -69,6 +71,9 @@ class LoadReport:
     # Targets that are no saved box (another layout: read by byte range from the boxes
     # they overlap); 0 when each target is a box the save wrote (the same layout).
     resharded: int = 0
+    # Shard manifests this rank read: 2 at most onto the saved layout (its own and rank
+    # 0's), every rank's when it reshards or loads what no target names.
+    manifests_read: int = 0
 
 
 @dataclass
@@ -236,6 +241,8 @@ def _load_root(
     read_before = (store.read_counters.chunks, store.read_counters.bytes)
     served_before = store.served_by_tier()  # a tiered store on one node: per tier
 
+    opened: dict[str, reading.ShardList] = {}
+
     def plan_everything() -> tuple[Any, ...]:
         nonlocal clock
         root = store.read_root(digest, run=run)
@@ -244,14 +251,16 @@ def _load_root(
                 f"the log names generation {expected_id}, its root says {root.generation}",
                 run=run,
             )
-        shards = store.read_shards(root)
+        shards = opened["shards"] = reading.ShardList(store.backend, root)
+        found: list[tuple[str, Any]] = []
+        _target_leaves(targets, "", found)
+        direct = not load_rest and _direct_shards(shards, comm.rank)
+        for index in direct or range(len(shards)):
+            shards[index]  # read and verified now: the metadata phase
         timings["metadata"] = time.perf_counter() - clock
         clock = time.perf_counter()
         where = {"run": run, "generation": root.generation, "rank": comm.rank}
-        entries = store.tensor_entries(root, shards)
-        found: list[tuple[str, Any]] = []
-        _target_leaves(targets, "", found)
-        wanted = _plan_targets(found, entries, where)
+        entries, wanted = plan_restore(shards, root, found, where, direct=direct or None)
         if load_rest:
             wanted += _plan_rest(entries, {t.name for t in wanted}, framework, load_rest, where)
         requests = [r for t in wanted for r in _chunk_requests(t, entries)]
@@ -325,8 +334,47 @@ def _load_root(
             session.sources() if session is not None else _served(store, served_before)
         ),
         resharded=sum(1 for t in wanted if not _is_saved_box(t.box, _sources(t, entries))),
+        manifests_read=opened["shards"].read,
     )
     return LoadResult(state, report)
+
+
+def _direct_shards(shards: Sequence[ShardManifest], rank: int) -> list[int]:
+    """The manifests a rank restoring onto the saved layout reads: its own, and rank 0's
+    (which holds what one replica wrote for all); none where it has no own."""
+    if not 0 <= rank < len(shards):
+        return []
+    return sorted({rank, 0})
+
+
+def plan_restore(
+    shards: Sequence[ShardManifest],
+    root: GenerationRoot,
+    found: list[tuple[str, Any]],
+    where: dict[str, Any],
+    *,
+    direct: list[int] | None = None,
+) -> tuple[Mapping[str, list[TensorEntry]], list[_Target]]:
+    """The saved boxes a rank's targets ``found`` read, and the targets planned.
+
+    ``direct``: the manifests to try first (:func:`_direct_shards`). Where each target
+    is a box one of them holds whole, and they name every tensor of the state, that
+    is the plan: the coordinator checked before the publish that each tensor's boxes
+    tile it exactly once (castore.core.commit.check_shards), so a saved box equal to
+    the target is its only source, and the rank reads two manifests, not R. Otherwise
+    (resharding, tensors held elsewhere) every manifest is read and searched."""
+    if direct:
+        some = grouped_entries([shards[i] for i in direct], where)
+        if {name for name, _ in tensor_names(root.state)} <= some.keys():
+            try:
+                wanted = _plan_targets(found, some, where)
+            except (CoverageError, TensorNotFoundError):
+                wanted = []  # the whole generation decides (and names what is wrong)
+            else:
+                if all(_is_saved_box(t.box, _sources(t, some)) for t in wanted):
+                    return some, wanted
+    entries = grouped_entries(list(shards), where)
+    return entries, _plan_targets(found, entries, where)
 
 
 def _sources(target: _Target, entries: Mapping[str, list[TensorEntry]]) -> list[TensorEntry]:
@@ -613,7 +661,7 @@ def _chunk_requests(
 
 
 def _rank_local_chunks(
-    shards: list[ShardManifest], root: GenerationRoot, comm: Group, policy: RankLocalPolicy
+    shards: Sequence[ShardManifest], root: GenerationRoot, comm: Group, policy: RankLocalPolicy
 ) -> list[bytes]:
     """The chunks of the RankLocal values this rank will read (none where it reads none)."""
     paths: list[str] = []
@@ -634,7 +682,7 @@ def _rank_local_chunks(
 def _read_rank_local(
     store: Store,
     root: GenerationRoot,
-    shards: list[ShardManifest],
+    shards: Sequence[ShardManifest],
     comm: Group,
     policy: RankLocalPolicy,
     framework: str,

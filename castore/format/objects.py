@@ -580,7 +580,7 @@ class EntryTable:
             return self._fail(
                 i, f"has chunk size {int(self._chunk_size[i])} (1 to {MAX_CHUNK_SIZE})"
             )
-        itemsize = np.fromiter((_ITEMSIZE[d] for d in dtypes), dtype=np.int64, count=n)
+        itemsize = np.fromiter(map(_ITEMSIZE.__getitem__, dtypes), dtype=np.int64, count=n)
         # Elements per box: products over each entry's dimensions, 1 for a scalar. In
         # floating point first: a box past MAX_BOX_BYTES is refused before the exact
         # product (which then cannot overflow) is taken.
