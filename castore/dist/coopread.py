@@ -111,22 +111,44 @@ def assign(messages: list[dict[str, Any]], rank: int) -> Assignment:
     counts = [len(m["keys"]) // _KEY for m in messages]
     if sum(counts) == 0:
         return Assignment()
-    keys = np.frombuffer(b"".join(bytes(m["keys"]) for m in messages), dtype=f"V{_KEY}")
+    keys = b"".join(bytes(m["keys"]) for m in messages)
     lengths = np.concatenate(
         [np.frombuffer(bytes(m["lengths"]), dtype="<u4") for m in messages]
     ).astype(np.int64)
     owner = np.repeat(np.arange(len(messages)), counts)
     node_of_rank = np.unique([str(m["node"]) for m in messages], return_inverse=True)[1]
-    chunks, chunk_of_row = np.unique(keys, return_inverse=True)
+    chunk_of_row = _chunk_ids(keys, len(owner))
     # A unit: one chunk on one node ("job" mode: one node); each gets one reader.
-    unit_key = chunk_of_row.astype(np.int64) * (int(node_of_rank.max()) + 1)
-    unit_key += node_of_rank[owner]
-    _, unit_of_row, needers = np.unique(unit_key, return_inverse=True, return_counts=True)
+    nodes = int(node_of_rank.max()) + 1
+    if nodes == 1:
+        unit_of_row, needers = chunk_of_row, np.bincount(chunk_of_row)
+    else:
+        unit_key = chunk_of_row * nodes + node_of_rank[owner]
+        _, unit_of_row, needers = np.unique(unit_key, return_inverse=True, return_counts=True)
     shared = needers[unit_of_row] > 1
     load = np.bincount(owner[~shared], weights=lengths[~shared], minlength=len(messages))
     reader_of_unit = _readers(unit_of_row, owner, lengths, shared, load, len(needers))
     reader = np.where(shared, reader_of_unit[unit_of_row], owner)
-    return _part_of(rank, chunks, chunk_of_row, unit_of_row, owner, reader)
+    return _part_of(rank, keys, unit_of_row, owner, reader)
+
+
+def _chunk_ids(keys: bytes, rows: int) -> np.ndarray:
+    """Each row's chunk as a number: equal digests, equal numbers; numbered by the
+    digests' sorted order, which every rank computes alike. Sorted by their first 64
+    bits (several times faster than as 32-byte strings); by all of them where two
+    digests share those."""
+    words = np.frombuffer(keys, dtype="<u8").reshape(rows, _KEY // 8)
+    order = np.argsort(words[:, 0], kind="stable")
+    ordered = words[order]
+    same_first = ordered[1:, 0] == ordered[:-1, 0]
+    if (same_first & (ordered[1:, 1:] != ordered[:-1, 1:]).any(axis=1)).any():
+        order = np.lexsort(words.T)
+        ordered = words[order]
+    starts = np.ones(rows, dtype=bool)
+    starts[1:] = (ordered[1:] != ordered[:-1]).any(axis=1)
+    ids = np.empty(rows, dtype=np.int64)
+    ids[order] = np.cumsum(starts) - 1
+    return ids
 
 
 def _readers(
@@ -138,7 +160,7 @@ def _readers(
     units: int,
 ) -> np.ndarray:
     """Each shared unit's reader: the rank needing it that has read the fewest bytes so
-    far (the lowest such rank on a tie), units taken largest first, then in digest order."""
+    far (the lowest such rank on a tie), units taken largest first, then in unit order."""
     rows = np.flatnonzero(shared)
     rows = rows[np.lexsort((owner[rows], unit_of_row[rows]))]  # by unit, ranks ascending
     unit_ids, starts = np.unique(unit_of_row[rows], return_index=True)
@@ -155,17 +177,16 @@ def _readers(
 
 def _part_of(
     rank: int,
-    chunks: np.ndarray,
-    chunk_of_row: np.ndarray,
+    keys: bytes,
     unit_of_row: np.ndarray,
     owner: np.ndarray,
     reader: np.ndarray,
 ) -> Assignment:
-    """``rank``'s sends and receives, each list in unit order (digest order) on both ends."""
+    """``rank``'s sends and receives, each list in unit order on both ends."""
     part = Assignment()
-    by_unit = np.argsort(unit_of_row, kind="stable")
-    for row in by_unit[(reader[by_unit] == rank) | (owner[by_unit] == rank)]:
-        key = chunks[chunk_of_row[row]].tobytes()
+    mine = np.flatnonzero((reader == rank) | (owner == rank))
+    for row in mine[np.argsort(unit_of_row[mine], kind="stable")]:
+        key = keys[row * _KEY : (row + 1) * _KEY]
         if reader[row] == rank and owner[row] != rank:
             part.sends.setdefault(int(owner[row]), []).append(key)
         elif owner[row] == rank and reader[row] != rank:
@@ -194,7 +215,7 @@ def share_chunks(
     messages = comm.all_gather(needs_message(needs, node), "load: chunks needed")
     part, failure = attempt(lambda: assign(messages, comm.rank))
     part = part or Assignment()
-    held: dict[bytes, bytes] = {}
+    held: dict[bytes, bytes | memoryview] = {}
     if part.serve:
         _, unread = attempt(lambda: held.update(_read(backend, part.serve, counters)))
         failure = failure or unread
@@ -223,19 +244,24 @@ def _read(backend: ChunkBackend, keys: list[bytes], counters: ReadCounters) -> d
     return found
 
 
-def _frame(values: Sequence[bytes | None]) -> bytes:
-    parts: list[bytes] = []
+def _frame(values: Sequence[bytes | memoryview | None]) -> bytearray:
+    """Each value's length (-1: not sent), then its bytes; built in place (one copy)."""
+    size = sum(_LENGTH.size + (0 if value is None else len(value)) for value in values)
+    framed = bytearray(size)
+    at = 0
     for value in values:
-        if value is None:
-            parts.append(_LENGTH.pack(-1))
-        else:
-            parts += [_LENGTH.pack(len(value)), value]
-    return b"".join(parts)
+        _LENGTH.pack_into(framed, at, -1 if value is None else len(value))
+        at += _LENGTH.size
+        if value is not None:
+            framed[at : at + len(value)] = value
+            at += len(value)
+    return framed
 
 
-def _unframe(data: bytes, count: int) -> list[bytes | None]:
-    """The ``count`` values of a frame; a value cut short or not sent is None."""
-    values: list[bytes | None] = []
+def _unframe(data: bytes, count: int) -> list[memoryview | None]:
+    """The ``count`` values of a frame, as views of ``data``; one cut short or not sent
+    is None."""
+    values: list[memoryview | None] = []
     at = 0
     view = memoryview(data)
     for _ in range(count):
@@ -247,7 +273,7 @@ def _unframe(data: bytes, count: int) -> list[bytes | None]:
         if length < 0 or at + length > len(data):
             values.append(None)
             continue
-        values.append(bytes(view[at : at + length]))
+        values.append(view[at : at + length])
         at += length
     return values
 
@@ -260,7 +286,9 @@ class SharedReads(ChunkBackend):
     supports_writes = False
     supports_deletes = False
 
-    def __init__(self, inner: ChunkBackend, held: dict[bytes, bytes], counters: ReadCounters):
+    def __init__(
+        self, inner: ChunkBackend, held: dict[bytes, bytes | memoryview], counters: ReadCounters
+    ) -> None:
         self.inner = inner
         self.held = held
         self.counters = counters
@@ -269,7 +297,7 @@ class SharedReads(ChunkBackend):
         self.received_chunks = 0
         self.received_bytes = 0
 
-    def receive(self, key: bytes, value: bytes) -> None:
+    def receive(self, key: bytes, value: bytes | memoryview) -> None:
         self.held[key] = value
         self.received_chunks += 1
         self.received_bytes += len(value)
