@@ -113,6 +113,11 @@ class ChunkBackend(abc.ABC):
     supports_writes: bool = True
     supports_deletes: bool = True
     supports_listing: bool = True
+    # Reads cross a network or a shared filesystem (each byte costs every reader a
+    # request): a multi-rank restore then reads a chunk several ranks need once and
+    # shares it over the process group (castore.dist.coopread). False: a local store,
+    # whose readers on one node share the page cache.
+    remote_reads: bool = False
 
     @abc.abstractmethod
     def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:

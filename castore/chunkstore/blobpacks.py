@@ -71,6 +71,8 @@ MAX_INDEX_BLOB = 256 << 20  # 5.5 million entries: far past any pack's
 class BlobPackBackend(ChunkBackend):
     """Chunks in packs and objects as blobs of ``blobs`` (format 3); see the module text."""
 
+    remote_reads = True  # S3 or a shared directory: every read is a request
+
     def __init__(
         self,
         blobs: BlobStore,

@@ -205,7 +205,7 @@ class Group:
         _TALLY.add("broadcast", phase, moved if sending else 0, 0 if sending else moved)
         return msgpack.unpackb(bytes(buffer.cpu().numpy()), raw=False, strict_map_key=False)
 
-    def exchange(self, outgoing: dict[int, bytes], phase: str) -> dict[int, bytes]:
+    def exchange(self, outgoing: Mapping[int, bytes | bytearray], phase: str) -> dict[int, bytes]:
         """Send ``outgoing[rank]`` to each rank named, point to point; what each rank sent
         this one (ranks that sent nothing are absent). A collective call.
 
@@ -215,14 +215,17 @@ class Group:
         sees another pair's.
         """
         if self.solo:
-            return {0: outgoing[0]} if outgoing.get(0) else {}
+            return {0: bytes(outgoing[0])} if outgoing.get(0) else {}
         sizes, sent, received = self._gather(
             {int(peer): len(data) for peer, data in outgoing.items() if data}, phase
         )
         sends, receives = [], {}
         for peer, data in sorted(outgoing.items()):
             if data and peer != self.rank:
-                tensor = torch.frombuffer(bytearray(data), dtype=torch.uint8).to(self.device)
+                # A bytearray is sent from its own memory; bytes are copied once (torch
+                # wants a writable buffer).
+                writable = data if isinstance(data, bytearray) else bytearray(data)
+                tensor = torch.frombuffer(writable, dtype=torch.uint8).to(self.device)
                 sends.append((tensor, dist.isend(tensor, group=self.group, group_dst=peer)))
                 sent += len(data)
         for peer, table in enumerate(sizes):

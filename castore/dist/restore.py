@@ -24,7 +24,7 @@ from castore import errors
 from castore.core import fencing, reading
 from castore.core.boxindex import BoxIndex, covered_once
 from castore.core.boxtable import BoxTable
-from castore.core.chunkread import ChunkRequest, read_agree_deliver
+from castore.core.chunkread import ChunkRequest, ReadCounters, read_agree_deliver
 from castore.core.history import Generation, Skipped, fall_back
 from castore.core.reading import (
     allocate,
@@ -35,6 +35,7 @@ from castore.core.reading import (
     grouped_entries,
     numpy_as_torch,
 )
+from castore.dist import coopread
 from castore.dist.comm import DEFAULT_TIMEOUT, Group, attempt, describe, raise_failures, rebuild
 from castore.errors import (
     CorruptObjectError,
@@ -74,6 +75,10 @@ class LoadReport:
     # Shard manifests this rank read: 2 at most onto the saved layout (its own and rank
     # 0's), every rank's when it reshards or loads what no target names.
     manifests_read: int = 0
+    # Cooperative reads (castore.dist.coopread): the chunks and bytes other ranks read
+    # from the store and sent this one (bytes_read and chunks_read count the store's alone).
+    chunks_from_peers: int = 0
+    bytes_from_peers: int = 0
 
 
 @dataclass
@@ -112,6 +117,7 @@ def load(
     framework: str = "auto",
     load_rest: bool | Callable[[NotLoaded], Any] = False,
     fallback: str | None = None,
+    cooperative: bool | str = "auto",
 ) -> LoadResult:
     """Restore ``run@generation`` into this rank's ``targets`` (a collective call).
 
@@ -131,16 +137,24 @@ def load(
     damaged (every failure an integrity error), try the one before it, and so
     on; the report lists each generation skipped and why. Nothing live
     changes for a skipped generation.
+
+    ``cooperative``: a chunk several ranks need is read from the store by one
+    of them and sent to the others, each copy verified where it lands
+    (castore.dist.coopread). ``"auto"``: on for stores whose reads are remote
+    (S3, a shared directory), off for a local store; ``True``: once per job;
+    ``"node"``: once per node (host); ``False``: every rank reads what it
+    needs. Every rank must pass the same.
     """
     comm = Group(group, coordinator, timeout)
     validate_run_name(run)
     check_framework(framework)
+    coopread.check_setting(cooperative)
     if fallback not in (None, "previous"):
         raise ValueError(f"fallback must be None or 'previous', got {fallback!r}")
     # What the ref names as the load begins; the coordinator's alone, as only it proposes
     # saves (its next save tells another writer's generations from these: fencing).
     newest = fencing.newest_published(store.refs, run) if comm.is_coordinator else None
-    options = _Options(targets, rank_local, framework, load_rest, newest)
+    options = _Options(targets, rank_local, framework, load_rest, newest, cooperative)
     # A tiered store whose ranks span several nodes (castore.tiers.nodes): None otherwise.
     session = store.node_session(comm, run)
     if session is not None:
@@ -212,6 +226,7 @@ class _Options:
     framework: str
     load_rest: bool | Callable[[NotLoaded], Any]
     newest: int | None  # the generation id the run's ref named as the load began
+    cooperative: bool | str = "auto"
 
 
 @dataclass
@@ -305,12 +320,25 @@ def _load_root(
                 return root, entries, wanted, requests, per_rank, per_rank_bytes, where
 
             planned, failure = attempt(read_local)
+    shared = None
+    mode = None if session is not None else coopread.cooperation(options.cooperative, backend, comm)
+    if mode is not None:
+        # Every rank takes part in the sharing, whatever its planning gave.
+        asked = planned[3] if failure is None else []
+        shared, share_failure = coopread.share_chunks(
+            backend, asked, comm, store.read_counters, mode
+        )
+        backend, failure = shared, failure or share_failure
+        timings["cooperate"] = time.perf_counter() - clock
+        clock = time.perf_counter()
     if failure is not None:
         agree(failure)
     root, entries, wanted, requests, per_rank, per_rank_bytes, where = planned
+    # Through shared reads, what the store served is counted as it passes (not what peers sent).
+    counters = store.read_counters if shared is None else ReadCounters()
     try:
         # Chunks are verified where they lie; targets are written only after `agree`.
-        read_agree_deliver(backend, requests, store.read_counters, where, agree)
+        read_agree_deliver(backend, requests, counters, where, agree)
     except Exception as exc:
         if not agreed:
             agree(exc)  # tell the other ranks before raising here
@@ -335,6 +363,8 @@ def _load_root(
         ),
         resharded=sum(1 for t in wanted if not _is_saved_box(t.box, _sources(t, entries))),
         manifests_read=opened["shards"].read,
+        chunks_from_peers=0 if shared is None else shared.received_chunks,
+        bytes_from_peers=0 if shared is None else shared.received_bytes,
     )
     return LoadResult(state, report)
 
