@@ -18,8 +18,8 @@ code, timed on one core (one process, no threads):
   coverage  every tensor's boxes checked to tile it once (``BoxTable.check``)
   names     the skeleton's tensors against the shards' (``check_names``)
   root      the root built and encoded (``make_root``, ``encode_object``)
-  plan      one restoring rank onto the same layout (``castore.dist.restore``'s
-            ``plan_restore`` and ``_chunk_requests``): it decodes its own manifest
+  plan      one restoring rank onto the same layout (``castore.dist.planning``'s
+            ``plan_restore`` and ``chunk_requests``): it decodes its own manifest
             and rank 0's and plans its T targets from them; "resharding": the
             same rank planning as any other layout does, decoding all R manifests
 
@@ -61,7 +61,7 @@ sys.path.insert(0, str(ROOT))
 from castore.core.boxtable import BoxTable  # noqa: E402
 from castore.core.commit import check_names, make_root  # noqa: E402
 from castore.core.reading import check_coverage, grouped_entries  # noqa: E402
-from castore.dist import restore  # noqa: E402
+from castore.dist import planning  # noqa: E402
 from castore.format.grid import box_chunk_count, writer_cell  # noqa: E402
 from castore.format.layout import Box  # noqa: E402
 from castore.format.objects import (  # noqa: E402
@@ -231,19 +231,19 @@ def measure(layout: str, ranks: int, tensors: int, args: argparse.Namespace) -> 
         """One rank's planning from the encoded manifests: onto the saved layout (its
         own manifest and rank 0's) or as any other layout is planned (all of them)."""
         shards = Decoded(encoded)
-        picks = restore._direct_shards(shards, rank) if direct else None
-        found, wanted = restore.plan_restore(shards, saved_root, targets, WHERE, direct=picks)
-        return sum(len(restore._chunk_requests(t, found)) for t in wanted)
+        picks = planning.direct_shards(shards, rank) if direct else None
+        found, wanted = planning.plan_restore(shards, saved_root, targets, WHERE, direct=picks)
+        return sum(len(planning.chunk_requests(t, found)) for t in wanted)
 
     plan_s, requests = timed(lambda: plan(True), repeats)
     plan_all_s, _ = timed(lambda: plan(False), 1)
     chunks = sum(len(e.chunks) for e in decoded[0].tensors)
     coordinator = decode_s + group_s + coverage_s * scale + names_s + root_s
     if columns:
-        planning, planning_all = plan_s, plan_all_s
+        planned, planned_all = plan_s, plan_all_s
     else:  # the per-entry path plans a sample of targets: scaled
-        planning = decode_s + group_s + (plan_s - decode_s - group_s) * scale
-        planning_all = decode_s + group_s + (plan_all_s - decode_s - group_s) * scale
+        planned = decode_s + group_s + (plan_s - decode_s - group_s) * scale
+        planned_all = decode_s + group_s + (plan_all_s - decode_s - group_s) * scale
     return {
         "layout": layout,
         "ranks": ranks,
@@ -259,8 +259,8 @@ def measure(layout: str, ranks: int, tensors: int, args: argparse.Namespace) -> 
             "names": names_s,
             "root": root_s,
             "coordinator": coordinator,
-            "restore planning (one rank)": planning,
-            "restore planning, another layout (one rank)": planning_all,
+            "restore planning (one rank)": planned,
+            "restore planning, another layout (one rank)": planned_all,
         },
         "requests_per_tensor": requests / sample,
         "manifest_bytes_per_box": (len(encoded[0]) - 32 * chunks) / tensors,

@@ -52,13 +52,11 @@ def restore(rank: int, world: int, path: str, broken: bool = False) -> dict[str,
     finds in the two manifests as the target's whole source (a broken control)."""
     import castore
     import castore.dist
-    from castore.core import boxindex
-    from castore.dist import restore as restoring
+    from castore.dist import planning
 
     if broken:
-        restoring._is_saved_box = lambda box, boxes: True  # type: ignore[assignment]
-        boxindex.covered_once = lambda *args, **kwargs: None  # type: ignore[assignment]
-        restoring.covered_once = boxindex.covered_once  # type: ignore[attr-defined]
+        planning.is_saved_box = lambda box, boxes: True  # type: ignore[assignment]
+        planning.covered_once = lambda *args, **kwargs: None  # type: ignore[assignment]
     targets = state(world, rank, empty=True)
     with castore.open(path) as store:
         report = castore.dist.load(store, "run", targets).report
