@@ -130,14 +130,16 @@ def save_objects(s: Shape, g: int, promoted: bool) -> tuple[int, int]:
 
 
 def restore_objects(s: Shape, listed: Mapping[int, int]) -> tuple[int, int]:
-    """(the coordinator's, every rank's) reads of a restore: every rank reads the root
-    and R manifests to plan, and the root again (one node: resolves the root once more;
+    """(the coordinator's, every rank's) reads of a restore onto the saved layout: every
+    rank reads the root, its own manifest and rank 0's (rank 0: one) to plan
+    (castore.dist.planning), and the root again (one node: resolves the root once more;
     several: checks its node holds the objects); each node leader reads the root of
-    every generation its fast tier lists (``listed[node]``) for the coordinator's choice."""
-    if not s.multi:
-        return s.ranks + 2, s.ranks * (s.ranks + 1) + 1
-    each = s.ranks + 2
-    return each + listed[0], s.ranks * each + sum(listed.values())
+    every generation its fast tier lists (``listed[node]``) for the coordinator's choice.
+    Onto another layout a rank reads all R manifests instead of two."""
+    if not s.multi:  # rank 0: root, manifest 0, the root resolved again; the others: 3
+        return 3, 3 + 3 * (s.ranks - 1)
+    each = 3 + 4 * (s.ranks - 1)  # rank 0: root, manifest 0, root; the others: 4
+    return 3 + listed[0], each + sum(listed.values())
 
 
 def reopen_objects(s: Shape) -> int:
@@ -418,8 +420,10 @@ def extrapolate(ref: Reference, save_small: float, restore_small: float) -> dict
         "promotion: index blob GETs (every node fetches the others')": gets,
         "promotion: those GETs at S3's 5,500 a second, s": gets / S3_GETS_PER_SECOND,
         "restore: collective rounds": sum(restore_calls(s).values()),
-        "restore: objects each rank reads": s.ranks + 2,
-        "restore: MiB of manifests each rank reads": (s.ranks + 1) * m / 2**20,
+        "restore: objects each rank reads (onto the saved layout)": 4,
+        "restore: KiB of manifests each rank reads (onto the saved layout)": 2 * m / 2**10,
+        "restore onto another layout: objects each rank reads": s.ranks + 2,
+        "restore onto another layout: MiB of manifests each rank reads": s.ranks * m / 2**20,
         "restore: MiB each rank receives": (s.ranks - 1) * restore_small / 2**20,
         "restore after a node loss: MiB each rank receives": (s.ranks - 1)
         * (restore_small + wanted)
