@@ -258,7 +258,7 @@ def test_shared_reads_serve_held_chunks_from_memory_and_count_only_the_store() -
 
 def test_frames_round_trip_and_a_short_reply_reads_as_not_sent() -> None:
     values = [b"xy", None, b"", b"z" * 9]
-    framed = coopread._frame(values)
-    assert coopread._unframe(framed, 4) == values
-    assert coopread._unframe(framed[:-3], 4) == [b"xy", None, b"", None]
-    assert coopread._unframe(b"", 2) == [None, None]
+    framed = coopread.frame(values)
+    assert coopread.unframe(framed, 4) == values
+    assert coopread.unframe(framed[:-3], 4) == [b"xy", None, b"", None]
+    assert coopread.unframe(b"", 2) == [None, None]

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,9 +46,9 @@ from castore.core.chunkread import ChunkRequest, ReadCounters, expected_length
 from castore.dist.comm import Group, attempt
 from castore.errors import UnsupportedOperationError
 from castore.format.hashing import Buffer
+from castore.support.framing import frame, unframe
 
 _KEY = 32
-_LENGTH = struct.Struct("<q")  # each chunk sent: its length (-1: not sent), then its bytes
 
 
 def cooperation(setting: Any, backend: ChunkBackend, comm: Group) -> str | None:
@@ -224,11 +223,11 @@ def share_chunks(
     if part.serve:
         _, unread = attempt(lambda: held.update(_read(backend, part.serve, counters)))
         failure = failure or unread
-    outgoing = {peer: _frame([held.get(key) for key in keys]) for peer, keys in part.sends.items()}
+    outgoing = {peer: frame([held.get(key) for key in keys]) for peer, keys in part.sends.items()}
     arrived = comm.exchange(outgoing, "load: chunks from peers")
     shared = SharedReads(backend, held, counters)
     for reader, keys in part.receives.items():
-        for key, value in zip(keys, _unframe(arrived.get(reader, b""), len(keys)), strict=True):
+        for key, value in zip(keys, unframe(arrived.get(reader, b""), len(keys)), strict=True):
             if value is not None:
                 shared.receive(key, value)
     return shared, failure
@@ -247,40 +246,6 @@ def _read(backend: ChunkBackend, keys: list[bytes], counters: ReadCounters) -> d
 
     backend.read_many(Namespace.CHUNKS, keys, keep)
     return found
-
-
-def _frame(values: Sequence[bytes | memoryview | None]) -> bytearray:
-    """Each value's length (-1: not sent), then its bytes; built in place (one copy)."""
-    size = sum(_LENGTH.size + (0 if value is None else len(value)) for value in values)
-    framed = bytearray(size)
-    at = 0
-    for value in values:
-        _LENGTH.pack_into(framed, at, -1 if value is None else len(value))
-        at += _LENGTH.size
-        if value is not None:
-            framed[at : at + len(value)] = value
-            at += len(value)
-    return framed
-
-
-def _unframe(data: bytes, count: int) -> list[memoryview | None]:
-    """The ``count`` values of a frame, as views of ``data``; one cut short or not sent
-    is None."""
-    values: list[memoryview | None] = []
-    at = 0
-    view = memoryview(data)
-    for _ in range(count):
-        if at + _LENGTH.size > len(data):
-            values.append(None)
-            continue
-        (length,) = _LENGTH.unpack_from(data, at)
-        at += _LENGTH.size
-        if length < 0 or at + length > len(data):
-            values.append(None)
-            continue
-        values.append(view[at : at + length])
-        at += length
-    return values
 
 
 class SharedReads(ChunkBackend):

@@ -192,7 +192,7 @@ class NodeSession:
 
         asks, failure = attempt(ask)
         requests = self.comm.exchange(asks or {}, "save: peer copies (ask)")
-        replies: dict[int, bytes] = {}
+        replies: dict[int, bytearray] = {}
         if failure is None:
             _, failure = attempt(lambda: replies.update(self._serve(requests)))
         received = self.comm.exchange(replies, "save: peer copies (send)")
@@ -201,7 +201,7 @@ class NodeSession:
         outcomes = self.comm.all_gather({"error": describe(failure)}, "save: peer copies")
         raise_failures(outcomes, self.comm, failure)
 
-    def _serve(self, requests: dict[int, bytes]) -> dict[int, bytes]:
+    def _serve(self, requests: dict[int, bytes]) -> dict[int, bytearray]:
         """Each requester's chunks from this node's fast tier, framed (length, bytes)."""
         replies = {}
         for peer, data in requests.items():
@@ -457,7 +457,7 @@ class NodeSession:
             {"error": describe(failure), "offers": offers or {}}, "load: chunks offered"
         )
         plan = self._assign(wanted, offered)
-        replies: dict[int, bytes] = {}
+        replies: dict[int, bytearray] = {}
         for requester, keys_served in plan.get(self.comm.rank, {}).items():
             try:
                 values = self._read_local(keys_served)

@@ -9,7 +9,6 @@ checks the bytes against the digest before it keeps them.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Sequence
 from typing import Any
 
@@ -24,8 +23,7 @@ from castore.format.objects import (
     ShardManifest,
     decode_object,
 )
-
-_LENGTH = struct.Struct("<q")  # each chunk sent: its length (-1: not sent), then its bytes
+from castore.support import framing
 
 
 def read_objects(backend: ChunkBackend, keys: list[bytes]) -> list[bytes]:
@@ -66,28 +64,11 @@ def root_among(objects: list[tuple[bytes, bytes]], digest: Digest) -> Generation
     raise CorruptObjectError(f"root {digest.short} was not sent")
 
 
-def frame(values: Sequence[bytes | None]) -> bytes:
-    parts = []
-    for value in values:
-        if value is None:
-            parts.append(_LENGTH.pack(-1))
-        else:
-            parts += [_LENGTH.pack(len(value)), value]
-    return b"".join(parts)
+def frame(values: Sequence[bytes | None]) -> bytearray:
+    """Chunks for a peer, framed (castore.support.framing)."""
+    return framing.frame(values)
 
 
 def unframe(data: bytes, count: int) -> list[bytes | None]:
-    values: list[bytes | None] = []
-    at = 0
-    for _ in range(count):
-        if at + _LENGTH.size > len(data):
-            values.append(None)
-            continue
-        (length,) = _LENGTH.unpack_from(data, at)
-        at += _LENGTH.size
-        if length < 0 or at + length > len(data):
-            values.append(None)
-            continue
-        values.append(data[at : at + length])
-        at += length
-    return values
+    """The ``count`` chunks of a peer's frame; one cut short or not sent is None."""
+    return [None if v is None else bytes(v) for v in framing.unframe(data, count)]

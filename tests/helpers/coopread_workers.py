@@ -174,18 +174,18 @@ def shared_directory_script(rank: int, world: int, path: str, cache_root: str) -
         out["unique"] = unique_chunk_bytes(store)
         for name, setting in (("auto", "auto"), ("off", False), ("job", True)):
             out[name] = restore(rank, world, store, mesh, placements, setting)
-        original_node, original_frame = coopread.node_name, coopread._frame
+        original_node, original_frame = coopread.node_name, coopread.frame
         coopread.node_name = lambda: f"node{rank * 2 // world}"  # type: ignore[assignment]
         try:
             out["node"] = restore(rank, world, store, mesh, placements, "node")
         finally:
             coopread.node_name = original_node  # type: ignore[assignment]
-        coopread._frame = flip_what_is_sent(original_frame)  # type: ignore[assignment]
+        coopread.frame = flip_what_is_sent(original_frame)  # type: ignore[assignment]
         try:
             out["peer_damage"] = restore(rank, world, store, mesh, placements, "auto")
             out["peer_damage_off"] = restore(rank, world, store, mesh, placements, False)
         finally:
-            coopread._frame = original_frame  # type: ignore[assignment]
+            coopread.frame = original_frame  # type: ignore[assignment]
         dist.barrier()
         if rank == 0:
             out["damaged_chunk"] = damage_in_pack(store, path)
