@@ -266,7 +266,7 @@ def test_a_store_holding_pre_grid_and_grid_generations_reads_both(tmp_path) -> N
         store.save(second, run="r", step=2)
         store.save(first, run="r", step=3)  # the same bytes again, on the grid now
         assert _shard_formats(store, "r", 1) == {2}
-        assert _shard_formats(store, "r", 2) == {3}
+        assert _shard_formats(store, "r", 2) == {4}
         for generation, state in ((1, first), (2, second), (3, first)):
             loaded = store.load(run="r", generation=generation)
             assert np.array_equal(loaded["w"], state["w"])
@@ -303,6 +303,30 @@ def test_an_older_castore_refuses_a_grid_shard_and_reads_a_pre_grid_one(
     with castore.open(tmp_path / "s") as store:
         assert np.array_equal(store.load(run="old")["w"], state["w"])
         with pytest.raises(FormatVersionError, match="upgrade castore"):
+            store.load(run="new")
+
+
+def test_a_format_3_shard_still_reads_and_an_older_reader_refuses_format_4(
+    tmp_path, monkeypatch
+) -> None:
+    """Shards written as format 3 (the grid's first table, before the compact one) read
+    unchanged; a castore that reads up to 3 refuses a format-4 shard, never misreads it."""
+    state = {"w": np.arange(5000, dtype=np.float32).reshape(100, 50), "b": np.arange(3.0)}
+    with castore.open(tmp_path / "s", chunk_size=CHUNK) as store:
+        store.save(state, run="new", step=1)
+        with monkeypatch.context() as patch:  # what castore before the compact table wrote
+            patch.setattr(objects, "encode_compact", lambda e: objects.encode_table(e, grid=True))
+            patch.setattr(objects, "COMPACT_SHARD_FORMAT", objects.GRID_SHARD_FORMAT)
+            store.save(state, run="three", step=1)
+        assert _shard_formats(store, "three", 1) == {3}
+        assert _shard_formats(store, "new", 1) == {4}
+        loaded = store.load(run="three")
+        assert all(np.array_equal(loaded[k], v) for k, v in state.items())
+        assert verify_store(store, deep=True).ok
+    monkeypatch.setattr(objects, "FORMAT_VERSION", 3)  # castore before the compact table
+    with castore.open(tmp_path / "s") as store:
+        assert np.array_equal(store.load(run="three")["w"], state["w"])
+        with pytest.raises(FormatVersionError, match="reads up to 3: upgrade castore"):
             store.load(run="new")
 
 

@@ -20,6 +20,7 @@ import msgpack
 import numpy as np
 
 from castore.errors import CorruptObjectError, FormatVersionError
+from castore.format.compact import encode_compact, expand_compact
 from castore.format.dtypes import SUPPORTED_DTYPES, numpy_dtype
 from castore.format.grid import RUNS, box_chunk_count, box_chunk_starts, cell_problem
 from castore.format.hashing import Digest, digest_of
@@ -30,10 +31,12 @@ from castore.format.tree import check_depth
 # fields have not changed, so an older castore still lists them); shard manifests as
 # format 2, whose tensors are a table of columns (below) instead of a list of maps, or
 # format 3 when any entry's chunks lie on its tensor's grid (castore.format.grid).
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ROOT_FORMAT = 1
 SHARD_FORMAT = 2
 GRID_SHARD_FORMAT = 3
+# Format 4: the table compact (castore.format.compact); written wherever format 3 was.
+COMPACT_SHARD_FORMAT = 4
 # Limits a manifest must keep; a file never chooses a size beyond them.
 MAX_DIMS = 64
 MAX_CHUNK_SIZE = 1 << 30
@@ -243,17 +246,18 @@ class ShardManifest:
     local_tensors: tuple[TensorEntry, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
-        # Format 3 only where an entry lies on a grid: a shard of pre-grid entries
-        # stays format 2, which an older castore still reads.
+        # The compact table (format 4) where an entry lies on a grid: a shard of pre-grid
+        # entries stays format 2, which an older castore still reads.
         grid = any(e.cell is not None for e in (*self.tensors, *self.local_tensors))
+        table = encode_compact if grid else encode_table
         return {
-            "format": GRID_SHARD_FORMAT if grid else SHARD_FORMAT,
+            "format": COMPACT_SHARD_FORMAT if grid else SHARD_FORMAT,
             "generation": self.generation,
             "local_state": self.local_state,
-            "local_tensors": encode_table(self.local_tensors, grid=grid),
+            "local_tensors": table(self.local_tensors),
             "rank": self.rank,
             "run": self.run,
-            "tensors": encode_table(self.tensors, grid=grid),
+            "tensors": table(self.tensors),
             "type": TYPE_SHARD,
             "writer": dict(sorted(self.writer.items())),
         }
@@ -282,10 +286,12 @@ class ShardManifest:
                     TensorEntry.from_wire(t) for t in _typed(wire, "local_tensors", list)
                 )
         else:
-            grid = wire.get("format") == GRID_SHARD_FORMAT
-            table = EntryTable(_typed(wire, "tensors", dict), grid=grid)
+            version = wire.get("format")
+            grid = version in (GRID_SHARD_FORMAT, COMPACT_SHARD_FORMAT)
+            columns = expand_compact if version == COMPACT_SHARD_FORMAT else _as_is
+            table = EntryTable(columns(_typed(wire, "tensors", dict)), grid=grid)
             local_tensors = (
-                EntryTable(_typed(wire, "local_tensors", dict), grid=grid).entries()
+                EntryTable(columns(_typed(wire, "local_tensors", dict)), grid=grid).entries()
                 if only is None
                 else ()
             )
@@ -775,6 +781,10 @@ class EntryTable:
     def named(self, name: str) -> tuple[TensorEntry, ...]:
         """The entries of tensor ``name`` (none if this shard holds no box of it)."""
         return self.entries([i for i, n in enumerate(self.names) if n == name])
+
+
+def _as_is(columns: dict[str, Any]) -> dict[str, Any]:
+    return columns
 
 
 def _str_column(wire: dict[str, Any], key: str, count: int | None = None) -> list[str]:

@@ -22,7 +22,12 @@ from castore import Store
 from castore.chunkstore.base import Namespace
 from castore.format.grid import RUNS
 from castore.format.hashing import Digest, digest_bytes
-from castore.format.objects import GRID_SHARD_FORMAT, SHARD_FORMAT, TYPE_SHARD
+from castore.format.objects import (
+    COMPACT_SHARD_FORMAT,
+    GRID_SHARD_FORMAT,
+    SHARD_FORMAT,
+    TYPE_SHARD,
+)
 from castore.repo.records import RefValue
 
 Wire = dict[str, Any]
@@ -96,11 +101,38 @@ def table_of(entries: list[Wire], grid: bool = False) -> Wire:
     return columns
 
 
+def compact_of(entries: list[Wire]) -> Wire:
+    """Entry maps as a compact tensor table (format 4), whatever their values say:
+    every dimension value in 8 bytes (negative ones too); there is no byte count to
+    forge (the reader derives it from the box)."""
+
+    def i64(values: list[int]) -> bytes:
+        return np.asarray(values, dtype="<i8").tobytes()
+
+    kinds: dict[tuple[Any, ...], int] = {}
+    index = []
+    for e in entries:
+        cell = e.get("cell", [RUNS, 0])
+        kind = (e["dtype"], e["framework"], e["chunk_size"], cell[0], cell[1])
+        index.append(kinds.setdefault(kind, len(kinds)))
+    return {
+        "chunks": b"".join(c for e in entries for c in e["chunks"]),
+        "kind": np.asarray(index, dtype="<u1" if len(kinds) <= 256 else "<u2").tobytes(),
+        "kinds": [list(k) for k in kinds],
+        "local_shape": i64([v for e in entries for v in e["local_shape"]]),
+        "name": [e["name"] for e in entries],
+        "ndim": bytes(len(e["shape"]) for e in entries),
+        "offsets": i64([v for e in entries for v in e["offsets"]]),
+        "shape": i64([v for e in entries for v in e["shape"]]),
+        "width": 8,
+    }
+
+
 def _gridded(shard: Wire) -> bool:
     return any("cell" in e for e in (*shard["tensors"], *shard["local_tensors"]))
 
 
-LAYOUTS = ("grid", "table", "rows")
+LAYOUTS = ("compact", "grid", "table", "rows")
 
 
 def publish_forged(
@@ -109,8 +141,9 @@ def publish_forged(
     """Write the shards and root as the run's next generation and advance the ref to it.
 
     ``layout``: the shards' entries as a table (format 3 where an entry lies on a chunk
-    grid, what castore writes, else format 2), as a format-3 table whatever the entries
-    (``"grid"``), or as format 1's list of maps (``"rows"``, what it still reads)."""
+    grid, else format 2), as a format-3 table whatever the entries (``"grid"``), as a
+    compact table (``"compact"``: format 4, what castore writes), or as format 1's list
+    of maps (``"rows"``, what it still reads)."""
     current = store.refs.read(run)
     assert current is not None
     parent = current.root
@@ -121,6 +154,10 @@ def publish_forged(
             if _gridded(shard):
                 raise ValueError("format 1 has no chunk grid: save with pre_grid_saves()")
             shard["format"] = 1
+        elif layout == "compact" and isinstance(shard["tensors"], list):
+            shard["format"] = COMPACT_SHARD_FORMAT
+            shard["tensors"] = compact_of(shard["tensors"])
+            shard["local_tensors"] = compact_of(shard["local_tensors"])
         elif isinstance(shard["tensors"], list):
             grid = layout == "grid" or _gridded(shard)
             shard["format"] = GRID_SHARD_FORMAT if grid else SHARD_FORMAT
