@@ -557,7 +557,14 @@ class EntryTable:
 
         Returns where each entry's chunk digests start (n + 1 offsets, in digests)."""
         names, dtypes, frameworks = self.names, self._dtypes, self._frameworks
-        if n and not all(names):
+        if not n:  # no entries (most shards' rank-local tensors): nothing to cross-check
+            if self._chunks:
+                raise CorruptObjectError(
+                    f"tensor table lists {len(self._chunks)} bytes of chunk digests, its "
+                    "entries need 0 digests of 32 bytes"
+                )
+            return np.zeros(1, dtype=np.int64)
+        if not all(names):
             return self._fail(names.index(""), "has an empty name")
         unknown = set(dtypes) - SUPPORTED_DTYPES
         if unknown:
