@@ -253,7 +253,7 @@ def _cached(kind: str, cfg: Any, build: Any, refresh: bool) -> tuple[dict[str, n
         with np.load(path) as found:
             arrays = {name: found[name] for name in found.files if name != "__info__"}
             info = json.loads(str(found["__info__"]))
-        info["cached"] = str(path)
+        info["cached"] = path.name
         return arrays, info
     arrays, info = build(cfg)
     partial = path.with_suffix(".partial.npz")

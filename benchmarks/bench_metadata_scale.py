@@ -342,7 +342,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(
-            json.dumps({"args": vars(args) | {"json": str(args.json)}, "rows": rows}, indent=1)
+            json.dumps({"args": vars(args) | {"json": args.json.name}, "rows": rows}, indent=1)
         )
     return 0
 

@@ -748,7 +748,7 @@ def main(argv: list[str] | None = None) -> int:
                 "torch": torch.__version__,
                 "castore": castore.__version__,
             },
-            "castore_path": str(Path(castore.__file__).parent),
+            "castore_path": Path(castore.__file__).parent.name,
             "cpus": os.cpu_count(),
         }
         args.json.write_text(json.dumps(payload, indent=2) + "\n")
