@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from castore.format.grid import writer_cell
 from castore.format.objects import ShardManifest, TensorEntry, encode_object
 
 # Durable request kinds whose count depends on timing: the model gives their floor.
@@ -348,16 +349,18 @@ def manifest_bytes(ranks: int, tensors: int, chunks: int, chunk_size: int) -> in
     row-sharded float32 tensors of ``ranks`` blocks, ``chunks`` chunks in all."""
     per = chunks // tensors
     rows = per * chunk_size // 4 // 1024
+    shape = (rows * ranks, 1024)
     entries = tuple(
         TensorEntry(
             name=f"model/layers/{t}/weight",
             dtype="float32",
-            shape=(rows * ranks, 1024),
+            shape=shape,
             offsets=(rows * (ranks - 1), 0),
             local_shape=(rows, 1024),
             nbytes=per * chunk_size,
             chunk_size=chunk_size,
             chunks=tuple(bytes([t % 256, c % 256]) * 16 for c in range(per)),
+            cell=writer_cell(shape, 4, chunk_size),  # on the tensor's grid, as saved
         )
         for t in range(tensors)
     )
