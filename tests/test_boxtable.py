@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -194,3 +195,70 @@ def test_broken_control_skipping_the_replicas_digests_accepts_other_bytes(
     monkeypatch.setattr(boxtable.BoxTable, "_same_digests", lambda self, a, b: None)
     assert box_table(decoded(shards)) is not None  # the broken table takes them
     assert checked_entries(decoded(shards), WHERE)["t"][0].chunks[0][0] == 0
+
+
+# -- a restoring rank's plan at a simulated 1,024 ranks ------------------------------------
+
+
+def test_planning_at_1024_ranks_reads_two_manifests_onto_the_saved_layout() -> None:
+    """1,024 synthetic manifests (each rank 2 rows of 4 tensors), encoded as a writer
+    encodes them: a rank restoring onto the saved layout decodes its own manifest and
+    rank 0's and plans each target from its own box; planned as another layout (4 rows
+    a target, straddling two ranks' boxes) it decodes all 1,024 and finds both sources."""
+    from castore.core.commit import make_root
+    from castore.dist import planning
+    from castore.format.shard import Shard
+    from castore.format.tree import encode_state
+
+    ranks, names = 1024, [f"t{t}" for t in range(4)]
+    shape = (2 * ranks, 8)
+    encoded = [
+        encode_object(
+            ShardManifest("r", 1, r, tuple(entry(n, shape, Box((2 * r, 0), (2, 8))) for n in names))
+        )
+        for r in range(ranks)
+    ]
+    skeleton = encode_state({n: np.empty((0,), np.float32) for n in names}).skeleton
+    root = make_root(
+        run="r", generation=1, step=1, parent=None, world_size=ranks,
+        shards=[bytes(32)] * ranks, state=skeleton, metadata=b"", stats={},
+        frameworks={}, writer={},
+    )  # fmt: skip
+
+    class Lazy(list):  # the manifests, decoded when first indexed, counted
+        def __init__(self) -> None:
+            super().__init__([None] * ranks)
+            self.read = 0
+
+        def __getitem__(self, i: Any) -> Any:
+            if isinstance(i, slice):
+                return [self[j] for j in range(ranks)[i]]
+            if list.__getitem__(self, i) is None:
+                self.read += 1
+                list.__setitem__(self, i, decode_object(encoded[i]))
+            return list.__getitem__(self, i)
+
+        def __iter__(self) -> Any:
+            return (self[i] for i in range(ranks))
+
+    rank = 700
+    local = np.empty((2, 8), np.float32)
+    own = [(n, Shard(local, shape, (2 * rank, 0))) for n in names]
+    shards = Lazy()
+    found, wanted = planning.plan_restore(
+        shards, root, own, WHERE, direct=planning.direct_shards(shards, rank)
+    )
+    assert shards.read == 2
+    assert [[e.offsets for e in t.sources or []] for t in wanted] == [[(1400, 0)]] * 4
+    assert planning.resharded(wanted, found) == 0
+    wide = np.empty((4, 8), np.float32)
+    other = [(n, Shard(wide, shape, (2 * rank + 1, 0))) for n in names]  # rows 1401-1404
+    shards = Lazy()
+    found, wanted = planning.plan_restore(
+        shards, root, other, WHERE, direct=planning.direct_shards(shards, rank)
+    )
+    assert shards.read == ranks  # the direct plan declined: every manifest read
+    assert [sorted(e.offsets for e in t.sources or []) for t in wanted] == [
+        [(1400, 0), (1402, 0), (1404, 0)]
+    ] * 4
+    assert planning.resharded(wanted, found) == 4
