@@ -362,6 +362,15 @@ def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -
             )
         for boxes in entries.values():
             check_coverage(boxes, where)
+        for entry in root.whole:  # the root's copies: a restore may read them instead
+            if entries.get(entry.name) != [entry]:
+                problems.append(
+                    Problem(
+                        root.run,
+                        root.generation,
+                        f"the root's entry of tensor {entry.name!r} is not the shards' entry",
+                    )
+                )
     except CastoreError as exc:
         problems.append(Problem(root.run, root.generation, f"{type(exc).__name__}: {exc}"))
         return None

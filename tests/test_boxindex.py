@@ -147,3 +147,10 @@ def test_broken_control_a_window_that_ignores_how_far_boxes_reach_misses_one(
     with pytest.raises(CoverageError):
         covered_once(broken.overlapping(region), region, WHERE, check_coverage)
     assert boxindex._SCAN < len(boxes)  # the index (not the scan) answered
+
+
+def test_a_0d_tensors_one_box_is_found_for_its_one_element() -> None:
+    """A scalar (a replicated step counter): its box has no coordinates."""
+    scalar = TensorEntry.trusted("s", "int64", (), (), (), 8, 8, (bytes(32),), "numpy")
+    assert BoxIndex([scalar]).overlapping(Box((), ())) == [scalar]
+    assert BoxIndex([]).overlapping(Box((), ())) == []

@@ -264,10 +264,15 @@ def test_the_generation_records_each_dtensors_mesh_and_placements(
         v == {"mesh": [2], "mesh_dims": None, "placements": ["S(0)"]} for v in layouts.values()
     )
     resharded = [r["resharded"] for r in ranks]
+    manifests = [r["manifests"] for r in ranks]
     if world == 2:
         assert resharded == [0, 0]
+        # Onto the saved layout a rank reads its own manifest and rank 0's (each "step",
+        # a replicated value one rank wrote, the root repeats): castore.dist.planning.
+        assert manifests == [1, 2]
     else:  # the MLP's 3 weights and 2 biases and their 2 moments each, at least on one rank
         assert max(resharded) >= len(sharded) // 2
+        assert manifests == [2, 2, 2]  # every manifest, to reshard
     with castore.open(path) as store:
         shown = store.resolve(w.RUN).layouts
     assert shown == layouts

@@ -74,8 +74,11 @@ class BoxIndex:
     def __init__(self, boxes: Sequence[TensorEntry]) -> None:
         self.boxes = list(boxes)
         dims = len(self.boxes[0].shape) if self.boxes else 0
-        lo = np.array([b.offsets for b in self.boxes], dtype=np.int64).reshape(-1, dims)
-        size = np.array([b.local_shape for b in self.boxes], dtype=np.int64).reshape(-1, dims)
+        lo = np.zeros((len(self.boxes), dims), dtype=np.int64)
+        size = np.zeros((len(self.boxes), dims), dtype=np.int64)
+        if dims:  # a 0-d tensor's boxes have no coordinates
+            lo[:] = [b.offsets for b in self.boxes]
+            size[:] = [b.local_shape for b in self.boxes]
         self.sorted = SortedBoxes(lo, size)
 
     def overlapping(self, region: Box) -> list[TensorEntry]:

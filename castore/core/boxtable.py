@@ -232,6 +232,16 @@ class BoxTable(Mapping[str, list[TensorEntry]]):
                 rows = self._order[self._bounds[t] : self._bounds[t + 1]].tolist()
                 self._built[name] = [every[shard_of[i]][row[i]] for i in rows]
 
+    def whole_tensors(self, max_chunks: int) -> list[TensorEntry]:
+        """The entries of the tensors that one box holds whole, in at most ``max_chunks``
+        chunks (replicated values), built alone."""
+        order, bounds = self._order, self._bounds
+        single = np.flatnonzero(np.diff(bounds) == 1)
+        rows = order[bounds[single]]
+        whole = (self._local[rows] == self._shape[rows]).all(axis=1)
+        small = self._chunk_hi[rows] - self._chunk_lo[rows] <= max_chunks
+        return [self._entry(int(i)) for i in rows[whole & small]]
+
     # -- a restoring rank's view ---------------------------------------------------
 
     def first(self, name: str) -> TensorEntry:

@@ -26,7 +26,7 @@ import platform
 import socket
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ import msgpack
 import numpy as np
 
 from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.core.boxtable import BoxTable
 from castore.core.chunkio import WriteStats, write_leaves
 from castore.core.fencing import record_published, ref_for_root, root_writer, writer_epoch
 from castore.core.reading import checked_entries, read_object, read_root
@@ -379,6 +380,7 @@ def make_root(
     writer: dict[str, Any],
     data_order: dict[str, Any] | None = None,
     layouts: dict[str, Any] | None = None,
+    whole: Sequence[TensorEntry] = (),
 ) -> GenerationRoot:
     return GenerationRoot(
         run=run,
@@ -395,7 +397,27 @@ def make_root(
         stats=stats,
         writer=dict(writer),
         layouts=dict(layouts or {}),
+        whole=tuple(whole),
     )
+
+
+# A tensor held whole by one box of at most this many chunks is repeated in the root.
+WHOLE_IN_ROOT_CHUNKS = 16
+
+
+def whole_in_root(entries: Mapping[str, list[TensorEntry]]) -> list[TensorEntry]:
+    """The small tensors one saved box holds whole (replicated values, each written by
+    one rank), for the root (GenerationRoot.whole): a rank restoring onto the saved
+    layout finds them there instead of in whichever rank's manifest holds each."""
+    if isinstance(entries, BoxTable):
+        return entries.whole_tensors(WHOLE_IN_ROOT_CHUNKS)
+    return [
+        boxes[0]
+        for boxes in entries.values()
+        if len(boxes) == 1
+        and boxes[0].local_shape == boxes[0].shape
+        and len(boxes[0].chunks) <= WHOLE_IN_ROOT_CHUNKS
+    ]
 
 
 def encode_metadata(metadata: dict[str, Any] | None) -> bytes:

@@ -34,6 +34,7 @@ from castore.core.commit import (
     publish,
     publish_shards,
     root_stats,
+    whole_in_root,
 )
 from castore.core.staging import leaf_nbytes
 from castore.dist.comm import (
@@ -407,6 +408,7 @@ def _validate_and_publish(
             data_order=content.data_order,
             writer=proposal["writer"],
             layouts=content.layouts,
+            whole=whole_in_root(checked.entries) if comm.world_size > 1 else (),
         )
 
     shards = [ack["shard"] for ack in acks]

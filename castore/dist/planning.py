@@ -62,27 +62,65 @@ def plan_restore(
     where: dict[str, Any],
     *,
     direct: list[int] | None = None,
+    rest: tuple[str, bool | Callable[[NotLoaded], Any]] | None = None,
 ) -> tuple[Mapping[str, list[TensorEntry]], list[Target]]:
-    """The saved boxes a rank's targets ``found`` read, and the targets planned.
+    """The saved boxes a rank's targets ``found`` read, and the targets planned;
+    ``rest``: (framework, like) of ``load_rest``, the saved tensors no target names.
 
-    ``direct``: the manifests to try first (:func:`direct_shards`). Where each target
-    is a box one of them holds whole, and they name every tensor of the state, that
-    is the plan: the coordinator checked before the publish that each tensor's boxes
-    tile it exactly once (castore.core.commit.check_shards), so a saved box equal to
-    the target is its only source, and the rank reads two manifests, not R. Otherwise
-    (resharding, tensors held elsewhere) every manifest is read and searched."""
+    ``direct``: the manifests to try first (:func:`direct_shards`), with the small
+    tensors the root repeats (GenerationRoot.whole). Where each target is a box they
+    hold whole, and they name every tensor of the state, that is the plan: the
+    coordinator checked before the publish that each tensor's boxes tile it exactly
+    once (castore.core.commit.check_shards), so a saved box equal to the target is its
+    only source, and the rank reads two manifests, not R. Otherwise (resharding,
+    tensors held elsewhere) every manifest is read and searched."""
+    if rest is not None and callable(rest[1]):
+        rest = (rest[0], _once(rest[1]))  # asked once a tensor, whichever plan holds
     if direct:
-        some = grouped_entries([shards[i] for i in direct], where)
+        some = _direct_entries([shards[i] for i in direct], root, where)
         if {name for name, _ in tensor_names(root.state)} <= some.keys():
             try:
-                wanted = plan_targets(found, some, where)
+                wanted = _plan(found, some, where, rest)
             except (CoverageError, TensorNotFoundError):
-                wanted = []  # the whole generation decides (and names what is wrong)
+                pass  # the whole generation decides (and names what is wrong)
             else:
                 if all(is_saved_box(t.box, sources_of(t, some)) for t in wanted):
                     return some, wanted
     entries = grouped_entries(list(shards), where)
-    return entries, plan_targets(found, entries, where)
+    return entries, _plan(found, entries, where, rest)
+
+
+def _plan(
+    found: list[tuple[str, Any]],
+    entries: Mapping[str, list[TensorEntry]],
+    where: dict[str, Any],
+    rest: tuple[str, bool | Callable[[NotLoaded], Any]] | None,
+) -> list[Target]:
+    wanted = plan_targets(found, entries, where)
+    if rest is not None:
+        wanted += plan_rest(entries, {t.name for t in wanted}, rest[0], rest[1], where)
+    return wanted
+
+
+def _direct_entries(
+    some: list[ShardManifest], root: GenerationRoot, where: dict[str, Any]
+) -> dict[str, list[TensorEntry]]:
+    """The boxes of ``some`` manifests, and the root's whole small tensors besides."""
+    entries = dict(grouped_entries(some, where).items())
+    for entry in root.whole:
+        entries.setdefault(entry.name, [entry])
+    return entries
+
+
+def _once(like: Callable[[NotLoaded], Any]) -> Callable[[NotLoaded], Any]:
+    given: dict[str, Any] = {}
+
+    def target(saved: NotLoaded) -> Any:
+        if saved.name not in given:
+            given[saved.name] = like(saved)
+        return given[saved.name]
+
+    return target
 
 
 def sources_of(target: Target, entries: Mapping[str, list[TensorEntry]]) -> list[TensorEntry]:

@@ -246,16 +246,16 @@ def _load_root(
         shards = opened["shards"] = reading.ShardList(store.backend, root)
         found: list[tuple[str, Any]] = []
         planning.target_leaves(targets, "", found)
-        direct = not load_rest and planning.direct_shards(shards, comm.rank)
+        direct = planning.direct_shards(shards, comm.rank)
         for index in direct or range(len(shards)):
             shards[index]  # read and verified now: the metadata phase
         timings["metadata"] = time.perf_counter() - clock
         clock = time.perf_counter()
         where = {"run": run, "generation": root.generation, "rank": comm.rank}
-        entries, wanted = planning.plan_restore(shards, root, found, where, direct=direct or None)
-        if load_rest:
-            named = {t.name for t in wanted}
-            wanted += planning.plan_rest(entries, named, framework, load_rest, where)
+        rest = (framework, load_rest) if load_rest else None
+        entries, wanted = planning.plan_restore(
+            shards, root, found, where, direct=direct or None, rest=rest
+        )
         requests = [r for t in wanted for r in planning.chunk_requests(t, entries)]
         timings["planning"] = time.perf_counter() - clock
         clock = time.perf_counter()

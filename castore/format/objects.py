@@ -375,6 +375,11 @@ class GenerationRoot:
     # Each DTensor's mesh and placements, by key path (castore.format.dtensor.layout_record);
     # roots without DTensors encode without the key.
     layouts: dict[str, Any] = field(default_factory=dict)
+    # The small tensors one box holds whole (replicated values, each written by one rank),
+    # their entries repeated from the shards: a rank restoring onto the saved layout reads
+    # them here instead of the manifest of whichever rank wrote each (castore.dist.planning).
+    # Roots without any encode without the key.
+    whole: tuple[TensorEntry, ...] = ()
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -397,6 +402,8 @@ class GenerationRoot:
             wire["writer"] = dict(sorted(self.writer.items()))
         if self.layouts:
             wire["layouts"] = dict(sorted(self.layouts.items()))
+        if self.whole:
+            wire["whole"] = encode_compact(self.whole)
         return wire
 
     @property
@@ -437,6 +444,12 @@ class GenerationRoot:
         ):
             raise CorruptObjectError("root field 'layouts' must map key paths to maps")
         check_depth(layouts, "root field 'layouts'", MAX_FIELD_DEPTH)
+        whole: tuple[TensorEntry, ...] = ()
+        if "whole" in wire:
+            try:
+                whole = EntryTable(expand_compact(wire["whole"]), grid=True).entries()
+            except CorruptObjectError as exc:
+                raise CorruptObjectError(f"root field 'whole': {exc}") from exc
         return cls(
             run=_typed(wire, "run", str),
             generation=_positive(wire, "generation"),
@@ -452,6 +465,7 @@ class GenerationRoot:
             stats=stats,
             writer=writer,
             layouts=layouts,
+            whole=whole,
         )
 
 

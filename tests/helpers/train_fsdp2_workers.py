@@ -141,7 +141,11 @@ def recorded_layouts(rank: int, world: int, path: str) -> dict[str, Any]:
     state = castore.train.TrainState(model, optimizer)
     resumed = state.load(store, run=RUN, resume="exact" if world == 2 else "continuation")
     assert resumed.report is not None
-    return {"layouts": resumed.generation.layouts, "resharded": resumed.report.resharded}
+    return {
+        "layouts": resumed.generation.layouts,
+        "resharded": resumed.report.resharded,
+        "manifests": resumed.report.manifests_read,
+    }
 
 
 def train_2d(rank: int, world: int, path: str, kind: str) -> dict[str, Any]:
