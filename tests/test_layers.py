@@ -45,7 +45,7 @@ FLOORS = (
     Floor(
         "multi-rank saves; operations",
         ("castore.dist", "castore.gc", "castore.verify", "castore.copying", "castore.diffing",
-         "castore.export"),  # fmt: skip
+         "castore.export", "castore.lineage"),  # fmt: skip
     ),
     Floor(
         "built on those",

@@ -93,6 +93,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_inspection(commands)
     _add_tags(commands)
+    _add_branch(commands)
     _add_collection(commands)
     _add_maintenance(commands)
     _add_copy(commands)
@@ -166,6 +167,22 @@ def _add_inspection(commands: Any) -> None:
         metavar="P",
         help="re-hash each chunk with chance P%%, 0 < P <= 100 (a percent, not a fraction)",
     )
+
+
+def _add_branch(commands: Any) -> None:
+    branch = _command(
+        commands,
+        "branch",
+        "start a new run from a generation of any run (no chunk written)",
+        "Start NEWRUN with RUN@GEN as its generation 1: the same tensors and values,\n"
+        "sharing every chunk (only a manifest per rank and a root are written). Saves\n"
+        "to NEWRUN then continue from it; castore log shows where it came from, and gc\n"
+        "keeps the shared chunks while any run names them. NEWRUN must not exist.\n\n"
+        + TARGET_HELP,
+        "castore branch ./ckpt base@12 finetune-a\ncastore branch ./ckpt base finetune-b",
+    )
+    branch.add_argument("target", metavar="RUN[@GEN]", help="the generation to start from")
+    branch.add_argument("new_run", metavar="NEWRUN", help="the new run's name")
 
 
 def _add_tags(commands: Any) -> None:

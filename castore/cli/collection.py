@@ -1,5 +1,5 @@
 """The commands that decide what a store keeps and what it costs: ``tag``, ``untag``,
-``gc``, ``du``, ``compact``."""
+``branch``, ``gc``, ``du``, ``compact``."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from castore.cli.output import format_time, ratio, spans, text_table
 from castore.cli.stores import open_existing, shards_here
 from castore.core.history import Generation, split_address
 from castore.errors import GcAbortedError
+from castore.lineage import branch
 from castore.support.progress import format_size as format_bytes
 
 _RUNS_NAMED = 5  # runs an unasked gc's refusal names before it only counts them
@@ -46,6 +47,18 @@ def cmd_tag(args: argparse.Namespace) -> int:
         f"moved tag {args.name} from {run}@{old.generation} ({old.root.hex[:12]}) to "
         f"{run}@{gen.id} ({gen.root[:12]}); {run}@{old.generation} is no longer pinned "
         f"by it ({still})"
+    )
+    return 0
+
+
+def cmd_branch(args: argparse.Namespace) -> int:
+    run, generation = split_address(args.target)
+    with open_existing(args.store) as store:
+        made = branch(store, run, generation, args.new_run)
+    source = made.lineage["from"][0]
+    print(
+        f"started run {made.run} at {source['run']}@{source['generation']} "
+        f"(step {made.step}, root {made.root[:12]}): no chunk written"
     )
     return 0
 

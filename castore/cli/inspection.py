@@ -31,7 +31,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             copies = copies_logged(store, run, {g.root for g in listed})  # what copies wrote
             for gen in listed:
                 row = _log_row(gen, len(runs) > 1, copies.get(gen.root))
-                row += [",".join(tags.get(gen.root, []))]
+                row += [",".join(tags.get(gen.root, [])), _origin(gen)]
                 rows.append(row + [shards_here(store, gen)])
         if not rows:
             print("no generations")
@@ -39,11 +39,24 @@ def cmd_log(args: argparse.Namespace) -> int:
         headers = [
             "id", "step", "time", "logical", "new", "stored", "written", "dedup", "held", "root"
         ]
-        headers = (["run"] if len(runs) > 1 else []) + headers + ["tags", "here"]
+        headers = (["run"] if len(runs) > 1 else []) + headers + ["tags", "from", "here"]
         if all(row[-1] == "all" for row in rows):  # no tier holds a part elsewhere
             rows, headers = [row[:-1] for row in rows], headers[:-1]
-        print(text_table(rows, headers, text=("run", "root", "tags", "here")))
+        if not any(row[headers.index("from")] for row in rows):  # every one a save
+            at = headers.index("from")
+            rows = [row[:at] + row[at + 1 :] for row in rows]
+            headers = headers[:at] + headers[at + 1 :]
+        print(text_table(rows, headers, text=("run", "root", "tags", "from", "here")))
     return 0
+
+
+def _origin(gen: Generation) -> str:
+    """Where a generation made from others came from ("branch of base@3"), else ""."""
+    sources = gen.lineage.get("from") if gen.lineage else None
+    if not isinstance(sources, list) or not sources:
+        return ""
+    named = [f"{s.get('run')}@{s.get('generation')}" for s in sources if isinstance(s, dict)]
+    return f"{gen.lineage.get('op', 'made')} of {', '.join(named)}"
 
 
 def _log_row(gen: Generation, with_run: bool, copied: CopyRecord | None = None) -> list[Any]:

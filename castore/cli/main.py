@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 from castore.cli.args import build_parser
 from castore.cli.checks import cmd_repair, cmd_verify
-from castore.cli.collection import cmd_compact, cmd_du, cmd_gc, cmd_tag, cmd_untag
+from castore.cli.collection import cmd_branch, cmd_compact, cmd_du, cmd_gc, cmd_tag, cmd_untag
 from castore.cli.failures import run_command
 from castore.cli.inspection import cmd_diff, cmd_log, cmd_show
 from castore.cli.tiers import cmd_tiers
@@ -27,6 +27,7 @@ COMMANDS = {
     "tiers": cmd_tiers,
     "tag": cmd_tag,
     "untag": cmd_untag,
+    "branch": cmd_branch,
     "gc": cmd_gc,
     "repair": cmd_repair,
     "compact": cmd_compact,

@@ -381,6 +381,7 @@ def make_root(
     data_order: dict[str, Any] | None = None,
     layouts: dict[str, Any] | None = None,
     whole: Sequence[TensorEntry] = (),
+    lineage: dict[str, Any] | None = None,
 ) -> GenerationRoot:
     return GenerationRoot(
         run=run,
@@ -398,6 +399,7 @@ def make_root(
         writer=dict(writer),
         layouts=dict(layouts or {}),
         whole=tuple(whole),
+        lineage=dict(lineage or {}),
     )
 
 

@@ -99,6 +99,8 @@ class Generation:
     writer: dict[str, Any] = field(default_factory=dict)
     # Each DTensor's mesh and placements at the save, by key path (empty without DTensors).
     layouts: dict[str, Any] = field(default_factory=dict)
+    # Where a generation made from others came from ({} for a save): castore.lineage.
+    lineage: dict[str, Any] = field(default_factory=dict)
 
     @property
     def logical_bytes(self) -> int:
@@ -135,6 +137,7 @@ class Generation:
             data_order=dict(root.data_order),
             writer=dict(root.writer),
             layouts=dict(root.layouts),
+            lineage=dict(root.lineage),
         )
 
 

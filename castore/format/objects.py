@@ -380,6 +380,9 @@ class GenerationRoot:
     # them here instead of the manifest of whichever rank wrote each (castore.dist.planning).
     # Roots without any encode without the key.
     whole: tuple[TensorEntry, ...] = ()
+    # Where a generation made from others came from (castore.lineage): ``op`` ("branch")
+    # and ``from``, a list of {run, generation, root}. Saves record none.
+    lineage: dict[str, Any] = field(default_factory=dict)
 
     def to_wire(self) -> dict[str, Any]:
         wire: dict[str, Any] = {
@@ -404,6 +407,8 @@ class GenerationRoot:
             wire["layouts"] = dict(sorted(self.layouts.items()))
         if self.whole:
             wire["whole"] = encode_compact(self.whole)
+        if self.lineage:
+            wire["lineage"] = dict(sorted(self.lineage.items()))
         return wire
 
     @property
@@ -444,6 +449,10 @@ class GenerationRoot:
         ):
             raise CorruptObjectError("root field 'layouts' must map key paths to maps")
         check_depth(layouts, "root field 'layouts'", MAX_FIELD_DEPTH)
+        lineage = wire.get("lineage", {})
+        if not isinstance(lineage, dict):
+            raise CorruptObjectError("root field 'lineage' is not a map")
+        check_depth(lineage, "root field 'lineage'", MAX_FIELD_DEPTH)
         whole: tuple[TensorEntry, ...] = ()
         if "whole" in wire:
             try:
@@ -466,6 +475,7 @@ class GenerationRoot:
             writer=writer,
             layouts=layouts,
             whole=whole,
+            lineage=lineage,
         )
 
 

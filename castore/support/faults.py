@@ -39,6 +39,9 @@ POINTS = (
     "copy.before_root",
     "copy.before_ref_advance",
     "copy.after_ref_advance",
+    "lineage.before_root",
+    "lineage.before_ref_advance",
+    "lineage.after_ref_advance",
     "tiers.node_before_ref_advance",
 )
 
