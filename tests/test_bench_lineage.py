@@ -1,0 +1,31 @@
+"""benchmarks/bench_lineage.py stays runnable: its ``--small`` run branches a generation,
+times the peers beside it and records the goals (no timing asserted here: the measured
+figures are in docs/PERFORMANCE.md)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_small_run_branches_and_writes_its_record(tmp_path: Path) -> None:
+    out = tmp_path / "lineage.json"
+    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
+    done = subprocess.run(
+        [sys.executable, "benchmarks/bench_lineage.py", "--small", "--dir", str(tmp_path),
+         "--json", str(out)],
+        cwd=REPO, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
+        timeout=300,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    record = json.loads(out.read_text())
+    assert set(record["seconds"]) == {"castore branch", "torch.save", "safetensors"}
+    assert 0 < record["branch_written_bytes"] < 1 << 20  # manifests and a root, no chunk
+    assert record["branch_written_bytes"] < record["logical_bytes"] / 100
+    assert set(record["goals"]) == {"branch under 50 ms", "branch writes under 1 MiB"}
+    assert "castore branch" in done.stdout and "goals:" in done.stdout
