@@ -1,14 +1,15 @@
 """castore.branch and ``castore branch``: a new run from any generation, in O(metadata).
 
-On a local (LMDB) store and a shared-directory store: the new run's generation 1
-restores the source's values bitwise, writes a manifest per rank and a root and no
-chunk, records where it came from (``castore log`` shows it), and saves continue from
-it. Refusals are typed and change nothing (an existing run, a missing source, a bad
-name). Garbage collection keeps the shared chunks while either run names them, and
-frees them when neither does. A SIGKILL at each of the branch's fault points leaves
-the store as it was (or the branch whole, after the ref advance). Broken control: a
-collection that marks only the source run's generations frees chunks the branch
-still needs, which the branch's verify and load then refuse.
+On a local (LMDB) store, a shared-directory store and S3 (moto): the new run's
+generation 1 restores the source's values bitwise, writes a manifest per rank and
+a root and no chunk, records where it came from (``castore log`` shows it), and
+saves continue from it. Refusals are typed and change nothing (an existing run, a
+missing source, a bad name). Garbage collection keeps the shared chunks while
+either run names them. A SIGKILL at each of the branch's fault points leaves the
+store as it was (or the branch whole, after the ref advance); that drill and the
+CLI run on this machine's two kinds of store. Broken control: a collection that
+marks only the source run's generations frees chunks the branch still needs,
+which the branch's verify and load then refuse.
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 from cli_runner import clean_env, run_cli
+from s3_server import REGION, store_arguments
 
 import castore
 from castore.chunkstore.base import Namespace
@@ -36,11 +39,35 @@ def state(seed: int) -> dict[str, np.ndarray]:
     return {"w": rng.standard_normal((64, 32)).astype(np.float32), "b": np.arange(7.0) + seed}
 
 
+@pytest.fixture(params=["lmdb", "shared", "s3"])
+def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
+    """A store holding base@1 and base@2: its location and the options it opens with."""
+    kind = request.param
+    if kind == "s3":
+        endpoint = request.getfixturevalue("s3_endpoint")
+        bucket = request.getfixturevalue("s3_bucket")
+        keys = store_arguments(endpoint)
+        options: dict[str, Any] = {
+            "endpoint_url": endpoint,
+            "region": REGION,
+            "cache_dir": str(tmp_path / "cache"),
+            "s3_options": {"access_key": keys["access_key"], "secret_key": keys["secret_key"]},
+        }
+        location = f"s3://{bucket}/branches"
+    else:
+        location, options = str(tmp_path / "store"), {"shared": kind == "shared"}
+    with castore.open(location, chunk_size=CHUNK, **options) as store:
+        store.save(state(1), run="base", step=10)
+        store.save(state(2), run="base", step=20)
+    options.pop("shared", None)
+    return location, options
+
+
 @pytest.fixture(params=["lmdb", "shared"])
 def path(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    """A store on this machine (for the child processes and the CLI)."""
     where = tmp_path / "store"
-    shared = request.param == "shared"
-    with castore.open(where, chunk_size=CHUNK, shared=shared) as store:
+    with castore.open(where, chunk_size=CHUNK, shared=request.param == "shared") as store:
         store.save(state(1), run="base", step=10)
         store.save(state(2), run="base", step=20)
     return where
@@ -50,8 +77,11 @@ def chunks_of(store: castore.Store) -> set[bytes]:
     return set(store.backend.iter_keys(Namespace.CHUNKS))
 
 
-def test_a_branch_restores_the_source_and_writes_no_chunk(path: Path) -> None:
-    with castore.open(path) as store:
+def test_a_branch_restores_the_source_and_writes_no_chunk(
+    where: tuple[str, dict[str, Any]],
+) -> None:
+    location, options = where
+    with castore.open(location, **options) as store:
         before = chunks_of(store)
         made = castore.branch(store, "base", 1, "ft")
         assert (made.run, made.id, made.step) == ("ft", 1, 10)
@@ -70,8 +100,9 @@ def test_a_branch_restores_the_source_and_writes_no_chunk(path: Path) -> None:
         assert verify_store(store, deep=True).ok
 
 
-def test_refusals_are_typed_and_change_nothing(path: Path) -> None:
-    with castore.open(path) as store:
+def test_refusals_are_typed_and_change_nothing(where: tuple[str, dict[str, Any]]) -> None:
+    location, options = where
+    with castore.open(location, **options) as store:
         castore.branch(store, "base", "latest", "ft")
         objects = set(store.backend.iter_keys(Namespace.OBJECTS))
         with pytest.raises(RefConflictError, match="run 'ft' exists"):
@@ -86,8 +117,9 @@ def test_refusals_are_typed_and_change_nothing(path: Path) -> None:
         assert sorted(store.runs()) == ["base", "ft"]
 
 
-def test_gc_keeps_shared_chunks_while_any_run_names_them(path: Path) -> None:
-    with castore.open(path) as store:
+def test_gc_keeps_shared_chunks_while_any_run_names_them(where: tuple[str, dict[str, Any]]) -> None:
+    location, options = where
+    with castore.open(location, **options) as store:
         castore.branch(store, "base", 1, "ft")
         store.save(state(4), run="base", step=30)
         collect_garbage(store, RetentionPolicy(keep_last=1))  # base@1 dropped
@@ -99,9 +131,10 @@ def test_gc_keeps_shared_chunks_while_any_run_names_them(path: Path) -> None:
 
 
 def test_broken_control_a_collection_that_ignores_the_branch_loses_its_chunks(
-    path: Path, monkeypatch: pytest.MonkeyPatch
+    where: tuple[str, dict[str, Any]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with castore.open(path) as store:
+    location, options = where
+    with castore.open(location, **options) as store:
         castore.branch(store, "base", 1, "ft")
         store.save(state(4), run="base", step=30)
         real = store.runs
