@@ -209,9 +209,11 @@ def tensor_entries(
 def grouped_entries(
     shards: list[ShardManifest], where: dict[str, Any]
 ) -> Mapping[str, list[TensorEntry]]:
-    """:func:`group_entries`, read from the shards' tables as columns where they have
-    them (castore.core.boxtable: entries built only for the tensors asked for)."""
-    table = box_table(shards)
+    """:func:`group_entries`, read from the shards' tables as columns where there are
+    several shards with tables (castore.core.boxtable: entries built only for the
+    tensors asked for). One shard's entries are all wanted anyway, and built faster
+    one by one."""
+    table = box_table(shards) if len(shards) > 1 else None
     return table if table is not None else group_entries(shards, where)
 
 
@@ -221,7 +223,7 @@ def checked_entries(
     """The shards' tensors grouped (:func:`grouped_entries`), each checked to be covered
     exactly once by boxes that agree (:func:`check_coverage`): column-wise where the
     shards have tables, else, or at the first doubt, box by box (which names the fault)."""
-    table = box_table(shards)
+    table = box_table(shards) if len(shards) > 1 else None
     if table is not None and table.check():
         return table
     # The per-entry path raises, naming the tensor and the fault.
