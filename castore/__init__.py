@@ -29,7 +29,7 @@ from castore.errors import (
     UnsupportedValueError,
 )
 from castore.format.shard import NotLoaded, RankLocal, Shard
-from castore.lineage import branch
+from castore.lineage import amend, branch
 from castore.opening import open_address
 from castore.store import Store
 from castore.tiers import TieredStore, open_tiered
@@ -59,6 +59,7 @@ __all__ = [
     "TieredStore",
     "UnsupportedValueError",
     "__version__",
+    "amend",
     "branch",
     "copy",
     "errors",

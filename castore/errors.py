@@ -58,6 +58,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   └── ImportSourceError            (ValueError) a source to import is missing or unsafe
     ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
     ├── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
+    ├── AmendError                       (ValueError) an amend that cannot be made as asked
     ├── GcAbortedError                   garbage collection stopped before deleting anything
     ├── SaveAborted                      the background writer failed while staging went on
     └── InjectedFault                    a test's fault point switched to ``raise``
@@ -409,6 +410,11 @@ class ResumeMismatchError(CastoreError, ValueError):
 
     ``differences`` maps each field to ``(saved, current)``.
     """
+
+
+class AmendError(CastoreError, ValueError):
+    """An amend that cannot be made as asked (a pattern that matches nothing, a result
+    with no tensor left): the message says which; nothing was written."""
 
 
 class GcAbortedError(CastoreError):

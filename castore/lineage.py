@@ -1,4 +1,4 @@
-"""Generations made from other generations, in O(metadata): branch.
+"""Generations made from other generations, in O(metadata): branch and amend.
 
 A generation is a root over shard manifests over chunks named by their hash,
 so a new generation that holds what an old one holds costs only new
@@ -13,10 +13,17 @@ epoch and the ref's compare-and-swap, and the reflog. The root records where
 it came from (``lineage``: ``op`` and ``from``, run, generation and root), which
 ``castore log`` shows. Garbage collection needs nothing new: the chunks are
 held by every root that names them.
+
+:func:`amend` publishes a generation with subtrees dropped (``drop``: glob
+patterns over key paths, ``optim/**``): the optimizer state left out of a
+release, say. The same manifests less the dropped tensors' entries, the same
+chunks; on the same run (its next generation) or a new one.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from fnmatch import fnmatchcase
 from typing import Any
 
 from castore.core.commit import (
@@ -27,13 +34,14 @@ from castore.core.commit import (
     publish_shards,
 )
 from castore.core.history import Generation, GenerationSpec
-from castore.errors import RefConflictError
+from castore.errors import AmendError, RefConflictError
 from castore.format.hashing import digest_bytes
-from castore.format.objects import GenerationRoot, ShardManifest, encode_object
+from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry, encode_object
+from castore.format.tree import drop_paths, tensor_names
 from castore.repo.records import validate_run_name
 from castore.store import Store
 
-BRANCH_FAULTS = PublishFaults(
+LINEAGE_FAULTS = PublishFaults(
     before_root="lineage.before_root",
     before_ref_advance="lineage.before_ref_advance",
     after_ref_advance="lineage.after_ref_advance",
@@ -86,6 +94,7 @@ def branch(store: Store, run: str, generation: GenerationSpec, new_run: str) -> 
                     **source.stats,
                     "new_bytes": 0,
                     "new_chunks": 0,
+                    "stored_bytes": 0,
                     "written_bytes": sum(len(data) for _, data in objects),
                 },
                 frameworks=dict(source.frameworks),
@@ -103,7 +112,107 @@ def branch(store: Store, run: str, generation: GenerationSpec, new_run: str) -> 
             parent=None,
             shards=[key for key, _ in objects],
             build_root=build_root,
-            faults=BRANCH_FAULTS,
+            faults=LINEAGE_FAULTS,
             skeleton=source.state,
+        )
+    return Generation.from_root(new_digest, root)
+
+
+def amend(
+    store: Store,
+    run: str,
+    generation: GenerationSpec = "latest",
+    *,
+    drop: Sequence[str] = (),
+    to_run: str | None = None,
+) -> Generation:
+    """Publish ``run@generation`` less every subtree whose key path matches a pattern of
+    ``drop`` (``fnmatch``: ``optim/**``, ``model/*.bias``; ``optim/**`` drops ``optim``
+    itself too), as the next generation of ``to_run`` (default ``run``; a new run
+    starts at 1). No chunk is written. AmendError: a pattern that matches no key path,
+    or nothing asked, or no tensor left."""
+    target = run if to_run is None else validate_run_name(to_run)
+    if not drop:
+        raise AmendError("nothing to amend: give at least one pattern to drop")
+    digest, source = store.resolve_root(run, generation)
+    where = f"{run}@{source.generation}"
+    stems = [p[: -len("/**")] if p.endswith("/**") else None for p in drop]
+
+    def matches(path: str) -> bool:
+        return any(
+            fnmatchcase(path, p) or path == stem for p, stem in zip(drop, stems, strict=True)
+        )
+
+    skeleton, dropped = drop_paths(source.state, matches)
+    for pattern, stem in zip(drop, stems, strict=True):
+        if not any(fnmatchcase(p, pattern) or p == stem for p in dropped):
+            raise AmendError(f"--drop {pattern!r} matches no key path of {where}")
+    kept = {name for name, _ in tensor_names(skeleton)}
+    if not kept:
+        raise AmendError(f"dropping {', '.join(drop)} would leave no tensor of {where}")
+    shards = store.read_shards(source)
+    with store.save_lock():
+        parent = store.refs.read(target)
+        new_id = 1 if parent is None else parent.generation + 1
+        objects = []
+        for shard in shards:
+            amended = ShardManifest(
+                run=target,
+                generation=new_id,
+                rank=shard.rank,
+                tensors=tuple(e for e in shard.tensors if e.name in kept),
+                local_state=shard.local_state,
+                writer=dict(shard.writer),
+                local_tensors=tuple(shard.local_tensors),
+            )
+            data = encode_object(amended)
+            objects.append((digest_bytes(data), data))
+        commit_objects(store, objects)
+        writer = claim_writer(store, target, parent, source.step)
+        lineage = {
+            "op": "amend",
+            "from": [{"run": run, "generation": source.generation, "root": digest.hex}],
+            "drop": list(drop),
+        }
+        whole: list[TensorEntry] = [e for e in source.whole if e.name in kept]
+
+        def build_root(checked: Any) -> GenerationRoot:
+            return make_root(
+                run=target,
+                generation=new_id,
+                step=source.step,
+                parent=parent,
+                world_size=source.world_size,
+                shards=checked.digests,
+                state=skeleton,
+                metadata=source.metadata,
+                stats={
+                    **source.stats,
+                    "logical_bytes": sum(
+                        e.nbytes for boxes in checked.entries.values() for e in boxes
+                    ),
+                    "tensors": checked.tensors,
+                    "new_bytes": 0,
+                    "new_chunks": 0,
+                    "stored_bytes": 0,
+                    "written_bytes": sum(len(data) for _, data in objects),
+                },
+                frameworks=dict(source.frameworks),
+                writer=writer,
+                data_order=dict(source.data_order),
+                layouts={k: v for k, v in source.layouts.items() if k in kept},
+                whole=whole,
+                lineage=lineage,
+            )
+
+        new_digest, root = publish_shards(
+            store,
+            run=target,
+            generation=new_id,
+            parent=parent,
+            shards=[key for key, _ in objects],
+            build_root=build_root,
+            faults=LINEAGE_FAULTS,
+            skeleton=skeleton,
         )
     return Generation.from_root(new_digest, root)

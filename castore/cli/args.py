@@ -183,6 +183,31 @@ def _add_branch(commands: Any) -> None:
     )
     branch.add_argument("target", metavar="RUN[@GEN]", help="the generation to start from")
     branch.add_argument("new_run", metavar="NEWRUN", help="the new run's name")
+    amend = _command(
+        commands,
+        "amend",
+        "publish a generation with subtrees dropped (no chunk written)",
+        "Publish RUN@GEN without every entry whose key path matches a --drop pattern\n"
+        "(and what lies under it), as the next generation of RUN, or of NEWRUN with\n"
+        "--to (a new run starts at 1): the optimizer state left out of a release, say.\n"
+        "The kept tensors share every chunk with RUN@GEN; only a manifest per rank and\n"
+        "a root are written. Patterns are shell-style over key paths (castore show\n"
+        "lists them); 'optim/**' drops optim itself too. A pattern that matches\n"
+        "nothing, or a result without a tensor, is refused and nothing is written.\n\n"
+        + TARGET_HELP,
+        "castore amend ./ckpt exp1@12 --drop 'optim/**' --to release\n"
+        "castore amend ./ckpt exp1 --drop 'model/*.bias' --drop 'scaler'",
+    )
+    amend.add_argument("target", metavar="RUN[@GEN]", help="the generation to amend")
+    amend.add_argument(
+        "--drop",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        required=True,
+        help="a key path pattern to leave out (repeatable)",
+    )
+    amend.add_argument("--to", metavar="NEWRUN", default=None, help="publish to this run")
 
 
 def _add_tags(commands: Any) -> None:

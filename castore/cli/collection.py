@@ -1,5 +1,5 @@
 """The commands that decide what a store keeps and what it costs: ``tag``, ``untag``,
-``branch``, ``gc``, ``du``, ``compact``."""
+``branch``, ``amend``, ``gc``, ``du``, ``compact``."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from castore.cli.output import format_time, ratio, spans, text_table
 from castore.cli.stores import open_existing, shards_here
 from castore.core.history import Generation, split_address
 from castore.errors import GcAbortedError
-from castore.lineage import branch
+from castore.lineage import amend, branch
 from castore.support.progress import format_size as format_bytes
 
 _RUNS_NAMED = 5  # runs an unasked gc's refusal names before it only counts them
@@ -59,6 +59,19 @@ def cmd_branch(args: argparse.Namespace) -> int:
     print(
         f"started run {made.run} at {source['run']}@{source['generation']} "
         f"(step {made.step}, root {made.root[:12]}): no chunk written"
+    )
+    return 0
+
+
+def cmd_amend(args: argparse.Namespace) -> int:
+    run, generation = split_address(args.target)
+    with open_existing(args.store) as store:
+        made = amend(store, run, generation, drop=args.drop, to_run=args.to)
+    source = made.lineage["from"][0]
+    print(
+        f"published {made.run}@{made.id} from {source['run']}@{source['generation']} "
+        f"without {', '.join(args.drop)}: {made.stats.tensors} tensor(s) kept, "
+        f"{format_bytes(made.stats.logical_bytes)}; no chunk written"
     )
     return 0
 

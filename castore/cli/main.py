@@ -8,7 +8,15 @@ from collections.abc import Sequence
 
 from castore.cli.args import build_parser
 from castore.cli.checks import cmd_repair, cmd_verify
-from castore.cli.collection import cmd_branch, cmd_compact, cmd_du, cmd_gc, cmd_tag, cmd_untag
+from castore.cli.collection import (
+    cmd_amend,
+    cmd_branch,
+    cmd_compact,
+    cmd_du,
+    cmd_gc,
+    cmd_tag,
+    cmd_untag,
+)
 from castore.cli.failures import run_command
 from castore.cli.inspection import cmd_diff, cmd_log, cmd_show
 from castore.cli.tiers import cmd_tiers
@@ -28,6 +36,7 @@ COMMANDS = {
     "tag": cmd_tag,
     "untag": cmd_untag,
     "branch": cmd_branch,
+    "amend": cmd_amend,
     "gc": cmd_gc,
     "repair": cmd_repair,
     "compact": cmd_compact,

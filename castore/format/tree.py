@@ -594,6 +594,40 @@ def dict_sizes(skeleton: bytes) -> dict[str, int]:
     return found
 
 
+def drop_paths(skeleton: bytes, matches: Callable[[str], bool]) -> tuple[bytes, list[str]]:
+    """The skeleton without every dict entry (and its subtree) whose key path ``matches``,
+    and those key paths. List and tuple items are never dropped: the key paths (and so
+    the tensor names) of the items after them would change."""
+    dropped: list[str] = []
+
+    def keep(items: Any, path: str) -> list[tuple[Any, Any]]:
+        kept = []
+        for key, value in items:
+            at = join_path(path, key)
+            if matches(at):
+                dropped.append(at)
+            else:
+                kept.append((key, walk(value, at)))
+        return kept
+
+    def walk(node: Any, path: str) -> Any:
+        if isinstance(node, msgpack.ExtType) and node.code == EXT_TUPLE:
+            items = _unpack_raw(node.data)
+            inner = [walk(v, join_path(path, i)) for i, v in enumerate(items)]
+            return msgpack.ExtType(EXT_TUPLE, _pack(inner))
+        if isinstance(node, msgpack.ExtType) and node.code == EXT_ORDERED_DICT:
+            pairs = keep(_unpack_raw(node.data), path)
+            return msgpack.ExtType(EXT_ORDERED_DICT, _pack([list(p) for p in pairs]))
+        if isinstance(node, dict):
+            return dict(keep(node.items(), path))
+        if isinstance(node, list):
+            return [walk(v, join_path(path, i)) for i, v in enumerate(node)]
+        return node
+
+    tree = walk(_unpack_raw(skeleton), "")
+    return _pack(tree), dropped
+
+
 def _unpack_raw(data: bytes) -> Any:
     """msgpack with extension types left as they are (their payloads unread)."""
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
