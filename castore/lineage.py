@@ -23,6 +23,7 @@ chunks; on the same run (its next generation) or a new one.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from fnmatch import fnmatchcase
 from typing import Any
 
@@ -34,10 +35,10 @@ from castore.core.commit import (
     publish_shards,
 )
 from castore.core.history import Generation, GenerationSpec
-from castore.errors import AmendError, RefConflictError
+from castore.errors import AmendError, CorruptObjectError, RefConflictError
 from castore.format.hashing import digest_bytes
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry, encode_object
-from castore.format.tree import drop_paths, tensor_names
+from castore.format.tree import drop_paths, escape_key, join_path, rename_paths, tensor_names
 from castore.repo.records import validate_run_name
 from castore.store import Store
 
@@ -124,16 +125,22 @@ def amend(
     generation: GenerationSpec = "latest",
     *,
     drop: Sequence[str] = (),
+    rename: Sequence[tuple[str, str]] = (),
     to_run: str | None = None,
 ) -> Generation:
     """Publish ``run@generation`` less every subtree whose key path matches a pattern of
     ``drop`` (``fnmatch``: ``optim/**``, ``model/*.bias``; ``optim/**`` drops ``optim``
-    itself too), as the next generation of ``to_run`` (default ``run``; a new run
-    starts at 1). No chunk is written. AmendError: a pattern that matches no key path,
-    or nothing asked, or no tensor left."""
+    itself too), then with keys renamed by ``rename`` (``(OLD, NEW)`` key path prefixes
+    that end inside one key: ``("model.", "")`` turns ``model.layers.0.weight`` into
+    ``layers.0.weight``; ``("model/enc.", "model/encoder.")`` works one level down), as
+    the next generation of ``to_run`` (default ``run``; a new run starts at 1). No chunk
+    is written. AmendError: nothing asked, a pattern or prefix that matches no key path,
+    a rename that moves a key to another level, two keys renamed alike, a renamed
+    per-rank value, or no tensor left."""
     target = run if to_run is None else validate_run_name(to_run)
-    if not drop:
-        raise AmendError("nothing to amend: give at least one pattern to drop")
+    if not drop and not rename:
+        raise AmendError("nothing to amend: give a pattern to drop or a key to rename")
+    renames = [_checked_rename(old, new) for old, new in rename]
     digest, source = store.resolve_root(run, generation)
     where = f"{run}@{source.generation}"
     stems = [p[: -len("/**")] if p.endswith("/**") else None for p in drop]
@@ -143,13 +150,16 @@ def amend(
             fnmatchcase(path, p) or path == stem for p, stem in zip(drop, stems, strict=True)
         )
 
-    skeleton, dropped = drop_paths(source.state, matches)
+    skeleton, dropped = drop_paths(source.state, matches) if drop else (source.state, [])
     for pattern, stem in zip(drop, stems, strict=True):
         if not any(fnmatchcase(p, pattern) or p == stem for p in dropped):
             raise AmendError(f"--drop {pattern!r} matches no key path of {where}")
     kept = {name for name, _ in tensor_names(skeleton)}
     if not kept:
         raise AmendError(f"dropping {', '.join(drop)} would leave no tensor of {where}")
+    names: dict[str, str] = {}
+    if renames:
+        skeleton, names = _renamed(skeleton, renames, where)
     shards = store.read_shards(source)
     with store.save_lock():
         parent = store.refs.read(target)
@@ -160,7 +170,7 @@ def amend(
                 run=target,
                 generation=new_id,
                 rank=shard.rank,
-                tensors=tuple(e for e in shard.tensors if e.name in kept),
+                tensors=tuple(_named(e, names) for e in shard.tensors if e.name in kept),
                 local_state=shard.local_state,
                 writer=dict(shard.writer),
                 local_tensors=tuple(shard.local_tensors),
@@ -173,8 +183,9 @@ def amend(
             "op": "amend",
             "from": [{"run": run, "generation": source.generation, "root": digest.hex}],
             "drop": list(drop),
+            "rename": [list(pair) for pair in rename],
         }
-        whole: list[TensorEntry] = [e for e in source.whole if e.name in kept]
+        whole: list[TensorEntry] = [_named(e, names) for e in source.whole if e.name in kept]
 
         def build_root(checked: Any) -> GenerationRoot:
             return make_root(
@@ -200,7 +211,7 @@ def amend(
                 frameworks=dict(source.frameworks),
                 writer=writer,
                 data_order=dict(source.data_order),
-                layouts={k: v for k, v in source.layouts.items() if k in kept},
+                layouts={names.get(k, k): v for k, v in source.layouts.items() if k in kept},
                 whole=whole,
                 lineage=lineage,
             )
@@ -216,3 +227,51 @@ def amend(
             skeleton=skeleton,
         )
     return Generation.from_root(new_digest, root)
+
+
+def _checked_rename(old: str, new: str) -> tuple[str, str, str]:
+    """(parent key path, OLD's part of the key, NEW's part) of a rename; AmendError where
+    it would move keys to another level or leave a key empty."""
+    parent, _, head = old.rpartition("/")
+    new_parent, _, new_head = new.rpartition("/")
+    if not head or parent != new_parent:
+        raise AmendError(
+            f"--rename {old!r}={new!r}: a rename changes the start of one key (both sides "
+            "with the same path before the key's last '/'), not a key's level"
+        )
+    return parent, head, new_head
+
+
+def _renamed(
+    skeleton: bytes, renames: list[tuple[str, str, str]], where: str
+) -> tuple[bytes, dict[str, str]]:
+    used = [False] * len(renames)
+
+    def rename(parent: str, key: str) -> str | None:
+        if escape_key(key) != key:
+            return None  # a key with '/' or '%' is left as it is
+        for i, (at, head, new_head) in enumerate(renames):
+            if parent == at and key.startswith(head):
+                used[i] = True
+                name = new_head + key[len(head) :]
+                if not name or escape_key(name) != name:
+                    raise AmendError(f"renaming {join_path(parent, key)!r} would give key {name!r}")
+                return name
+        return None
+
+    try:
+        tree, names, moved = rename_paths(skeleton, rename)
+    except CorruptObjectError as exc:
+        raise AmendError(f"renaming keys of {where}: {exc}") from exc
+    for (at, head, _), hit in zip(renames, used, strict=True):
+        if not hit:
+            old = f"{at}/{head}" if at else head
+            raise AmendError(f"--rename {old!r} matches no key of {where}")
+    if moved:
+        raise AmendError(f"renaming the per-rank value {moved[0]!r} is not supported")
+    return tree, names
+
+
+def _named(entry: TensorEntry, names: dict[str, str]) -> TensorEntry:
+    new = names.get(entry.name, entry.name)
+    return entry if new == entry.name else replace(entry, name=new)

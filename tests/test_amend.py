@@ -172,3 +172,64 @@ def test_the_cli_amends_and_refuses_in_one_line(tmp_path: Path) -> None:
     assert bad.stderr.count("\n") == 1 and "matches no key path" in bad.stderr
     log = run_cli("log", path)
     assert "amend of train@1" in log.stdout
+
+
+def hf_state() -> dict[str, Any]:
+    return {
+        "model.layers.0.w": np.arange(12.0).reshape(3, 4),
+        "model.layers.1.w": np.ones(3, np.float32),
+        "lm_head.w": np.zeros(2),
+        "extra": {"enc.a": np.arange(4), "enc.b": 3},
+    }
+
+
+def test_renaming_keys_keeps_every_tensor_bitwise(where: tuple[str, dict[str, Any]]) -> None:
+    location, options = where
+    with castore.open(location, **options) as store:
+        store.save(hf_state(), run="hf", step=3)
+        chunks = set(store.backend.iter_keys(Namespace.CHUNKS))
+        made = castore.amend(
+            store, "hf", rename=[("model.", ""), ("extra/enc.", "extra/encoder.")], to_run="plain"
+        )
+        assert made.lineage["rename"] == [["model.", ""], ["extra/enc.", "extra/encoder."]]
+        assert set(store.backend.iter_keys(Namespace.CHUNKS)) == chunks
+        loaded = store.load(run="plain")
+        assert sorted(loaded) == ["extra", "layers.0.w", "layers.1.w", "lm_head.w"]
+        assert loaded["extra"]["encoder.b"] == 3
+        source = hf_state()
+        assert loaded["layers.0.w"].tobytes() == source["model.layers.0.w"].tobytes()
+        assert loaded["extra"]["encoder.a"].tobytes() == source["extra"]["enc.a"].tobytes()
+        part = store.read_slice("plain", "latest", "layers.0.w", np.s_[1:, 2])
+        assert part.tolist() == [6.0, 10.0]
+        assert verify_store(store, deep=True).ok
+
+
+@pytest.mark.parametrize(
+    "rename, message",
+    [
+        ([("model.layers.0.", "model.layers.1.")], "two keys would be named 'model.layers.1.w'"),
+        ([("model.layers.", "model/layers.")], "not a key's level"),
+        ([("nothing.", "x.")], "'nothing.' matches no key of hf@1"),
+        ([("lm_head.w", "")], "would give key ''"),
+    ],
+)
+def test_a_rename_that_cannot_be_made_is_refused(
+    tmp_path: Path, rename: list[tuple[str, str]], message: str
+) -> None:
+    with castore.open(tmp_path / "s", chunk_size=CHUNK) as store:
+        store.save(hf_state(), run="hf", step=3)
+        objects = set(store.backend.iter_keys(Namespace.OBJECTS))
+        with pytest.raises(AmendError, match=message.replace(".", "\\.").replace("'", "'")):
+            castore.amend(store, "hf", rename=rename)
+        assert set(store.backend.iter_keys(Namespace.OBJECTS)) == objects
+
+
+def test_the_cli_renames(tmp_path: Path) -> None:
+    path = tmp_path / "s"
+    with castore.open(path, chunk_size=CHUNK) as store:
+        store.save(hf_state(), run="hf", step=3)
+    done = run_cli("amend", path, "hf", "--rename", "model.=", "--to", "plain")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("published plain@1 from hf@1 with 1 rename(s): 4 tensor(s)")
+    bad = run_cli("amend", path, "hf", "--rename", "model.")
+    assert bad.returncode != 0 and bad.stderr.count("\n") == 1 and "OLD=NEW" in bad.stderr

@@ -186,17 +186,21 @@ def _add_branch(commands: Any) -> None:
     amend = _command(
         commands,
         "amend",
-        "publish a generation with subtrees dropped (no chunk written)",
+        "publish a generation with subtrees dropped or keys renamed (no chunk written)",
         "Publish RUN@GEN without every entry whose key path matches a --drop pattern\n"
-        "(and what lies under it), as the next generation of RUN, or of NEWRUN with\n"
-        "--to (a new run starts at 1): the optimizer state left out of a release, say.\n"
-        "The kept tensors share every chunk with RUN@GEN; only a manifest per rank and\n"
-        "a root are written. Patterns are shell-style over key paths (castore show\n"
-        "lists them); 'optim/**' drops optim itself too. A pattern that matches\n"
-        "nothing, or a result without a tensor, is refused and nothing is written.\n\n"
+        "(and what lies under it), and with the keys --rename names renamed, as the\n"
+        "next generation of RUN, or of NEWRUN with --to (a new run starts at 1): the\n"
+        "optimizer state left out of a release, keys renamed for another framework.\n"
+        "The tensors share every chunk with RUN@GEN; only a manifest per rank and a\n"
+        "root are written. Patterns are shell-style over key paths (castore show\n"
+        "lists them); 'optim/**' drops optim itself too. A rename changes the start\n"
+        "of keys within one dict (model/enc.=model/encoder.), never a key's level. A\n"
+        "pattern or OLD that matches nothing, two keys renamed alike, or a result\n"
+        "without a tensor is refused, and nothing is written.\n\n"
         + TARGET_HELP,
         "castore amend ./ckpt exp1@12 --drop 'optim/**' --to release\n"
-        "castore amend ./ckpt exp1 --drop 'model/*.bias' --drop 'scaler'",
+        "castore amend ./ckpt exp1 --drop 'model/*.bias' --drop 'scaler'\n"
+        "castore amend ./ckpt hf@3 --rename model.= --to plain",
     )
     amend.add_argument("target", metavar="RUN[@GEN]", help="the generation to amend")
     amend.add_argument(
@@ -204,8 +208,15 @@ def _add_branch(commands: Any) -> None:
         action="append",
         default=[],
         metavar="PATTERN",
-        required=True,
         help="a key path pattern to leave out (repeatable)",
+    )
+    amend.add_argument(
+        "--rename",
+        action="append",
+        default=[],
+        metavar="OLD=NEW",
+        help="change the start of the keys that begin with OLD (a key path prefix ending "
+        "inside one key) to NEW (repeatable): model.= strips 'model.'",
     )
     amend.add_argument("--to", metavar="NEWRUN", default=None, help="publish to this run")
 

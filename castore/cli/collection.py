@@ -16,7 +16,7 @@ from castore.cli.failures import EXIT_PROBLEMS, refuse
 from castore.cli.output import format_time, ratio, spans, text_table
 from castore.cli.stores import open_existing, shards_here
 from castore.core.history import Generation, split_address
-from castore.errors import GcAbortedError
+from castore.errors import AmendError, GcAbortedError
 from castore.lineage import amend, branch
 from castore.support.progress import format_size as format_bytes
 
@@ -65,12 +65,20 @@ def cmd_branch(args: argparse.Namespace) -> int:
 
 def cmd_amend(args: argparse.Namespace) -> int:
     run, generation = split_address(args.target)
+    renames = []
+    for pair in args.rename:
+        old, sep, new = pair.partition("=")
+        if not sep:
+            raise AmendError(f"--rename {pair!r}: give OLD=NEW (NEW may be empty)")
+        renames.append((old, new))
     with open_existing(args.store) as store:
-        made = amend(store, run, generation, drop=args.drop, to_run=args.to)
+        made = amend(store, run, generation, drop=args.drop, rename=renames, to_run=args.to)
     source = made.lineage["from"][0]
+    changes = [f"without {', '.join(args.drop)}"] if args.drop else []
+    changes += [f"with {len(renames)} rename(s)"] if renames else []
     print(
         f"published {made.run}@{made.id} from {source['run']}@{source['generation']} "
-        f"without {', '.join(args.drop)}: {made.stats.tensors} tensor(s) kept, "
+        f"{' and '.join(changes)}: {made.stats.tensors} tensor(s), "
         f"{format_bytes(made.stats.logical_bytes)}; no chunk written"
     )
     return 0

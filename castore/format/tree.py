@@ -628,6 +628,53 @@ def drop_paths(skeleton: bytes, matches: Callable[[str], bool]) -> tuple[bytes, 
     return _pack(tree), dropped
 
 
+def rename_paths(
+    skeleton: bytes, rename: Callable[[str, str], str | None]
+) -> tuple[bytes, dict[str, str], list[str]]:
+    """The skeleton with dict keys renamed: ``rename(parent_path, key)`` gives a string
+    key's new name, or None to keep it. Returns the skeleton, each tensor's new name by
+    its old one (a tensor's name is its key path), and the per-rank values whose key
+    path changed (the caller decides). Two keys of one dict renamed alike are refused
+    (CorruptObjectError names the path)."""
+    tensors: dict[str, str] = {}
+    moved_local: list[str] = []
+
+    def entries(items: Any, old: str, new: str) -> list[tuple[Any, Any]]:
+        out: dict[Any, Any] = {}
+        for key, value in items:
+            renamed = rename(old, key) if isinstance(key, str) else None
+            name = key if renamed is None else renamed
+            if name in out:
+                raise CorruptObjectError(f"two keys would be named {join_path(new, name)!r}")
+            out[name] = walk(value, join_path(old, key), join_path(new, name))
+        return list(out.items())
+
+    def walk(node: Any, old: str, new: str) -> Any:
+        if isinstance(node, msgpack.ExtType):
+            if node.code == EXT_TUPLE:
+                items = _unpack_raw(node.data)
+                inner = [walk(v, join_path(old, i), join_path(new, i)) for i, v in enumerate(items)]
+                return msgpack.ExtType(EXT_TUPLE, _pack(inner))
+            if node.code == EXT_ORDERED_DICT:
+                pairs = entries(_unpack_raw(node.data), old, new)
+                return msgpack.ExtType(EXT_ORDERED_DICT, _pack([list(p) for p in pairs]))
+            if node.code == EXT_TENSOR:
+                name, framework = _unpack_raw(node.data)
+                tensors[name] = new
+                return msgpack.ExtType(EXT_TENSOR, _pack([new, framework]))
+            if node.code == EXT_RANK_LOCAL and old != new:
+                moved_local.append(old)
+            return node
+        if isinstance(node, dict):
+            return dict(entries(node.items(), old, new))
+        if isinstance(node, list):
+            return [walk(v, join_path(old, i), join_path(new, i)) for i, v in enumerate(node)]
+        return node
+
+    tree = walk(_unpack_raw(skeleton), "", "")
+    return _pack(tree), tensors, moved_local
+
+
 def _unpack_raw(data: bytes) -> Any:
     """msgpack with extension types left as they are (their payloads unread)."""
     return msgpack.unpackb(data, raw=False, strict_map_key=False)
