@@ -42,19 +42,28 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import castore  # noqa: E402
+import castore.chunkstore.base  # noqa: E402
 from castore.format.objects import encode_object  # noqa: E402
 
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "lineage.json"
 
 
-def build_state(size_mib: int, tensors: int) -> dict[str, np.ndarray]:
+def build_state(size_mib: int, tensors: int) -> dict[str, dict[str, np.ndarray]]:
+    """Half the tensors under "model", half under "optim" (as a training state holds
+    weights and moments)."""
     rng = np.random.default_rng(0)
     per = (size_mib << 20) // tensors // 4
     rows = max(per // 1024, 1)
+    half = tensors // 2
+    made = [rng.standard_normal((rows, 1024), dtype=np.float32) for _ in range(tensors)]
     return {
-        f"layers.{t}.weight": rng.standard_normal((rows, 1024), dtype=np.float32)
-        for t in range(tensors)
+        "model": {f"layers.{t}.weight": made[t] for t in range(half)},
+        "optim": {f"layers.{t}.exp_avg": made[half + t] for t in range(tensors - half)},
     }
+
+
+def flat(state: dict[str, dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {f"{part}.{name}": a for part, tree in state.items() for name, a in tree.items()}
 
 
 def disk_bytes(path: Path) -> int:
@@ -69,55 +78,102 @@ def fsynced(path: Path) -> None:
         os.close(fd)
 
 
+def timed_amend(store: castore.Store, repeats: int, **change: Any) -> tuple[list[float], list[int]]:
+    seconds, written = [], []
+    for i in range(repeats):
+        started = time.perf_counter()
+        made = castore.amend(store, "base", 1, to_run=f"amend-{len(store.runs())}-{i}", **change)
+        seconds.append(time.perf_counter() - started)
+        _, root = store.resolve_root(made.run)
+        written.append(made.stats.written_bytes + len(encode_object(root)))
+    return seconds, written
+
+
 def measure(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     import torch
-    from safetensors.numpy import save_file
+    from safetensors.numpy import load_file, save_file
 
     state = build_state(args.size_mib, args.tensors)
-    nbytes = sum(a.nbytes for a in state.values())
+    nbytes = sum(a.nbytes for tree in state.values() for a in tree.values())
     store_path = work / "store"
+    runs: dict[str, list[float]] = {}
+    written: dict[str, list[int]] = {}
     with castore.open(store_path) as store:
         base = store.save(state, run="base", step=100)
-        branch_s, written, grown = [], [], []
+        chunks = len(list(store.backend.iter_keys(castore.chunkstore.base.Namespace.CHUNKS)))
+        runs["castore branch"], written["castore branch"], grown = [], [], []
         for i in range(args.repeats):
             before = disk_bytes(store_path)
             started = time.perf_counter()
             made = castore.branch(store, "base", base.id, f"ft-{i}")
-            branch_s.append(time.perf_counter() - started)
+            runs["castore branch"].append(time.perf_counter() - started)
             _, root = store.resolve_root(made.run)
-            written.append(made.stats.written_bytes + len(encode_object(root)))
+            written["castore branch"].append(made.stats.written_bytes + len(encode_object(root)))
             grown.append(disk_bytes(store_path) - before)
         loaded = store.load(run=f"ft-{args.repeats - 1}")
-        assert all(loaded[k].tobytes() == v.tobytes() for k, v in state.items())
-    tensors = {k: torch.from_numpy(v) for k, v in state.items()}
-    torch_s, safe_s = [], []
+        assert all(loaded["model"][k].tobytes() == v.tobytes() for k, v in state["model"].items())
+        runs["castore amend: drop optim"], written["castore amend: drop optim"] = timed_amend(
+            store, args.repeats, drop=["optim/**"]
+        )
+        renames = [("model/layers.", "model/blocks."), ("optim/layers.", "optim/blocks.")]
+        runs["castore amend: rename every key"], written["castore amend: rename every key"] = (
+            timed_amend(store, args.repeats, rename=renames)
+        )
+        after = len(list(store.backend.iter_keys(castore.chunkstore.base.Namespace.CHUNKS)))
+    tensors = {k: torch.from_numpy(v) for k, v in flat(state).items()}
+    arrays = flat(state)
+    pt, st = work / "state.pt", work / "state.safetensors"
+    torch.save(tensors, pt)
+    save_file(arrays, str(st))
+    for name in ("torch.save", "safetensors", "torch: load, drop optim, save",
+                 "safetensors: load, drop optim, save"):  # fmt: skip
+        runs[name] = []
     for i in range(args.repeats):
-        out = work / f"copy-{i}.pt"
-        started = time.perf_counter()
-        torch.save(tensors, out)
-        fsynced(out)
-        torch_s.append(time.perf_counter() - started)
-        out.unlink()
-        out = work / f"copy-{i}.safetensors"
-        started = time.perf_counter()
-        save_file(state, str(out))
-        fsynced(out)
-        safe_s.append(time.perf_counter() - started)
-        out.unlink()
-    branch, torch_t, safe_t = (statistics.median(x) for x in (branch_s, torch_s, safe_s))
+        out = work / f"copy-{i}"
+        for name, write in (
+            ("torch.save", lambda out=out: torch.save(tensors, out)),
+            ("safetensors", lambda out=out: save_file(arrays, str(out))),
+            ("torch: load, drop optim, save", lambda out=out: torch.save(
+                {k: v for k, v in torch.load(pt).items() if not k.startswith("optim.")}, out)),
+            ("safetensors: load, drop optim, save", lambda out=out: save_file(
+                {k: v for k, v in load_file(str(st)).items() if not k.startswith("optim.")},
+                str(out))),
+        ):  # fmt: skip
+            started = time.perf_counter()
+            write()
+            fsynced(out)
+            runs[name].append(time.perf_counter() - started)
+            out.unlink()
+    seconds = {name: statistics.median(values) for name, values in runs.items()}
+    branch = seconds["castore branch"]
+    drop = seconds["castore amend: drop optim"]
+    rename = seconds["castore amend: rename every key"]
+    medians = {name: statistics.median(values) for name, values in written.items()}
     return {
         "size_mib": args.size_mib,
         "tensors": args.tensors,
         "logical_bytes": nbytes,
         "repeats": args.repeats,
-        "seconds": {"castore branch": branch, "torch.save": torch_t, "safetensors": safe_t},
-        "runs": {"castore branch": branch_s, "torch.save": torch_s, "safetensors": safe_s},
-        "branch_written_bytes": statistics.median(written),
+        "seconds": seconds,
+        "runs": runs,
+        "written_bytes": medians,
+        "branch_written_bytes": medians["castore branch"],
         "branch_disk_growth_bytes": statistics.median(grown),
-        "ratios_to_branch": {"torch.save": torch_t / branch, "safetensors": safe_t / branch},
+        "ratios_to_branch": {
+            "torch.save": seconds["torch.save"] / branch,
+            "safetensors": seconds["safetensors"] / branch,
+        },  # fmt: skip
+        "ratios_to_drop": {
+            "torch: load, drop optim, save": seconds["torch: load, drop optim, save"] / drop,
+            "safetensors: load, drop optim, save": (
+                seconds["safetensors: load, drop optim, save"] / drop
+            ),
+        },
         "goals": {
             "branch under 50 ms": branch < 0.050,
-            "branch writes under 1 MiB": statistics.median(written) < 1 << 20,
+            "branch writes under 1 MiB": medians["castore branch"] < 1 << 20,
+            "drop and rename under 0.2 s": max(drop, rename) < 0.2,
+            "branch, drop and rename write no chunk": after == chunks,
         },
     }
 
@@ -137,12 +193,10 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args, Path(work))
     s = result["seconds"]
     print(f"{args.size_mib} MiB in {args.tensors} tensors, medians of {args.repeats}:")
-    wrote, grew = result["branch_written_bytes"], result["branch_disk_growth_bytes"]
-    print(f"  castore branch  {1000 * s['castore branch']:8.1f} ms, wrote {wrote:,.0f} bytes "
-          f"(disk +{grew:,.0f})")  # fmt: skip
-    for peer in ("torch.save", "safetensors"):
-        ratio = result["ratios_to_branch"][peer]
-        print(f"  {peer:<15} {1000 * s[peer]:8.1f} ms ({ratio:.0f}x the branch)")
+    for name, value in s.items():
+        wrote = result["written_bytes"].get(name)
+        extra = f", wrote {wrote:,.0f} bytes (no chunk)" if wrote is not None else ""
+        print(f"  {name:<38} {1000 * value:9.1f} ms{extra}")
     goals = result["goals"].items()
     print("  goals:", ", ".join(f"{k}: {'met' if v else 'NOT met'}" for k, v in goals))
     if args.json:

@@ -24,8 +24,10 @@ def test_small_run_branches_and_writes_its_record(tmp_path: Path) -> None:
     )  # fmt: skip
     assert done.returncode == 0, done.stderr
     record = json.loads(out.read_text())
-    assert set(record["seconds"]) == {"castore branch", "torch.save", "safetensors"}
+    assert {"castore branch", "castore amend: drop optim", "castore amend: rename every key",
+            "torch.save", "torch: load, drop optim, save"} <= set(record["seconds"])  # fmt: skip
     assert 0 < record["branch_written_bytes"] < 1 << 20  # manifests and a root, no chunk
     assert record["branch_written_bytes"] < record["logical_bytes"] / 100
-    assert set(record["goals"]) == {"branch under 50 ms", "branch writes under 1 MiB"}
+    assert record["goals"]["branch, drop and rename write no chunk"] is True
+    assert all(0 < b < 1 << 20 for b in record["written_bytes"].values())
     assert "castore branch" in done.stdout and "goals:" in done.stdout
