@@ -172,6 +172,9 @@ def test_the_cli_amends_and_refuses_in_one_line(tmp_path: Path) -> None:
     assert bad.stderr.count("\n") == 1 and "matches no key path" in bad.stderr
     log = run_cli("log", path)
     assert "amend of train@1" in log.stdout
+    show = run_cli("show", path, "release")
+    assert show.returncode == 0, show.stderr
+    assert "from       amend of train@1 (drop optim/**)" in show.stdout.splitlines()
 
 
 def hf_state() -> dict[str, Any]:

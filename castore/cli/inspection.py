@@ -118,6 +118,11 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"generation {run}@{gen.id}  step {gen.step}  {format_time(gen.time)}")
         print(f"root       {gen.root}")
         print(f"parent     {gen.parent or '-'}")
+        if _origin(gen):  # made from other generations (castore.lineage)
+            changes = [f"drop {', '.join(gen.lineage['drop'])}"] if gen.lineage.get("drop") else []
+            renames = gen.lineage.get("rename") or []
+            changes += [f"rename {', '.join(f'{a}={b}' for a, b in renames)}"] if renames else []
+            print(f"from       {_origin(gen)}" + (f" ({'; '.join(changes)})" if changes else ""))
         print(f"ranks      {gen.world_size}")
         if gen.writer:
             writer = gen.writer
