@@ -202,6 +202,20 @@ def test_every_save_path_is_fenced(tmp_path: Path, mode: str) -> None:
     assert (latest.generation, latest.step, latest.epoch) == (2, 2, 2)
 
 
+def test_a_zombie_cannot_amend_the_run_a_newer_writer_took(tmp_path: Path) -> None:
+    """castore.amend publishes through the same fence: the old job, taken over, is
+    refused; the writer that took the run over amends it."""
+    place = Place("local", str(tmp_path / "store"))
+    with writers(place, "old", "new") as (old, new):
+        assert old.save(5)["ok"]
+        assert new("load")["step"] == 5 and new.save(10)["ok"]
+        fenced = old("amend", to="w2")
+        assert fenced["error"] == "FencedError", fenced
+        assert new("amend", to="w3")["generation"] == 3
+    assert steps(place) == [5, 10, 10]
+    assert ref(place).epoch == 2
+
+
 # -- the interleaving of two copies of one job ---------------------------------------------
 
 

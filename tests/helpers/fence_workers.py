@@ -13,6 +13,8 @@ answer is one JSON line on stdout (or the socket):
 * ``{"op": "load"}``: load the latest generation (``"generation": ID``: that one);
   answers its step.
 * ``{"op": "claim"}``: Store.claim_run("r").
+* ``{"op": "amend", "to": KEY}``: castore.amend of the latest generation, key "w"
+  renamed KEY.
 * ``{"op": "hold", "step": N}``: start a Store.save at step N on a thread and
   answer once it has read the run's ref and reached its compare-and-swap, which
   waits there; ``{"op": "release"}`` lets it go on and answers as a save does.
@@ -146,6 +148,9 @@ def obey(store: castore.Store, command: dict[str, Any]) -> dict[str, Any]:
             elif command["op"] == "claim":
                 store.claim_run(RUN)
                 answer = {"ok": True}
+            elif command["op"] == "amend":  # the latest, its "w" renamed
+                generation = castore.amend(store, RUN, rename=[("w", command["to"])])
+                answer = {"ok": True, "generation": generation.id}
             else:
                 raise ValueError(f"unknown op {command['op']!r}")
         except (Exception, BaseException) as exc:  # noqa: BLE001 - DCP's CheckpointException
