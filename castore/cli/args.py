@@ -73,8 +73,8 @@ def _command(
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
         prog="castore",
-        description="Inspect, check, tag, collect and compact a castore store; copy, diff,\n"
-        "export and import its generations.\n\n"
+        description="Inspect, check, tag, collect and compact a castore store; branch, amend,\n"
+        "copy, diff, export and import its generations.\n\n"
         + textwrap.fill(f"STORE is {STORE_HELP}.", 79)
         + "\n"
         "Errors print one line and exit non-zero (CASTORE_DEBUG=1 adds the traceback).\n"
@@ -186,7 +186,7 @@ def _add_branch(commands: Any) -> None:
     amend = _command(
         commands,
         "amend",
-        "publish a generation with subtrees dropped or keys renamed (no chunk written)",
+        "publish a generation with subtrees dropped or keys renamed, no chunk written",
         "Publish RUN@GEN without every entry whose key path matches a --drop pattern\n"
         "(and what lies under it), and with the keys --rename names renamed, as the\n"
         "next generation of RUN, or of NEWRUN with --to (a new run starts at 1): the\n"
