@@ -186,7 +186,7 @@ def _add_branch(commands: Any) -> None:
     amend = _command(
         commands,
         "amend",
-        "a generation with subtrees dropped or keys renamed (no chunk written)",
+        "publish a generation with subtrees dropped or keys renamed",
         "Publish RUN@GEN without every entry whose key path matches a --drop pattern\n"
         "(and what lies under it), and with the keys --rename names renamed, as the\n"
         "next generation of RUN, or of NEWRUN with --to (a new run starts at 1): the\n"
