@@ -36,6 +36,8 @@ def test_public_names_are_pinned() -> None:
             "TieredStore",
             "UnsupportedValueError",
             "__version__",
+            "amend",
+            "branch",
             "copy",
             "errors",
             "open",
