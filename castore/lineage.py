@@ -39,7 +39,7 @@ from castore.errors import AmendError, CorruptObjectError, RefConflictError
 from castore.format.hashing import digest_bytes
 from castore.format.objects import GenerationRoot, ShardManifest, TensorEntry, encode_object
 from castore.format.tree import drop_paths, escape_key, join_path, rename_paths, tensor_names
-from castore.repo.records import validate_run_name
+from castore.repo.records import RefValue, validate_run_name
 from castore.store import Store
 
 LINEAGE_FAULTS = PublishFaults(
@@ -61,62 +61,11 @@ def branch(store: Store, run: str, generation: GenerationSpec, new_run: str) -> 
             raise RefConflictError(
                 f"run {new_run!r} exists: a branch starts a new run", run=new_run
             )
-        objects = []
-        for shard in shards:
-            renamed = ShardManifest(
-                run=new_run,
-                generation=1,
-                rank=shard.rank,
-                tensors=tuple(shard.tensors),
-                local_state=shard.local_state,
-                writer=dict(shard.writer),
-                local_tensors=tuple(shard.local_tensors),
-            )
-            data = encode_object(renamed)
-            objects.append((digest_bytes(data), data))
-        commit_objects(store, objects)
-        writer = claim_writer(store, new_run, None, source.step)
         lineage = {
             "op": "branch",
             "from": [{"run": run, "generation": source.generation, "root": digest.hex}],
         }
-
-        def build_root(checked: Any) -> GenerationRoot:
-            return make_root(
-                run=new_run,
-                generation=1,
-                step=source.step,
-                parent=None,
-                world_size=source.world_size,
-                shards=checked.digests,
-                state=source.state,
-                metadata=source.metadata,
-                stats={
-                    **source.stats,
-                    "new_bytes": 0,
-                    "new_chunks": 0,
-                    "stored_bytes": 0,
-                    "written_bytes": sum(len(data) for _, data in objects),
-                },
-                frameworks=dict(source.frameworks),
-                writer=writer,
-                data_order=dict(source.data_order),
-                layouts=dict(source.layouts),
-                whole=source.whole,
-                lineage=lineage,
-            )
-
-        new_digest, root = publish_shards(
-            store,
-            run=new_run,
-            generation=1,
-            parent=None,
-            shards=[key for key, _ in objects],
-            build_root=build_root,
-            faults=LINEAGE_FAULTS,
-            skeleton=source.state,
-        )
-    return Generation.from_root(new_digest, root)
+        return _publish(store, source, shards, new_run, None, source.state, {}, lineage=lineage)
 
 
 def amend(
@@ -163,70 +112,93 @@ def amend(
     shards = store.read_shards(source)
     with store.save_lock():
         parent = store.refs.read(target)
-        new_id = 1 if parent is None else parent.generation + 1
-        objects = []
-        for shard in shards:
-            amended = ShardManifest(
-                run=target,
-                generation=new_id,
-                rank=shard.rank,
-                tensors=tuple(_named(e, names) for e in shard.tensors if e.name in kept),
-                local_state=shard.local_state,
-                writer=dict(shard.writer),
-                local_tensors=tuple(shard.local_tensors),
-            )
-            data = encode_object(amended)
-            objects.append((digest_bytes(data), data))
-        commit_objects(store, objects)
-        writer = claim_writer(store, target, parent, source.step)
         lineage = {
             "op": "amend",
             "from": [{"run": run, "generation": source.generation, "root": digest.hex}],
             "drop": list(drop),
             "rename": [list(pair) for pair in rename],
         }
-        whole: list[TensorEntry] = [_named(e, names) for e in source.whole if e.name in kept]
-
-        def build_root(checked: Any) -> GenerationRoot:
-            return make_root(
-                run=target,
-                generation=new_id,
-                step=source.step,
-                parent=parent,
-                world_size=source.world_size,
-                shards=checked.digests,
-                state=skeleton,
-                metadata=source.metadata,
-                stats={
-                    **source.stats,
-                    "logical_bytes": sum(
-                        e.nbytes for boxes in checked.entries.values() for e in boxes
-                    ),
-                    "tensors": checked.tensors,
-                    "new_bytes": 0,
-                    "new_chunks": 0,
-                    "stored_bytes": 0,
-                    "written_bytes": sum(len(data) for _, data in objects),
-                },
-                frameworks=dict(source.frameworks),
-                writer=writer,
-                data_order=dict(source.data_order),
-                layouts={names.get(k, k): v for k, v in source.layouts.items() if k in kept},
-                whole=whole,
-                lineage=lineage,
-            )
-
-        new_digest, root = publish_shards(
-            store,
-            run=target,
-            generation=new_id,
-            parent=parent,
-            shards=[key for key, _ in objects],
-            build_root=build_root,
-            faults=LINEAGE_FAULTS,
-            skeleton=skeleton,
+        return _publish(
+            store, source, shards, target, parent, skeleton, names, kept=kept, lineage=lineage
         )
-    return Generation.from_root(new_digest, root)
+
+
+def _publish(
+    store: Store,
+    source: GenerationRoot,
+    shards: list[ShardManifest],
+    run: str,
+    parent: RefValue | None,
+    skeleton: bytes,
+    names: dict[str, str],
+    *,
+    lineage: dict[str, Any],
+    kept: set[str] | None = None,
+) -> Generation:
+    """Publish ``source``'s manifests rewritten as the next generation of ``run`` (after
+    ``parent``): with the tree ``skeleton``, only the tensors ``kept`` (default all),
+    renamed by ``names``; no chunk. The caller holds the store's save lock."""
+    generation = 1 if parent is None else parent.generation + 1
+
+    def keeps(entry: TensorEntry) -> bool:
+        return kept is None or entry.name in kept
+
+    objects = []
+    for shard in shards:
+        rewritten = ShardManifest(
+            run=run,
+            generation=generation,
+            rank=shard.rank,
+            tensors=tuple(_named(e, names) for e in shard.tensors if keeps(e)),
+            local_state=shard.local_state,
+            writer=dict(shard.writer),
+            local_tensors=tuple(shard.local_tensors),
+        )
+        data = encode_object(rewritten)
+        objects.append((digest_bytes(data), data))
+    commit_objects(store, objects)
+    writer = claim_writer(store, run, parent, source.step)
+
+    def build_root(checked: Any) -> GenerationRoot:
+        return make_root(
+            run=run,
+            generation=generation,
+            step=source.step,
+            parent=parent,
+            world_size=source.world_size,
+            shards=checked.digests,
+            state=skeleton,
+            metadata=source.metadata,
+            stats={
+                **source.stats,
+                "logical_bytes": sum(e.nbytes for boxes in checked.entries.values() for e in boxes),
+                "tensors": checked.tensors,
+                "new_bytes": 0,
+                "new_chunks": 0,
+                "stored_bytes": 0,
+                "written_bytes": sum(len(data) for _, data in objects),
+            },
+            frameworks=dict(source.frameworks),
+            writer=writer,
+            data_order=dict(source.data_order),
+            layouts={
+                names.get(k, k): v for k, v in source.layouts.items() if kept is None or k in kept
+            },
+            whole=[_named(e, names) for e in source.whole if keeps(e)],
+            lineage=lineage,
+        )
+
+    digest, root = publish_shards(
+        store,
+        run=run,
+        generation=generation,
+        parent=parent,
+        shards=[key for key, _ in objects],
+        build_root=build_root,
+        faults=LINEAGE_FAULTS,
+        skeleton=skeleton,
+    )
+    return Generation.from_root(digest, root)
 
 
 def _checked_rename(old: str, new: str) -> tuple[str, str, str]:

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cli_runner import clean_env, run_cli
-from s3_server import REGION, store_arguments
+from s3_server import store_options
 
 import castore
 from castore import lineage
@@ -46,14 +46,7 @@ def state(seed: int) -> dict[str, Any]:
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
     kind = request.param
     if kind == "s3":
-        endpoint = request.getfixturevalue("s3_endpoint")
-        keys = store_arguments(endpoint)
-        options: dict[str, Any] = {
-            "endpoint_url": endpoint,
-            "region": REGION,
-            "cache_dir": str(tmp_path / "cache"),
-            "s3_options": {"access_key": keys["access_key"], "secret_key": keys["secret_key"]},
-        }
+        options = store_options(request.getfixturevalue("s3_endpoint"), str(tmp_path / "cache"))
         location = f"s3://{request.getfixturevalue('s3_bucket')}/amend"
     else:
         location, options = str(tmp_path / "store"), {"shared": kind == "shared"}

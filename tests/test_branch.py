@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cli_runner import clean_env, run_cli
-from s3_server import REGION, store_arguments
+from s3_server import store_options
 
 import castore
 from castore.chunkstore.base import Namespace
@@ -44,16 +44,8 @@ def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str
     """A store holding base@1 and base@2: its location and the options it opens with."""
     kind = request.param
     if kind == "s3":
-        endpoint = request.getfixturevalue("s3_endpoint")
-        bucket = request.getfixturevalue("s3_bucket")
-        keys = store_arguments(endpoint)
-        options: dict[str, Any] = {
-            "endpoint_url": endpoint,
-            "region": REGION,
-            "cache_dir": str(tmp_path / "cache"),
-            "s3_options": {"access_key": keys["access_key"], "secret_key": keys["secret_key"]},
-        }
-        location = f"s3://{bucket}/branches"
+        options = store_options(request.getfixturevalue("s3_endpoint"), str(tmp_path / "cache"))
+        location = f"s3://{request.getfixturevalue('s3_bucket')}/branches"
     else:
         location, options = str(tmp_path / "store"), {"shared": kind == "shared"}
     with castore.open(location, chunk_size=CHUNK, **options) as store:

@@ -66,6 +66,17 @@ def store_arguments(endpoint: str) -> dict[str, Any]:
     }
 
 
+def store_options(endpoint: str, cache_dir: str) -> dict[str, Any]:
+    """The keyword arguments castore.open("s3://...") takes to reach the test server."""
+    keys = store_arguments(endpoint)
+    return {
+        "endpoint_url": endpoint,
+        "region": REGION,
+        "cache_dir": cache_dir,
+        "s3_options": {"access_key": keys["access_key"], "secret_key": keys["secret_key"]},
+    }
+
+
 class SlowDown:
     """A botocore ``before-send`` hook: 503 SlowDown to ``count`` requests once ``after`` passed.
 
