@@ -15,9 +15,10 @@ it came from (``lineage``: ``op`` and ``from``, run, generation and root), which
 held by every root that names them.
 
 :func:`amend` publishes a generation with subtrees dropped (``drop``: glob
-patterns over key paths, ``optim/**``): the optimizer state left out of a
-release, say. The same manifests less the dropped tensors' entries, the same
-chunks; on the same run (its next generation) or a new one.
+patterns over key paths, ``optim/**``: the optimizer state left out of a
+release) and keys renamed (``rename``: ``model.`` stripped for another
+framework): the same manifests less the dropped tensors' entries, renamed,
+the same chunks; on the same run (its next generation) or a new one.
 """
 
 from __future__ import annotations
