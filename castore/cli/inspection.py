@@ -59,6 +59,22 @@ def _origin(gen: Generation) -> str:
     return f"{gen.lineage.get('op', 'made')} of {', '.join(named)}"
 
 
+def _changes(lineage: dict[str, Any]) -> str:
+    """" (drop optim/**; rename model.=)" for an amend, "" for a branch: informative
+    fields of the root, shown as they are whatever their shape."""
+    drop, rename = lineage.get("drop"), lineage.get("rename")
+    changes = []
+    if isinstance(drop, list) and drop:
+        changes.append("drop " + ", ".join(map(str, drop)))
+    if isinstance(rename, list) and rename:
+        pairs = (
+            "=".join(map(str, p)) if isinstance(p, list) and len(p) == 2 else str(p)
+            for p in rename
+        )
+        changes.append("rename " + ", ".join(pairs))
+    return f" ({'; '.join(changes)})" if changes else ""
+
+
 def _log_row(gen: Generation, with_run: bool, copied: CopyRecord | None = None) -> list[Any]:
     stats = gen.stats if copied is None else _copy_stats(gen.stats, copied)
     row = [
@@ -119,10 +135,7 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"root       {gen.root}")
         print(f"parent     {gen.parent or '-'}")
         if _origin(gen):  # made from other generations (castore.lineage)
-            changes = [f"drop {', '.join(gen.lineage['drop'])}"] if gen.lineage.get("drop") else []
-            renames = gen.lineage.get("rename") or []
-            changes += [f"rename {', '.join(f'{a}={b}' for a, b in renames)}"] if renames else []
-            print(f"from       {_origin(gen)}" + (f" ({'; '.join(changes)})" if changes else ""))
+            print(f"from       {_origin(gen)}{_changes(gen.lineage)}")
         print(f"ranks      {gen.world_size}")
         if gen.writer:
             writer = gen.writer
