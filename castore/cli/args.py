@@ -186,21 +186,30 @@ def _add_branch(commands: Any) -> None:
     amend = _command(
         commands,
         "amend",
-        "publish a generation with subtrees dropped or keys renamed",
-        "Publish RUN@GEN without every entry whose key path matches a --drop pattern\n"
-        "(and what lies under it), and with the keys --rename names renamed, as the\n"
-        "next generation of RUN, or of NEWRUN with --to (a new run starts at 1): the\n"
-        "optimizer state left out of a release, keys renamed for another framework.\n"
-        "The tensors share every chunk with RUN@GEN; only a manifest per rank and a\n"
-        "root are written. Patterns are shell-style over key paths (castore show\n"
-        "lists them); 'optim/**' drops optim itself too. A rename changes the start\n"
-        "of keys within one dict (model/enc.=model/encoder.), never a key's level. A\n"
-        "pattern or OLD that matches nothing, two keys renamed alike, or a result\n"
-        "without a tensor is refused, and nothing is written.\n\n"
-        + TARGET_HELP,
+        "publish a generation with subtrees dropped, renamed, grafted or replaced",
+        "Publish RUN@GEN changed, as the next generation of RUN, or of NEWRUN with --to\n"
+        "(a new run starts at 1). The changes apply in this order:\n"
+        "  --drop      leave out every entry whose key path matches PATTERN (shell-style\n"
+        "              over key paths, which castore show lists; 'optim/**' drops optim\n"
+        "              itself too): the optimizer state left out of a release;\n"
+        "  --rename    change the start of keys within one dict (model.= strips 'model.',\n"
+        "              model/enc.=model/encoder. works one level down), never a key's level;\n"
+        "  --graft     put the entries of another generation whose key path starts with OLD\n"
+        "              in place of those here that start with NEW (a teacher's encoder in a\n"
+        "              student); a tensor both have must keep its dtype and shape;\n"
+        "  --replace   a tensor's new value from a .npy file or one tensor of a\n"
+        "              .safetensors file (FILE.safetensors:NAME): only its new chunks are\n"
+        "              written, on the boxes it was saved in;\n"
+        "  --set/--unset  user metadata (VALUE is JSON where it parses, else text).\n"
+        "Every other tensor shares its chunks with RUN@GEN: a manifest per rank and a\n"
+        "root are written. A pattern, prefix or key that matches nothing, two keys\n"
+        "renamed alike, a graft whose tensors differ, or a result without a tensor is\n"
+        "refused, and nothing is published.\n\n" + TARGET_HELP,
         "castore amend ./ckpt exp1@12 --drop 'optim/**' --to release\n"
         "castore amend ./ckpt exp1 --drop 'model/*.bias' --drop 'scaler'\n"
-        "castore amend ./ckpt hf@3 --rename model.= --to plain",
+        "castore amend ./ckpt hf@3 --rename model.= --to plain\n"
+        "castore amend ./ckpt student --graft 'teacher@7:model/encoder.=model/encoder.'\n"
+        "castore amend ./ckpt exp1 --replace model/lm_head.weight=head.npy --set note=retied",
     )
     amend.add_argument("target", metavar="RUN[@GEN]", help="the generation to amend")
     amend.add_argument(
@@ -217,6 +226,27 @@ def _add_branch(commands: Any) -> None:
         metavar="OLD=NEW",
         help="change the start of the keys that begin with OLD (a key path prefix ending "
         "inside one key) to NEW (repeatable): model.= strips 'model.'",
+    )
+    amend.add_argument(
+        "--graft",
+        action="append",
+        default=[],
+        metavar="RUN[@GEN]:OLD=NEW",
+        help="put RUN@GEN's entries that start with OLD where this one's start with NEW "
+        "(repeatable)",
+    )
+    amend.add_argument(
+        "--replace",
+        action="append",
+        default=[],
+        metavar="KEY_PATH=FILE",
+        help="a tensor's new value: FILE.npy or FILE.safetensors[:NAME] (repeatable)",
+    )
+    amend.add_argument(
+        "--set", action="append", default=[], metavar="KEY=VALUE", help="set a metadata key"
+    )
+    amend.add_argument(
+        "--unset", action="append", default=[], metavar="KEY", help="remove a metadata key"
     )
     amend.add_argument("--to", metavar="NEWRUN", default=None, help="publish to this run")
 

@@ -4,10 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
+import numpy as np
 from tabulate import tabulate
 
 from castore import gc
@@ -17,6 +21,7 @@ from castore.cli.output import format_time, ratio, spans, text_table
 from castore.cli.stores import open_existing, shards_here
 from castore.core.history import Generation, split_address
 from castore.errors import AmendError, GcAbortedError
+from castore.importer import map_safetensors
 from castore.lineage import amend, branch
 from castore.support.progress import format_size as format_bytes
 
@@ -65,23 +70,84 @@ def cmd_branch(args: argparse.Namespace) -> int:
 
 def cmd_amend(args: argparse.Namespace) -> int:
     run, generation = split_address(args.target)
-    renames = []
-    for pair in args.rename:
-        old, sep, new = pair.partition("=")
-        if not sep:
-            raise AmendError(f"--rename {pair!r}: give OLD=NEW (NEW may be empty)")
-        renames.append((old, new))
+    renames = [_pair(pair, "--rename", "OLD=NEW (NEW may be empty)") for pair in args.rename]
+    replace = {}
+    for pair in args.replace:
+        path, file = _pair(pair, "--replace", "KEY_PATH=FILE (.npy or .safetensors[:NAME])")
+        replace[path] = read_tensor_file(file, f"--replace {pair!r}")
+    metadata: dict[str, Any] = dict(_pair(p, "--set", "KEY=VALUE") for p in args.set)
+    for key, value in metadata.items():
+        metadata[key] = _metadata_value(value)
+    metadata.update((key, None) for key in args.unset)
     with open_existing(args.store) as store:
-        made = amend(store, run, generation, drop=args.drop, rename=renames, to_run=args.to)
+        made = amend(
+            store,
+            run,
+            generation,
+            drop=args.drop,
+            rename=renames,
+            graft=args.graft,
+            replace=replace,
+            metadata=metadata,
+            to_run=args.to,
+        )
     source = made.lineage["from"][0]
     changes = [f"without {', '.join(args.drop)}"] if args.drop else []
     changes += [f"with {len(renames)} rename(s)"] if renames else []
+    changes += [f"with {len(args.graft)} graft(s)"] if args.graft else []
+    changes += [f"with {', '.join(replace)} replaced"] if replace else []
+    changes += [f"with {len(metadata)} metadata key(s) edited"] if metadata else []
+    written = (
+        f"{format_bytes(made.stats.new_bytes)} of new chunks written"
+        if made.stats.new_bytes
+        else "no chunk written"
+    )
     print(
         f"published {made.run}@{made.id} from {source['run']}@{source['generation']} "
         f"{' and '.join(changes)}: {made.stats.tensors} tensor(s), "
-        f"{format_bytes(made.stats.logical_bytes)}; no chunk written"
+        f"{format_bytes(made.stats.logical_bytes)}; {written}"
     )
     return 0
+
+
+def _pair(text: str, option: str, form: str) -> tuple[str, str]:
+    key, sep, value = text.partition("=")
+    if not sep:
+        raise AmendError(f"{option} {text!r}: give {form}")
+    return key, value
+
+
+def _metadata_value(text: str) -> Any:
+    """A --set value: JSON where it parses as JSON (3, 0.1, true, [1, 2]), else the text."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
+def read_tensor_file(spec: str, what: str) -> np.ndarray:
+    """The tensor a file holds: a ``.npy`` file (no pickled objects), or one tensor of a
+    ``.safetensors`` file (``FILE:NAME``; NAME may be left out where it holds one)."""
+    file, _, name = spec.partition(".safetensors:")
+    path = Path(file + ".safetensors" if name else spec)
+    if not path.is_file():
+        raise AmendError(f"{what}: no file {str(path)!r}")
+    if path.suffix == ".npy":
+        try:
+            return np.load(path, allow_pickle=False)
+        except ValueError as exc:
+            raise AmendError(f"{what}: {path} is not a .npy file of numbers ({exc})") from None
+    if path.suffix != ".safetensors":
+        raise AmendError(f"{what}: give a .npy or .safetensors file, not {path.name!r}")
+    tensors = map_safetensors(path)
+    if not name and len(tensors) != 1:
+        raise AmendError(
+            f"{what}: {path.name} holds {len(tensors)} tensors: name one as "
+            f"{path.name}:NAME"
+        )
+    if name and name not in tensors:
+        raise AmendError(f"{what}: {path.name} has no tensor {name!r}")
+    return tensors[name] if name else next(iter(tensors.values()))
 
 
 def cmd_untag(args: argparse.Namespace) -> int:

@@ -675,6 +675,93 @@ def rename_paths(
     return _pack(tree), tensors, moved_local
 
 
+def dict_items_at(skeleton: bytes, parent: str) -> list[tuple[Any, Any]] | None:
+    """The (key, raw node) pairs of the dict (or ordered dict) at key path ``parent``
+    ("" is the top), or None where no dict is there. Nodes stay as msgpack gives them
+    (extension types unread), ready for :func:`replace_items`."""
+    node = _unpack_raw(skeleton)
+    for part in parent.split("/") if parent else ():
+        node = _child(node, part)
+    return _pairs_of(node)
+
+
+def _child(node: Any, part: str) -> Any:
+    pairs = _pairs_of(node)
+    if pairs is not None:
+        return next((value for key, value in pairs if escape_key(key) == part), None)
+    if isinstance(node, msgpack.ExtType) and node.code == EXT_TUPLE:
+        node = _unpack_raw(node.data)
+    if isinstance(node, list) and part.isdigit() and int(part) < len(node):
+        return node[int(part)]
+    return None
+
+
+def _pairs_of(node: Any) -> list[tuple[Any, Any]] | None:
+    if isinstance(node, dict):
+        return list(node.items())
+    if isinstance(node, msgpack.ExtType) and node.code == EXT_ORDERED_DICT:
+        return [(key, value) for key, value in _unpack_raw(node.data)]
+    return None
+
+
+def replace_items(
+    skeleton: bytes,
+    parent: str,
+    change: Callable[[list[tuple[Any, Any]]], list[tuple[Any, Any]]],
+) -> bytes:
+    """The skeleton with the pairs of the dict at key path ``parent`` replaced by
+    ``change(pairs)`` (an ordered dict stays one); the caller found the dict there
+    (:func:`dict_items_at`)."""
+    parts = parent.split("/") if parent else []
+
+    def walk(node: Any, depth: int) -> Any:
+        if depth == len(parts):
+            pairs = change(_pairs_of(node) or [])
+            if isinstance(node, dict):
+                return dict(pairs)
+            return msgpack.ExtType(EXT_ORDERED_DICT, _pack([list(p) for p in pairs]))
+        part = parts[depth]
+        found = _pairs_of(node)
+        if found is not None:
+            out = [(k, walk(v, depth + 1) if escape_key(k) == part else v) for k, v in found]
+            if isinstance(node, dict):
+                return dict(out)
+            return msgpack.ExtType(EXT_ORDERED_DICT, _pack([list(p) for p in out]))
+        tuple_ = isinstance(node, msgpack.ExtType) and node.code == EXT_TUPLE
+        items = list(_unpack_raw(node.data) if tuple_ else node)
+        items[int(part)] = walk(items[int(part)], depth + 1)
+        return msgpack.ExtType(EXT_TUPLE, _pack(items)) if tuple_ else items
+
+    return _pack(walk(_unpack_raw(skeleton), 0))
+
+
+def retarget_tensors(node: Any, old: str, new: str) -> tuple[Any, dict[str, str], list[str]]:
+    """A raw subtree (from :func:`dict_items_at`) with each tensor named ``old...``
+    renamed ``new...`` (its key path moved from under ``old`` to under ``new``), those
+    names (old -> new), and the per-rank values it holds (their names cannot move)."""
+    names: dict[str, str] = {}
+    local: list[str] = []
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, msgpack.ExtType):
+            if value.code in (EXT_TUPLE, EXT_ORDERED_DICT):
+                return msgpack.ExtType(value.code, _pack(walk(_unpack_raw(value.data))))
+            if value.code == EXT_TENSOR:
+                name, framework = _unpack_raw(value.data)
+                names[name] = new + name[len(old) :] if name.startswith(old) else name
+                return msgpack.ExtType(EXT_TENSOR, _pack([names[name], framework]))
+            if value.code == EXT_RANK_LOCAL:
+                local.append(str(_unpack_raw(value.data)))
+            return value
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [walk(v) for v in value]
+        return value
+
+    return walk(node), names, local
+
+
 def _unpack_raw(data: bytes) -> Any:
     """msgpack with extension types left as they are (their payloads unread)."""
     return msgpack.unpackb(data, raw=False, strict_map_key=False)

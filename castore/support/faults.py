@@ -39,6 +39,7 @@ POINTS = (
     "copy.before_root",
     "copy.before_ref_advance",
     "copy.after_ref_advance",
+    "lineage.mid_chunks",
     "lineage.before_root",
     "lineage.before_ref_advance",
     "lineage.after_ref_advance",

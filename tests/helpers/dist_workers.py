@@ -398,6 +398,7 @@ def _load(
                 "timings": dict(report.timings),
                 "bytes_by_source": dict(report.bytes_by_source),
                 "skipped": [s.generation for s in report.skipped],
+                "resharded": report.resharded,
             },
         }
     finally:
