@@ -125,8 +125,9 @@ def diff_generations(
 ) -> GenerationDiff:
     """Compare generation ``run_a@gen_a`` with ``run_b@gen_b``.
 
-    Without ``gen_b``, B is A's parent (``run_b`` defaults to ``run_a``); a
-    first generation is compared with nothing, so everything in it is added.
+    Without ``gen_b``, B is A's parent (``run_b`` defaults to ``run_a``), or, for a
+    generation made by ``castore branch`` or ``amend`` (castore.lineage), the one it was
+    made from; a first generation is compared with nothing, so everything in it is added.
     Chunks are read only for resharded tensors, ``compare_limit`` bytes per
     side at most (0: none).
     """
@@ -201,6 +202,18 @@ def _other_root(
 ) -> GenerationRoot | None:
     if gen_b is not None or (run_b is not None and run_b != run_a):
         return store.resolve_root(run_b or run_a, "latest" if gen_b is None else gen_b)[1]
+    made_from = _made_from(root_a)
+    if made_from is not None:
+        run, generation, digest = made_from
+        try:
+            return store.read_root(digest, run=run)
+        except ObjectMissingError:
+            raise GenerationNotFoundError(
+                f"{run_a}@{root_a.generation} was made from {run}@{generation} "
+                f"({digest.short}), which is not in the store; name the generation to "
+                "compare with",
+                run=run_a,
+            ) from None
     if root_a.parent is None:
         return None
     parent = Digest(root_a.parent)
@@ -214,6 +227,22 @@ def _other_root(
             f"name the generation to compare with (castore log {run_a} lists those kept)",
             run=run_a,
         ) from None
+
+
+def _made_from(root: GenerationRoot) -> tuple[str, int, Digest] | None:
+    """(run, generation, root) of the generation a branch or amend was made from, where
+    the root's ``lineage`` names it well formed (an informative field: else None)."""
+    sources = root.lineage.get("from")
+    first = sources[0] if isinstance(sources, list) and sources else None
+    if not isinstance(first, dict):
+        return None
+    run, generation, digest = first.get("run"), first.get("generation"), first.get("root")
+    if not (isinstance(run, str) and isinstance(generation, int) and isinstance(digest, str)):
+        return None
+    try:
+        return run, generation, Digest.from_hex(digest)
+    except ValueError:
+        return None
 
 
 def _compare_tensors(

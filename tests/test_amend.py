@@ -172,6 +172,8 @@ def test_the_cli_amends_and_refuses_in_one_line(tmp_path: Path) -> None:
     show = run_cli("show", path, "release")
     assert show.returncode == 0, show.stderr
     assert "from       amend of train@1 (drop optim/**)" in show.stdout.splitlines()
+    diff = run_cli("diff", path, "release", "--stat")  # against what it was made from
+    assert diff.stdout.startswith("release@1 vs train@1: 0 changed (0 B new), 0 added, 1 removed")
 
 
 def hf_state() -> dict[str, Any]:

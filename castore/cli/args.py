@@ -486,7 +486,8 @@ def _add_diff(commands: Any) -> None:
         "b",
         nargs="?",
         metavar="RUN@B",
-        help="the generation to compare it with (default: A's parent; RUN alone: its latest)",
+        help="the generation to compare it with (default: A's parent, or what a branch or "
+        "amend was made from; RUN alone: its latest)",
     )
     diff.add_argument("--stat", action="store_true", help="print only the one-line summary")
     diff.add_argument(
