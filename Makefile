@@ -13,8 +13,8 @@ $(VENV)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing $(TORCH_SPEC) (CPU build, ~200 MB) into $(VENV): a few minutes the first time ..."
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
-	@echo "installing castore, its dev tools (pytest, ruff, mypy, boto3, moto, safetensors) and the lightning, transformers and accelerate extras into $(VENV) ..."
-	$(PY) -m pip install --quiet -e ".[torch,dev,lightning,transformers,accelerate]"
+	@echo "installing castore, its dev tools (pytest, ruff, mypy, boto3, moto, safetensors) and the lightning, transformers, accelerate and signing extras into $(VENV) ..."
+	$(PY) -m pip install --quiet -e ".[torch,dev,lightning,transformers,accelerate,signing]"
 	touch $@
 
 demo: $(VENV)/.installed

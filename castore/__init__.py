@@ -28,6 +28,7 @@ from castore.errors import (
     StoreError,
     UnsupportedValueError,
 )
+from castore.export_verify import ExportCheck, verify_export
 from castore.format.shard import NotLoaded, RankLocal, Shard
 from castore.lineage import amend, branch
 from castore.opening import open_address
@@ -42,6 +43,7 @@ __all__ = [
     "ChunkMissingError",
     "CodecError",
     "CopyReport",
+    "ExportCheck",
     "FormatVersionError",
     "Generation",
     "GenerationNotFoundError",
@@ -65,6 +67,7 @@ __all__ = [
     "errors",
     "open",
     "open_tiered",
+    "verify_export",
 ]
 
 

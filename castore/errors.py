@@ -30,6 +30,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     │   ├── CoverageError                a tensor's boxes leave a gap, overlap or disagree
     │   ├── IndexCorruptError            the LMDB chunk index or its file is damaged
     │   ├── LostRunError                 a run has history (a reflog) but no ref
+    │   ├── ExportMismatchError          an exported file is not what its statement or root says
     │   └── NoValidGenerationError       a fallback found no generation that validates
     ├── DistributedError                 a multi-rank save or load failed as a group
     │   ├── RankFailedError              another rank failed (names the rank)
@@ -59,6 +60,7 @@ builtin a caller would naturally catch (``FileNotFoundError``, ``LookupError``,
     ├── SaveBoundaryError                (RuntimeError) a save from where no resume can start
     ├── ResumeMismatchError              (ValueError) a resume whose claim cannot hold
     ├── AmendError                       (ValueError) an amend that cannot be made as asked
+    ├── StatementError                   (ValueError) an export's statement is missing or malformed
     ├── GcAbortedError                   garbage collection stopped before deleting anything
     ├── SaveAborted                      the background writer failed while staging went on
     └── InjectedFault                    a test's fault point switched to ``raise``
@@ -271,6 +273,12 @@ class CoverageError(IntegrityError):
     """A sharded tensor's boxes leave a gap, overlap, or disagree on shape or dtype."""
 
 
+class ExportMismatchError(IntegrityError):
+    """An exported file differs from what its statement says (a digest, a file missing or
+    added) or from the generation it names (a header, a tensor's bytes): names the file
+    and, where one is at fault, the tensor."""
+
+
 class NoValidGenerationError(IntegrityError):
     """``fallback="previous"`` walked the whole history and nothing validated."""
 
@@ -394,6 +402,11 @@ class UnsupportedPlacementError(UnsupportedValueError):
 class ImportSourceError(UnsupportedValueError, ValueError):
     """A source to import is missing, of an unknown kind, or not readable safely
     (a hostile safetensors header, a pickle ``weights_only`` refuses)."""
+
+
+class StatementError(CastoreError, ValueError):
+    """An export's statement (castore.format.statement) is missing, is not JSON, or has a
+    field that is absent, of the wrong type or unsafe (a resource naming a path)."""
 
 
 class SaveBoundaryError(CastoreError, RuntimeError):

@@ -21,6 +21,7 @@ the one safetensors layout and the temporary directory it is renamed from.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import math
@@ -43,6 +44,13 @@ from castore.format import dtypes
 from castore.format.dcplayout import DcpLayout
 from castore.format.layout import Box
 from castore.format.objects import GenerationRoot, TensorEntry
+from castore.format.statement import (
+    STATEMENT_FILE,
+    ExportedFile,
+    ExportOptions,
+    build_statement,
+    statement_bytes,
+)
 from castore.format.tree import decode_tree
 from castore.store import Store
 from castore.support.progress import NO_BAR, Bar, progress_bar
@@ -87,6 +95,7 @@ class ExportReport:
     tensors: int = 0
     bytes: int = 0
     peak_buffer: int = 0
+    statement: str | None = None  # the statement's file name, when one was written
 
 
 @dataclass(frozen=True)
@@ -258,6 +267,15 @@ def plan_files_from_index(
     return files
 
 
+def index_bytes(files: Mapping[str, list[ExportTensor]]) -> bytes:
+    """``model.safetensors.index.json``: the total size and which file holds each tensor."""
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for group in files.values() for t in group)},
+        "weight_map": {t.name: f for f, group in files.items() for t in group},
+    }
+    return (json.dumps(index, indent=2, sort_keys=True) + "\n").encode()
+
+
 def header_bytes(tensors: list[ExportTensor]) -> bytes:
     """The safetensors header: its length, then JSON padded with spaces to 8 bytes."""
     header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
@@ -329,8 +347,9 @@ class _FileWriter:
     the export from 1.4 s to 0.8 s; an fdatasync per 32 MiB instead took 1.3 s.
     """
 
-    def __init__(self, fd: int) -> None:
+    def __init__(self, fd: int, digest: Any = None) -> None:
         self.fd = fd
+        self.digest = digest  # a hashlib hasher fed every byte written, or None
         self.thread = ThreadPoolExecutor(1, thread_name_prefix="castore-export")
         self.pending: Future[None] | None = None
         self.scratch = [np.empty(0, dtype=np.uint8), np.empty(0, dtype=np.uint8)]
@@ -352,6 +371,8 @@ class _FileWriter:
         self.pending = self.thread.submit(self._write, data.reshape(-1).view(np.uint8).data)
 
     def _write(self, view: memoryview) -> None:
+        if self.digest is not None:  # sha256 releases the GIL: the reader goes on meanwhile
+            self.digest.update(view)
         while view:
             done = os.write(self.fd, view)
             view = view[done:]
@@ -409,10 +430,12 @@ def write_file(
     where: dict[str, Any],
     report: ExportReport,
     bar: Bar = NO_BAR,
+    digest: Any = None,
 ) -> None:
+    """Write one safetensors file; ``digest``, a hashlib hasher, is fed its bytes."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
     try:
-        writer = _FileWriter(fd)
+        writer = _FileWriter(fd, digest)
         try:
             writer.write(np.frombuffer(header_bytes(tensors), dtype=np.uint8))
             for tensor in tensors:
@@ -487,6 +510,7 @@ def to_safetensors(
     index_from: Path | str | None = None,
     buffer_size: int = DEFAULT_BUFFER_SIZE,
     progress: bool = False,
+    statement: bool = False,
 ) -> ExportReport:
     """Export the tensors of ``run@generation`` to safetensors files in ``out_dir``.
 
@@ -503,6 +527,10 @@ def to_safetensors(
     a generation saved through castore.dcp exports its tensors under their
     state-dict key paths (:func:`saved_tensors`).
     ``progress=True`` draws a bar of the bytes written on a terminal's stderr.
+    ``statement=True`` also writes ``castore-export.intoto.json``, an in-toto
+    statement in OpenSSF model-signing's form naming every file's sha256 (hashed
+    as it is written) and the generation (castore.format.statement), for
+    :func:`castore.verify_export` and a signer; a directory only.
     """
     out_dir = Path(out_dir)
     wanted = target_dtype(dtype)
@@ -510,11 +538,16 @@ def to_safetensors(
     if buffer_size < 1:
         raise ValueError(f"buffer size must be positive, got {buffer_size}")
     one_file = names_one_file(out_dir)
+    if one_file and statement:
+        raise ValueError(
+            f"a statement (--statement) lies beside the files in a directory, but {out_dir} "
+            f"names one file: name a directory instead (e.g. {out_dir.with_suffix('')})"
+        )
     if one_file:
         check_out_file(out_dir, max_shard_size, index_from)
     else:
         check_out_dir(out_dir)
-    _digest, root = store.resolve_root(run, generation)
+    digest, root = store.resolve_root(run, generation)
     where: dict[str, Any] = {"run": root.run, "generation": root.generation}
     entries = saved_tensors(store, root)  # read once, not per stripe
     tensors = select_tensors(
@@ -537,20 +570,40 @@ def to_safetensors(
     tmp = out_dir.parent / f".{out_dir.name}.export-{secrets.token_hex(6)}"
     tmp.mkdir()  # not mkdtemp: the directory is the output, with the umask's mode, not 0700
     total = sum(t.nbytes for t in tensors)
+    digests: dict[str, str] = {}
     try:
         with progress_bar(progress, "export", total) as bar:
             for file, group in files.items():
-                write_file(store, tmp / file, group, buffer_size, where, report, bar)
+                hasher = hashlib.sha256() if statement else None
+                write_file(store, tmp / file, group, buffer_size, where, report, bar, hasher)
                 report.files.append(file)
+                if hasher is not None:
+                    digests[file] = hasher.hexdigest()
         report.tensors = len(tensors)
         report.bytes = total
+        index = None
         if len(files) > 1 or index_from is not None:
-            index = {
-                "metadata": {"total_size": report.bytes},
-                "weight_map": {t.name: f for f, group in files.items() for t in group},
-            }
-            (tmp / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            report.files.append(INDEX_FILE)
+            index = INDEX_FILE
+            data = index_bytes(files)
+            (tmp / index).write_bytes(data)
+            report.files.append(index)
+            digests[index] = hashlib.sha256(data).hexdigest()
+        if statement:
+            options = ExportOptions(prefix, strip_prefix, tuple(rename or ()), dtype)
+            listed = [ExportedFile(f, tuple(t.name for t in g)) for f, g in files.items()]
+            made = build_statement(
+                out_dir.name,
+                digests,
+                root=digest.hex,
+                run=root.run,
+                generation=root.generation,
+                step=root.step,
+                options=options,
+                files=listed,
+                index=index,
+            )
+            (tmp / STATEMENT_FILE).write_bytes(statement_bytes(made))
+            report.statement = STATEMENT_FILE
         publish_dir(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -19,6 +19,7 @@ def test_public_names_are_pinned() -> None:
             "ChunkMissingError",
             "CodecError",
             "CopyReport",
+            "ExportCheck",
             "FormatVersionError",
             "Generation",
             "GenerationNotFoundError",
@@ -42,6 +43,7 @@ def test_public_names_are_pinned() -> None:
             "errors",
             "open",
             "open_tiered",
+            "verify_export",
         ]
     )
     for name in castore.__all__:

@@ -49,7 +49,13 @@ FLOORS = (
     ),
     Floor(
         "built on those",
-        ("castore.dcp", "castore.train", "castore.repair", "castore.retention"),
+        (
+            "castore.dcp",
+            "castore.train",
+            "castore.repair",
+            "castore.retention",
+            "castore.export_verify",
+        ),
     ),
     Floor("importing checkpoints", ("castore.importer",)),
     Floor("tiers", ("castore.tiers",)),

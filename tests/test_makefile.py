@@ -26,7 +26,7 @@ fi
 # Each pip step, and words the line printed before it must hold.
 ANNOUNCED = {
     "-m pip install --quiet torch==2.13.0": ["installing torch==2.13.0", "CPU build", "MB"],
-    "-m pip install --quiet -e .[torch,dev,lightning,transformers,accelerate]": [
+    "-m pip install --quiet -e .[torch,dev,lightning,transformers,accelerate,signing]": [
         "installing castore",
         "dev tools",
         "transformers",

@@ -55,6 +55,13 @@ class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
             return text
         return f"{text} (default: %(default)s)"
 
+    def add_argument(self, action: argparse.Action) -> None:
+        super().add_argument(action)
+        if action.nargs == argparse.PARSER:
+            # argparse measures the command names at the list's indent but prints them one
+            # indent deeper: the longest (verify-export) would wrap onto a line of its own.
+            self._action_max_length += self._indent_increment
+
 
 def _command(
     commands: Any, name: str, summary: str, description: str, examples: str
@@ -99,6 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_copy(commands)
     _add_diff(commands)
     _add_export(commands)
+    _add_verify_export(commands)
     _add_import(commands)
     return parser
 
@@ -517,11 +525,15 @@ def _add_export(commands: Any) -> None:
         "damaged chunk, say: exit 1) leaves nothing. An OUT ending in .safetensors is\n"
         "one file instead, holding every selected tensor (it must not exist;\n"
         "--max-shard-size and --index-from need a directory). --format torch writes\n"
-        "one torch.save file OUT instead (a pickle; see --format).\n\n" + TARGET_HELP,
+        "one torch.save file OUT instead (a pickle; see --format). --statement also\n"
+        "writes castore-export.intoto.json beside the files: an in-toto statement in\n"
+        "OpenSSF model-signing's form, naming each file's sha256 and the generation,\n"
+        "for a signer and for castore verify-export.\n\n" + TARGET_HELP,
         "castore export ./ckpt exp1 ./hf-model\n"
         "castore export ./ckpt exp1 ./exp1.safetensors --prefix model/ --strip-prefix\n"
         "castore export ./ckpt exp1@7 ./hf --prefix model/ --strip-prefix --dtype bf16\n"
         "castore export ./ckpt exp1 ./hf --max-shard-size 2GB --rename model/=transformer.\n"
+        "castore export ./ckpt exp1@release ./hf --prefix model/ --strip-prefix --statement\n"
         "castore export ./ckpt exp1 ./hf --prefix model/ --strip-prefix "
         "--index-from base/model.safetensors.index.json\n"
         "castore export ./ckpt exp1 ./model.pt --format torch --prefix model/ --strip-prefix",
@@ -577,6 +589,37 @@ def _add_export(commands: Any) -> None:
         help="safetensors: follow an existing model.safetensors.index.json: its files and names "
         "(a tensor it does not list is an error); overrides --max-shard-size",
     )
+    export.add_argument(
+        "--statement",
+        action="store_true",
+        help="safetensors, OUT a directory: also write castore-export.intoto.json, the "
+        "statement a signer signs and castore verify-export checks (each file's sha256 is "
+        "taken as it is written)",
+    )
+
+
+def _add_verify_export(commands: Any) -> None:
+    checked: argparse.ArgumentParser = commands.add_parser(
+        "verify-export",
+        help="prove an export bitwise the generation its statement names",
+        description="Prove that the export in DIR is bitwise the generation its statement\n"
+        "(castore-export.intoto.json, written by castore export --statement) names,\n"
+        "file by file, reading each file once: its sha256 must be the statement's, its\n"
+        "safetensors header the one the export of that generation writes, and each\n"
+        "tensor's bytes the generation's (each saved chunk's place in the file hashed\n"
+        "with blake3 against the chunk's name; a tensor exported with --dtype compared\n"
+        "with its saved bytes converted). STORE must hold the generation's root (the\n"
+        "store exported from, or a copy). DIR must hold the statement's files and no\n"
+        "other (a model.sig beside them aside). Prints one line per file and a verdict;\n"
+        "a difference is one line naming the file and the tensor, exit 1. The\n"
+        "signature, if any, is checked by the signer's tool (docs/INTEROP.md).",
+        epilog="examples:\n"
+        "  castore verify-export ./hf ./ckpt\n"
+        "  castore verify-export ./release s3://bucket/ckpt",
+        formatter_class=_HelpFormatter,
+    )
+    checked.add_argument("dir", metavar="DIR", help="the export directory, with its statement")
+    checked.add_argument("store", metavar="STORE", help=f"the store to check against: {STORE_HELP}")
 
 
 def _add_import(commands: Any) -> None:

@@ -20,7 +20,7 @@ from castore.cli.collection import (
 from castore.cli.failures import run_command
 from castore.cli.inspection import cmd_diff, cmd_log, cmd_show
 from castore.cli.tiers import cmd_tiers
-from castore.cli.transfer import cmd_copy, cmd_export, cmd_import
+from castore.cli.transfer import cmd_copy, cmd_export, cmd_import, cmd_verify_export
 
 # A closed stdout (`castore log ... | head -1`): what a shell reports for a tool SIGPIPE
 # (13) killed. Not 0: `verify | head -1` may have cut off its PROBLEM lines; not 1, verify's.
@@ -43,6 +43,7 @@ COMMANDS = {
     "copy": cmd_copy,
     "diff": cmd_diff,
     "export": cmd_export,
+    "verify-export": cmd_verify_export,
     "import": cmd_import,
 }
 

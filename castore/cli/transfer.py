@@ -1,5 +1,5 @@
 """The commands that move checkpoints between stores and formats: ``copy``, ``export``,
-``import``."""
+``verify-export``, ``import``."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import castore
-from castore import export
+from castore import export, export_verify
 from castore.cli.stores import open_existing
 from castore.core.history import split_address
 from castore.importer import check_source, import_checkpoint
@@ -56,8 +56,10 @@ def cmd_export(args: argparse.Namespace) -> int:
         "rename": args.rename,
     }
     if args.format == "torch":
-        if args.max_shard_size is not None or args.index_from is not None:
-            raise ValueError("--max-shard-size and --index-from are for --format safetensors")
+        if args.max_shard_size is not None or args.index_from is not None or args.statement:
+            raise ValueError(
+                "--max-shard-size, --index-from and --statement are for --format safetensors"
+            )
         with open_existing(args.store) as store:
             report = export.to_torch(store, run, generation, args.out, progress=True, **chosen)
     else:
@@ -70,14 +72,34 @@ def cmd_export(args: argparse.Namespace) -> int:
                 max_shard_size=args.max_shard_size,
                 index_from=args.index_from,
                 progress=True,
+                statement=args.statement,
                 **chosen,
             )
     for file in report.files:
         print(f"wrote {report.out_dir / file}")
+    if report.statement is not None:
+        print(f"wrote {report.out_dir / report.statement} (the statement to sign)")
     print(
         f"exported {report.tensors} tensor(s), {format_bytes(report.bytes)} in "
         f"{len(report.files)} file(s) to {args.out}; held at most "
         f"{format_bytes(report.peak_buffer)}"
+    )
+    return 0
+
+
+def cmd_verify_export(args: argparse.Namespace) -> int:
+    with castore.open(args.store, create=False, readonly=True) as store:
+        check = export_verify.verify_export(args.dir, store, progress=True)
+    for file in check.files:
+        what = f"{file.tensors} tensor(s), {file.chunks} chunk(s) hashed in place" + (
+            f", {file.converted} converted tensor(s) compared" if file.converted else ""
+        )
+        print(f"ok {file.name}: {format_bytes(file.bytes)}" + (f", {what}" if file.tensors else ""))
+    listed = "" if check.published else f"; run {check.run}'s history no longer lists it"
+    print(
+        f"verified: {args.dir} is bitwise {check.run}@{check.generation} (step {check.step}, "
+        f"root {check.root[:12]}): {len(check.files)} file(s), "
+        f"{format_bytes(check.bytes)}{listed}"
     )
     return 0
 
