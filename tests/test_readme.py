@@ -3,7 +3,8 @@
 The blocks of one file run in order, in one fresh process (forked from the
 suite's zygote, which imported torch once: castore.testing.zygote; a fresh
 interpreter where there is none), in an empty directory, sharing one namespace
-(sh blocks run with bash, ``set -e``, with ``castore`` on PATH). Names a block
+(sh blocks run with bash, ``set -e``, with ``castore`` and the commands this
+interpreter's environment installed, such as ``model_signing``, on PATH). Names a block
 uses but does not define (``state``, ``weights``, ``dataset``,
 ``ddp_model``...) come from PRELUDE below, never from editing the document. The
 process is a gloo group of one, so the multi-rank examples run their collective
@@ -179,7 +180,9 @@ def test_every_code_block_runs_as_written(
         **{k: v for k, v in os.environ.items() if not (uses_s3 and k == "AWS_PROFILE")},
         **(s3_environment(request) if uses_s3 else {}),
         "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-        "PATH": os.pathsep.join([str(tmp_path / "bin"), os.environ.get("PATH", "")]),
+        "PATH": os.pathsep.join(
+            [str(tmp_path / "bin"), str(Path(sys.executable).parent), os.environ.get("PATH", "")]
+        ),
     }
     listed = repr([(b.path, b.line, b.lang, b.source) for b in runnable])
     code, stdout, stderr = run_runner(tmp_path, work, env, [PRELUDE, listed], timeout=120)
