@@ -11,6 +11,8 @@ module                          holds
 :mod:`castore.cli.optionvalues` what an option's value may be (counts, sizes, durations)
 :mod:`castore.cli.failures`     how a command fails: one line, an exit status, held warnings
 :mod:`castore.cli.inspection`   ``log``, ``show``, ``diff``
+:mod:`castore.cli.graph`        ``log --graph``: generations and their parents across runs
+:mod:`castore.cli.origins`      how a generation was made (save, branch, amend, import, copy)
 :mod:`castore.cli.values`       ``show``'s table of non-tensor values
 :mod:`castore.cli.checks`       ``verify``, ``repair``
 :mod:`castore.cli.collection`   ``tag``, ``untag``, ``gc``, ``du``, ``compact``

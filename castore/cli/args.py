@@ -119,10 +119,27 @@ def _add_inspection(commands: Any) -> None:
         "List every generation of every run (or of one run), oldest first: id, step,\n"
         "time, logical size, chunk bytes new in that save, bytes it wrote (new chunks\n"
         "and manifests), dedup %, how long the save held training (for an async save:\n"
-        "its snapshot), root digest prefix, tags.",
-        "castore log ./ckpt\ncastore log ./ckpt --run exp1 -n 10",
+        "its snapshot), root digest prefix, tags.\n\n"
+        "--graph draws instead a line per generation, newest first, with its parents\n"
+        "across runs: * is a generation, | leads down to its parent (the run's previous\n"
+        "generation, or for a branch or an amend the generation it was made from),\n"
+        "|-\\ branches off to another parent (an amend's graft donor) and |-/ joins\n"
+        "lines at their common parent. Each line says how the generation was made\n"
+        "(save, branch of base@3, amend of ... with its changes, import safetensors\n"
+        "FILE, copied here: ...) and names any parent not drawn: collected, not in this\n"
+        "store, or older than -n shows. With --run, the run and every generation it\n"
+        "descends from, in any run.",
+        "castore log ./ckpt\ncastore log ./ckpt --run exp1 -n 10\n"
+        "castore log ./ckpt --graph\ncastore log ./ckpt --graph --run finetune-a",
     )
-    log.add_argument("--run", help="list only this run (no run column)")
+    log.add_argument(
+        "--run", help="list only this run (no run column); --graph: and what it descends from"
+    )
+    log.add_argument(
+        "--graph",
+        action="store_true",
+        help="a text graph of generations and their parents across runs (see above)",
+    )
     log.add_argument(
         "-n",
         "--max-count",

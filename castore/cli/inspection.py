@@ -8,6 +8,8 @@ from typing import Any
 from tabulate import tabulate
 
 from castore import diffing
+from castore.cli.graph import cmd_log_graph
+from castore.cli.origins import changes, imported, origin
 from castore.cli.output import format_seconds, format_time, ratio, text_table
 from castore.cli.stores import open_existing, shards_here
 from castore.cli.values import state_values
@@ -20,6 +22,8 @@ DIFF_VALUE_ROWS = 50  # value changes a diff lists before it only counts the res
 
 
 def cmd_log(args: argparse.Namespace) -> int:
+    if args.graph:
+        return cmd_log_graph(args)
     with open_existing(args.store) as store:
         runs = [args.run] if args.run else store.runs()
         rows = []
@@ -31,7 +35,7 @@ def cmd_log(args: argparse.Namespace) -> int:
             copies = copies_logged(store, run, {g.root for g in listed})  # what copies wrote
             for gen in listed:
                 row = _log_row(gen, len(runs) > 1, copies.get(gen.root))
-                row += [",".join(tags.get(gen.root, [])), _origin(gen)]
+                row += [",".join(tags.get(gen.root, [])), origin(gen)]
                 rows.append(row + [shards_here(store, gen)])
         if not rows:
             print("no generations")
@@ -48,31 +52,6 @@ def cmd_log(args: argparse.Namespace) -> int:
             headers = headers[:at] + headers[at + 1 :]
         print(text_table(rows, headers, text=("run", "root", "tags", "from", "here")))
     return 0
-
-
-def _origin(gen: Generation) -> str:
-    """Where a generation made from others came from ("branch of base@3"), else ""."""
-    sources = gen.lineage.get("from") if gen.lineage else None
-    if not isinstance(sources, list) or not sources:
-        return ""
-    named = [f"{s.get('run')}@{s.get('generation')}" for s in sources if isinstance(s, dict)]
-    return f"{gen.lineage.get('op', 'made')} of {', '.join(named)}"
-
-
-def _changes(lineage: dict[str, Any]) -> str:
-    """" (drop optim/**; rename model.=)" for an amend, "" for a branch: informative
-    fields of the root, shown as they are whatever their shape."""
-    drop, rename = lineage.get("drop"), lineage.get("rename")
-    changes = []
-    if isinstance(drop, list) and drop:
-        changes.append("drop " + ", ".join(map(str, drop)))
-    if isinstance(rename, list) and rename:
-        pairs = (
-            "=".join(map(str, p)) if isinstance(p, list) and len(p) == 2 else str(p)
-            for p in rename
-        )
-        changes.append("rename " + ", ".join(pairs))
-    return f" ({'; '.join(changes)})" if changes else ""
 
 
 def _log_row(gen: Generation, with_run: bool, copied: CopyRecord | None = None) -> list[Any]:
@@ -134,8 +113,10 @@ def cmd_show(args: argparse.Namespace) -> int:
         print(f"generation {run}@{gen.id}  step {gen.step}  {format_time(gen.time)}")
         print(f"root       {gen.root}")
         print(f"parent     {gen.parent or '-'}")
-        if _origin(gen):  # made from other generations (castore.lineage)
-            print(f"from       {_origin(gen)}{_changes(gen.lineage)}")
+        if origin(gen):  # made from other generations (castore.lineage)
+            print(f"from       {origin(gen)}{changes(gen.lineage)}")
+        elif imported(gen):
+            print(f"from       {imported(gen)}")
         print(f"ranks      {gen.world_size}")
         if gen.writer:
             writer = gen.writer
