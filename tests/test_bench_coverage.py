@@ -10,12 +10,11 @@ held to the quadratic check, and a damaged one is refused (the broken control).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from bench_runner import run_bench
 
 from castore.errors import CoverageError
 from castore.format.objects import TensorEntry
@@ -29,20 +28,7 @@ import bench_coverage  # noqa: E402  (benchmarks/ is not a package)
 
 def test_small_run_times_every_case_and_writes_its_record(tmp_path: Path) -> None:
     out = tmp_path / "coverage.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "benchmarks/bench_coverage.py", "--small", "--repeats", "2"]
-        + ["--json", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    done = run_bench("bench_coverage.py", "--small", "--repeats", "2", "--json", str(out))
     record = json.loads(out.read_text())
     cases = {row["case"]: row for row in record["one_tensor"]}
     assert list(cases) == ["64 row boxes", "256 row boxes", "16 x 16 blocks", "256 bricks"]

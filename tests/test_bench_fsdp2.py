@@ -10,13 +10,12 @@ value (the broken controls).
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from bench_runner import run_bench
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -29,20 +28,10 @@ pytestmark = pytest.mark.slow
 
 def test_small_run_checks_every_load_and_records_each_system(tmp_path: Path) -> None:
     out = tmp_path / "fsdp2.json"
-    env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-    }
-    done = subprocess.run(
-        [sys.executable, "benchmarks/bench_fsdp2.py", "--small", "--warm-only"]
-        + ["--dir", str(tmp_path), "--json", str(out)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
+    done = run_bench(
+        "bench_fsdp2.py", "--small", "--warm-only", "--dir", str(tmp_path), "--json", str(out),
         timeout=600,
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "checked once: every load, restore and re-save equals what was saved" in done.stdout
     record = json.loads(out.read_text())
     peers = ["dcp", "tc"] if record["torch_checkpointing"]["available"] else ["dcp"]

@@ -5,24 +5,18 @@ timing asserted here: the measured figures are in docs/PERFORMANCE.md)."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
+
+from bench_runner import run_bench
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def test_small_run_verifies_and_writes_its_record(tmp_path: Path) -> None:
     out = tmp_path / "verify-export.json"
-    path = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, "benchmarks/bench_verify_export.py", "--small", "--dir", str(tmp_path),
-         "--json", str(out)],
-        cwd=REPO, env={**os.environ, "PYTHONPATH": path}, capture_output=True, text=True,
-        timeout=300,
-    )  # fmt: skip
-    assert done.returncode == 0, done.stderr
+    done = run_bench(
+        "bench_verify_export.py", "--small", "--dir", str(tmp_path), "--json", str(out)
+    )
     record = json.loads(out.read_text())
     assert set(record["seconds"]) == {
         "sha256 once", "blake3 once", "verify-export", "export", "export --statement"
