@@ -110,3 +110,96 @@ def test_a_failure_midway_stops_the_save(tmp_path: Path, monkeypatch: pytest.Mon
         with pytest.raises(RuntimeError, match="hashing failed"):
             write_leaves(store.backend, leaves, CHUNK)
         assert list(store.backend.iter_keys(Namespace.CHUNKS)) == []  # one batch: none indexed
+
+
+# -- a save's cuts and digests, unchanged by the per-geometry shortcuts --------------------
+
+
+def box_leaf(array: np.ndarray, row: int, rows: int) -> TensorLeaf:
+    """Rows ``row:row + rows`` of ``array`` as a block (a Shard's leaf) of the whole."""
+    block = np.ascontiguousarray(array[row : row + rows])
+    return TensorLeaf(
+        f"w@{row}",
+        "uint8",
+        array.shape,
+        block.reshape(-1),
+        "numpy",
+        offsets=(row, 0),
+        local_shape=block.shape,
+        sharded=True,
+    )
+
+
+def test_blocks_of_one_shape_at_other_offsets_are_cut_each_on_its_own_place(
+    tmp_path: Path,
+) -> None:
+    """write_leaves works a grid out once per geometry (dtype, shape, offsets, box): two
+    blocks of one shape whose offsets fall differently on the cells are cut differently,
+    each as cut_leaf cuts it alone."""
+    array = np.random.default_rng(7).integers(0, 256, (64, 16 << 10), dtype=np.uint8)
+    dim, extent = writer_cell(array.shape, 1, CHUNK)
+    assert (dim, extent) == (0, 16)  # 16 rows of 16 KiB: one 256 KiB cell
+    leaves = [box_leaf(array, 0, 24), box_leaf(array, 24, 20), box_leaf(array, 36, 20)]
+    own_cuts = [[v.nbytes for v in chunkio.cut_leaf(item, CHUNK)] for item in leaves]
+    # The control: the blocks at 24 and 36 have one shape and are cut unlike each other,
+    # so a grid kept by shape alone would have cut one of them wrongly.
+    assert own_cuts[1] != own_cuts[2]
+    with castore.open(tmp_path / "store", chunk_size=CHUNK) as store:
+        entries, _ = write_leaves(store.backend, leaves, CHUNK)
+    for entry, item in zip(entries, leaves, strict=True):
+        pieces = chunkio.cut_leaf(item, CHUNK)
+        assert entry.chunks == tuple(digest_bytes(v) for v in pieces), item.name
+        assert entry == chunkio.entry_of(item, CHUNK, entry.chunks)
+        entry.check()  # what a reader derives from the entry agrees with the cut
+        assert [entry.chunk_length(i) for i in range(len(pieces))] == [v.nbytes for v in pieces]
+
+
+def counting_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Every byte chunkio hashes from now on, on the pool or inline: [bytes]."""
+    hashed = [0]
+    lock = threading.Lock()
+
+    def counted(data: object, *, threads: int | None = None) -> bytes:
+        with lock:
+            hashed[0] += memoryview(data).nbytes  # type: ignore[arg-type]
+        return digest_bytes(data, threads=threads)
+
+    monkeypatch.setattr(chunkio, "digest_bytes", counted)
+    return hashed
+
+
+def test_a_default_resave_hashes_every_byte_and_finds_one_changed_byte(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A re-save on a new handle (no trust_versions) hashes every byte of the state,
+    and a byte changed in the middle of a large tensor makes exactly its chunk new."""
+    rng = np.random.default_rng(11)
+    state = {
+        "big": rng.standard_normal((512, 1024)).astype(np.float32),  # 2 MiB, 8 chunks
+        "small": rng.standard_normal(100).astype(np.float32),
+        "step": 3,
+    }
+    total = state["big"].nbytes + state["small"].nbytes
+    path = tmp_path / "store"
+    with castore.open(path, chunk_size=CHUNK) as store:
+        store.save(state, run="r", step=1)
+    changed = dict(state, big=state["big"].copy())
+    changed["big"].view(np.uint8).reshape(-1)[total // 2 + 3] ^= 0x40
+    hashed = counting_hashes(monkeypatch)
+    with castore.open(path, create=False) as store:
+        generation = store.save(changed, run="r", step=2)
+        assert hashed[0] == total  # every byte, the unchanged ones included
+        assert generation.new_bytes == CHUNK  # the one chunk holding the changed byte
+        loaded = store.load("r")["big"].view(np.uint8)  # as bytes: the flip may make a NaN
+        assert np.array_equal(loaded, changed["big"].view(np.uint8))
+        assert not np.array_equal(loaded, state["big"].view(np.uint8))
+
+        # The control: a save that trusts version counters skips what did not move,
+        # and the count shows it (torch tensors saved twice by this handle, unchanged).
+        torch = pytest.importorskip("torch")
+        arrays = (changed["big"], changed["small"])
+        tensors = {f"t{i}": torch.from_numpy(a).clone().add_(0) for i, a in enumerate(arrays)}
+        store.save(tensors, run="t", step=1, trust_versions=True)
+        hashed[0] = 0
+        store.save(tensors, run="t", step=2, trust_versions=True)
+        assert hashed[0] == 0 < total

@@ -83,6 +83,39 @@ class TensorLeaf:
         if not self.offsets:
             object.__setattr__(self, "offsets", (0,) * len(self.shape))
 
+    @classmethod
+    def whole(
+        cls,
+        name: str,
+        dtype: str,
+        shape: tuple[int, ...],
+        data: np.ndarray,
+        framework: str,
+        source: Any = None,
+        version: int = -1,
+    ) -> TensorLeaf:
+        """The leaf of a whole tensor (not a block), as ``TensorLeaf(name, dtype, shape,
+        data, framework, source=..., version=...)`` makes it, without the frozen
+        dataclass's setattr per field: a state of 2,004 tensors makes 2,004 of these."""
+        leaf = object.__new__(cls)
+        leaf.__dict__.update(
+            name=name,
+            dtype=dtype,
+            shape=shape,
+            data=data,
+            framework=framework,
+            offsets=(0,) * len(shape),
+            local_shape=shape,
+            sharded=False,
+            written_elsewhere=False,
+            replicas=(),
+            layout=None,
+            device_bytes=None,
+            source=source,
+            version=version,
+        )
+        return leaf
+
 
 def escape_key(key: str | int) -> str:
     """One key-path component: ``/`` separates components, so escape it.
@@ -315,11 +348,8 @@ def _plain_torch_leaf(tensor: Any, name: str, plain: _PlainTorch) -> TensorLeaf 
         tensor = tensor.detach()
     dtype, view_as = kind
     array = (tensor if view_as is None else tensor.view(view_as)).numpy()
-    shape = tuple(tensor.shape)
     flat = array.reshape(-1).view(np.uint8)
-    return TensorLeaf(
-        name, dtype, shape, flat, "torch", (0,) * len(shape), shape, source=source, version=version
-    )
+    return TensorLeaf.whole(name, dtype, tuple(tensor.shape), flat, "torch", source, version)
 
 
 def _numpy_leaf(array: np.ndarray, name: str) -> TensorLeaf:
