@@ -4,7 +4,7 @@ Run from the repository root::
 
     .venv/bin/python benchmarks/bench_call_costs.py [--quick] [--reps 3] [--warmup 1]
                                                     [--generations 10000] [--dir DIR]
-                                                    [--json OUT]
+                                                    [--only loads,slices,...] [--json OUT]
 
 Everything runs on tmpfs (``/dev/shm`` when writable, else the system's temp
 directory; the run says which), so the figures are software cost: an fsync
@@ -70,7 +70,9 @@ The table gives medians, absolute seconds and ratios: against a peer, the
 peer's time over castore's (castore's speed in units of the peer's, >1 =
 castore faster); a re-save, its time over castore's own full save; a lookup,
 its time at the long history over its time at one generation. ``--json``
-writes every repetition's times.
+writes every repetition's times. ``--only`` runs some of the step groups
+(``loads``, ``slices``, ``resaves``, ``lookups``; the saves, which make the
+files, and the floors always run) and leaves the others' rows out.
 """
 
 from __future__ import annotations
@@ -129,6 +131,7 @@ SHAPES = {
     "b": Shape("b", "256 MiB, 2,004 tensors (LLM)", 256, "layers.50.mlp.up_proj.weight"),
 }
 QUICK_SIZE_MIB = {"a": 64, "b": 32}
+GROUPS = ("loads", "slices", "resaves", "lookups")  # --only: the saves and floors always run
 
 
 # -- states --------------------------------------------------------------------
@@ -398,6 +401,9 @@ class Results:
     def median(self, step: str) -> float:
         return statistics.median(self.times[step])
 
+    def has(self, *steps: str) -> bool:
+        return all(step in self.times for step in steps)
+
 
 def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     """``fn()`` timed, after a garbage collection (what the step before left is freed)."""
@@ -544,10 +550,13 @@ def run_shape(case: Case, args: argparse.Namespace, base: Path) -> Results:
                 out.mkdir()
                 try:
                     paths = run_saves(case, out, rep, sink)
-                    run_loads(case, paths, rep, sink, check)
-                    run_slices(case, paths, rep, sink, check)
-                    run_resaves(case, paths, sink, check)
-                    run_trusted_resave(case, paths, sink, check)
+                    if "loads" in args.only:
+                        run_loads(case, paths, rep, sink, check)
+                    if "slices" in args.only:
+                        run_slices(case, paths, rep, sink, check)
+                    if "resaves" in args.only:
+                        run_resaves(case, paths, sink, check)
+                        run_trusted_resave(case, paths, sink, check)
                     run_floors(case, pool, sink)
                 finally:
                     shutil.rmtree(out, ignore_errors=True)
@@ -653,6 +662,8 @@ def floor_of(results: Results, what: str) -> float:
 def table_rows(shape: Shape, results: Results) -> list[list[str]]:
     rows = []
     for operation, ours, peer, peer_label in PEERS:
+        if not results.has(ours, peer):
+            continue
         mine, theirs, floor = results.median(ours), results.median(peer), floor_of(results, ours)
         rows.append(
             [
@@ -666,6 +677,8 @@ def table_rows(shape: Shape, results: Results) -> list[list[str]]:
             ]
         )
     full = results.median("castore save")
+    if not results.has("castore open+close"):  # no re-saves
+        return rows
     for label in ("1%", "10%"):
         mine, floor = (
             results.median(f"castore re-save {label}"),
@@ -792,7 +805,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lookup-reps", type=int, default=5, help="new processes per lookup")
     parser.add_argument("--dir", type=Path, default=None, help="scratch (default /dev/shm)")
     parser.add_argument("--json", type=Path, default=None, help="write raw results here")
+    parser.add_argument(
+        "--only",
+        default=",".join(GROUPS),
+        help=f"step groups to run, of {','.join(GROUPS)} (saves and floors always run)",
+    )
     args = parser.parse_args(argv)
+    args.only = set(args.only.split(","))
+    if not args.only <= set(GROUPS):
+        parser.error(f"--only takes some of {','.join(GROUPS)}")
     if args.generations is None:
         args.generations = 500 if args.quick else 10_000
     warnings.filterwarnings("ignore", module=r"torch\.distributed.*")
@@ -802,6 +823,7 @@ def main(argv: list[str] | None = None) -> int:
         "scratch": where,
         "reps": args.reps,
         "warmup": args.warmup,
+        "only": sorted(args.only),
         "shapes": [],
     }
     rows: list[list[str]] = []
@@ -823,13 +845,14 @@ def main(argv: list[str] | None = None) -> int:
         )
         payload["shapes"].append({**info, "times_s": results.times})
         del case
-    print(
-        f"== first lookup by id in a new process, 1 and {args.generations:,} generations",
-        flush=True,
-    )
-    lookups = run_lookups(args, base)
-    rows += lookup_rows(lookups)
-    payload["lookups"] = lookups
+    if "lookups" in args.only:
+        print(
+            f"== first lookup by id in a new process, 1 and {args.generations:,} generations",
+            flush=True,
+        )
+        lookups = run_lookups(args, base)
+        rows += lookup_rows(lookups)
+        payload["lookups"] = lookups
     print()
     print_table(rows)
     print(

@@ -690,7 +690,9 @@ class Store(TierHooks):
         """Rebuild the state saved as ``run@generation``; every byte is verified first.
 
         ``framework`` picks the array type of every tensor: ``"numpy"`` (works
-        without torch), ``"torch"``, or ``"auto"``: each as it was saved.
+        without torch), ``"torch"``, or ``"auto"``: each as it was saved. Each
+        tensor is new and owns its memory; a torch tensor's is a numpy array's,
+        so its storage cannot be resized in place (as safetensors').
         ``fallback="previous"`` loads the newest generation at or before it that
         validates, with a warning naming each one skipped (:meth:`restore`
         returns them). ``progress=True`` shows a bar of the tensor bytes read

@@ -171,6 +171,41 @@ def test_auto_framework_gives_each_tensor_back_as_saved(store: Store) -> None:
     assert_same_tree(loaded, state)
 
 
+def assert_owns_its_memory(tensor: torch.Tensor) -> None:
+    """Alone on its storage, from its start: saving it saves only it, and no other
+    tensor's bytes change when it is written."""
+    assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+    assert tensor.storage_offset() == 0 and tensor.is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float8_e5m2", "bool", "int64"])
+def test_torch_load_gives_each_tensor_its_own_writable_memory(store: Store, dtype: str) -> None:
+    """Two tensors of the same bytes (one chunk list, each chunk verified once and
+    copied), a tensor of many chunks and a scalar: each loads on memory of its own,
+    writable, and writing one changes neither the other nor what is stored."""
+    twin = random_tensor(dtype, (40, 30), seed=1)  # 1,200 elements: several 1 KiB chunks
+    state = {"a": twin, "b": twin.clone(), "c": random_tensor(dtype, (3,)), "s": twin[0, 0]}
+    loaded = save_load(store, state, framework="torch")
+    assert_same_tree(loaded, state)
+    for tensor in loaded.values():
+        assert_owns_its_memory(tensor)
+    assert len({t.data_ptr() for t in loaded.values()}) == len(loaded)
+    for name in ("a", "s"):
+        loaded[name].zero_()  # all bits zero, whatever the dtype
+        assert torch_bytes(loaded[name]) == bytes(len(torch_bytes(state[name])))
+    assert torch_bytes(loaded["b"]) == torch_bytes(state["b"])
+    assert_same_tree(store.load("rt", framework="torch"), state)
+
+
+def test_owns_its_memory_catches_tensors_sharing_a_buffer() -> None:
+    """Broken control: views into one buffer, as an arena of tensors would give, fail it."""
+    arena = torch.zeros(8)
+    assert_owns_its_memory(arena)
+    for part in (arena[:4], arena[4:]):
+        with pytest.raises(AssertionError):
+            assert_owns_its_memory(part)
+
+
 def test_assert_same_tensor_catches_one_flipped_bit() -> None:
     """Broken control: the bitwise comparison used above notices a single-bit difference."""
     a = random_array("float32", (3, 3))

@@ -34,6 +34,8 @@ _NUMPY_TYPES: dict[str, Any] = {
 }
 
 SUPPORTED_DTYPES = frozenset(_NUMPY_TYPES)
+# The types numpy lacks, which ml_dtypes gives it: torch.from_numpy refuses their arrays.
+NUMPY_LACKS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
 
 def numpy_dtype(name: str) -> np.dtype[Any]:
