@@ -79,11 +79,14 @@ def save_calls(s: Shape) -> dict[str, int]:
     return calls
 
 
-def restore_calls(s: Shape) -> dict[str, int]:
+def restore_calls(s: Shape, lost: bool = False) -> dict[str, int]:
     """A restore: on one node "tiers: nodes", resolve, agree; on several, nodes, tiers,
-    candidates, objects, chunks wanted, chunks offered, chunks from peers, agree."""
+    candidates, objects, chunks wanted, agree, and where a rank wants a chunk its node
+    lacks (a node ``lost``), chunks offered and chunks from peers."""
     if not s.multi:
         return {"all_gather": 2, "broadcast": 1}
+    if not lost:
+        return {"all_gather": 5, "broadcast": 1}
     return {"all_gather": 6, "broadcast": 1, "exchange": 1}
 
 
@@ -423,6 +426,7 @@ def extrapolate(ref: Reference, save_small: float, restore_small: float) -> dict
         "promotion: index blob GETs (every node fetches the others')": gets,
         "promotion: those GETs at S3's 5,500 a second, s": gets / S3_GETS_PER_SECOND,
         "restore: collective rounds": sum(restore_calls(s).values()),
+        "restore, a node lost: collective rounds": sum(restore_calls(s, lost=True).values()),
         "restore: objects each rank reads (onto the saved layout)": 4,
         "restore: KiB of manifests each rank reads (onto the saved layout)": 2 * m / 2**10,
         "restore onto another layout: objects each rank reads": s.ranks + 2,

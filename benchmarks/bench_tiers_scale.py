@@ -347,7 +347,11 @@ def predicted_counts(
         return {}, (None, model.reopen_objects(s)), model.open_durable(s, lost)
     listed = dict.fromkeys(range(s.nodes), kept) | {LOST: 1}
     objects = model.restore_objects(s, listed)
-    return model.restore_calls(s), objects, model.restore_durable(s, fresh=True, lost=True)
+    return (
+        model.restore_calls(s, lost=True),
+        objects,
+        model.restore_durable(s, fresh=True, lost=True),
+    )
 
 
 def p2p_of(job: Job, op: str) -> dict[str, int]:

@@ -449,6 +449,23 @@ class NodeSession:
         _, failure = attempt(find)
         wants = self.comm.all_gather(b"".join(missing), "load: chunks wanted")
         wanted = [[bytes(w[i : i + 32]) for i in range(0, len(w), 32)] for w in wants]
+        peer = MemoryBackend()
+        if any(wanted):  # every rank sees the same wants: all skip the exchange, or none
+            failure = self._from_peers(wanted, peer, failure)
+        if failure is not None:
+            raise failure
+        self.read_backend = TieredChunkBackend(
+            self.fast.backend,
+            [("peer", peer), ("durable", self.store.durable.backend)],
+            distrust=distrust,
+        )
+        return self.read_backend
+
+    def _from_peers(
+        self, wanted: list[list[bytes]], peer: MemoryBackend, failure: BaseException | None
+    ) -> BaseException | None:
+        """Put in ``peer`` the chunks other nodes send this rank of those it ``wanted``
+        (a collective call); returns the failure to raise, this rank's first."""
         # Each node's leader says which wanted chunks of other nodes' ranks its node holds.
         offers: dict[int, bytes] = {}
         if self.nodes.is_leader and failure is None:
@@ -465,20 +482,12 @@ class NodeSession:
                 values = [None] * len(keys_served)
             replies[requester] = frame(values)
         received = self.comm.exchange(replies, "load: chunks from peers")
-        peer = MemoryBackend()
         for server, data in received.items():
             asked = [k for s, ks in self._served_to_me(plan) if s == server for k in ks]
             for key, value in zip(asked, unframe(data, len(asked)), strict=True):
                 if value is not None:
                     peer.put_many(Namespace.CHUNKS, [(key, value)])
-        if failure is not None:
-            raise failure
-        self.read_backend = TieredChunkBackend(
-            self.fast.backend,
-            [("peer", peer), ("durable", self.store.durable.backend)],
-            distrust=distrust,
-        )
-        return self.read_backend
+        return failure
 
     def _offers(self, wanted: list[list[bytes]]) -> dict[int, bytes]:
         """Which of the chunks other nodes' ranks want this node holds (one byte each)."""
