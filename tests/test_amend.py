@@ -24,7 +24,7 @@ import numpy as np
 import pytest
 from cli_runner import clean_env, run_cli
 from dist_harness import run_ranks
-from s3_server import store_options
+from s3_server import kind_of_store
 from test_dist import script_results
 
 import castore
@@ -48,12 +48,7 @@ def state(seed: int) -> dict[str, Any]:
 
 @pytest.fixture(params=["lmdb", "shared", "s3"])
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
-    kind = request.param
-    if kind == "s3":
-        options = store_options(request.getfixturevalue("s3_endpoint"), str(tmp_path / "cache"))
-        location = f"s3://{request.getfixturevalue('s3_bucket')}/amend"
-    else:
-        location, options = str(tmp_path / "store"), {"shared": kind == "shared"}
+    location, options = kind_of_store(request, tmp_path, request.param, "amend")
     with castore.open(location, chunk_size=CHUNK, **options) as store:
         store.save(state(1), run="train", step=10)
     options.pop("shared", None)

@@ -23,7 +23,7 @@ from typing import Any
 import numpy as np
 import pytest
 from cli_runner import clean_env, run_cli
-from s3_server import store_options
+from s3_server import kind_of_store
 
 import castore
 from castore.chunkstore.base import Namespace
@@ -42,12 +42,7 @@ def state(seed: int) -> dict[str, np.ndarray]:
 @pytest.fixture(params=["lmdb", "shared", "s3"])
 def where(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[str, dict[str, Any]]:
     """A store holding base@1 and base@2: its location and the options it opens with."""
-    kind = request.param
-    if kind == "s3":
-        options = store_options(request.getfixturevalue("s3_endpoint"), str(tmp_path / "cache"))
-        location = f"s3://{request.getfixturevalue('s3_bucket')}/branches"
-    else:
-        location, options = str(tmp_path / "store"), {"shared": kind == "shared"}
+    location, options = kind_of_store(request, tmp_path, request.param, "branches")
     with castore.open(location, chunk_size=CHUNK, **options) as store:
         store.save(state(1), run="base", step=10)
         store.save(state(2), run="base", step=20)

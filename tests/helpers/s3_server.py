@@ -77,6 +77,18 @@ def store_options(endpoint: str, cache_dir: str) -> dict[str, Any]:
     }
 
 
+def kind_of_store(
+    request: Any, tmp_path: Any, kind: str, prefix: str
+) -> tuple[str, dict[str, Any]]:
+    """(location, options to create it with) of a new store of ``kind``: "lmdb" (a local
+    store), "shared" (a shared directory) or "s3" (the test server's bucket, under
+    ``prefix``). Reopening takes the options less "shared"."""
+    if kind == "s3":
+        options = store_options(request.getfixturevalue("s3_endpoint"), str(tmp_path / "cache"))
+        return f"s3://{request.getfixturevalue('s3_bucket')}/{prefix}", options
+    return str(tmp_path / "store"), {"shared": kind == "shared"}
+
+
 class SlowDown:
     """A botocore ``before-send`` hook: 503 SlowDown to ``count`` requests once ``after`` passed.
 
