@@ -480,6 +480,7 @@ def test_the_cli_grafts_replaces_and_edits_metadata(tmp_path: Path) -> None:
         store.save(teacher(2), run="teacher", step=7)
     head = np.full((4, 8), 2.0)
     np.save(tmp_path / "head.npy", head)
+    (tmp_path / "junk.npy").write_bytes(b"x" * 50)
     done = run_cli(
         "amend", path, "student", "--graft", "teacher@1:model/encoder.=model/encoder.",
         "--replace", f"model/head={tmp_path / 'head.npy'}", "--set", "note=grafted",
@@ -501,6 +502,7 @@ def test_the_cli_grafts_replaces_and_edits_metadata(tmp_path: Path) -> None:
         (["--replace", "model/head=missing.npy"], "no file 'missing.npy'"),
         (["--replace", "model/head"], "KEY_PATH=FILE"),
         (["--unset", "nope"], "has no metadata key 'nope'"),
+        (["--replace", f"model/head={tmp_path / 'junk.npy'}"], "junk.npy is not a .npy file"),
     ]:
         bad = run_cli("amend", path, "student", *args)
         assert bad.returncode != 0 and bad.stdout == "", args

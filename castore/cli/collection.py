@@ -133,6 +133,9 @@ def read_tensor_file(spec: str, what: str) -> np.ndarray:
     if not path.is_file():
         raise AmendError(f"{what}: no file {str(path)!r}")
     if path.suffix == ".npy":
+        with path.open("rb") as handle:
+            if handle.read(6) != b"\x93NUMPY":
+                raise AmendError(f"{what}: {path.name} is not a .npy file (no NumPy header)")
         try:
             return np.load(path, allow_pickle=False)
         except ValueError as exc:
