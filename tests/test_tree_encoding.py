@@ -189,3 +189,21 @@ def test_a_lone_element_of_any_stride_is_stored(name: str) -> None:
     for value in (tensor, _general(tensor)):
         (leaf,) = encode_state({"x": value}).leaves
         assert leaf.data.tobytes() == expected
+
+
+def test_every_spelling_of_a_supported_dtype_has_its_one_name() -> None:
+    """The names are looked up in a table built once; dtypes equal to a table entry but
+    spelled otherwise (the C type names, big-endian) still find theirs, and an
+    unsupported one is refused."""
+    from castore.errors import UnsupportedValueError
+    from castore.format.dtypes import SUPPORTED_DTYPES, name_of_numpy_dtype, numpy_dtype
+
+    for name in SUPPORTED_DTYPES:
+        little = numpy_dtype(name)
+        assert little.byteorder in "<=|" and name_of_numpy_dtype(little) == name
+        assert name_of_numpy_dtype(little.newbyteorder(">")) == name
+    for spelled, name in [(np.longlong, "int64"), (np.ulonglong, "uint64"), (np.intc, "int32"),
+                          (np.double, "float64"), (np.half, "float16")]:  # fmt: skip
+        assert name_of_numpy_dtype(np.dtype(spelled)) == name
+    with pytest.raises(UnsupportedValueError, match="cannot be stored at w"):
+        name_of_numpy_dtype(np.dtype("U3"), "w")

@@ -34,6 +34,13 @@ _NUMPY_TYPES: dict[str, Any] = {
 }
 
 SUPPORTED_DTYPES = frozenset(_NUMPY_TYPES)
+# Looked up once a tensor on every save and load: built once here.
+_LITTLE_ENDIAN = {name: np.dtype(kind).newbyteorder("<") for name, kind in _NUMPY_TYPES.items()}
+_NAMES = {
+    dtype: name
+    for name, kind in _NUMPY_TYPES.items()
+    for dtype in (np.dtype(kind), np.dtype(kind).newbyteorder(">"))
+}
 # The types numpy lacks, which ml_dtypes gives it: torch.from_numpy refuses their arrays.
 NUMPY_LACKS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 
@@ -41,14 +48,17 @@ NUMPY_LACKS = frozenset({"bfloat16", "float8_e4m3fn", "float8_e5m2"})
 def numpy_dtype(name: str) -> np.dtype[Any]:
     """The little-endian numpy dtype for a canonical name."""
     try:
-        return np.dtype(_NUMPY_TYPES[name]).newbyteorder("<")
+        return _LITTLE_ENDIAN[name]
     except KeyError:
         raise UnsupportedValueError(f"unknown dtype {name!r}") from None
 
 
 def name_of_numpy_dtype(dtype: np.dtype[Any], key_path: str = "") -> str:
     """The canonical name of a numpy dtype, or UnsupportedValueError."""
-    for name, kind in _NUMPY_TYPES.items():
+    found = _NAMES.get(dtype)
+    if found is not None:
+        return found
+    for name, kind in _NUMPY_TYPES.items():  # a dtype equal to one above, hashed otherwise
         if dtype == np.dtype(kind) or dtype == np.dtype(kind).newbyteorder(">"):
             return name
     raise UnsupportedValueError(
