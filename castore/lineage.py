@@ -391,7 +391,10 @@ def _entries_by_name(tensors: list[list[TensorEntry]]) -> dict[str, list[TensorE
 def _replace(store: Store, edit: _Edit, values: dict[str, Any], where: str) -> None:
     """Write each new value's chunks (only those the store lacks) and put its entries in
     place of the old: on the saved boxes where the shape is kept, else one box on rank 0."""
-    held = _entries_by_name(edit.tensors)
+    held: dict[str, list[tuple[int, TensorEntry]]] = {}
+    for rank, row in enumerate(edit.tensors):
+        for entry in row:
+            held.setdefault(entry.name, []).append((rank, entry))
     leaves: list[TensorLeaf] = []
     slots: list[int] = []
     for path, value in values.items():
@@ -400,14 +403,14 @@ def _replace(store: Store, edit: _Edit, values: dict[str, Any], where: str) -> N
                 f"--replace {path!r} is not a tensor of {where} (castore show lists them)"
             )
         new = _single_leaf(value, path)
-        boxes = [(r, e) for r, row in enumerate(edit.tensors) for e in row if e.name == path]
+        boxes = held[path]
         if boxes[0][1].shape != new.shape:
             boxes = [(0, boxes[0][1])]
             edit.layouts.pop(path, None)
         for rank, entry in boxes:
             leaves.append(_box_leaf(new, entry, whole=len(boxes) == 1))
             slots.append(rank)
-        edit.tensors = [[e for e in entries if e.name != path] for entries in edit.tensors]
+    edit.tensors = [[e for e in row if e.name not in values] for row in edit.tensors]
     entries, edit.written = write_leaves(
         store.backend,
         leaves,
