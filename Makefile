@@ -8,11 +8,12 @@ TORCH_SPEC ?= torch==2.13.0
 .PHONY: demo demo-s3 demo-tiers test lint bench bench-s3 bench-async bench-export bench-fsdp2 cadence gpu-check clean
 
 # Each pip step says what it installs first: the first run is minutes of pip --quiet.
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed: pyproject.toml Makefile setup.py castore/native/b3tree.c
 	@echo "creating the virtual environment $(VENV) with $(PYTHON) ..."
 	$(PYTHON) -m venv $(VENV)
 	@echo "installing $(TORCH_SPEC) (CPU build, ~200 MB) into $(VENV): a few minutes the first time ..."
 	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	sh tools/blake3_sources.sh
 	@echo "installing castore, its dev tools (pytest, ruff, mypy, boto3, moto, safetensors) and the lightning, transformers, accelerate and signing extras into $(VENV) ..."
 	$(PY) -m pip install --quiet -e ".[torch,dev,lightning,transformers,accelerate,signing]"
 	touch $@
@@ -37,7 +38,7 @@ demo-tiers: $(VENV)/.installed
 # machines and CI images do) each would compile castore again; here they share the cache.
 PYTEST_ARGS ?= -n auto --dist loadgroup
 test: $(VENV)/.installed
-	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q $(PYTEST_ARGS)
+	env -u PYTHONDONTWRITEBYTECODE CASTORE_EXPECT_B3TREE=1 $(PY) -m pytest -q $(PYTEST_ARGS)
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check castore tests tools benchmarks

@@ -470,13 +470,35 @@ def run_loads(case: Case, paths: dict[str, Path], rep: int, results: Results, ch
         del loaded
 
 
+def save_without_pieces(state: dict[str, torch.Tensor], path: Path) -> None:
+    """A castore save that records no chunk pieces, as a castore without castore._b3tree
+    writes it: its slices read and verify whole chunks (docs/FORMAT.md, "Chunk pieces")."""
+    from castore.format import pieces
+
+    built, pieces._b3tree = pieces._b3tree, None
+    try:
+        castore_save(state, path)
+    finally:
+        pieces._b3tree = built
+
+
 def run_slices(case: Case, paths: dict[str, Path], rep: int, results: Results, check: bool) -> None:
     name = case.shape.slice_tensor
     want = case.state[name][SLICE_ROWS]
+    whole = paths["castore"].parent / "castore-whole-chunks"
+    save_without_pieces(case.state, whole)
     slices: list[tuple[str, Callable[[], Any]]] = [
         ("castore read_slice", lambda: castore_slice(paths["castore"], name)),
+        ("castore read_slice (whole chunks)", lambda: castore_slice(whole, name)),
         ("safetensors get_slice", lambda: safetensors_slice(paths["safetensors"], name)),
     ]
+    for label, path in (("", paths["castore"]), (" (whole chunks)", whole)):
+        with castore.open(path, create=False) as store:
+            before = store.read_counters.bytes
+            store.read_slice(RUN, "latest", name, SLICE_ROWS)
+            # Bytes, not seconds: the median works the same.
+            results.add(f"slice bytes read{label}", store.read_counters.bytes - before)
+    results.add("slice bytes needed", want.numel() * want.element_size())
     for step, read in rotate(slices, rep):
         seconds, got = timed(read)
         results.add(step, seconds)
@@ -644,6 +666,12 @@ PEERS = [
         "safetensors get_slice",
         "safetensors `get_slice`, open included",
     ),
+    (
+        "read_slice, open included",
+        "castore read_slice",
+        "castore read_slice (whole chunks)",
+        "castore `read_slice` verifying whole chunks (a store saved without pieces)",
+    ),
 ]
 
 
@@ -676,6 +704,22 @@ def table_rows(shape: Shape, results: Results) -> list[list[str]]:
                 f"{mine / floor:.1f}x",
             ]
         )
+    if results.has("slice bytes read", "slice bytes needed"):
+        needed = results.median("slice bytes needed")
+        for label in ("", " (whole chunks)"):
+            read = results.median(f"slice bytes read{label}")
+            what = "pieces" if not label else "whole chunks"
+            rows.append(
+                [
+                    f"read_slice bytes read / bytes needed ({what})",
+                    shape.key,
+                    f"{read:.0f}",
+                    f"{needed:.0f}",
+                    f"**{read / needed:.2f}x**",
+                    "",
+                    "",
+                ]
+            )
     full = results.median("castore save")
     if not results.has("castore open+close"):  # no re-saves
         return rows

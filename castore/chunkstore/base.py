@@ -118,6 +118,10 @@ class ChunkBackend(abc.ABC):
     # shares it over the process group (castore.dist.coopread). False: a local store,
     # whose readers on one node share the page cache.
     remote_reads: bool = False
+    # read_many's chunk values are views of mapped files, so only the bytes a reader
+    # touches are read from them: a read of part of a chunk counts only those
+    # (castore.core.chunkread, ReadCounters).
+    reads_in_place: bool = False
 
     @abc.abstractmethod
     def has_many(self, namespace: Namespace, keys: Sequence[bytes]) -> list[bool]:

@@ -44,7 +44,7 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -55,8 +55,8 @@ from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core import chunkio, hashpool, shutdown
 from castore.core.chunkio import (
     WriteStats,
-    digests_in_order,
     entry_of,
+    hashed_in_order,
     put_counted,
 )
 from castore.core.commit import (
@@ -333,7 +333,9 @@ def write_staged(
         _check_unstaged(backend, batch.unstaged)
         stats.reused_chunks += len(batch.unstaged)
     entries = [
-        entry_of(leaf, chunk_size, tuple(batch.digests[index]), leaf_nbytes(leaf))
+        entry_of(
+            leaf, chunk_size, tuple(batch.digests[index]), leaf_nbytes(leaf), batch.pieces(index)
+        )
         for index, leaf in enumerate(leaves)
     ]
     seen = {digest for chunks in batch.digests for digest in chunks}
@@ -349,6 +351,9 @@ class _Batch:
         self.job = job
         self.chunk_size = chunk_size
         self.digests = digests  # per leaf, every chunk so far
+        # Per leaf, every chunk's pieces' values so far (castore.format.pieces); None for a
+        # chunk whose values are not known.
+        self.cvs: list[list[bytes | None]] = [[] for _ in digests]
         self.unstaged: list[bytes] = []  # chunks the caller did not copy
         # Read at each save (not imported): crash tests shrink it to get several batches.
         self.limit = max(1, min(chunkio.WRITE_BATCH_BYTES, job.pool.limit // 2))
@@ -375,21 +380,32 @@ class _Batch:
             self.held.append(piece)
             if piece.buffer is None:
                 self.digests[piece.leaf] += piece.digests or []
+                self.cvs[piece.leaf] += piece.cvs or [None] * len(piece.digests or [])
                 self.unstaged += piece.digests or []
                 continue
             if piece.ready is not None:
                 piece.ready.synchronize()  # the device-to-host copy has landed
             flat = memoryview(piece.buffer.array).cast("B")
             views = cut_at(flat, np.asarray(piece.cuts or [0], dtype=np.int64))
-            named = piece.digests or digests_in_order(views, inline=self.inline)
+            named: Iterable[tuple[bytes, bytes | None]] = (
+                zip(piece.digests, piece.cvs or [None] * len(piece.digests), strict=True)
+                if piece.digests
+                else hashed_in_order(views, inline=self.inline)
+            )
             self.leaf = piece.leaf
-            for view, digest in zip(views, named, strict=True):
+            for view, (digest, cvs) in zip(views, named, strict=True):
                 self.digests[piece.leaf].append(digest)
+                self.cvs[piece.leaf].append(cvs)
                 self.throttle.take(view.nbytes)
                 self.chunks += 1
                 self.bytes += view.nbytes
                 self.timeline.append((time.monotonic(), view.nbytes))
                 yield digest, view
+
+    def pieces(self, leaf: int) -> bytes:
+        """Leaf ``leaf``'s chunks' piece values, or none unless every chunk's are known."""
+        cvs = self.cvs[leaf]
+        return b"" if None in cvs else b"".join(cvs)  # type: ignore[arg-type]
 
     def give_back(self) -> None:
         for piece in self.held:

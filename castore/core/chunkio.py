@@ -27,8 +27,9 @@ from castore.core.hashpool import INLINE_BYTES, TASK_BYTES, shared_pool
 from castore.format.codec import Encoder
 from castore.format.dtypes import numpy_dtype
 from castore.format.grid import box_chunk_starts, cut_at, writer_cell
-from castore.format.hashing import Buffer, digest_bytes
+from castore.format.hashing import Buffer
 from castore.format.objects import TensorEntry
+from castore.format.pieces import hash_chunk
 from castore.format.tree import TensorLeaf
 from castore.support.faults import fault_point
 from castore.support.progress import NO_BAR, Bar
@@ -131,8 +132,8 @@ def cut_leaf(leaf: TensorLeaf, chunk_size: int, data: Buffer | None = None) -> l
     return cut_at(flat, leaf_chunk_starts(leaf, chunk_size))
 
 
-def _hash_run(pieces: list[memoryview]) -> list[bytes]:
-    return [digest_bytes(piece, threads=1) for piece in pieces]
+def _hash_run(pieces: list[memoryview]) -> list[tuple[bytes, bytes]]:
+    return [hash_chunk(piece) for piece in pieces]
 
 
 def _pool_runs(pieces: Sequence[memoryview]) -> Iterator[list[memoryview]]:
@@ -141,15 +142,25 @@ def _pool_runs(pieces: Sequence[memoryview]) -> Iterator[list[memoryview]]:
         yield [pieces[index] for index in run]
 
 
-def _in_order(pieces: Sequence[memoryview], hashing: list[Future[list[bytes]]]) -> Iterator[bytes]:
-    """Every piece's digest, in order: small ones hashed here, the others by ``hashing``."""
+def _in_order(
+    pieces: Sequence[memoryview], hashing: list[Future[list[tuple[bytes, bytes]]]]
+) -> Iterator[tuple[bytes, bytes]]:
+    """Every piece's hash_chunk, in order: small ones hashed here, the others by ``hashing``."""
     from_pool = chain.from_iterable(future.result() for future in hashing)
     for piece in pieces:
-        yield next(from_pool) if piece.nbytes >= INLINE_BYTES else digest_bytes(piece, threads=1)
+        yield next(from_pool) if piece.nbytes >= INLINE_BYTES else hash_chunk(piece)
 
 
 def digests_in_order(views: Sequence[memoryview], *, inline: bool = False) -> Iterator[bytes]:
-    """Every view's blake3 digest, in order: the big ones on the shared pool, unless ``inline``.
+    """Every view's blake3 digest, in order (:func:`hashed_in_order` without the pieces)."""
+    return (digest for digest, _cvs in hashed_in_order(views, inline=inline))
+
+
+def hashed_in_order(
+    views: Sequence[memoryview], *, inline: bool = False
+) -> Iterator[tuple[bytes, bytes]]:
+    """Every view's blake3 digest and its pieces' chaining values (castore.format.pieces),
+    in order: the big ones on the shared pool, unless ``inline``.
 
     The pool starts on the big ones at the call, so a caller may do other work
     (write another rank's chunks) before it reads the digests. ``inline``
@@ -157,13 +168,15 @@ def digests_in_order(views: Sequence[memoryview], *, inline: bool = False) -> It
     more than one core from training.
     """
     if inline:
-        return (digest_bytes(view, threads=1) for view in views)
+        return (hash_chunk(view) for view in views)
     pool = shared_pool()
     hashing = [pool.submit(_hash_run, run) for run in _pool_runs(views)]
     return _collected(views, hashing)
 
 
-def _collected(views: Sequence[memoryview], hashing: list[Future[list[bytes]]]) -> Iterator[bytes]:
+def _collected(
+    views: Sequence[memoryview], hashing: list[Future[list[tuple[bytes, bytes]]]]
+) -> Iterator[tuple[bytes, bytes]]:
     try:
         yield from _in_order(views, hashing)
     finally:
@@ -178,7 +191,7 @@ def write_leaves(
     *,
     midway_fault: str = "save.mid_chunks",
     bar: Bar = NO_BAR,
-    known: dict[int, tuple[bytes, ...]] | None = None,
+    known: dict[int, TensorEntry] | None = None,
     codec: str = "none",
 ) -> tuple[list[TensorEntry], WriteStats]:
     """Store every leaf's chunks (new ones only) and return their tensor entries.
@@ -186,8 +199,9 @@ def write_leaves(
     ``midway_fault`` names the fault point passed after each committed batch,
     when some of the leaves' chunks are durable and no manifest yet names them.
     ``bar`` counts each chunk's bytes as the backend takes it. ``known``: leaf
-    index -> chunk digests the store holds already for it, neither hashed nor
-    written (castore.core.unchanged: a save that trusts version counters).
+    index -> the entry it was last saved as, whose chunks the store holds
+    already, neither hashed nor written (castore.core.unchanged: a save that
+    trusts version counters).
     ``codec``: the setting new chunks are encoded by (castore.format.codec;
     "none" stores them raw).
     """
@@ -214,9 +228,16 @@ def write_leaves(
             fault_point(midway_fault)
     finally:
         chunks.cancel()  # a failed save stops hashing what it will not write
-    digests = chunks.digests
+    digests, cvs = chunks.digests, chunks.cvs
     entries = [
-        _entry(leaf, chunk_size, tuple(digests[start:end]), leaf.data.nbytes, cell)
+        _entry(
+            leaf,
+            chunk_size,
+            tuple(digests[start:end]),
+            leaf.data.nbytes,
+            cell,
+            b"".join(cvs[start:end]),
+        )
         for leaf, (start, end), cell in zip(
             leaves, pairwise([0, *cuts.ends]), cuts.cells, strict=True
         )
@@ -225,12 +246,17 @@ def write_leaves(
 
 
 def entry_of(
-    leaf: TensorLeaf, chunk_size: int, chunks: tuple[bytes, ...], nbytes: int | None = None
+    leaf: TensorLeaf,
+    chunk_size: int,
+    chunks: tuple[bytes, ...],
+    nbytes: int | None = None,
+    pieces: bytes = b"",
 ) -> TensorEntry:
     """The tensor entry of ``leaf`` cut on its grid into ``chunks``; ``nbytes``
-    for a leaf whose bytes are not in ``leaf.data`` (an async save's, still on its GPU)."""
+    for a leaf whose bytes are not in ``leaf.data`` (an async save's, still on its GPU);
+    ``pieces``: the chunks' piece chaining values (castore.format.pieces)."""
     size = leaf.data.nbytes if nbytes is None else nbytes
-    return _entry(leaf, chunk_size, chunks, size, leaf_cell(leaf, chunk_size))
+    return _entry(leaf, chunk_size, chunks, size, leaf_cell(leaf, chunk_size), pieces)
 
 
 def _entry(
@@ -239,6 +265,7 @@ def _entry(
     chunks: tuple[bytes, ...],
     nbytes: int,
     cell: tuple[int, int] | None,
+    pieces: bytes = b"",
 ) -> TensorEntry:
     # Consistent by construction (the chunks are this leaf's, cut on ``cell``): built
     # without the frozen dataclass's per-field setattr, as a decoded table's entries are.
@@ -253,6 +280,7 @@ def _entry(
         chunks,
         leaf.framework,
         cell,
+        pieces,
     )
 
 
@@ -293,7 +321,7 @@ def _write_unknown(
     chunk_size: int,
     midway_fault: str,
     bar: Bar,
-    known: dict[int, tuple[bytes, ...]],
+    known: dict[int, TensorEntry],
     codec: str,
 ) -> tuple[list[TensorEntry], WriteStats]:
     """write_leaves for the leaves not in ``known``; the others' entries name their chunks."""
@@ -309,11 +337,11 @@ def _write_unknown(
     entries: list[TensorEntry | None] = [None] * len(leaves)
     for i, entry in zip(rest, written, strict=True):
         entries[i] = entry
-    for i, chunks in known.items():
+    for i, seen in known.items():
         leaf = leaves[i]
-        entries[i] = entry_of(leaf, chunk_size, chunks)
+        entries[i] = entry_of(leaf, chunk_size, seen.chunks, pieces=seen.pieces)
         stats.logical_bytes += leaf.data.nbytes
-        stats.reused_chunks += len(chunks)
+        stats.reused_chunks += len(seen.chunks)
         if bar:
             bar.update(leaf.data.nbytes)
     return [e for e in entries if e is not None], stats
@@ -335,15 +363,20 @@ def _index_runs(views: Sequence[memoryview]) -> Iterator[list[int]]:
         yield run
 
 
-def _hash_into(views: Sequence[memoryview], run: list[int], digests: list[bytes]) -> None:
+def _hash_into(
+    views: Sequence[memoryview], run: list[int], digests: list[bytes], cvs: list[bytes]
+) -> None:
     for index in run:
-        digests[index] = digest_bytes(views[index], threads=1)
+        # The piece values first: a filled digest slot says the chunk is done.
+        digest, cvs[index] = hash_chunk(views[index])
+        digests[index] = digest
 
 
 class _HashedChunks:
     """A save's chunks in order with their digests, handed to the backend batch by batch.
 
-    ``digests`` has one slot per chunk, filled in place: the pool fills the
+    ``digests`` has one slot per chunk, filled in place (and ``cvs``, the chunk's
+    pieces' chaining values, castore.format.pieces): the pool fills the
     big chunks' slots ahead, in runs (one task and one wait per run, not per
     chunk); the small chunks' are hashed here as they are reached. ``handed``
     counts the chunks given to the backend so far.
@@ -352,10 +385,12 @@ class _HashedChunks:
     def __init__(self, views: list[memoryview], pool: ThreadPoolExecutor, bar: Bar) -> None:
         self.views = views
         self.digests: list[bytes] = [b""] * len(views)
+        self.cvs: list[bytes] = [b""] * len(views)
         self.handed = 0
         self.bar = bar
         self.hashing: deque[Future[None]] = deque(
-            pool.submit(_hash_into, views, run, self.digests) for run in _index_runs(views)
+            pool.submit(_hash_into, views, run, self.digests, self.cvs)
+            for run in _index_runs(views)
         )
 
     def batch(self, limit: int) -> Iterator[tuple[bytes, memoryview]]:
@@ -365,7 +400,7 @@ class _HashedChunks:
         for index in range(self.handed, len(views)):
             view = views[index]
             if view.nbytes < INLINE_BYTES:
-                digests[index] = digest_bytes(view, threads=1)
+                digests[index], self.cvs[index] = hash_chunk(view)
             while not digests[index]:  # its run is not done: wait for the runs up to it
                 self.hashing.popleft().result()
             self.handed = index + 1

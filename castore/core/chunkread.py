@@ -25,6 +25,7 @@ from castore.format.codec import CodecError, frame_codec
 from castore.format.codec import decode as decode_frame
 from castore.format.hashing import digest_here
 from castore.format.objects import TensorEntry
+from castore.format.pieces import chunk_cvs, names_chunk, piece_span, pieces_match
 from castore.support.progress import NO_BAR, Bar
 
 # Called with (chunk index, verified chunk bytes) for each chunk read.
@@ -85,11 +86,16 @@ def verify_chunk(
 
 @dataclass(frozen=True)
 class ChunkRequest:
-    """One chunk of one saved box, and where its verified bytes go."""
+    """One chunk of one saved box, and where its verified bytes go.
+
+    ``span``: the bytes [lo, hi) of the chunk that ``deliver`` reads, where it reads
+    only part of it; None where it may read any.
+    """
 
     entry: TensorEntry
     index: int
     deliver: ChunkConsumer
+    span: tuple[int, int] | None = None
 
 
 def request_bytes(requests: Iterable[ChunkRequest]) -> int:
@@ -109,7 +115,9 @@ Tag = TypeVar("Tag")
 class _Plan:
     """The distinct chunks of some requests, in first-request order, and who wants each."""
 
-    def __init__(self, requests: Sequence[ChunkRequest], where: dict[str, object]) -> None:
+    def __init__(
+        self, requests: Sequence[ChunkRequest], where: dict[str, object], in_place: bool = False
+    ) -> None:
         self.wanted: dict[bytes, list[ChunkRequest]] = {}
         for request in requests:
             self.wanted.setdefault(request.entry.chunks[request.index], []).append(request)
@@ -117,11 +125,41 @@ class _Plan:
         self.where = where
         # Chunks that were stored as frames, decoded by verify, for deliver.
         self.decoded: dict[bytes, np.ndarray] = {}
+        # Chunks of which every request reads part, with recorded pieces: the piece-aligned
+        # bytes [lo, hi) to verify, and the pieces' chaining values (castore.format.pieces).
+        self.partial: dict[bytes, tuple[int, int, bytes]] = {}
+        for key, wanted in self.wanted.items():
+            if any(request.span is None for request in wanted):
+                continue
+            first = wanted[0]
+            cvs = chunk_cvs(first.entry, first.index)
+            if cvs is None or not names_chunk(cvs, key):
+                continue  # none recorded, or values that are not this chunk's: read it whole
+            length = expected_length(first.entry, first.index)
+            lo = min(request.span[0] for request in wanted)  # type: ignore[index]
+            hi = max(request.span[1] for request in wanted)  # type: ignore[index]
+            start, end = piece_span(lo, hi, length)
+            if end - start < length:
+                self.partial[key] = (start, end, cvs)
+        # Whether the backend's values are views of mapped files (only what is touched is
+        # read): then a partly verified chunk counts only its pieces' bytes as read.
+        self.in_place = in_place
+
+    def fetched(self, key: bytes, value: memoryview) -> int:
+        """The bytes a fetched value counts as read (ReadCounters)."""
+        part = self.partial.get(key) if self.in_place else None
+        return len(value) if part is None else part[1] - part[0]
 
     def verify(self, key: bytes, value: memoryview | None) -> np.ndarray:
         """Check one fetched chunk against its name, and its length for every request."""
         first, *others = self.wanted[key]
-        chunk = verify_chunk(first.entry, first.index, value, self.where)
+        part = self.partial.get(key)
+        if part is not None and value is not None and len(value) == expected_length(
+            first.entry, first.index
+        ):
+            chunk = self._verify_pieces(first, key, value, part)
+        else:
+            chunk = verify_chunk(first.entry, first.index, value, self.where)
         if value is not None and chunk.size != len(value):
             self.decoded[key] = chunk
         for request in others:
@@ -129,6 +167,23 @@ class _Plan:
             if chunk.size != expected_length(request.entry, request.index):
                 verify_chunk(request.entry, request.index, value, self.where)  # raises
         return chunk
+
+    def _verify_pieces(
+        self, request: ChunkRequest, key: bytes, value: memoryview, part: tuple[int, int, bytes]
+    ) -> np.ndarray:
+        """The chunk as a uint8 array, of which only the pieces in ``part`` are verified
+        (every byte the requests read lies in them; their values merge to its name)."""
+        start, end, cvs = part
+        if not pieces_match(cvs, value[start:end], start):
+            entry = request.entry
+            raise ChecksumMismatchError(
+                f"chunk {request.index} of tensor {entry.name!r} is damaged "
+                f"(in its bytes {start} to {end})",
+                expected=key.hex(),
+                actual="",
+                **{**self.where, "tensor": entry.name},
+            )
+        return np.frombuffer(value, dtype=np.uint8)
 
     def verify_and_deliver(self, key: bytes, value: memoryview | None) -> None:
         chunk = self.verify(key, value)
@@ -208,13 +263,17 @@ def apply_fetched(
 
 
 def count_fetched(
-    tags: Sequence[Tag], values: Iterator[memoryview | None], counters: ReadCounters
+    tags: Sequence[Tag],
+    values: Iterator[memoryview | None],
+    counters: ReadCounters,
+    size: Callable[[Tag, memoryview], int] | None = None,
 ) -> Iterator[tuple[Tag, memoryview | None]]:
-    """Each value fetched, with its tag (one per key asked for), counted as it goes by."""
+    """Each value fetched, with its tag (one per key asked for), counted as it goes by
+    (``size``: the bytes a value counts, default all of it)."""
     for tag, value in zip(tags, values, strict=True):
         if value is not None:
             counters.chunks += 1
-            counters.bytes += len(value)
+            counters.bytes += len(value) if size is None else size(tag, value)
         yield tag, value
 
 
@@ -233,14 +292,15 @@ def read_requests(
     and chunk index; the destinations may then hold some chunks, so callers
     must discard them. ``bar`` advances by ``request_bytes`` as chunks are delivered.
     """
-    plan = _Plan(requests, where)
+    plan = _Plan(requests, where, backend.reads_in_place)
     if not plan.keys:
         return
     pool = shared_pool()
     work = plan.counting(plan.verify_and_deliver, bar) if bar else plan.verify_and_deliver
 
     def visit(values: Iterator[memoryview | None]) -> None:
-        error = apply_fetched(pool, count_fetched(plan.keys, values, counters), work)
+        fetched = count_fetched(plan.keys, values, counters, plan.fetched)
+        error = apply_fetched(pool, fetched, work)
         if error is not None:
             raise error
 
@@ -261,7 +321,7 @@ def read_agree_deliver(
     runs: it must raise unless every party succeeded. Only then are the
     verified bytes copied to their destinations.
     """
-    plan = _Plan(requests, where)
+    plan = _Plan(requests, where, backend.reads_in_place)
     pool = shared_pool()
 
     def visit(values: Iterator[memoryview | None]) -> None:
@@ -272,7 +332,8 @@ def read_agree_deliver(
                 held.append(item)
                 yield item
 
-        agree(apply_fetched(pool, holding(count_fetched(plan.keys, values, counters)), plan.verify))
+        fetched = count_fetched(plan.keys, values, counters, plan.fetched)
+        agree(apply_fetched(pool, holding(fetched), plan.verify))
         # `agree` raised on every party unless all verified everything.
         error = apply_fetched(pool, held, plan.deliver)
         if error is not None:

@@ -40,7 +40,7 @@ from castore.errors import (
 from castore.format import dtypes
 from castore.format.coverage import box_corners, element_count, overlapping_pair
 from castore.format.hashing import Digest, digest_bytes
-from castore.format.layout import Box, normalize_index, plan_copy
+from castore.format.layout import Box, CopyPlan, normalize_index, plan_copy
 from castore.format.objects import (
     TYPE_ROOT,
     TYPE_SHARD,
@@ -317,9 +317,17 @@ def box_transfer(
     ``dst_flat`` is the flat byte buffer of the box ``dst_box`` (global
     coordinates); ``region`` lies inside both boxes.
     """
+    indices, deliver, _plan = _transfer(entry, region, dst_box, dst_flat)
+    return indices, deliver
+
+
+def _transfer(
+    entry: TensorEntry, region: Box, dst_box: Box, dst_flat: np.ndarray
+) -> tuple[Sequence[int] | np.ndarray, ChunkDelivery, CopyPlan | None]:
+    """box_transfer, and its copy plan (None where the saved box lands whole)."""
     entry_box = Box(entry.offsets, entry.local_shape)
     if region == entry_box == dst_box:
-        return range(len(entry.chunks)), place_whole(entry, dst_flat)
+        return range(len(entry.chunks)), place_whole(entry, dst_flat), None
     plan = plan_copy(
         entry.local_shape,
         region.relative_to(entry_box),
@@ -331,7 +339,23 @@ def box_transfer(
     def scatter(index: int, chunk: np.ndarray) -> None:
         plan.copy_from_chunk(entry.chunk_start(index), chunk, dst_flat)
 
-    return entry.chunk_indices(plan.src_starts, plan.run_bytes), scatter
+    return entry.chunk_indices(plan.src_starts, plan.run_bytes), scatter, plan
+
+
+def chunk_spans(entry: TensorEntry, indices: np.ndarray, plan: CopyPlan) -> list[tuple[int, int]]:
+    """For each chunk at ``indices``, the bytes [lo, hi) of it (from the chunk's first byte)
+    that the copy ``plan`` reads: from its first run's first byte to its last run's last."""
+    starts = np.sort(plan.src_starts)
+    ends = starts + plan.run_bytes
+    chunk_starts = np.fromiter((entry.chunk_start(int(i)) for i in indices), np.int64)
+    chunk_ends = chunk_starts + np.fromiter(
+        (entry.chunk_length(int(i)) for i in indices), np.int64
+    )
+    first = np.searchsorted(ends, chunk_starts, side="right")  # first run ending past it
+    last = np.searchsorted(starts, chunk_ends, side="left") - 1  # last run starting in it
+    lo = np.maximum(chunk_starts, starts[first]) - chunk_starts
+    hi = np.minimum(chunk_ends, ends[last]) - chunk_starts
+    return list(zip(lo.tolist(), hi.tolist(), strict=True))
 
 
 def place_whole(entry: TensorEntry, dst_flat: np.ndarray) -> ChunkDelivery:
@@ -349,8 +373,16 @@ def box_requests(
     entry: TensorEntry, region: Box, dst_box: Box, dst_flat: np.ndarray
 ) -> list[ChunkRequest]:
     """The chunk reads that copy ``region`` of a saved box into a destination (box_transfer)."""
-    indices, deliver = box_transfer(entry, region, dst_box, dst_flat)
-    return [ChunkRequest(entry, int(i), deliver) for i in indices]
+    indices, deliver, plan = _transfer(entry, region, dst_box, dst_flat)
+    if plan is None or not entry.pieces:
+        return [ChunkRequest(entry, int(i), deliver) for i in indices]
+    # Which bytes of each chunk the copy reads: a read of part of a chunk verifies only
+    # the pieces that hold them (castore.format.pieces).
+    spans = chunk_spans(entry, np.asarray(indices, dtype=np.int64), plan)
+    return [
+        ChunkRequest(entry, int(i), deliver, span)
+        for i, span in zip(indices, spans, strict=True)
+    ]
 
 
 def contiguous_start(entry: TensorEntry) -> int | None:

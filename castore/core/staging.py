@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from castore.core.chunkio import cut_leaf, digests_in_order, leaf_chunk_starts
+from castore.core.chunkio import cut_leaf, hashed_in_order, leaf_chunk_starts
 from castore.errors import SaveAborted
 from castore.format.tree import TensorLeaf
 from castore.support.faults import fault_point
@@ -72,6 +72,7 @@ class Piece:
     digests: list[bytes] | None = None
     ready: Any = None  # a torch.cuda.Event to wait on before reading ``buffer``
     cuts: list[int] | None = None  # where each chunk starts in ``buffer`` (one chunk: None)
+    cvs: list[bytes] | None = None  # with ``digests``: their pieces' values (castore.format.pieces)
 
 
 class StagingPool:
@@ -277,24 +278,26 @@ def _stage_changed(
         hand(Piece(index, 0, None, []))
         return
     unchanged: list[bytes] = []
+    unchanged_cvs: list[bytes] = []
     unchanged_bytes = 0
-    for view, digest in zip(views, digests_in_order(views), strict=True):
+    for view, (digest, cvs) in zip(views, hashed_in_order(views), strict=True):
         snapshot.hashed_bytes += view.nbytes
         snapshot.seen.add(digest)
         if digest in known:
             unchanged.append(digest)
+            unchanged_cvs.append(cvs)
             unchanged_bytes += view.nbytes
             continue
         if unchanged:
-            hand(Piece(index, unchanged_bytes, None, unchanged))
-            unchanged, unchanged_bytes = [], 0
+            hand(Piece(index, unchanged_bytes, None, unchanged, cvs=unchanged_cvs))
+            unchanged, unchanged_cvs, unchanged_bytes = [], [], 0
         buffer = pool.take(view.nbytes, pinned=False, aborted=aborted)
         buffer.array[:] = np.frombuffer(view, dtype=np.uint8)
         snapshot.staged_bytes += view.nbytes
         snapshot.pieces += 1
-        hand(Piece(index, view.nbytes, buffer, [digest]))
+        hand(Piece(index, view.nbytes, buffer, [digest], cvs=[cvs]))
     if unchanged:
-        hand(Piece(index, unchanged_bytes, None, unchanged))
+        hand(Piece(index, unchanged_bytes, None, unchanged, cvs=unchanged_cvs))
 
 
 def leaf_nbytes(leaf: TensorLeaf) -> int:

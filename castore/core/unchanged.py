@@ -83,25 +83,26 @@ class VersionCache:
 
     def known(
         self, backend: ChunkBackend, run: str, leaves: Sequence[TensorLeaf], chunk_size: int
-    ) -> dict[int, tuple[bytes, ...]]:
-        """Leaf index -> its chunk digests, for the leaves a trusting save need not hash.
+    ) -> dict[int, TensorEntry]:
+        """Leaf index -> the entry it was last saved as (its chunk digests and their
+        pieces), for the leaves a trusting save need not hash.
 
         Only where the store still holds every chunk: the caller holds the save
         lock, so garbage collection cannot remove them before it publishes.
         """
         known = self.unmoved(run, leaves, chunk_size)
-        keys = list({key for chunks in known.values() for key in chunks})
+        keys = list({key for entry in known.values() for key in entry.chunks})
         present = dict(zip(keys, backend.has_many(Namespace.CHUNKS, keys), strict=True))
-        return {i: chunks for i, chunks in known.items() if all(present[k] for k in chunks)}
+        return {i: e for i, e in known.items() if all(present[k] for k in e.chunks)}
 
     def unmoved(
         self, run: str, leaves: Sequence[TensorLeaf], chunk_size: int
-    ) -> dict[int, tuple[bytes, ...]]:
-        """Leaf index -> the chunk digests it was last recorded as, for the leaves that
-        have not moved since (whether the store holds those chunks or not)."""
+    ) -> dict[int, TensorEntry]:
+        """Leaf index -> the entry it was last recorded as, for the leaves that have not
+        moved since (whether the store holds its chunks or not)."""
         seen = self._runs.get(run, {})
         return {
-            index: record.entry.chunks
+            index: record.entry
             for index, leaf in enumerate(leaves)
             if (record := seen.get(leaf.name)) is not None and record.holds(leaf, chunk_size)
         }

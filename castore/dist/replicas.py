@@ -101,7 +101,7 @@ class ReplicaDigests:
         trusted = versions.unmoved(run, others, self.chunk_size) if versions else {}
         for index, leaf in enumerate(others):
             if index in trusted:
-                self._hashing.append((leaf, iter(trusted[index])))
+                self._hashing.append((leaf, iter(trusted[index].chunks)))
             else:
                 views = cut_leaf(leaf, self.chunk_size, _host_bytes(leaf))
                 self._hashing.append((leaf, digests_in_order(views, inline=aside)))

@@ -70,6 +70,9 @@ class TensorEntry:
     chunks: tuple[bytes, ...]
     framework: str = "numpy"
     cell: tuple[int, int] | None = None
+    # The chaining values of the chunks' 64 KiB pieces (castore.format.pieces), for reads
+    # of part of a chunk; empty where none were recorded.
+    pieces: bytes = field(default=b"", compare=False, repr=False)
 
     @classmethod
     def trusted(
@@ -84,6 +87,7 @@ class TensorEntry:
         chunks: tuple[bytes, ...],
         framework: str,
         cell: tuple[int, int] | None = None,
+        pieces: bytes = b"",
     ) -> TensorEntry:
         """An entry whose fields were checked together already (a decoded table)."""
         entry = object.__new__(cls)
@@ -98,6 +102,7 @@ class TensorEntry:
             chunks=chunks,
             framework=framework,
             cell=cell,
+            pieces=pieces,
         )
         return entry
 
@@ -250,7 +255,7 @@ class ShardManifest:
         # entries stays format 2, which an older castore still reads.
         grid = any(e.cell is not None for e in (*self.tensors, *self.local_tensors))
         table = encode_compact if grid else encode_table
-        return {
+        wire = {
             "format": COMPACT_SHARD_FORMAT if grid else SHARD_FORMAT,
             "generation": self.generation,
             "local_state": self.local_state,
@@ -261,6 +266,12 @@ class ShardManifest:
             "type": TYPE_SHARD,
             "writer": dict(sorted(self.writer.items())),
         }
+        # Chunk pieces (docs/FORMAT.md): one bytes value per tensor entry, in table order.
+        # A reader that does not know the field reads the shard as before.
+        pieces = [e.pieces for e in self.tensors]
+        if any(pieces):
+            wire["pieces"] = pieces
+        return dict(sorted(wire.items()))
 
     def chunk_digests(self) -> list[bytes]:
         """Every chunk digest the shard names, in order (repeats included)."""
@@ -290,6 +301,7 @@ class ShardManifest:
             grid = version in (GRID_SHARD_FORMAT, COMPACT_SHARD_FORMAT)
             columns = expand_compact if version == COMPACT_SHARD_FORMAT else _as_is
             table = EntryTable(columns(_typed(wire, "tensors", dict)), grid=grid)
+            table.take_pieces(wire.get("pieces"))
             local_tensors = (
                 EntryTable(columns(_typed(wire, "local_tensors", dict)), grid=grid).entries()
                 if only is None
@@ -539,7 +551,8 @@ class EntryTable:
     """A decoded, checked tensor table: entries are built only when asked for."""
 
     __slots__ = ("names", "_dtypes", "_frameworks", "_ndim", "_dims", "_dim_start",
-                 "_nbytes", "_chunk_size", "_chunks", "_chunk_start", "_cells")  # fmt: skip
+                 "_nbytes", "_chunk_size", "_chunks", "_chunk_start", "_cells",
+                 "_pieces")  # fmt: skip
 
     def __init__(self, wire: Any, *, grid: bool = False) -> None:
         keys = GRID_TABLE_KEYS if grid else TABLE_KEYS
@@ -562,6 +575,7 @@ class EntryTable:
                 f"where its entries' dimensions need {total_dims} each (rank mismatch)"
             )
         chunks = _typed(wire, "chunks", bytes)
+        self._pieces: list[bytes] | None = None
         self._cells: tuple[Any, Any] | None = None
         if grid:
             cell_dim = np.frombuffer(_typed(wire, "cell_dim", bytes), dtype=np.uint8)
@@ -737,6 +751,23 @@ class EntryTable:
         """Where each entry's digests start in :attr:`chunk_bytes`, in digests (n + 1)."""
         return self._chunk_start
 
+    def take_pieces(self, pieces: Any) -> None:
+        """The shard's chunk pieces (docs/FORMAT.md), one bytes value per entry, or None.
+
+        Their lengths are checked where a read uses them (castore.format.pieces):
+        values that do not merge to their chunk's name are not used.
+        """
+        if pieces is None:
+            return
+        if not isinstance(pieces, list) or len(pieces) != len(self.names):
+            raise CorruptObjectError(
+                f"shard field 'pieces' must list one value for each of its {len(self.names)} "
+                "tensor entries"
+            )
+        if not set(map(type, pieces)) <= {bytes}:
+            raise CorruptObjectError("shard field 'pieces' must hold bytes")
+        self._pieces = pieces
+
     @property
     def chunk_bytes(self) -> bytes:
         """Every entry's chunk digests, 32 bytes each, entry after entry."""
@@ -771,6 +802,7 @@ class EntryTable:
                 )
 
         new = TensorEntry.trusted
+        pieces = self._pieces or [b""] * len(self.names)
         return tuple(
             new(
                 self.names[i],
@@ -783,6 +815,7 @@ class EntryTable:
                 chunks_of(i),
                 self._frameworks[i],
                 cells[i],
+                pieces[i],
             )
             for i in (range(len(self.names)) if indices is None else indices)
         )
@@ -807,6 +840,7 @@ class EntryTable:
             tuple(raw[at : at + 32] for at in range(c0, c1, 32)),
             self._frameworks[i],
             cell,
+            b"" if self._pieces is None else self._pieces[i],
         )
 
     def named(self, name: str) -> tuple[TensorEntry, ...]:

@@ -97,6 +97,8 @@ _preadv = getattr(os, "preadv", None)  # Linux, the BSDs, macOS 11+
 class LmdbBackend(ChunkBackend):
     """Objects and the chunk index in LMDB; chunk bytes in pack files beside it."""
 
+    reads_in_place = True  # chunk values are views of the mapped packs
+
     @lmdb_guarded("open the LMDB environment")
     def __init__(
         self,

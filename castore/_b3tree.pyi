@@ -1,0 +1,9 @@
+# Types of castore's extension (castore/native/b3tree.c); see castore.format.pieces.
+from typing import Any
+
+PIECE: int
+BLAKE3_C: str
+
+def tree(data: Any, /) -> tuple[bytes, bytes]: ...
+def piece_cvs(data: Any, first: int, /) -> bytes: ...
+def root(cvs: Any, /) -> bytes: ...
