@@ -233,3 +233,30 @@ def test_a_store_saved_without_pieces_reads_whole_chunks(
     assert _entry(store).pieces == b""
     result, read = _sliced(store, np.s_[100:200])
     assert np.array_equal(result, weights[100:200]) and read == ROWS * ROW
+
+
+@needs_extension
+def test_branch_and_amend_keep_pieces_and_a_replace_records_new_ones(
+    saved: tuple[castore.Store, np.ndarray],
+) -> None:
+    store, weights = saved
+    first = _entry(store).pieces
+    castore.branch(store, "r", "latest", "twin")
+    castore.amend(store, "r", rename=[("w", "v")])
+    _, root = store.resolve_root("twin", "latest")
+    assert store.tensor_entries(root)["w"][0].pieces == first
+    _, root = store.resolve_root("r", "latest")
+    assert store.tensor_entries(root)["v"][0].pieces == first
+    changed = weights.copy()
+    changed[300] += 1
+    castore.amend(store, "r", replace={"v": changed})
+    _, root = store.resolve_root("r", "latest")
+    entry = store.tensor_entries(root)["v"][0]
+    assert entry.pieces != first and len(entry.pieces) == len(first)
+    # Only the changed row's piece differs: the others are the same bytes at the same place.
+    differ = [i for i in range(0, len(first), 32) if entry.pieces[i : i + 32] != first[i : i + 32]]
+    assert differ == [(300 * ROW // P) * 32]
+    before = store.read_counters.bytes
+    rows = store.read_slice("r", "latest", "v", np.s_[290:310])
+    assert np.array_equal(rows, changed[290:310])
+    assert store.read_counters.bytes - before == 2 * P  # rows 290..309 straddle two pieces

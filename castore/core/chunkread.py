@@ -251,7 +251,14 @@ def apply_fetched(
                 failure = exc
                 break
         else:
-            if run:
+            if run and not futures and size < TASK_BYTES:
+                # All of it is one small run (a slice's few chunks): handing it to the
+                # pool would cost a thread's wake-up, more than its hashing.
+                try:
+                    _work_run(work, run)
+                except Exception as exc:
+                    failure = exc
+            elif run:
                 futures.append(pool.submit(_work_run, work, run))
     finally:
         wait(futures)
