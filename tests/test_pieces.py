@@ -260,3 +260,24 @@ def test_branch_and_amend_keep_pieces_and_a_replace_records_new_ones(
     rows = store.read_slice("r", "latest", "v", np.s_[290:310])
     assert np.array_equal(rows, changed[290:310])
     assert store.read_counters.bytes - before == 2 * P  # rows 290..309 straddle two pieces
+
+
+@needs_extension
+@pytest.mark.slow
+def test_a_resharding_restore_reads_only_the_pieces_of_its_rows(
+    saved: tuple[castore.Store, np.ndarray],
+) -> None:
+    from dist_harness import describe, run_ranks
+    from pieces_workers import restore_rows
+
+    store, weights = saved
+    path = str(store.path)
+    store.close()
+    outcomes = run_ranks(2, restore_rows, path, timeout=150)
+    assert all(o.ok for o in outcomes), describe(outcomes)
+    for rank, outcome in enumerate(outcomes):
+        got = outcome.value
+        band = ROWS // 2
+        assert np.array_equal(got["block"], weights[rank * band : (rank + 1) * band])
+        # 448 rows of 4 KiB: exactly 28 pieces each, the one chunk read half by each rank.
+        assert got["bytes_needed"] == band * ROW == got["bytes_read"]
