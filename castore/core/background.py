@@ -43,6 +43,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,13 +72,14 @@ from castore.core.staging import (
     STAGING_MODES,
     Piece,
     Snapshot,
+    StagedChunk,
     StagingPool,
     leaf_nbytes,
     piece_bytes,
     stage_leaves,
     state_bytes,
 )
-from castore.errors import ChunkMissingError, CommitUnknownError, SaveAborted
+from castore.errors import CastoreWarning, ChunkMissingError, CommitUnknownError, SaveAborted
 from castore.format.grid import cut_at
 from castore.format.objects import TensorEntry
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, layouts_of
@@ -243,6 +245,9 @@ class Job:
         self.failed = threading.Event()
         self.snapshot: Snapshot | None = None  # set once the caller has staged everything
         self.input_ended = False  # the writer has taken the caller's end marker
+        # The chunks the writer hashed from staging buffers, in order (a tiered store's
+        # promotion sends them from memory while their buffers are not reused).
+        self.staged: list[StagedChunk] = []
 
     def hand(self, piece: Piece) -> None:
         self.pieces.put(piece)
@@ -383,7 +388,9 @@ class _Batch:
             views = cut_at(flat, np.asarray(piece.cuts or [0], dtype=np.int64))
             named = piece.digests or digests_in_order(views, inline=self.inline)
             self.leaf = piece.leaf
+            buffer, epoch = piece.buffer, piece.buffer.epoch
             for view, digest in zip(views, named, strict=True):
+                self.job.staged.append(StagedChunk(digest, buffer, epoch, view))
                 self.digests[piece.leaf].append(digest)
                 self.throttle.take(view.nbytes)
                 self.chunks += 1
@@ -433,6 +440,10 @@ class Background:
         # The writer thread ends when the handle closes, or is dropped unclosed.
         self.stop_writer = weakref.finalize(self, self._jobs.put, None)
         self.exit_wait_s = AsyncOptions.exit_wait_s
+        # The job the writer thread runs now (its thread id and the job), and what is
+        # told of each finished job: (job, its generation or None) (castore.tiers).
+        self.running: tuple[int, Job] | None = None
+        self.after_job: list[Callable[[Job, Generation | None], None]] = []
         shutdown.track(self)
 
     def remember(self, digests: set[bytes]) -> None:
@@ -530,6 +541,7 @@ class Background:
     def _run(self, job: Job, body: Callable[[Job], Generation]) -> None:
         generation: Generation | None = None
         error: BaseException | None = None
+        self.running = (threading.get_ident(), job)
         try:
             generation = body(job)
         except BaseException as exc:  # noqa: BLE001 - handed to the handle, never lost
@@ -537,9 +549,16 @@ class Background:
             job.failed.set()
             self.remember(set())  # what the failed save wrote may be incomplete
         finally:
+            self.running = None
             job.drain()  # a failed writer leaves pieces queued; their buffers go back
             job.pending.peak_staging_bytes = self.pool.peak
             self.pool.trim()
+        for hook in list(self.after_job):
+            try:
+                hook(job, generation)
+            except Exception as exc:  # noqa: BLE001 - the save's outcome stands
+                warnings.warn(f"castore: after an async save: {exc}", CastoreWarning, stacklevel=1)
+        job.staged = []  # the buffers are the pool's again
         self.counters["published" if error is None else "failed"] += 1
         if generation is not None and job.pending.on_publish is not None:
             error = follow_publish(job.pending.on_publish, generation, job.pending.run)
