@@ -15,9 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dist_workers as w
 import numpy as np
 import pytest
 from _helpers import assert_state_equal
+from dist_harness import run_ranks
+from test_dist import script_results
 
 import castore
 from castore.core.staging import StagedChunk, StagingBuffer
@@ -64,7 +67,7 @@ def test_a_promotion_from_staged_memory_reads_no_chunk_from_the_fast_tier(
         assert promoted.error is None and promoted.copied is not None
         assert promoted.copied.chunks_copied == 0  # read from the fast tier: none
         assert store.staged_sends["sent_chunks"] == 12
-        assert store.staged_sends["gone_chunks"] == 0
+        assert store.staged_sends["gone_chunks"] == store.staged_sends["fast_chunks"] == 0
         # The next promoted save sends only what changed (1 chunk of the weight and
         # the 4 of frozen); the durable tier has the rest.
         save_async(store, 2)
@@ -89,9 +92,11 @@ def test_chunks_whose_buffers_were_taken_again_are_read_from_the_fast_tier(
         assert store.staged_sends["sent_chunks"] == 0  # nothing granted: nothing sent
         take_buffer(store, 4 * CHUNK)  # frozen's buffer: its 4 chunks are gone
         [promoted] = store.wait_promotions()
-        assert store.staged_sends["sent_chunks"] == 8
-        assert store.staged_sends["gone_chunks"] == 4
-        assert promoted.copied is not None and promoted.copied.chunks_copied == 4
+        sends = store.staged_sends
+        assert (sends["sent_chunks"], sends["gone_chunks"]) == (8, 4)
+        # Exactly the gone ones are read from the fast tier (verified), and sent.
+        assert (sends["fast_chunks"], sends["fast_bytes"]) == (4, 4 * CHUNK)
+        assert promoted.copied is not None and promoted.copied.chunks_copied == 0
     with castore.open(tmp_path / "durable") as durable:
         assert_state_equal(durable.load("r"), state(1))
         assert verify_store(durable, deep=True).ok
@@ -147,6 +152,34 @@ def test_a_promotion_cut_off_after_the_staged_sends_is_retried_and_completes(
         assert [(p.generation, p.error) for p in promoted] == [(4, None)]
         assert promoted[0].copied is not None and promoted[0].copied.chunks_copied == 0
         assert_state_equal(castore.open(tmp_path / "durable").load("r"), state(4))
+
+
+@pytest.mark.slow
+def test_every_rank_sends_its_own_staged_chunks_and_the_promotion_reads_none(
+    tmp_path: Path,
+) -> None:
+    """Two gloo ranks on one node: each sends its shard's chunks from its own staging
+    buffers, and the coordinator's promotion finds nothing left to read."""
+    castore.open(tmp_path / "durable", shared=True).close()
+    spec = {"fast": str(tmp_path / "fast"), "durable": str(tmp_path / "durable"),
+            "durable_every": 2, "chunk_size": 256, "promote_on_exit": False}  # fmt: skip
+    ops: list[dict[str, Any]] = [{"op": "step", "seconds": 0.1}]
+    for step in (10, 20):
+        ops.append({"op": "save", "run": "r", "seed": 3, "step": step, "blocking": False})
+        ops.append({"op": "step", "seconds": 100.0})  # a long step: budget for all of it
+    ops.append({"op": "barrier"})
+    ops.append({"op": "promotions", "rank": 0})  # the coordinator's promotion, waited for
+    ops.append({"op": "barrier"})
+    ops.append({"op": "promotions", "rank": -1})  # every rank: what it sent
+    outcomes = run_ranks(2, w.run_script, spec, ops, timeout=240)
+    results = script_results(outcomes, 2)
+    assert results[0][-3]["errors"] == [] and results[0][-3]["fast_chunks"] == [0]
+    reports = [per_rank[-1]["staged"] for per_rank in results]
+    assert all(sent["sent_chunks"] > 0 for sent in reports), reports
+    assert all(sent["gone_chunks"] == sent["fast_chunks"] == 0 for sent in reports), reports
+    with castore.open(tmp_path / "durable") as durable:
+        assert [g.id for g in durable.generations("r")] == [2]
+        assert verify_store(durable, deep=True).ok
 
 
 # -- the pace ----------------------------------------------------------------------

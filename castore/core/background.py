@@ -317,7 +317,7 @@ def write_staged(
     if job.options.stagger_s and world > 1:
         time.sleep(job.options.stagger_s * rank / world)
     started = time.perf_counter()
-    batch = _Batch(job, chunk_size, [[] for _ in leaves])
+    batch = _Batch(job, chunk_size, [[] for _ in leaves], [leaf.dtype for leaf in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
     # hash_threads=1 keeps the save to its own thread: encoding too.
     pool = None if job.options.hash_threads == 1 else hashpool.shared_pool()
@@ -350,10 +350,13 @@ def write_staged(
 class _Batch:
     """The writer's side of the pieces queue, one ``put_many`` batch at a time."""
 
-    def __init__(self, job: Job, chunk_size: int, digests: list[list[bytes]]) -> None:
+    def __init__(
+        self, job: Job, chunk_size: int, digests: list[list[bytes]], dtypes: list[str]
+    ) -> None:
         self.job = job
         self.chunk_size = chunk_size
         self.digests = digests  # per leaf, every chunk so far
+        self.dtypes = dtypes  # per leaf
         self.unstaged: list[bytes] = []  # chunks the caller did not copy
         # Read at each save (not imported): crash tests shrink it to get several batches.
         self.limit = max(1, min(chunkio.WRITE_BATCH_BYTES, job.pool.limit // 2))
@@ -388,9 +391,9 @@ class _Batch:
             views = cut_at(flat, np.asarray(piece.cuts or [0], dtype=np.int64))
             named = piece.digests or digests_in_order(views, inline=self.inline)
             self.leaf = piece.leaf
-            buffer, epoch = piece.buffer, piece.buffer.epoch
+            buffer, epoch, dtype = piece.buffer, piece.buffer.epoch, self.dtypes[piece.leaf]
             for view, digest in zip(views, named, strict=True):
-                self.job.staged.append(StagedChunk(digest, buffer, epoch, view))
+                self.job.staged.append(StagedChunk(digest, buffer, epoch, view, dtype))
                 self.digests[piece.leaf].append(digest)
                 self.throttle.take(view.nbytes)
                 self.chunks += 1

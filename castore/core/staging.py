@@ -75,6 +75,7 @@ class StagedChunk:
     buffer: StagingBuffer
     epoch: int
     view: memoryview
+    dtype: str = ""  # its tensor's (a store that compresses encodes by it)
 
     def copy_if_intact(self) -> bytes | None:
         """The chunk's bytes, copied out under the buffer's lock, or None once a later

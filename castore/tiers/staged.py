@@ -38,12 +38,15 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from castore.chunkstore.base import Namespace
+from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core.background import Throttle
 from castore.core.staging import StagedChunk
+from castore.format.codec import encoder_for
+from castore.format.hashing import Buffer, digest_bytes
 
 CARRY_STEPS = 4.0  # the most unspent budget carried over, in steps' grants
 SLICE_BYTES = 4 << 20  # chunk bytes sent in one slice (one put_many)
@@ -120,26 +123,32 @@ class _Owed:
 class StagedSender:
     """The staged chunks this process owes the durable tier, sent on a thread of its own.
 
-    ``counters``: chunks and bytes sent from memory, chunks found already in
-    the durable tier, chunks gone (their buffer taken by a later save: the
-    promotion reads those from the fast tier).
+    ``counters``: chunks and bytes sent from memory (``sent_``), chunks found
+    already in the durable tier, chunks gone (their buffer taken by a later
+    save), and of those the chunks and bytes read from the fast tier, verified,
+    and sent (``fast_``; paced like the rest).
     """
 
     def __init__(
         self,
-        put_many: Callable[[list[tuple[bytes, bytes]]], object],
+        put_many: Callable[[list[tuple[bytes, Buffer]]], object],
         has_many: Callable[[list[bytes]], list[bool]],
         pacer: StepPacer,
         rate: float | None = None,
         slice_bytes: int = SLICE_BYTES,
+        read_fast: Callable[[list[bytes]], list[bytes | None]] | None = None,
+        codec: str = "none",
     ) -> None:
         self.put_many = put_many
         self.has_many = has_many
+        self.read_fast = read_fast
+        self.codec = codec  # the durable tier's: chunks are encoded by it before they go
         self.pacer = pacer
         self.throttle = Throttle(rate)
         self.slice_bytes = slice_bytes
         self.counters = {"sent_chunks": 0, "sent_bytes": 0, "present_chunks": 0,
-                         "gone_chunks": 0, "slices": 0}  # fmt: skip
+                         "gone_chunks": 0, "fast_chunks": 0, "fast_bytes": 0,
+                         "slices": 0}  # fmt: skip
         # (steps reported before it, bytes sent, cost) of each recent slice
         self.slices: deque[tuple[int, int, float]] = deque(maxlen=4096)
         self._owed: dict[tuple[str, int], _Owed] = {}
@@ -149,13 +158,20 @@ class StagedSender:
         self._thread: threading.Thread | None = None
 
     @staticmethod
-    def for_store(durable: object, pacer: StepPacer, rate: float | None) -> StagedSender:
-        backend = durable.backend  # type: ignore[attr-defined]
+    def for_stores(
+        fast: ChunkBackend,
+        durable: ChunkBackend,
+        pacer: StepPacer,
+        rate: float | None,
+        codec: str = "none",
+    ) -> StagedSender:
         return StagedSender(
-            lambda items: backend.put_many(Namespace.CHUNKS, items),
-            lambda keys: backend.has_many(Namespace.CHUNKS, keys),
+            lambda items: durable.put_many(Namespace.CHUNKS, items),
+            lambda keys: durable.has_many(Namespace.CHUNKS, keys),
             pacer,
             rate,
+            read_fast=lambda keys: read_verified(fast, keys),
+            codec=codec,
         )
 
     # -- what is owed -----------------------------------------------------------
@@ -243,36 +259,88 @@ class StagedSender:
             owed.then()
 
     def _send(self, chunks: list[StagedChunk]) -> None:
-        """Send the distinct chunks the durable tier lacks, a slice at a time."""
+        """Send the distinct chunks the durable tier lacks, a slice at a time: from their
+        staging buffers, then the ones whose buffers are gone from the fast tier."""
         distinct = list({chunk.digest: chunk for chunk in chunks}.values())
-        at = 0
-        while at < len(distinct):
-            self.pacer.acquire(lambda: self._stopping)
-            started = self.pacer.clock()
-            taken: list[StagedChunk] = []
-            size = 0
-            while at < len(distinct) and (not taken or size < self.slice_bytes):
-                taken.append(distinct[at])
-                size += distinct[at].view.nbytes
-                at += 1
-            present = self.has_many([chunk.digest for chunk in taken])
-            items: list[tuple[bytes, bytes]] = []
-            for chunk, here in zip(taken, present, strict=True):
-                if here:
-                    self.counters["present_chunks"] += 1
-                    continue
-                data = chunk.copy_if_intact()
-                if data is None:
-                    self.counters["gone_chunks"] += 1
-                    continue
-                items.append((chunk.digest, data))
-            sent = sum(len(data) for _, data in items)
-            if items:
-                self.throttle.take(sent)
-                self.put_many(items)
-                self.counters["sent_chunks"] += len(items)
-                self.counters["sent_bytes"] += sent
-            cost = self.pacer.clock() - started
-            self.pacer.charge(cost)
-            self.counters["slices"] += 1
-            self.slices.append((self.pacer.steps, sent, cost))
+        gone: list[StagedChunk] = []
+        for taken in self._slices(distinct):
+            self._paced(self._send_staged, taken, gone)
+        if self.read_fast is None:
+            return
+        for taken in self._slices(gone):
+            self._paced(self._send_from_fast, taken)
+
+    def _slices(self, chunks: list[StagedChunk]) -> Iterator[list[StagedChunk]]:
+        taken: list[StagedChunk] = []
+        size = 0
+        for chunk in chunks:
+            taken.append(chunk)
+            size += chunk.view.nbytes
+            if size >= self.slice_bytes:
+                yield taken
+                taken, size = [], 0
+        if taken:
+            yield taken
+
+    def _paced(self, send: Callable[..., int], *args: Any) -> None:
+        """One slice, once the pacer allows it; its cost is charged after."""
+        self.pacer.acquire(lambda: self._stopping)
+        started = self.pacer.clock()
+        sent = send(*args)
+        cost = self.pacer.clock() - started
+        self.pacer.charge(cost)
+        self.counters["slices"] += 1
+        self.slices.append((self.pacer.steps, sent, cost))
+
+    def _send_staged(self, taken: list[StagedChunk], gone: list[StagedChunk]) -> int:
+        present = self.has_many([chunk.digest for chunk in taken])
+        items: list[tuple[StagedChunk, bytes]] = []
+        for chunk, here in zip(taken, present, strict=True):
+            if here:
+                self.counters["present_chunks"] += 1
+                continue
+            data = chunk.copy_if_intact()
+            if data is None:
+                self.counters["gone_chunks"] += 1
+                gone.append(chunk)
+                continue
+            items.append((chunk, data))
+        return self._put(items, "sent")
+
+    def _send_from_fast(self, taken: list[StagedChunk]) -> int:
+        """Chunks whose buffers are gone: read from the fast tier, each verified against its
+        name; one that is not there raw and intact is left to the promotion's copy."""
+        assert self.read_fast is not None
+        present = self.has_many([chunk.digest for chunk in taken])
+        wanted = [chunk for chunk, here in zip(taken, present, strict=True) if not here]
+        values = self.read_fast([chunk.digest for chunk in wanted]) if wanted else []
+        items = [(c, data) for c, data in zip(wanted, values, strict=True) if data is not None]
+        return self._put(items, "fast")
+
+    def _put(self, items: list[tuple[StagedChunk, bytes]], counter: str) -> int:
+        """Write ``items`` to the durable tier (encoded by its codec); their raw bytes."""
+        raw = sum(len(data) for _, data in items)
+        if items:
+            self.throttle.take(raw)
+            self.put_many([(chunk.digest, self._encoded(chunk, data)) for chunk, data in items])
+            self.counters[f"{counter}_chunks"] += len(items)
+            self.counters[f"{counter}_bytes"] += raw
+        return raw
+
+    def _encoded(self, chunk: StagedChunk, data: bytes) -> Buffer:
+        encoder = encoder_for(self.codec, chunk.dtype) if self.codec != "none" else None
+        return data if encoder is None else encoder(data)
+
+
+def read_verified(fast: ChunkBackend, keys: list[bytes]) -> list[bytes | None]:
+    """Each chunk's raw bytes from ``fast`` if they hash to its name, else None (a frame,
+    absent or damaged: the promotion's copy reads those and says what is wrong)."""
+    out: list[bytes | None] = []
+
+    def keep(values: Iterator[memoryview | None]) -> None:
+        for key, value in zip(keys, values, strict=True):
+            intact = value is not None and digest_bytes(value, threads=1) == key
+            out.append(bytes(value) if intact and value is not None else None)
+
+    fast.read_many(Namespace.CHUNKS, keys, keep)
+    return out

@@ -315,8 +315,12 @@ class TieredStore(Store):
             return
         if self._pacer is None:
             self._pacer = StepPacer(self.policy.durable_step_budget)
-            self._sender = StagedSender.for_store(
-                self.durable, self._pacer, self.policy.durable_rate
+            self._sender = StagedSender.for_stores(
+                self.fast.backend,
+                self.durable.backend,
+                self._pacer,
+                self.policy.durable_rate,
+                self.durable.codec,
             )
         self._pacer.report(seconds)
 
@@ -324,13 +328,13 @@ class TieredStore(Store):
     def staged_sends(self) -> dict[str, int]:
         """What this process sent from staging buffers: ``sent_chunks``, ``sent_bytes``,
         ``present_chunks`` (the durable tier had them), ``gone_chunks`` (a later save
-        had taken their buffers: read from the fast tier instead), ``slices``."""
+        had taken their buffers), ``fast_chunks``, ``fast_bytes`` (of those, read from
+        the fast tier, verified, and sent), ``slices``."""
         return {} if self._sender is None else dict(self._sender.counters)
 
     def _sends_staged(self) -> bool:
-        """Staged sends: the job reports steps, on one node, into a durable tier that
-        stores chunks raw (a codec there encodes them: the fast tier's copy is read)."""
-        return self._sender is not None and self._role is None and self.durable.codec == "none"
+        """Staged sends: the job reports steps, on one node."""
+        return self._sender is not None and self._role is None
 
     def _writing_async(self) -> bool:
         running = self.background.running
