@@ -222,7 +222,7 @@ def test_the_step_paced_sender_sends_no_more_than_its_budget_per_step() -> None:
                 clock.now += len(data) * 1e-6
                 received.append(len(data))
 
-    pacer = StepPacer(0.1, clock=clock)  # 10% of each step
+    pacer = StepPacer(0.1, clock=clock, weight=1.0)  # 10% of each step
     sender = StagedSender(put_many, lambda keys: [False] * len(keys), pacer, slice_bytes=300)
     sender.offer("r", 1, staged(20, 300))  # 6,000 bytes: 6 ms of cost
     time.sleep(0.05)
@@ -245,3 +245,25 @@ def test_report_step_on_a_plain_store_is_a_no_op(tmp_path: Path) -> None:
     with castore.open(tmp_path / "plain") as plain:
         plain.report_step(0.1)
         plain.report_step()
+
+
+def test_the_sender_waits_while_a_save_is_staging_and_charges_its_cost_weighted() -> None:
+    clock = FakeClock()
+    received: list[int] = []
+    staging = [True]
+
+    def put_many(items: list[tuple[bytes, bytes]]) -> None:
+        for _, data in items:
+            clock.now += len(data) * 1e-6
+            received.append(len(data))
+
+    pacer = StepPacer(0.1, clock=clock, weight=2.0, hold=lambda: staging[0])
+    sender = StagedSender(put_many, lambda keys: [False] * len(keys), pacer, slice_bytes=300)
+    sender.offer("r", 1, staged(4, 300))
+    pacer.report(1.0)  # 100 ms of budget: enough for all of it
+    time.sleep(0.05)
+    assert received == []  # held while "this process's save is staging"
+    staging[0] = False
+    wait_until(lambda: sum(received) == 1200)
+    assert pacer.spent == pytest.approx(2 * 1200e-6)  # each clock second costs two
+    sender.stop()

@@ -446,6 +446,7 @@ class Background:
         # The job the writer thread runs now (its thread id and the job), and what is
         # told of each finished job: (job, its generation or None) (castore.tiers).
         self.running: tuple[int, Job] | None = None
+        self.staging_now = 0  # callers copying a snapshot now (background work holds off)
         self.after_job: list[Callable[[Job, Generation | None], None]] = []
         shutdown.track(self)
 
@@ -645,6 +646,7 @@ def run_async(
     staged: list[Piece] = []
     if not job.fits:
         background.start(job, body)
+    background.staging_now += 1
     try:
         snapshot = stage_leaves(
             leaves,
@@ -667,6 +669,8 @@ def run_async(
         if isinstance(exc, SaveAborted) and pending._error is not None:
             raise pending._error from None
         raise
+    finally:
+        background.staging_now -= 1
     for piece in staged:
         job.hand(piece)
     pending.timings["snapshot"] = snapshot.seconds

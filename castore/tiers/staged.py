@@ -21,11 +21,14 @@ re-hash of the fast tier:
   they are in the pool, and at most one save's staged bytes where the pool
   drops some (``trim``, ``close``) before the sender is done with them.
 - **Pace.** Each reported step grants the sender ``durable_step_budget`` of
-  that step's time (CPU seconds of its thread, which is what it takes from
-  training); it sends a slice of chunks while its balance is positive and
-  pays for it after, so over any number of steps it has used at most what the
-  steps granted plus one slice. ``durable_rate`` still caps its bytes per
-  second. The balance carries over at most ``CARRY_STEPS`` steps' grants.
+  that step's time; a slice costs ``COST_WEIGHT`` times the CPU seconds of
+  the sender's thread (what it takes from training: the core, and the GIL it
+  hands back and forth). It sends a slice of chunks while its balance is
+  positive and pays for it after, so over any number of steps it has used at
+  most what the steps granted plus one slice. It sends nothing while this
+  process's next save is copying its snapshot (the stall stays the save's
+  own). ``durable_rate`` still caps its bytes per second. The balance carries
+  over at most ``CARRY_STEPS`` steps' grants.
 - **Then the promotion.** On the coordinator the promotion of the generation
   starts once its own chunks are sent (or gone); with several ranks it first
   waits while the other ranks' chunks keep arriving, then copies what the
@@ -49,6 +52,10 @@ from castore.format.codec import encoder_for
 from castore.format.hashing import Buffer, digest_bytes
 
 CARRY_STEPS = 4.0  # the most unspent budget carried over, in steps' grants
+# What a second of the sender's CPU time costs the training thread of its process:
+# measured on one core, a Python thread beside a loop of small torch ops slowed the
+# loop by about twice its own CPU time (the GIL handed back and forth, not only the core).
+COST_WEIGHT = 2.0
 SLICE_BYTES = 4 << 20  # chunk bytes sent in one slice (one put_many)
 
 
@@ -59,9 +66,17 @@ class StepPacer:
     The sender calls :meth:`acquire` before a slice and :meth:`charge` after it.
     """
 
-    def __init__(self, fraction: float, clock: Callable[[], float] = time.thread_time) -> None:
+    def __init__(
+        self,
+        fraction: float,
+        clock: Callable[[], float] = time.thread_time,
+        weight: float = COST_WEIGHT,
+        hold: Callable[[], bool] = lambda: False,
+    ) -> None:
         self.fraction = fraction
         self.clock = clock
+        self.weight = weight  # each second the clock measures costs this much budget
+        self.hold = hold  # True while the sender must wait (this process's save is staging)
         self.balance = 0.0
         self.granted = 0.0  # totals since the pacer was made
         self.spent = 0.0
@@ -90,16 +105,24 @@ class StepPacer:
             self._cond.notify_all()
 
     def acquire(self, stopping: Callable[[], bool]) -> None:
-        """Wait until the balance is positive (or pacing is off, or ``stopping()``)."""
+        """Wait until the balance is positive and nothing holds the sender back (or
+        pacing is off, or ``stopping()``)."""
         with self._cond:
-            while self.balance <= 0 and not self.urgent and not stopping():
-                self._cond.wait(timeout=0.5)
+            while not self.urgent and not stopping():
+                if self.hold():
+                    self._cond.wait(timeout=0.005)
+                elif self.balance <= 0:
+                    self._cond.wait(timeout=0.5)
+                else:
+                    return
 
     def charge(self, seconds: float) -> None:
+        """A slice took ``seconds`` of the clock: it costs ``weight`` times that."""
+        cost = seconds * self.weight
         with self._cond:
             if not self.urgent:
-                self.balance -= seconds
-            self.spent += seconds
+                self.balance -= cost
+            self.spent += cost
 
     def hurry(self, on: bool) -> None:
         with self._cond:

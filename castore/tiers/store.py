@@ -314,7 +314,10 @@ class TieredStore(Store):
         if self.readonly:
             return
         if self._pacer is None:
-            self._pacer = StepPacer(self.policy.durable_step_budget)
+            background = self.background
+            self._pacer = StepPacer(
+                self.policy.durable_step_budget, hold=lambda: background.staging_now > 0
+            )
             self._sender = StagedSender.for_stores(
                 self.fast.backend,
                 self.durable.backend,
