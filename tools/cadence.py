@@ -26,7 +26,7 @@ while the job still trains. Modes:
   castore-tiered-stepped   castore-tiered whose ranks report each step
                            (store.report_step()): each rank sends a promoted
                            generation's chunks from its staging buffers within
-                           durable_step_budget of each step's time
+                           --step-budget of each step's time
   dcp-sync                 torch.distributed.checkpoint.save (FileSystemWriter)
   dcp-async                torch.distributed.checkpoint.async_save (thread
                            executor, torch's default), on its own gloo group so
@@ -169,6 +169,7 @@ class Config:
     modes: tuple[str, ...] = MODES
     throttle_mib_s: float = 64.0
     stagger_s: float = 0.3
+    step_budget: float = 0.02  # castore-tiered-stepped's durable_step_budget
     warmup: int = 3
     idle_saves: int = 2
     copy_repeats: int = 5
@@ -426,6 +427,8 @@ def make_saver(mode: str, cfg: Config, folder: Path) -> Saver:
             "durable_rate": cfg.throttle_mib_s * MIB,
             "uploader_priority": "idle" if mode.endswith("-idle") else "low",
         }
+        if mode.endswith("-stepped"):
+            tiered["durable_step_budget"] = cfg.step_budget
         stepped = mode.endswith("-stepped")
         return CastoreSaver(str(folder / "store"), async_options(mode, cfg), tiered, stepped)
     if mode.startswith("castore"):
@@ -948,7 +951,7 @@ def plot(path: Path, runs: dict[str, list[dict]], cfg: Config) -> None:
 
 INT_OPTIONS = ("ranks", "steps", "every", "d_model", "layers", "vocab", "seq", "batch", "rounds")
 OPTIONS: dict[str, type] = {name: int for name in INT_OPTIONS}
-OPTIONS |= {"throttle_mib_s": float, "stagger_s": float}
+OPTIONS |= {"throttle_mib_s": float, "stagger_s": float, "step_budget": float}
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Config, Path]:

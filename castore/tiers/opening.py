@@ -61,7 +61,7 @@ def open_tiered(
     upload_wait_s: float = 600.0,
     durable_stagger_s: float = 0.0,
     uploader_priority: str = "low",
-    durable_step_budget: float = 0.05,
+    durable_step_budget: float = 0.02,
     **durable_options: Any,
 ) -> TieredStore:
     """A :class:`TieredStore`: ``fast`` (a local directory) in front of ``durable``.

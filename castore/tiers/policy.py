@@ -35,7 +35,7 @@ class TierPolicy:
     upload_wait_s: float = 600.0  # how long the coordinator waits for the nodes' uploads
     durable_stagger_s: float = 0.0  # node i of N starts its uploads this * i / N late
     # The fraction of each reported step's time the staged sends may use (castore.tiers.staged)
-    durable_step_budget: float = 0.05
+    durable_step_budget: float = 0.02
 
     def __post_init__(self) -> None:
         if self.durable_every is not None and self.durable_every < 1:
