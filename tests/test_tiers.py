@@ -426,8 +426,8 @@ def test_the_tier_hooks_are_declared_once_and_a_tiered_store_overrides_each(
     """The seam (castore.core.commit.TierHooks): a plain store inherits its do-nothing
     bodies, defines none of its own, and TieredStore overrides every one of them."""
     hooks = [name for name in vars(TierHooks) if not name.startswith("_")]
-    assert sorted(hooks) == ["after_publish", "node_session", "selects_for_durable",
-                             "served_by_tier"]  # fmt: skip
+    assert sorted(hooks) == ["after_publish", "node_session", "report_step",
+                             "selects_for_durable", "served_by_tier"]  # fmt: skip
     assert not [name for name in hooks if name in vars(castore.Store)]
     assert not [name for name in hooks if name not in vars(TieredStore)]
     with castore.open(tmp_path / "plain") as plain:

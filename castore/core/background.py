@@ -43,6 +43,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -71,13 +72,14 @@ from castore.core.staging import (
     STAGING_MODES,
     Piece,
     Snapshot,
+    StagedChunk,
     StagingPool,
     leaf_nbytes,
     piece_bytes,
     stage_leaves,
     state_bytes,
 )
-from castore.errors import ChunkMissingError, CommitUnknownError, SaveAborted
+from castore.errors import CastoreWarning, ChunkMissingError, CommitUnknownError, SaveAborted
 from castore.format.grid import cut_at
 from castore.format.objects import TensorEntry
 from castore.format.tree import EncodedTree, TensorLeaf, encode_local_state, layouts_of
@@ -243,6 +245,9 @@ class Job:
         self.failed = threading.Event()
         self.snapshot: Snapshot | None = None  # set once the caller has staged everything
         self.input_ended = False  # the writer has taken the caller's end marker
+        # The chunks the writer hashed from staging buffers, in order (a tiered store's
+        # promotion sends them from memory while their buffers are not reused).
+        self.staged: list[StagedChunk] = []
 
     def hand(self, piece: Piece) -> None:
         self.pieces.put(piece)
@@ -312,7 +317,7 @@ def write_staged(
     if job.options.stagger_s and world > 1:
         time.sleep(job.options.stagger_s * rank / world)
     started = time.perf_counter()
-    batch = _Batch(job, chunk_size, [[] for _ in leaves])
+    batch = _Batch(job, chunk_size, [[] for _ in leaves], [leaf.dtype for leaf in leaves])
     stats = WriteStats(logical_bytes=sum(leaf_nbytes(leaf) for leaf in leaves))
     # hash_threads=1 keeps the save to its own thread: encoding too.
     pool = None if job.options.hash_threads == 1 else hashpool.shared_pool()
@@ -347,13 +352,16 @@ def write_staged(
 class _Batch:
     """The writer's side of the pieces queue, one ``put_many`` batch at a time."""
 
-    def __init__(self, job: Job, chunk_size: int, digests: list[list[bytes]]) -> None:
+    def __init__(
+        self, job: Job, chunk_size: int, digests: list[list[bytes]], dtypes: list[str]
+    ) -> None:
         self.job = job
         self.chunk_size = chunk_size
         self.digests = digests  # per leaf, every chunk so far
         # Per leaf, every chunk's pieces' values so far (castore.format.pieces); None for a
         # chunk whose values are not known.
         self.cvs: list[list[bytes | None]] = [[] for _ in digests]
+        self.dtypes = dtypes  # per leaf
         self.unstaged: list[bytes] = []  # chunks the caller did not copy
         # Read at each save (not imported): crash tests shrink it to get several batches.
         self.limit = max(1, min(chunkio.WRITE_BATCH_BYTES, job.pool.limit // 2))
@@ -393,7 +401,9 @@ class _Batch:
                 else hashed_in_order(views, inline=self.inline)
             )
             self.leaf = piece.leaf
+            buffer, epoch, dtype = piece.buffer, piece.buffer.epoch, self.dtypes[piece.leaf]
             for view, (digest, cvs) in zip(views, named, strict=True):
+                self.job.staged.append(StagedChunk(digest, buffer, epoch, view, dtype))
                 self.digests[piece.leaf].append(digest)
                 self.cvs[piece.leaf].append(cvs)
                 self.throttle.take(view.nbytes)
@@ -449,6 +459,11 @@ class Background:
         # The writer thread ends when the handle closes, or is dropped unclosed.
         self.stop_writer = weakref.finalize(self, self._jobs.put, None)
         self.exit_wait_s = AsyncOptions.exit_wait_s
+        # The job the writer thread runs now (its thread id and the job), and what is
+        # told of each finished job: (job, its generation or None) (castore.tiers).
+        self.running: tuple[int, Job] | None = None
+        self.staging_now = 0  # callers copying a snapshot now (background work holds off)
+        self.after_job: list[Callable[[Job, Generation | None], None]] = []
         shutdown.track(self)
 
     def remember(self, digests: set[bytes]) -> None:
@@ -546,6 +561,7 @@ class Background:
     def _run(self, job: Job, body: Callable[[Job], Generation]) -> None:
         generation: Generation | None = None
         error: BaseException | None = None
+        self.running = (threading.get_ident(), job)
         try:
             generation = body(job)
         except BaseException as exc:  # noqa: BLE001 - handed to the handle, never lost
@@ -553,9 +569,16 @@ class Background:
             job.failed.set()
             self.remember(set())  # what the failed save wrote may be incomplete
         finally:
+            self.running = None
             job.drain()  # a failed writer leaves pieces queued; their buffers go back
             job.pending.peak_staging_bytes = self.pool.peak
             self.pool.trim()
+        for hook in list(self.after_job):
+            try:
+                hook(job, generation)
+            except Exception as exc:  # noqa: BLE001 - the save's outcome stands
+                warnings.warn(f"castore: after an async save: {exc}", CastoreWarning, stacklevel=1)
+        job.staged = []  # the buffers are the pool's again
         self.counters["published" if error is None else "failed"] += 1
         if generation is not None and job.pending.on_publish is not None:
             error = follow_publish(job.pending.on_publish, generation, job.pending.run)
@@ -639,6 +662,7 @@ def run_async(
     staged: list[Piece] = []
     if not job.fits:
         background.start(job, body)
+    background.staging_now += 1
     try:
         snapshot = stage_leaves(
             leaves,
@@ -661,6 +685,8 @@ def run_async(
         if isinstance(exc, SaveAborted) and pending._error is not None:
             raise pending._error from None
         raise
+    finally:
+        background.staging_now -= 1
     for piece in staged:
         job.hand(piece)
     pending.timings["snapshot"] = snapshot.seconds

@@ -91,6 +91,11 @@ class TierHooks(Protocol):
         """Whether a collective save's ``run@generation`` goes on to a durable tier."""
         return False
 
+    def report_step(self, seconds: float | None = None) -> None:
+        """The training loop finished a step (``seconds`` long; None: since the last
+        call). A tiered store paces its promotions by it; other stores ignore it."""
+        return None
+
     def served_by_tier(self) -> dict[str, int]:
         """The chunk bytes each tier has served this handle's reads, by tier ("fast",
         "peer", "durable"); empty where there are no tiers."""

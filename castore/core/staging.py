@@ -47,14 +47,43 @@ STAGING_MODES = ("full", "changed")
 
 @dataclass
 class StagingBuffer:
-    """One host buffer: a numpy view of it, and the pinned torch tensor it is, if pinned."""
+    """One host buffer: a numpy view of it, and the pinned torch tensor it is, if pinned.
+
+    ``epoch`` counts the saves that took it from the pool; it changes (under
+    ``lock``) before a save writes into it again, so a reader that noted the
+    epoch when the bytes were hashed (a promotion sending staged chunks,
+    castore.tiers.staged) reads them under ``lock`` while the epoch is the same,
+    and knows they are the bytes that were hashed.
+    """
 
     array: np.ndarray
     pinned: Any = None
+    epoch: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     @property
     def nbytes(self) -> int:
         return int(self.array.nbytes)
+
+
+@dataclass(frozen=True)
+class StagedChunk:
+    """A chunk a save staged and hashed: its name and its bytes in a staging buffer,
+    valid while the buffer's epoch is still ``epoch`` (no later save took it)."""
+
+    digest: bytes
+    buffer: StagingBuffer
+    epoch: int
+    view: memoryview
+    dtype: str = ""  # its tensor's (a store that compresses encodes by it)
+
+    def copy_if_intact(self) -> bytes | None:
+        """The chunk's bytes, copied out under the buffer's lock, or None once a later
+        save took the buffer (its bytes may no longer be the ones hashed)."""
+        with self.buffer.lock:
+            if self.buffer.epoch != self.epoch:
+                return None
+            return bytes(self.view)
 
 
 @dataclass
@@ -120,6 +149,8 @@ class StagingPool:
                     break
                 self._cond.wait(timeout=0.1)
             self._taken[key] += 1
+        with buffer.lock:  # waits for a reader of its last save's bytes (a promotion)
+            buffer.epoch += 1
         self.waited += time.perf_counter() - started
         return buffer
 

@@ -15,6 +15,8 @@ Where each part lives:
 - :mod:`castore.tiers.policy`: ``TierPolicy``, what it selects, the pins;
 - :mod:`castore.tiers.worker`: the background thread and its queue;
 - :mod:`castore.tiers.promotion`: one promotion (``promote_generation``);
+- :mod:`castore.tiers.staged`: a promoted generation's chunks sent from the
+  async save's staging buffers, paced by the steps the job reports;
 - :mod:`castore.tiers.pipe` and :mod:`castore.tiers.uploader`: the two ends
   of the uploader process that promotes outside the training process;
 - :mod:`castore.tiers.report`: ``tier_report``, ``recovery_points``

@@ -61,6 +61,7 @@ def open_tiered(
     upload_wait_s: float = 600.0,
     durable_stagger_s: float = 0.0,
     uploader_priority: str = "low",
+    durable_step_budget: float = 0.02,
     **durable_options: Any,
 ) -> TieredStore:
     """A :class:`TieredStore`: ``fast`` (a local directory) in front of ``durable``.
@@ -91,6 +92,12 @@ def open_tiered(
     waiting at most ``upload_wait_s`` seconds for them; node i of N starts
     its upload ``durable_stagger_s * i / N`` seconds late, each node within
     ``durable_rate``.
+
+    A job that reports its steps (``store.report_step()`` after each step, on
+    every rank) sends a promoted generation's chunks from the async save's
+    staging buffers (castore.tiers.staged), on a thread of each rank, using
+    at most ``durable_step_budget`` of each step's time (and ``durable_rate``);
+    the promotion then copies from the fast tier only what was not sent.
     """
     if uploader not in ("process", "thread"):
         raise ValueError(f"uploader must be 'process' or 'thread', got {uploader!r}")
@@ -107,6 +114,7 @@ def open_tiered(
         replicas=replicas,
         upload_wait_s=upload_wait_s,
         durable_stagger_s=durable_stagger_s,
+        durable_step_budget=durable_step_budget,
     )
     location = parse_location(os.fspath(fast))
     if location.scheme != "file":

@@ -34,6 +34,8 @@ class TierPolicy:
     replicas: int = 1  # copies of each shard in the fast tiers of a job on several nodes
     upload_wait_s: float = 600.0  # how long the coordinator waits for the nodes' uploads
     durable_stagger_s: float = 0.0  # node i of N starts its uploads this * i / N late
+    # The fraction of each reported step's time the staged sends may use (castore.tiers.staged)
+    durable_step_budget: float = 0.02
 
     def __post_init__(self) -> None:
         if self.durable_every is not None and self.durable_every < 1:
@@ -48,6 +50,10 @@ class TierPolicy:
             raise ValueError(f"replicas must be at least 1, got {self.replicas!r}")
         if not self.durable_stagger_s >= 0:
             raise ValueError(f"durable_stagger_s must be >= 0, got {self.durable_stagger_s!r}")
+        if not 0 < self.durable_step_budget <= 1:
+            raise ValueError(
+                f"durable_step_budget must be in (0, 1], got {self.durable_step_budget!r}"
+            )
         if not self.upload_wait_s > 0:
             raise ValueError(f"upload_wait_s must be positive, got {self.upload_wait_s!r}")
 

@@ -145,3 +145,24 @@ def wait_for_chunks(
             )
         time.sleep(min(poll, max(0.0, deadline - time.monotonic())))
         poll = min(poll * 2, most)
+
+
+def wait_while_arriving(
+    durable: Any, chunks: list[bytes], *, idle_s: float, poll: float = 0.25
+) -> int:
+    """Wait while the durable tier keeps receiving ``chunks`` (other ranks sending their
+    staged chunks, castore.tiers.staged): until it holds all of them, or none arrived
+    for ``idle_s`` seconds. The number still missing (the promotion copies those)."""
+    left = list(chunks)
+    last_progress = time.monotonic()
+    while left:
+        present = durable.backend.has_many(Namespace.CHUNKS, left)
+        still = [c for c, here in zip(left, present, strict=True) if not here]
+        now = time.monotonic()
+        if len(still) < len(left):
+            last_progress = now
+        left = still
+        if not left or now - last_progress >= idle_s:
+            break
+        time.sleep(poll)
+    return len(left)

@@ -45,6 +45,7 @@ import fcntl
 import os
 import socket
 import sys
+import threading
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,7 @@ from typing import TYPE_CHECKING, Any
 
 from castore.chunkstore.tiered import TieredChunkBackend
 from castore.copying import copy_generation
+from castore.core.background import Job
 from castore.core.history import Generation, GenerationSpec
 from castore.core.holdings import mark_elsewhere
 from castore.errors import CastoreError, GenerationNotFoundError
@@ -59,9 +61,10 @@ from castore.format.hashing import Digest
 from castore.format.objects import GenerationRoot
 from castore.store import Restored, Store
 from castore.support.safefs import make_store_dir, open_store_file
-from castore.tiers.policy import PromotionSchedule, TierPolicy
+from castore.tiers.policy import PIN_PREFIX, PromotionSchedule, TierPolicy
 from castore.tiers.promotion import Promoted
 from castore.tiers.report import TierRow, recovery_points, tier_report
+from castore.tiers.staged import StagedSender, StepPacer
 from castore.tiers.worker import PromotionWorker
 
 if TYPE_CHECKING:  # castore.dist imports torch, which importing castore must not
@@ -109,8 +112,13 @@ class TieredStore(Store):
         self._closed = False
         self.node_id = node or f"{socket.gethostname()}:{os.path.realpath(fast.path)}"
         self._role: _NodeRole | None = None  # set by a collective call on several nodes
+        # Staged sends (castore.tiers.staged): made at the first report_step().
+        self._pacer: StepPacer | None = None
+        self._sender: StagedSender | None = None
         if not self.readonly:
             self._take_durable_history()
+            hook = weakref.WeakMethod(self._after_async_save)
+            self.background.after_job.append(lambda job, gen: _call(hook, job, gen))
         atexit.register(_say_unfinished, weakref.ref(self))
 
     def __repr__(self) -> str:
@@ -285,8 +293,78 @@ class TieredStore(Store):
         self._worker.queue_durable_publish(run, generation, root)
 
     def after_publish(self, run: str, generation: int, root: Digest) -> None:
-        """Pin and queue the generation if the policy selects it; collect the fast tier."""
-        self._worker.after_publish(run, generation, root, self._schedule.selects(run, generation))
+        """Pin and queue the generation if the policy selects it; collect the fast tier.
+
+        Published by this handle's async save while the job reports its steps: its
+        promotion waits until this process has sent its staged chunks."""
+        selected = self._schedule.selects(run, generation)
+        deferred = selected and self._sends_staged() and self._writing_async()
+        self._worker.after_publish(run, generation, root, selected, deferred)
+        if deferred:
+            assert self._sender is not None
+            self._sender.expect(run, generation, lambda: self._release_promotion(run, generation))
+
+    # -- staged sends (castore.tiers.staged) ----------------------------------------
+
+    def report_step(self, seconds: float | None = None) -> None:
+        """The training loop finished a step ``seconds`` long (None: the time since the
+        last call). Call it on every rank, after each step: a promoted generation's
+        chunks are then sent from the async save's staging buffers, within
+        ``durable_step_budget`` of each step's time (castore.tiers.staged)."""
+        if self.readonly:
+            return
+        if self._pacer is None:
+            background = self.background
+            self._pacer = StepPacer(
+                self.policy.durable_step_budget, hold=lambda: background.staging_now > 0
+            )
+            self._sender = StagedSender.for_stores(
+                self.fast.backend,
+                self.durable.backend,
+                self._pacer,
+                self.policy.durable_rate,
+                self.durable.codec,
+            )
+        self._pacer.report(seconds)
+
+    @property
+    def staged_sends(self) -> dict[str, int]:
+        """What this process sent from staging buffers: ``sent_chunks``, ``sent_bytes``,
+        ``present_chunks`` (the durable tier had them), ``gone_chunks`` (a later save
+        had taken their buffers), ``fast_chunks``, ``fast_bytes`` (of those, read from
+        the fast tier, verified, and sent), ``slices``."""
+        return {} if self._sender is None else dict(self._sender.counters)
+
+    def _sends_staged(self) -> bool:
+        """Staged sends: the job reports steps, on one node."""
+        return self._sender is not None and self._role is None
+
+    def _writing_async(self) -> bool:
+        running = self.background.running
+        return running is not None and running[0] == threading.get_ident()
+
+    def _after_async_save(self, job: Job, generation: Generation | None) -> None:
+        """An async save of this handle finished: owe its staged chunks to the durable
+        tier if its generation is pinned for promotion (by this process or the job's
+        coordinator), else release a promotion waiting for them."""
+        sender = self._sender
+        if sender is None:
+            return
+        run = job.pending.run
+        if (
+            generation is not None
+            and self._sends_staged()
+            and f"{PIN_PREFIX}{generation.id}" in self.refs.tags(run)
+        ):
+            sender.offer(run, generation.id, job.staged)
+        else:
+            sender.release(run)
+
+    def _release_promotion(self, run: str, generation: int) -> None:
+        """The staged chunks of a deferred promotion are sent (or gone): promote it, after
+        waiting while the other ranks' chunks still arrive."""
+        step = self._pacer.step_seconds if self._pacer is not None else None
+        self._worker.submit_pinned(run, generation, peers_idle_s=max(1.0, 10 * (step or 0.1)))
 
     def promote(self, run: str, generation: GenerationSpec = "latest") -> Promoted:
         """Copy one fast-tier generation to the durable tier now; its outcome."""
@@ -296,8 +374,13 @@ class TieredStore(Store):
     def wait_promotions(self, timeout: float | None = None) -> list[Promoted]:
         """Block until every queued promotion and collection ran; this handle's promotions.
 
-        Promotions an earlier handle left unfinished are retried first.
+        Promotions an earlier handle left unfinished are retried first; staged chunks
+        still owed are sent first, unpaced.
         """
+        if self._sender is not None:
+            if (current := self.background.in_flight()) is not None:
+                current.wait(timeout)
+            self._sender.drain(timeout)
         return self._worker.wait(timeout)
 
     # -- lifecycle --------------------------------------------------------------
@@ -309,6 +392,8 @@ class TieredStore(Store):
         self._closed = True
         super().close()
         try:
+            if self._sender is not None:
+                self._sender.stop()  # sends what is owed, then queues its promotions
             self._worker.drain()  # what is queued, first
             if self.policy.promote_on_exit and not self.readonly:
                 for run in sorted(self._worker.saved_runs):
@@ -340,6 +425,12 @@ class TieredStore(Store):
         if run not in self.durable.runs():
             return {}
         return self.durable.published(run, tolerate_bad_ref=True)
+
+
+def _call(hook: weakref.WeakMethod[Any], job: Job, generation: Generation | None) -> None:
+    method = hook()
+    if method is not None:
+        method(job, generation)
 
 
 def _say_unfinished(ref: weakref.ref[TieredStore]) -> None:

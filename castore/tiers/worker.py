@@ -30,7 +30,13 @@ from castore.repo.records import RefValue
 from castore.store import Store
 from castore.tiers.pipe import UploaderPipe
 from castore.tiers.policy import PIN_PREFIX, PINS, PUBLISH_PREFIX, TierPolicy
-from castore.tiers.promotion import Promoted, promote_generation, publish_uploaded, upload_shards
+from castore.tiers.promotion import (
+    Promoted,
+    promote_generation,
+    publish_uploaded,
+    upload_shards,
+    wait_while_arriving,
+)
 
 
 @dataclass
@@ -42,6 +48,9 @@ class _Work:
     generation: int = 0
     shards: tuple[int, ...] = ()
     delay: float = 0.0  # seconds to wait before starting (an upload's stagger)
+    # A promotion whose other ranks send their staged chunks (castore.tiers.staged):
+    # wait while they arrive, at most this long without one, before copying the rest.
+    peers_idle_s: float = 0.0
     done: threading.Event = field(default_factory=threading.Event)
 
 
@@ -113,17 +122,28 @@ class PromotionWorker:
 
     # -- queueing ---------------------------------------------------------------
 
-    def after_publish(self, run: str, generation: int, root: Digest, selected: bool) -> None:
-        """Pin and queue the generation if the policy ``selected`` it; collect the fast tier."""
+    def after_publish(
+        self, run: str, generation: int, root: Digest, selected: bool, deferred: bool = False
+    ) -> None:
+        """Pin and queue the generation if the policy ``selected`` it; collect the fast tier.
+
+        ``deferred``: pin it only; its promotion is queued by :meth:`submit_pinned` once
+        its staged chunks are sent (castore.tiers.staged)."""
         self.resume_pins()
         self.saved_runs.add(run)
-        if selected:
+        if selected and deferred:
+            self.pin(run, generation, root)
+        elif selected:
             self.queue_promotion(run, generation, root)
         self._submit(_Work("collect", run))
 
     def queue_promotion(self, run: str, generation: int, root: Digest) -> _Work:
         self.pin(run, generation, root)
         return self._submit(_Work("promote", run, generation))
+
+    def submit_pinned(self, run: str, generation: int, peers_idle_s: float = 0.0) -> None:
+        """Queue the promotion of a generation pinned before (its staged chunks sent)."""
+        self._submit(_Work("promote", run, generation, peers_idle_s=peers_idle_s))
 
     def queue_upload(
         self, run: str, generation: int, root: Digest, own: Sequence[int], delay: float = 0.0
@@ -210,7 +230,7 @@ class PromotionWorker:
                 if work.kind == "stop":
                     return
                 if work.kind == "promote":
-                    self._promote(work.run, work.generation)
+                    self._promote(work.run, work.generation, work.peers_idle_s)
                 elif work.kind == "upload":
                     time.sleep(work.delay)
                     self._upload_node(work.run, work.generation, work.shards)
@@ -241,9 +261,15 @@ class PromotionWorker:
             outcome.seconds = time.perf_counter() - started
             self.promoted.append(outcome)
 
-    def _promote(self, run: str, generation: int) -> None:
+    def _promote(self, run: str, generation: int, peers_idle_s: float = 0.0) -> None:
         retention = self.policy.durable_retention
         with self._recorded(run, generation) as outcome:
+            if peers_idle_s > 0:  # several ranks sent their staged chunks meanwhile
+                _, root = self.fast.resolve_root(run, generation)
+                if len(root.shards) > 1:
+                    shards = self.fast.read_shards(root)
+                    chunks = sorted({c for s in shards for c in s.chunk_digests()})
+                    wait_while_arriving(self.durable, chunks, idle_s=peers_idle_s)
             if self.pipe is not None:
                 outcome.copied = self._upload({
                     "kind": "promote", "run": run, "generation": generation,

@@ -429,6 +429,9 @@ def run_script(
     * {"op": "load", run, [generation, names, framework, views, rank_local, timeout, path,
       wrong_dtype]}
     * {"op": "recovery_points", run}: a tiered store's collective recovery_points
+    * {"op": "step", [seconds]}: a tiered store's report_step; {"op": "promotions",
+      [rank]}: wait for a tiered store's promotions (on that rank only, if one is named),
+      and say what it sent from staging buffers
     * {"op": "arm", rank, point, action}, {"op": "disarm"}, {"op": "sleep", rank, seconds},
       {"op": "barrier"}
 
@@ -482,6 +485,15 @@ def run_script(
                 if rank == op["rank"]:
                     time.sleep(op["seconds"])
                 results.append(None)
+            elif kind == "step":  # the training loop reports a step (castore.tiers.staged)
+                store.report_step(op.get("seconds"))
+                results.append(None)
+            elif kind == "promotions":  # wait for them (on "rank", if named); what was sent
+                promoted = store.wait_promotions() if op.get("rank", rank) == rank else []
+                copied = [p.copied.chunks_copied if p.copied else None for p in promoted]
+                errors = [repr(p.error) for p in promoted if p.error]
+                results.append({"staged": store.staged_sends, "fast_chunks": copied,
+                                "errors": errors})  # fmt: skip
             else:
                 raise ValueError(f"unknown op {kind!r}")
     return results
