@@ -276,6 +276,10 @@ def restore_all(
 
 def kill_trials(places: Places, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     """``--kills`` launches of a tiered F=2 job, each killed while it promotes."""
+    if not args.kills:  # --kills 0: the restores alone
+        nothing = {"listed": [], "ok": True, "complete": 0}
+        last = {"resumed": 0, "closed": [], "fast": {"newest": [], "pins": []}, "durable": nothing}
+        return {"trials": [], "last": last}
     rng = random.Random(args.seed + 1)
     way = places.way("killed", layout, every=1, replicas=2)
     way["rate"] = args.kill_rate * MIB  # per node leader: uploads last, the kills land in them
