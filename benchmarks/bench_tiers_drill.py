@@ -550,7 +550,7 @@ def report(
     table: str,
     upload_rows: dict[str, list[dict[str, Any]]],
     verdicts: list[dict[str, Any]],
-    rows: list[dict[str, Any]],
+    scenario_rows: list[dict[str, Any]],
 ) -> str:
     """What the drill prints and writes: the table, each durable save's bytes, the goals."""
     lines = [header, "", table, ""]
@@ -562,7 +562,7 @@ def report(
         )
         lines.append(f"uploads, {WAY_NAMES[job]}: {shown}")
     lines += ["", "restore phases, s (the slowest rank's, median of the repetitions):"]
-    for row in rows:
+    for row in scenario_rows:
         shown = ", ".join(f"{name} {seconds:.3f}" for name, seconds in row["phases"].items())
         lines.append(f"  {row['scenario']} | {row['way']}: {shown}")
     lines += ["", "goals:"]

@@ -222,7 +222,7 @@ def verify_fetched(
     every first try is done, and ``work`` runs on that copy; with no other
     copy, its first error stands. Returns the first failure in chunk order
     (a chunk that failed for another reason stops there) and the copies
-    ``again`` gave, by tag, for delivering them.
+    ``again`` gave and ``work`` accepted, by tag, for delivering them.
     """
     damaged: list[tuple[int, Tag, BaseException]] = []  # appended from pool threads
     stopped: list[int] = []  # where chunks failed for another reason
@@ -245,18 +245,22 @@ def verify_fetched(
     failure = apply_fetched(pool, numbered, first_try)
     copies: dict[Tag, memoryview] = {}
     stop = min(stopped, default=None)
+    first: BaseException | None = None
     for at, tag, error in sorted(damaged, key=lambda item: item[0]):
         if stop is not None and at > stop:
             break  # the failure before it comes first
+        # Every damaged chunk is asked again, so that its backend counts each.
         value = again(key_of(tag))
         if value is None:
-            return error, copies
+            first = first or error
+            continue
         try:
             work(tag, value)
         except Exception as exc:  # noqa: BLE001 - handed back, as apply_fetched does
-            return exc, copies
+            first = first or exc
+            continue
         copies[tag] = value
-    return failure, copies
+    return first or failure, copies
 
 
 def count_fetched(
