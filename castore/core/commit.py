@@ -81,11 +81,10 @@ class TierHooks(Protocol):
         store schedules its promotion here."""
         return None
 
-    def node_session(self, comm: Any, run: str, *, views: bool = False) -> Any:
+    def node_session(self, comm: Any, run: str) -> Any:
         """What a collective save or load of ``run`` needs when its ranks' stores are on
         several nodes (a collective call there: castore.tiers.nodes.NodeSession, typed
-        Any as the engine knows nothing of castore.dist's group); None on one node.
-        ``views``: a restore's, which also gathers what each node holds of ``run``."""
+        Any as the engine knows nothing of castore.dist's group); None on one node."""
         return None
 
     def selects_for_durable(self, run: str, generation: int) -> bool:

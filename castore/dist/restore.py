@@ -133,7 +133,7 @@ def load(
     newest = fencing.newest_published(store.refs, run) if comm.is_coordinator else None
     options = _Options(targets, rank_local, framework, load_rest, newest, cooperative)
     # A tiered store whose ranks span several nodes (castore.tiers.nodes): None otherwise.
-    session = store.node_session(comm, run, views=True)
+    session = store.node_session(comm, run)
     if session is not None:
         return _load_from_nodes(store, run, generation, comm, options, fallback, session)
     # One node (or no tiers): the discovery above was this load's one "tiers: nodes"

@@ -85,41 +85,23 @@ if TYPE_CHECKING:
     from castore.tiers.store import TieredStore
 
 
-def discover(
-    store: TieredStore, comm: Group, run: str, *, views: bool = False
-) -> NodeSession | None:
-    """The node session of a collective call (a collective call itself); None on one node.
-
-    ``views`` (a restore): every rank also sends what its node's fast tier lists of
-    ``run`` and holds (node_view), so that the choice of a generation needs no round of
-    its own; the leaders' are kept, for :meth:`NodeSession.agree_candidates`.
-    """
+def discover(store: TieredStore, comm: Group, run: str) -> NodeSession | None:
+    """The node session of a collective call (a collective call itself); None on one node."""
     ref, failure = attempt(lambda: store.fast.refs.read(run))
-    view, view_failure = attempt(lambda: node_view(store.fast, run)) if views else (None, None)
-    messages = comm.all_gather(
+    views = comm.all_gather(
         {
             "error": describe(failure),
             "node": store.node_id,
             "ref": None if ref is None else [ref.generation, ref.root.raw],
-            "view": view or [],
-            "view_error": describe(view_failure),
         },
         "tiers: nodes",
     )
-    raise_failures(messages, comm, failure)
-    nodes = NodeMap(comm.rank, tuple(str(v["node"]) for v in messages))
+    raise_failures(views, comm, failure)
+    nodes = NodeMap(comm.rank, tuple(str(v["node"]) for v in views))
     if not nodes.multi:
         return None
-    refs = [None if v["ref"] is None else (int(v["ref"][0]), bytes(v["ref"][1])) for v in messages]
-    session = NodeSession(store, comm, nodes, refs)
-    if views:  # the leaders' views, as _views gathers them (the others send none there)
-        leaders = {nodes.leader(n) for n in range(len(nodes.names))}
-        session.gathered = [
-            {"error": m["view_error"], "view": m["view"]} if r in leaders else {"view": []}
-            for r, m in enumerate(messages)
-        ]
-        session.gathered_failure = view_failure if comm.rank in leaders else None
-    return session
+    refs = [None if v["ref"] is None else (int(v["ref"][0]), bytes(v["ref"][1])) for v in views]
+    return NodeSession(store, comm, nodes, refs)
 
 
 class NodeSession:
@@ -145,10 +127,6 @@ class NodeSession:
         self.listed_everywhere: set[bytes] = set()
         self.whole_everywhere: set[bytes] = set()
         self.reading: bytes | None = None  # the root of the last seed: the one read next
-        # The leaders' views gathered with the discovery (discover(views=True)), and this
-        # rank's failure to make its own: taken by the next _views instead of a round.
-        self.gathered: list[dict[str, Any]] | None = None
-        self.gathered_failure: BaseException | None = None
 
     # -- save ------------------------------------------------------------------
 
@@ -408,10 +386,6 @@ class NodeSession:
 
     def _views(self, run: str) -> list[dict[str, Any]]:
         """Every node leader's generations of ``run`` and the shards it holds of each."""
-        if self.gathered is not None:  # gathered with the discovery: no round of its own
-            views, failure, self.gathered = self.gathered, self.gathered_failure, None
-            raise_failures(views, self.comm, failure)
-            return views
         view: list[list[Any]] = []
         failure = None
         if self.nodes.is_leader:

@@ -249,13 +249,12 @@ class TieredStore(Store):
     def replicas(self) -> int:
         return self.policy.replicas
 
-    def node_session(self, comm: Any, run: str, *, views: bool = False) -> NodeSession | None:
+    def node_session(self, comm: Any, run: str) -> NodeSession | None:
         """The session of a collective call whose ranks span several nodes (each its own
-        fast tier: castore.tiers.nodes); None on one node. A collective call. ``views``:
-        a restore's, whose choice needs what each node holds (gathered in the same round)."""
+        fast tier: castore.tiers.nodes); None on one node. A collective call."""
         from castore.tiers.nodes import discover  # castore.dist.comm: torch, only here
 
-        session = discover(self, comm, run, views=views)
+        session = discover(self, comm, run)
         if session is not None:
             nodes = session.nodes
             self._role = _NodeRole(
