@@ -431,7 +431,7 @@ def extrapolate(ref: Reference, save_small: float, restore_small: float) -> dict
         "promotion: those GETs at S3's 5,500 a second, s": gets / S3_GETS_PER_SECOND,
         "restore: collective rounds": sum(restore_calls(s).values()),
         "restore, a node lost: collective rounds": sum(restore_calls(s, lost=True).values()),
-        "restore: objects each rank reads (onto the saved layout)": 4,
+        "restore: objects each rank reads (onto the saved layout)": 3,
         "restore: KiB of manifests each rank reads (onto the saved layout)": 2 * m / 2**10,
         "restore onto another layout: objects each rank reads": s.ranks + 2,
         "restore onto another layout: MiB of manifests each rank reads": s.ranks * m / 2**20,

@@ -356,17 +356,18 @@ class NodeSession:
         if self.comm.is_coordinator:
             chosen, failure = attempt(lambda: self._choose(run, views, below))
             listed, whole = self._everywhere(views)
-            message = {
-                "error": describe(failure),
-                "candidates": chosen or [],
-                "listed": sorted(listed),
-                "whole": sorted(whole),
-            }
+            # Per candidate: 2 every node holds it whole, 1 every node lists it, else 0.
+            levels = [
+                2 if bytes(d) in whole else 1 if bytes(d) in listed else 0 for _, d in chosen or []
+            ]
+            message = {"error": describe(failure), "candidates": chosen or [], "here": levels}
         message = self.comm.broadcast(message, "load: candidates")
         raise_failures([message], self.comm, failure if self.comm.is_coordinator else None)
-        self.listed_everywhere = {bytes(d) for d in message["listed"]}
-        self.whole_everywhere = {bytes(d) for d in message["whole"]}
-        return [(int(g), Digest(bytes(d))) for g, d in message["candidates"]]
+        found = [(int(g), Digest(bytes(d))) for g, d in message["candidates"]]
+        levels = message.get("here") or [0] * len(found)
+        self.listed_everywhere = {d.raw for (_, d), n in zip(found, levels, strict=True) if n}
+        self.whole_everywhere = {d.raw for (_, d), n in zip(found, levels, strict=True) if n == 2}
+        return found
 
     def _everywhere(self, views: list[dict[str, Any]]) -> tuple[set[bytes], set[bytes]]:
         """The roots every node's view lists, and those every node holds every shard of."""
