@@ -11,7 +11,8 @@ and every restore is checked against it.
 Commands (each answered with a dict, ``{"error": traceback}`` on failure):
 
 ``("open", way, resume)``   open this rank's handle of ``way`` (a dict: ``"way"`` is
-                            "tiered", "castore" or "dcp"); with ``resume``, restore the
+                            "tiered", "castore", "plain": a node's fast tier opened with
+                            castore.open, or "dcp"); with ``resume``, restore the
                             newest generation first and continue from its step
 ``("step", step)``          one training step: change the state, compute (a sleep of
                             ``Layout.step_s``), save when the way saves at this step
@@ -246,7 +247,12 @@ class Rank:
             if store is not None:
                 store.close()
         wrong = self.wrong_blocks(blocks, out["step"])
-        return {**out, "seconds": seconds, "open_s": opened - started, "wrong": wrong}
+        phases = {"open": opened - started, **out.get("timings", {})}
+        # What the load's own phases do not cover (tiers: the nodes' discovery, the fetch).
+        phases["load: rest"] = out["load_s"] - sum(out.get("timings", {}).values())
+        phases["total"] = seconds
+        return {**out, "seconds": seconds, "open_s": opened - started, "wrong": wrong,
+                "phases": phases}  # fmt: skip
 
     def load_newest(
         self, store: Any, way: dict[str, Any]
@@ -264,7 +270,8 @@ class Rank:
             result = castore.dist.load(store, RUN, self.shards(blocks))
             gen = result.report.generation
             step = gen.step
-            sources = dict(result.report.bytes_by_source) or {"durable": result.report.bytes_read}
+            place = "fast" if way["way"] == "plain" else "durable"
+            sources = dict(result.report.bytes_by_source) or {place: result.report.bytes_read}
             report = {
                 "generation": gen.id,
                 "skipped": [s.generation for s in result.report.skipped],
@@ -296,6 +303,8 @@ def open_way(way: dict[str, Any], node: int) -> Any:
         )
     if way["way"] == "castore":
         return castore.open(way["durable"])
+    if way["way"] == "plain":  # a node's fast tier as a plain local store
+        return castore.open(way["fast"][node])
     return None
 
 

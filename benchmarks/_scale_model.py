@@ -81,13 +81,15 @@ def save_calls(s: Shape) -> dict[str, int]:
 
 def restore_calls(s: Shape, lost: bool = False) -> dict[str, int]:
     """A restore: on one node "tiers: nodes", resolve, agree; on several, nodes, tiers,
-    candidates, objects, chunks wanted, agree, and where a rank wants a chunk its node
-    lacks (a node ``lost``), chunks offered and chunks from peers."""
+    candidates, agree; chunks wanted unless every node holds every shard (F >= N,
+    nothing lost); where a rank wants a chunk its node lacks (a node ``lost``), chunks
+    offered and chunks from peers; and objects where a node does not list the
+    generation chosen (not in this job: see restore_objects)."""
     if not s.multi:
         return {"all_gather": 2, "broadcast": 1}
     if not lost:
-        return {"all_gather": 5, "broadcast": 1}
-    return {"all_gather": 6, "broadcast": 1, "exchange": 1}
+        return {"all_gather": 3 if s.replicas >= s.nodes else 4, "broadcast": 1}
+    return {"all_gather": 5, "broadcast": 1, "exchange": 1}
 
 
 # -- objects read and verified ----------------------------------------------------------
@@ -136,14 +138,16 @@ def save_objects(s: Shape, g: int, promoted: bool) -> tuple[int, int]:
 def restore_objects(s: Shape, listed: Mapping[int, int]) -> tuple[int, int]:
     """(the coordinator's, every rank's) reads of a restore onto the saved layout: every
     rank reads the root, its own manifest and rank 0's (rank 0: one) to plan
-    (castore.dist.planning), and the root again (one node: resolves the root once more;
-    several: checks its node holds the objects); each node leader reads the root of
-    every generation its fast tier lists (``listed[node]``) for the coordinator's choice.
+    (castore.dist.planning); one node: resolves the root once more; several: each node
+    leader reads the root of every generation its fast tier lists (``listed[node]``) for
+    the coordinator's choice (a rank whose node might lack the chosen generation's
+    objects, because some node does not list it, reads the root once more: not in this
+    job, whose lost node takes the durable tier's newest, the one chosen, at open).
     Onto another layout a rank reads all R manifests instead of two."""
     if not s.multi:  # rank 0: root, manifest 0, the root resolved again; the others: 3
         return 3, 3 + 3 * (s.ranks - 1)
-    each = 3 + 4 * (s.ranks - 1)  # rank 0: root, manifest 0, root; the others: 4
-    return 3 + listed[0], each + sum(listed.values())
+    each = 2 + 3 * (s.ranks - 1)  # rank 0: root, manifest 0; the others: 3
+    return 2 + listed[0], each + sum(listed.values())
 
 
 def reopen_objects(s: Shape) -> int:
@@ -427,7 +431,7 @@ def extrapolate(ref: Reference, save_small: float, restore_small: float) -> dict
         "promotion: those GETs at S3's 5,500 a second, s": gets / S3_GETS_PER_SECOND,
         "restore: collective rounds": sum(restore_calls(s).values()),
         "restore, a node lost: collective rounds": sum(restore_calls(s, lost=True).values()),
-        "restore: objects each rank reads (onto the saved layout)": 4,
+        "restore: objects each rank reads (onto the saved layout)": 3,
         "restore: KiB of manifests each rank reads (onto the saved layout)": 2 * m / 2**10,
         "restore onto another layout: objects each rank reads": s.ranks + 2,
         "restore onto another layout: MiB of manifests each rank reads": s.ranks * m / 2**20,

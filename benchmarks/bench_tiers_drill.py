@@ -31,6 +31,9 @@ each scenario ``--repeats`` times, in rotating order, each time from a fresh cop
 killed job's directories, after dropping the page cache where this process may:
 
   all local             tiered F=2, every node's fast tier intact (the baseline)
+  all local, plain      the same copies, each node's fast tier opened as a plain store
+                        (castore.open): the same generation from the same place, the
+                        speed the tiered restore must reach
   node loss             node 1's fast tier deleted; its ranks start on an empty one
                         (tiered F=2, tiered F=1); durable only and DCP lose nothing
                         on the node and restore from the durable directory
@@ -51,7 +54,8 @@ Columns (what bench_tiers_drill prints and docs/TIERS_DRILL.md explains):
 RPO = the steps completed before the failure that the restored state lacks, and the
 seconds from the moment the restored step's state existed to the failure; RTO = the
 seconds from the restore's start (opening the store) until every rank holds its state
-(the slowest rank, median over --repeats); bytes read by source, summed over ranks;
+(the slowest rank, median over --repeats; below the table, each phase of it: the open,
+the load's own timings, the rest of the load); bytes read by source, summed over ranks;
 upload / new = the durable directory's growth for one durable generation over the bytes
 of the chunks of that generation the durable store lacked before (DCP: the same new
 bytes, those of castore's durable-only store at the same step).
@@ -198,14 +202,21 @@ class Scenario:
     job: str
     lose: int | None = None  # the node whose fast tier is gone
     damage: bool = False
+    plain: bool = False  # each node's fast tier opened as a plain store (castore.open)
+
+    @property
+    def way_name(self) -> str:
+        return PLAIN_WAY if self.plain else WAY_NAMES[self.job]
 
     @property
     def key(self) -> str:
-        return f"{self.name} | {WAY_NAMES[self.job]}"
+        return f"{self.name} | {self.way_name}"
 
 
+PLAIN_WAY = "castore.open(node's fast dir)"
 SCENARIOS = (
     Scenario("all local (nothing lost)", "tiered-f2"),
+    Scenario("all local (nothing lost)", "tiered-f2", plain=True),
     Scenario("node loss", "tiered-f2", lose=1),
     Scenario("node loss", "tiered-f1", lose=1),
     Scenario("damaged fast chunk", "tiered-f2", damage=True),
@@ -228,6 +239,8 @@ def stage(scenario: Scenario, way: dict[str, Any], places: Places, layout: Layou
                 shutil.copytree(source, target)
     if scenario.damage:
         staged["damaged"] = damage_one_chunk(staged["fast"][0], layout)
+    if scenario.plain:  # the same generation from the same place, without the tiers
+        staged["way"] = "plain"
     return staged
 
 
@@ -263,6 +276,10 @@ def restore_all(
 
 def kill_trials(places: Places, layout: Layout, args: argparse.Namespace) -> dict[str, Any]:
     """``--kills`` launches of a tiered F=2 job, each killed while it promotes."""
+    if not args.kills:  # --kills 0: the restores alone
+        nothing = {"listed": [], "ok": True, "complete": 0}
+        last = {"resumed": 0, "closed": [], "fast": {"newest": [], "pins": []}, "durable": nothing}
+        return {"trials": [], "last": last}
     rng = random.Random(args.seed + 1)
     way = places.way("killed", layout, every=1, replicas=2)
     way["rate"] = args.kill_rate * MIB  # per node leader: uploads last, the kills land in them
@@ -350,10 +367,16 @@ def summarize(
         wrong = sorted({w for rep in reps for r in rep["per_rank"] for w in r["wrong"]})
         ratios = [u["ratio"] for u in upload_rows[scenario.job] if u["ratio"] is not None]
         saves = [s["save_s"] for s in record["steps"] if s["saved"] and s["step"] > 1]
+        phases: dict[str, float] = {}
+        for name in sorted({k for rep in reps for r in rep["per_rank"] for k in r["phases"]}):
+            phases[name] = statistics.median(
+                max(r["phases"].get(name, 0.0) for r in rep["per_rank"]) for rep in reps
+            )
         rows.append(
             {
                 "scenario": scenario.name,
-                "way": WAY_NAMES[scenario.job],
+                "way": scenario.way_name,
+                "phases": phases,
                 "restored_step": restored,
                 "steps_same": all(r["step"] == restored for rep in reps for r in rep["per_rank"]),
                 "rpo_steps": steps - restored,
@@ -465,6 +488,7 @@ def kill_summary(kills: dict[str, Any]) -> dict[str, Any]:
 def goals(rows: list[dict[str, Any]], kills: dict[str, Any], steps: int) -> list[dict[str, Any]]:
     by = {(r["scenario"], r["way"]): r for r in rows}
     local = by[("all local (nothing lost)", "tiered F=2")]
+    plain = by[("all local (nothing lost)", PLAIN_WAY)]
     f2, f1 = by[("node loss", "tiered F=2")], by[("node loss", "tiered F=1")]
     damaged = by[("damaged fast chunk", "tiered F=2")]
     ratio = f2["rto_s"] / local["rto_s"]
@@ -472,6 +496,13 @@ def goals(rows: list[dict[str, Any]], kills: dict[str, Any], steps: int) -> list
     ratios = [r["upload_ratio"] for r in (f2, f1) if r["upload_ratio"] is not None]
     k = kill_summary(kills)
     return [
+        {
+            "goal": "all local, tiered: at least 1.0x the speed of a plain store's restore "
+            "of the same generation from the same place",
+            "measured": f"{plain['rto_s'] / local['rto_s']:.2f}x ({local['rto_s']:.3f} s "
+            f"tiered, {plain['rto_s']:.3f} s plain)",
+            "met": local["rto_s"] <= plain["rto_s"],
+        },
         {
             "goal": "node loss, F=2: RTO <= 1.3x all local's, 0 bytes from the durable tier",
             "measured": f"{ratio:.2f}x, {durable_read} bytes from the durable tier",
@@ -519,6 +550,7 @@ def report(
     table: str,
     upload_rows: dict[str, list[dict[str, Any]]],
     verdicts: list[dict[str, Any]],
+    scenario_rows: list[dict[str, Any]],
 ) -> str:
     """What the drill prints and writes: the table, each durable save's bytes, the goals."""
     lines = [header, "", table, ""]
@@ -529,6 +561,10 @@ def report(
             for u in rows
         )
         lines.append(f"uploads, {WAY_NAMES[job]}: {shown}")
+    lines += ["", "restore phases, s (the slowest rank's, median of the repetitions):"]
+    for row in scenario_rows:
+        shown = ", ".join(f"{name} {seconds:.3f}" for name, seconds in row["phases"].items())
+        lines.append(f"  {row['scenario']} | {row['way']}: {shown}")
     lines += ["", "goals:"]
     for verdict in verdicts:
         mark = "MET" if verdict["met"] else "NOT MET"
@@ -625,7 +661,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.repeats}; page cache dropped before each restore: {drop_caches()}; "
         f"{time.monotonic() - started:.0f} s"
     )
-    text = report(header, markdown(rows, raw["kills"]), raw["uploads"], verdicts)
+    text = report(header, markdown(rows, raw["kills"]), raw["uploads"], verdicts, rows)
     print("\n" + text)
     name = f"drill-{layout.world}ranks"
     (args.workdir / f"{name}.md").write_text(text + "\n")

@@ -10,7 +10,9 @@ from __future__ import annotations
 import re
 import shutil
 import warnings
+from collections import Counter
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -19,7 +21,9 @@ from _helpers import assert_state_equal
 
 import castore
 import castore.chunkstore.tiered as tiered_module
-from castore.chunkstore.base import Namespace
+import castore.dist
+import castore.format.hashing as hashing_module
+from castore.chunkstore.base import ChunkBackend, Namespace
 from castore.core.commit import TierHooks
 from castore.core.holdings import held_elsewhere
 from castore.errors import ChecksumMismatchError, CorruptObjectError
@@ -157,22 +161,6 @@ def test_a_damaged_fast_chunk_is_read_from_the_durable_tier(tmp_path: Path) -> N
         assert_state_equal(store.load("r"), state(1))
         assert store.served_bytes["durable"] == CHUNK
         assert store.tiered_backend.damaged["fast"] == 1
-
-
-def test_broken_control_without_the_check_a_damaged_fast_chunk_is_served(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """If the tiers took a copy without checking it, the load's own check would refuse it."""
-    monkeypatch.setattr(tiered_module, "_intact", lambda key, value: True)
-    with open_pair(tmp_path) as store:
-        store.save(state(1), run="r", step=1)
-        store.wait_promotions()
-        entry = store.fast.tensor_entries(store.fast.resolve_root("r")[1])["weight"][0]
-        value = store.fast.backend.get(Namespace.CHUNKS, entry.chunks[0])
-        assert value is not None
-        raw_put(store.fast, Namespace.CHUNKS, entry.chunks[0], flipped(value, 17))
-        with pytest.raises(ChecksumMismatchError):
-            store.load("r")
 
 
 def test_a_chunk_damaged_in_every_tier_fails_the_generation_and_restore_falls_back(
@@ -495,3 +483,155 @@ def test_castore_log_on_the_durable_tier_shows_what_each_promotion_wrote_there(
         [advance] = [r for r in durable.refs.reflog("r") if r["generation"] == 2]
         assert advance["wrote"]["chunks"] == 0 and advance["wrote"]["objects"] > 0
         assert "wrote" not in store.fast.refs.reflog("r")[-1]  # a save records no copy
+
+
+# -- each fast-tier chunk hashed once ---------------------------------------------------
+
+
+class CountingBlake3:
+    """Stands in for blake3.blake3 in castore.format.hashing (every digest castore makes):
+    counts each digest made."""
+
+    def __init__(self, real: Any) -> None:
+        self.real = real
+        self.AUTO = real.AUTO
+        self.digests: Counter[bytes] = Counter()
+
+    def __call__(self, data: Any = b"", **options: Any) -> Any:
+        outer, hasher = self, self.real(data, **options)
+
+        class Counted:
+            def update(self, more: Any) -> Counted:
+                hasher.update(more)
+                return self
+
+            def digest(self) -> bytes:
+                found = bytes(hasher.digest())
+                outer.digests[found] += 1
+                return found
+
+        return Counted()
+
+
+@pytest.fixture
+def hashes(monkeypatch: pytest.MonkeyPatch) -> CountingBlake3:
+    counting = CountingBlake3(hashing_module.blake3.blake3)
+    monkeypatch.setattr(hashing_module, "blake3", SimpleNamespace(blake3=counting))
+    return counting
+
+
+def chunks_of(store: castore.Store, run: str = "r") -> list[bytes]:
+    entries = store.tensor_entries(store.resolve_root(run)[1])
+    return sorted({c for boxes in entries.values() for entry in boxes for c in entry.chunks})
+
+
+def test_a_load_and_a_dist_restore_from_the_fast_tier_hash_each_chunk_once(
+    tmp_path: Path, hashes: CountingBlake3
+) -> None:
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        chunks = chunks_of(store.fast)
+        assert len(chunks) == 12
+        hashes.digests.clear()
+        assert_state_equal(store.load("r"), state(1))  # new arrays: castore.core.readplan
+        assert [hashes.digests[c] for c in chunks] == [1] * 12
+        hashes.digests.clear()
+        targets = {name: np.zeros_like(value) for name, value in state(1).items()}
+        result = castore.dist.load(store, "r", targets)  # live targets: verify, then deliver
+        assert_state_equal(targets, state(1))
+        assert [hashes.digests[c] for c in chunks] == [1] * 12
+        assert result.report.bytes_by_source == {"fast": 12 * CHUNK}
+        assert store.tiered_backend.damaged == {}
+
+
+def test_broken_control_the_tiers_own_check_hashed_each_fast_chunk_twice(
+    tmp_path: Path, hashes: CountingBlake3, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The count above sees a second hash: reads that check the fast tier themselves."""
+    monkeypatch.setattr(
+        tiered_module.TieredChunkBackend, "read_to_verify", ChunkBackend.read_to_verify
+    )
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        chunks = chunks_of(store.fast)
+        hashes.digests.clear()
+        assert_state_equal(store.load("r"), state(1))
+        assert [hashes.digests[c] for c in chunks] == [2] * 12
+
+
+def damage_fast_chunk(store: TieredStore, name: str = "weight") -> bytes:
+    """Flip a byte of chunk 0 of ``name`` in the fast tier's pack; return its key."""
+    entry = store.fast.tensor_entries(store.fast.resolve_root("r")[1])[name][0]
+    key = entry.chunks[0]
+    value = store.fast.backend.get(Namespace.CHUNKS, key)
+    assert value is not None
+    raw_put(store.fast, Namespace.CHUNKS, key, flipped(value, 17))
+    return key
+
+
+def test_a_damaged_fast_chunk_restores_into_live_targets_from_the_durable_tier(
+    tmp_path: Path, hashes: CountingBlake3
+) -> None:
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        key = damage_fast_chunk(store)
+        hashes.digests.clear()
+        targets = {name: np.zeros_like(value) for name, value in state(1).items()}
+        result = castore.dist.load(store, "r", targets)
+        assert_state_equal(targets, state(1))
+        assert result.report.bytes_by_source == {"fast": 11 * CHUNK, "durable": CHUNK}
+        assert store.tiered_backend.damaged == {"fast": 1}
+        assert store.tiered_backend.damaged_keys == {"fast": {key}}
+        # The durable copy was hashed by the tiers (to choose it) and by the load; the
+        # others once, by the load.
+        assert hashes.digests[key] == 2
+        assert {hashes.digests[c] for c in chunks_of(store.fast) if c != key} == {1}
+
+
+def test_broken_control_without_the_second_source_a_damaged_fast_chunk_fails_the_restore(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(
+        tiered_module.TieredChunkBackend, "_again", lambda self, namespace, key, unchecked: None
+    )
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        damage_fast_chunk(store)
+        targets = {name: np.zeros_like(value) for name, value in state(1).items()}
+        with pytest.raises(ChecksumMismatchError, match="chunk 0 of tensor 'weight'"):
+            castore.dist.load(store, "r", targets)
+        assert not targets["weight"].any()  # nothing live changed
+        with pytest.raises(ChecksumMismatchError, match="chunk 0 of tensor 'weight'"):
+            store.load("r")
+
+
+def test_a_read_that_does_not_verify_still_gets_the_intact_copy(tmp_path: Path) -> None:
+    """``read_many`` (``get``, castore copy, verify, repair) checks the fast tier itself."""
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        key = damage_fast_chunk(store)
+        intact = store.durable.backend.get(Namespace.CHUNKS, key)
+        assert store.backend.get(Namespace.CHUNKS, key) == intact
+        assert store.tiered_backend.damaged == {"fast": 1}
+
+
+def test_broken_control_without_the_tiers_check_a_read_that_does_not_verify_gets_damage(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """If the tiers took the fast copy unchecked in ``read_many``, ``get`` would hand on the
+    damage; a load, which verifies every chunk itself, still asks again and restores."""
+    monkeypatch.setattr(tiered_module, "_intact", lambda key, value: True)
+    with open_pair(tmp_path) as store:
+        store.save(state(1), run="r", step=1)
+        store.wait_promotions()
+        key = damage_fast_chunk(store)
+        assert store.backend.get(Namespace.CHUNKS, key) != store.durable.backend.get(
+            Namespace.CHUNKS, key
+        )
+        assert_state_equal(store.load("r"), state(1))
+        assert store.tiered_backend.damaged == {"fast": 1}

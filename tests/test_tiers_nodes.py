@@ -370,6 +370,25 @@ def test_a_damaged_fast_chunk_is_read_from_the_peer_node(two_copies: Path, tmp_p
     assert sources(per_rank)[0].get("peer", 0) > 0
 
 
+def test_a_chunk_gone_from_a_node_that_holds_every_shard_is_read_from_the_peer(
+    two_copies: Path, tmp_path: Path
+) -> None:
+    """Both nodes hold every shard, so the first try asks the other node nothing; a chunk
+    its holdings promise but its fast tier lost fails that try, and the retry asks."""
+    job = copy_of(two_copies, tmp_path)
+    gone = [
+        c for c in shard_chunks(job / "fast0", 3, 0) if c not in shard_chunks(job / "fast0", 2, 0)
+    ]
+    assert gone  # generation 3's own chunks: in no durable tier (it holds 2)
+    with castore.open(job / "fast0") as store:
+        assert store.backend.delete_many(Namespace.CHUNKS, gone) == len(gone)
+    per_rank = restore(job, 2)
+    assert_bitwise(per_rank, 3)
+    assert all(r["report"]["skipped"] == [] for r in per_rank)
+    assert sources(per_rank)[0].get("peer", 0) > 0
+    assert all("durable" not in s for s in sources(per_rank))
+
+
 def test_a_chunk_damaged_on_every_node_moves_all_ranks_to_the_generation_before(
     two_copies: Path, tmp_path: Path
 ) -> None:

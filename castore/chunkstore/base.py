@@ -74,6 +74,17 @@ class IndexCheck:
 # it waits for them before it returns.
 ReadSink = Callable[[Iterator["memoryview | None"]], None]
 
+# Another copy of a key whose value the caller found damaged, from a source that did
+# not give that value; None where there is none (ChunkBackend.read_to_verify).
+Again = Callable[[bytes], "memoryview | None"]
+# A ReadSink that also gets ``again``: called once, inside the read transaction.
+VerifyingSink = Callable[[Iterator["memoryview | None"], Again], None]
+
+
+def no_other_copy(key: bytes) -> memoryview | None:
+    """The ``again`` of a backend with one source: there is no other copy."""
+    return None
+
 
 class ChunkReader(abc.ABC):
     """Chunks copied straight into the caller's buffers (``pread``): no map, no staging copy.
@@ -143,6 +154,20 @@ class ChunkBackend(abc.ABC):
 
         Buffers may be zero-copy views that die when ``sink`` returns.
         """
+
+    def read_to_verify(
+        self, namespace: Namespace, keys: Sequence[bytes], sink: VerifyingSink
+    ) -> None:
+        """``read_many`` for a caller that verifies every value against its key itself.
+
+        ``sink(values, again)``: for a value that fails the caller's check,
+        ``again(key)`` (called on ``sink``'s thread, before it returns) gives
+        another copy from a source that did not give that one, or None. A backend
+        of several sources (castore.chunkstore.tiered) may then hand on its first
+        source's values unchecked instead of hashing them twice; one source has
+        no other copy, so by default this is ``read_many``.
+        """
+        self.read_many(namespace, keys, lambda values: sink(values, no_other_copy))
 
     @abc.abstractmethod
     def put_many(self, namespace: Namespace, items: Iterable[tuple[bytes, Buffer]]) -> PutResult:

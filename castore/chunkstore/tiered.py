@@ -12,6 +12,10 @@ source's answer (None when absent), so the caller's own verification names
 it as missing or damaged, as it would on one store.
 
 Verification here does not replace the caller's: it only chooses the source.
+A caller that verifies every chunk anyway and can ask for another copy reads
+through :meth:`TieredChunkBackend.read_to_verify`: the primary's chunks are
+then handed on unhashed (each chunk hashed once, by the caller, on its pool),
+and one the caller finds damaged is counted so and read from the fallbacks.
 ``served_*`` count the values and bytes each source gave, by the names the
 fallbacks were given and, for the primary, "fast" (what it is in castore.tiers:
 one vocabulary, fast, peer and durable, in every report).
@@ -30,6 +34,7 @@ from castore.chunkstore.base import (
     PutResult,
     ReadSink,
     ReclaimStats,
+    VerifyingSink,
 )
 from castore.format.codec import stored_matches
 from castore.format.hashing import Buffer
@@ -69,12 +74,34 @@ class TieredChunkBackend(ChunkBackend):
     # -- reads: the fastest intact copy --------------------------------------
 
     def read_many(self, namespace: Namespace, keys: Sequence[bytes], sink: ReadSink) -> None:
+        self._read(namespace, keys, lambda values, again: sink(values), check=True)
+
+    def read_to_verify(
+        self, namespace: Namespace, keys: Sequence[bytes], sink: VerifyingSink
+    ) -> None:
+        """The primary's chunks handed on unchecked: the caller hashes them anyway, and
+        ``again(key)`` of one that fails counts it damaged and reads the fallbacks' copy.
+
+        Objects are checked here as by ``read_many`` (small, and read by callers
+        that do not ask again).
+        """
+        check = Namespace(namespace) is not Namespace.CHUNKS
+        self._read(namespace, keys, sink, check=check)
+
+    def _read(
+        self, namespace: Namespace, keys: Sequence[bytes], sink: VerifyingSink, *, check: bool
+    ) -> None:
+        """``read_many`` (``check``: each primary value hashed here) or ``read_to_verify``."""
         keys = [bytes(key) for key in keys]
         held = self.primary.has_many(namespace, keys) if keys else []
         if self.distrust:
             held = [here and key not in self.distrust for key, here in zip(keys, held, strict=True)]
         local = [key for key, here in zip(keys, held, strict=True) if here]
         elsewhere = [key for key, here in zip(keys, held, strict=True) if not here]
+        unchecked: dict[bytes, int] = {}  # primary values handed on unchecked: their sizes
+
+        def again(key: bytes) -> memoryview | None:
+            return self._again(namespace, bytes(key), unchecked)
 
         def with_local(local_values: Iterator[memoryview | None]) -> None:
             found = self._from_fallbacks(namespace, elsewhere)
@@ -83,8 +110,10 @@ class TieredChunkBackend(ChunkBackend):
                 for key, here in zip(keys, held, strict=True):
                     if here:
                         value = next(local_values)
-                        if value is not None and _intact(key, value):
+                        if value is not None and (not check or _intact(key, value)):
                             self._count(PRIMARY, value, namespace)
+                            if not check:
+                                unchecked[key] = memoryview(value).nbytes
                             yield value
                             continue
                         if value is not None:
@@ -93,9 +122,22 @@ class TieredChunkBackend(ChunkBackend):
                     else:
                         yield found.get(key)
 
-            sink(merged())
+            sink(merged(), again)
 
         self.primary.read_many(namespace, local, with_local)
+
+    def _again(
+        self, namespace: Namespace, key: bytes, unchecked: dict[bytes, int]
+    ) -> memoryview | None:
+        """The fallbacks' copy of a primary value the caller found damaged
+        (``read_to_verify``'s ``again``); None for a key it did not hand on unchecked."""
+        size = unchecked.pop(key, None)
+        if size is None:
+            return None  # a fallback's copy already, or never read: nothing else to try
+        with self._lock:  # the primary did not serve it after all
+            self._uncount(PRIMARY, size, namespace)
+        self._damaged(PRIMARY, key)
+        return self._from_fallbacks(namespace, [key]).get(key)
 
     def _from_fallbacks(
         self, namespace: Namespace, keys: list[bytes]
@@ -153,6 +195,16 @@ class TieredChunkBackend(ChunkBackend):
             self.served_bytes[source] += memoryview(value).nbytes
             if namespace == Namespace.CHUNKS:
                 self.served_chunk_bytes[source] += memoryview(value).nbytes
+
+    def _uncount(self, source: str, nbytes: int, namespace: Namespace) -> None:
+        """Take back a ``_count`` (the caller holds ``_lock``)."""
+        counters = [(self.served_values, 1), (self.served_bytes, nbytes)]
+        if namespace == Namespace.CHUNKS:
+            counters.append((self.served_chunk_bytes, nbytes))
+        for counter, amount in counters:
+            counter[source] -= amount
+            if not counter[source]:
+                del counter[source]  # as if it had never served any
 
     def _damaged(self, source: str, key: bytes) -> None:
         with self._lock:

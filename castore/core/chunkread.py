@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import numpy as np
 
-from castore.chunkstore.base import ChunkBackend, Namespace
+from castore.chunkstore.base import Again, ChunkBackend, Namespace
 from castore.core.hashpool import INLINE_BYTES, TASK_BYTES, shared_pool
 from castore.errors import ChecksumMismatchError, ChunkMissingError
 from castore.format.codec import CodecError, frame_codec
@@ -269,6 +269,62 @@ def apply_fetched(
     return failure
 
 
+def verify_fetched(
+    pool: ThreadPoolExecutor,
+    items: Iterable[tuple[Tag, memoryview | None]],
+    work: Callable[[Tag, memoryview | None], object],
+    key_of: Callable[[Tag], bytes],
+    again: Again,
+) -> tuple[BaseException | None, dict[Tag, memoryview]]:
+    """:func:`apply_fetched` of a verifying ``work``, a damaged chunk read once more.
+
+    A chunk whose ``work`` raises ChecksumMismatchError or CodecError (its
+    bytes are not its name's) is asked ``again`` of its backend
+    (ChunkBackend.read_to_verify: another source's copy), on this thread once
+    every first try is done, and ``work`` runs on that copy; with no other
+    copy, its first error stands. Returns the first failure in chunk order
+    (a chunk that failed for another reason stops there) and the copies
+    ``again`` gave and ``work`` accepted, by tag, for delivering them.
+    """
+    damaged: list[tuple[int, Tag, BaseException]] = []  # appended from pool threads
+    stopped: list[int] = []  # where chunks failed for another reason
+
+    def first_try(at_tag: tuple[int, Tag], value: memoryview | None) -> None:
+        at, tag = at_tag
+        try:
+            work(tag, value)
+        except (ChecksumMismatchError, CodecError) as exc:
+            if value is not None:
+                damaged.append((at, tag, exc))
+                return
+            stopped.append(at)
+            raise
+        except Exception:
+            stopped.append(at)
+            raise
+
+    numbered = (((at, tag), value) for at, (tag, value) in enumerate(items))
+    failure = apply_fetched(pool, numbered, first_try)
+    copies: dict[Tag, memoryview] = {}
+    stop = min(stopped, default=None)
+    first: BaseException | None = None
+    for at, tag, error in sorted(damaged, key=lambda item: item[0]):
+        if stop is not None and at > stop:
+            break  # the failure before it comes first
+        # Every damaged chunk is asked again, so that its backend counts each.
+        value = again(key_of(tag))
+        if value is None:
+            first = first or error
+            continue
+        try:
+            work(tag, value)
+        except Exception as exc:  # noqa: BLE001 - handed back, as apply_fetched does
+            first = first or exc
+            continue
+        copies[tag] = value
+    return first or failure, copies
+
+
 def count_fetched(
     tags: Sequence[Tag],
     values: Iterator[memoryview | None],
@@ -294,10 +350,12 @@ def read_requests(
     """Fetch, verify and deliver every requested chunk, in one read transaction.
 
     Each distinct chunk is fetched and verified once, then handed to every
-    request for it: no request sees bytes before they are verified. A missing
-    or damaged chunk raises (the first in request order), naming the tensor
-    and chunk index; the destinations may then hold some chunks, so callers
-    must discard them. ``bar`` advances by ``request_bytes`` as chunks are delivered.
+    request for it: no request sees bytes before they are verified. A damaged
+    chunk is read again from another source where the backend has one
+    (:func:`verify_fetched`). A missing or damaged chunk raises (the first in
+    request order), naming the tensor and chunk index; the destinations may
+    then hold some chunks, so callers must discard them. ``bar`` advances by
+    ``request_bytes`` as chunks are delivered.
     """
     plan = _Plan(requests, where, backend.reads_in_place)
     if not plan.keys:
@@ -305,13 +363,13 @@ def read_requests(
     pool = shared_pool()
     work = plan.counting(plan.verify_and_deliver, bar) if bar else plan.verify_and_deliver
 
-    def visit(values: Iterator[memoryview | None]) -> None:
+    def visit(values: Iterator[memoryview | None], again: Again) -> None:
         fetched = count_fetched(plan.keys, values, counters, plan.fetched)
-        error = apply_fetched(pool, fetched, work)
+        error, _ = verify_fetched(pool, fetched, work, bytes, again)
         if error is not None:
             raise error
 
-    backend.read_many(Namespace.CHUNKS, plan.keys, visit)
+    backend.read_to_verify(Namespace.CHUNKS, plan.keys, visit)
 
 
 def read_agree_deliver(
@@ -331,7 +389,7 @@ def read_agree_deliver(
     plan = _Plan(requests, where, backend.reads_in_place)
     pool = shared_pool()
 
-    def visit(values: Iterator[memoryview | None]) -> None:
+    def visit(values: Iterator[memoryview | None], again: Again) -> None:
         held: list[Fetched] = []
 
         def holding(items: Iterator[Fetched]) -> Iterator[Fetched]:
@@ -339,11 +397,14 @@ def read_agree_deliver(
                 held.append(item)
                 yield item
 
-        fetched = count_fetched(plan.keys, values, counters, plan.fetched)
-        agree(apply_fetched(pool, holding(fetched), plan.verify))
+        fetched = holding(count_fetched(plan.keys, values, counters, plan.fetched))
+        error, copies = verify_fetched(pool, fetched, plan.verify, bytes, again)
+        agree(error)
         # `agree` raised on every party unless all verified everything.
+        if copies:  # the damaged chunks' verified copies from another source
+            held = [(key, copies.get(key, value)) for key, value in held]
         error = apply_fetched(pool, held, plan.deliver)
         if error is not None:
             raise error
 
-    backend.read_many(Namespace.CHUNKS, plan.keys, visit)
+    backend.read_to_verify(Namespace.CHUNKS, plan.keys, visit)

@@ -28,15 +28,15 @@ from bisect import bisect_right
 from collections.abc import Iterator
 from concurrent.futures import Future, wait
 
-from castore.chunkstore.base import ChunkBackend, ChunkReader, Namespace
+from castore.chunkstore.base import Again, ChunkBackend, ChunkReader, Namespace
 from castore.core.chunkread import (
     ChunkRequest,
     ReadCounters,
-    apply_fetched,
     count_fetched,
     read_requests,
     request_bytes,
     verify_chunk,
+    verify_fetched,
 )
 from castore.core.hashpool import INLINE_BYTES, TASK_BYTES, shared_pool
 from castore.errors import CorruptObjectError
@@ -288,7 +288,8 @@ def _fetch_and_copy(
     where: dict[str, object],
     bar: Bar,
 ) -> None:
-    """Fetch each chunk (``read_many``), verify it, then copy it to its first place."""
+    """Fetch each chunk (``read_to_verify``), verify it, then copy it to its first place
+    (a damaged one from another source where the backend has one)."""
     views, digests = plan.views, plan.keys
 
     def verify_and_copy(position: int, value: memoryview | None) -> None:
@@ -303,12 +304,13 @@ def _fetch_and_copy(
 
     pool = shared_pool()
 
-    def visit(values: Iterator[memoryview | None]) -> None:
-        error = apply_fetched(pool, count_fetched(positions, values, counters), verify_and_copy)
+    def visit(values: Iterator[memoryview | None], again: Again) -> None:
+        fetched = count_fetched(positions, values, counters)
+        error, _ = verify_fetched(pool, fetched, verify_and_copy, digests.__getitem__, again)
         if error is not None:
             raise error
 
-    backend.read_many(Namespace.CHUNKS, keys, visit)
+    backend.read_to_verify(Namespace.CHUNKS, keys, visit)
 
 
 def _copy_repeats(

@@ -289,6 +289,8 @@ def _load_root(
             keys += _rank_local_chunks(shards, root, comm, rank_local)
         backend, fetch_failure = attempt(lambda: session.fetch(keys, recheck=recheck))
         failure = failure or fetch_failure
+        timings["fetch"] = time.perf_counter() - clock  # what the nodes sent each other
+        clock = time.perf_counter()
         if failure is None:
 
             def read_local() -> tuple[Any, ...]:

@@ -42,8 +42,10 @@ Restore (``castore.dist.load``):
 3. Each rank plans its chunks, reads what its node holds, asks the other
    nodes for the rest in one exchange (the server is spread over the nodes
    that hold a chunk and their ranks), and reads what no node sent from the
-   durable tier. Every byte from every source is verified against its name;
-   a copy that fails moves on to the next source.
+   durable tier. Every byte from every source is verified against its name
+   (a chunk of the node's own, once: by the restore's check); a copy that
+   fails moves on to the next source. When every node lists the generation
+   and holds all its shards, steps 2 and 3 ask the other nodes nothing.
 4. When the ranks agree that the generation failed only because of damage,
    the same generation is tried once more with each rank's damaged chunks
    fetched from the other nodes or the durable tier, and only then, with
@@ -119,6 +121,12 @@ class NodeSession:
         self.refs = refs  # each rank's view of its node's ref of the run, at the start
         self.replicas = store.replicas
         self.read_backend: TieredChunkBackend | None = None
+        # From the coordinator's choice (agree_candidates), the same on every rank: the
+        # roots every node lists (its root and manifests are there), and those of them
+        # every node holds whole (each rank's chunks are on its node).
+        self.listed_everywhere: set[bytes] = set()
+        self.whole_everywhere: set[bytes] = set()
+        self.reading: bytes | None = None  # the root of the last seed: the one read next
 
     # -- save ------------------------------------------------------------------
 
@@ -347,10 +355,35 @@ class NodeSession:
         failure = None
         if self.comm.is_coordinator:
             chosen, failure = attempt(lambda: self._choose(run, views, below))
-            message = {"error": describe(failure), "candidates": chosen or []}
+            listed, whole = self._everywhere(views)
+            # Per candidate: 2 every node holds it whole, 1 every node lists it, else 0.
+            levels = [
+                2 if bytes(d) in whole else 1 if bytes(d) in listed else 0 for _, d in chosen or []
+            ]
+            message = {"error": describe(failure), "candidates": chosen or [], "here": levels}
         message = self.comm.broadcast(message, "load: candidates")
         raise_failures([message], self.comm, failure if self.comm.is_coordinator else None)
-        return [(int(g), Digest(bytes(d))) for g, d in message["candidates"]]
+        found = [(int(g), Digest(bytes(d))) for g, d in message["candidates"]]
+        levels = message.get("here") or [0] * len(found)
+        self.listed_everywhere = {d.raw for (_, d), n in zip(found, levels, strict=True) if n}
+        self.whole_everywhere = {d.raw for (_, d), n in zip(found, levels, strict=True) if n == 2}
+        return found
+
+    def _everywhere(self, views: list[dict[str, Any]]) -> tuple[set[bytes], set[bytes]]:
+        """The roots every node's view lists, and those every node holds every shard of."""
+        listed: set[bytes] | None = None
+        whole: set[bytes] | None = None
+        for node in range(len(self.nodes.names)):
+            view = views[self.nodes.leader(node)]["view"]
+            here = {bytes(root) for _, root, _, _ in view}
+            full = {
+                bytes(root)
+                for _, root, world_size, shards in view
+                if sorted(int(s) for s in shards) == list(range(int(world_size)))
+            }
+            listed = here if listed is None else listed & here
+            whole = full if whole is None else whole & full
+        return listed or set(), whole or set()
 
     def _views(self, run: str) -> list[dict[str, Any]]:
         """Every node leader's generations of ``run`` and the shards it holds of each."""
@@ -406,6 +439,9 @@ class NodeSession:
 
     def seed(self, run: str, root: Digest) -> None:
         """Give every node the root and manifests of ``root`` if one lacks them."""
+        self.reading = root.raw
+        if root.raw in self.listed_everywhere:
+            return  # every node lists it (agree_candidates): its objects are everywhere
         has, failure = attempt(lambda: self._holds_objects(root))
         answers = self.comm.all_gather(
             {"error": describe(failure), "has": bool(has)}, "load: objects"
@@ -430,6 +466,15 @@ class NodeSession:
         ``recheck``: hash this node's copies first, and fetch the damaged ones from
         elsewhere too (a retry after the ranks agreed that a read found damage).
         """
+        peer = MemoryBackend()
+        if not recheck and self.reading in self.whole_everywhere:
+            # Every node holds every shard: nothing to ask the others (every rank skips
+            # the exchange alike). A chunk that is not there after all fails the read as
+            # missing, and the retry (recheck) asks the other nodes.
+            self.read_backend = TieredChunkBackend(
+                self.fast.backend, [("peer", peer), ("durable", self.store.durable.backend)]
+            )
+            return self.read_backend
         keys = list(dict.fromkeys(bytes(k) for k in keys))
         missing: list[bytes] = []
         distrust: set[bytes] = set()
@@ -449,7 +494,6 @@ class NodeSession:
         _, failure = attempt(find)
         wants = self.comm.all_gather(b"".join(missing), "load: chunks wanted")
         wanted = [[bytes(w[i : i + 32]) for i in range(0, len(w), 32)] for w in wants]
-        peer = MemoryBackend()
         if any(wanted):  # every rank sees the same wants: all skip the exchange, or none
             failure = self._from_peers(wanted, peer, failure)
         if failure is not None:
