@@ -1,4 +1,4 @@
-"""Builds castore's one optional extension, castore._b3tree (castore/native/b3tree.c).
+"""Builds castore's one optional extension, castore.format._b3tree (castore/native/b3tree.c).
 
 Everything else about the package is in pyproject.toml. The extension is compiled from
 the BLAKE3 team's C implementation, which tools/blake3_sources.sh puts in build/blake3-c/
@@ -22,9 +22,13 @@ SOURCES = os.path.join("build", "blake3-c")
 
 def _extension() -> list[Extension]:
     if not os.path.exists(os.path.join(HERE, SOURCES, "blake3.c")):
-        print("castore: no BLAKE3 C sources in build/blake3-c, building without castore._b3tree")
+        print("castore: no BLAKE3 C sources in build/blake3-c: building without the extension")
         return []
-    sources = ["castore/native/b3tree.c", f"{SOURCES}/blake3_dispatch.c", f"{SOURCES}/blake3_portable.c"]
+    sources = [
+        "castore/native/b3tree.c",
+        f"{SOURCES}/blake3_dispatch.c",
+        f"{SOURCES}/blake3_portable.c",
+    ]
     machine = platform.machine().lower()
     macros: list[tuple[str, str | None]] = []
     if machine in ("x86_64", "amd64") and sys.platform != "win32":
@@ -38,7 +42,7 @@ def _extension() -> list[Extension]:
         macros += [(f"BLAKE3_NO_{kind}", None) for kind in ("SSE2", "SSE41", "AVX2", "AVX512")]
     return [
         Extension(
-            "castore._b3tree",
+            "castore.format._b3tree",
             sources=sources,
             include_dirs=[SOURCES],
             define_macros=macros,
@@ -58,7 +62,7 @@ class OptionalBuildExt(build_ext):
         try:
             super().run()
         except Exception as exc:  # a missing compiler, an unexpected blake3 version
-            print(f"castore: building castore._b3tree failed ({exc}); installing without it")
+            print(f"castore: building castore.format._b3tree failed ({exc}); installing without it")
 
     def build_extension(self, ext: Extension) -> None:
         try:

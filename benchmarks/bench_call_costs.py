@@ -471,7 +471,7 @@ def run_loads(case: Case, paths: dict[str, Path], rep: int, results: Results, ch
 
 
 def save_without_pieces(state: dict[str, torch.Tensor], path: Path) -> None:
-    """A castore save that records no chunk pieces, as a castore without castore._b3tree
+    """A castore save that records no chunk pieces, as a castore without castore.format._b3tree
     writes it: its slices read and verify whole chunks (docs/FORMAT.md, "Chunk pieces")."""
     from castore.format import pieces
 

@@ -92,7 +92,12 @@ def module_name(path: Path) -> str:
 
 def is_module(dotted: str) -> bool:
     path = PACKAGE.parent.joinpath(*dotted.split("."))
-    return path.with_suffix(".py").is_file() or (path / "__init__.py").is_file()
+    # A compiled extension (castore/format/_b3tree) is known by its type stub.
+    return (
+        path.with_suffix(".py").is_file()
+        or path.with_suffix(".pyi").is_file()
+        or (path / "__init__.py").is_file()
+    )
 
 
 def edges_of(path: Path) -> Iterator[Edge]:

@@ -1,6 +1,6 @@
 """Chunk pieces: a read of part of a chunk reads and verifies only the 64 KiB pieces it needs.
 
-The chaining values come from castore._b3tree (the BLAKE3 team's C code); they are
+The chaining values come from castore.format._b3tree (the BLAKE3 team's C code); they are
 checked here against the blake3 package's digests, and every read path against a
 real LMDB store, with damage written into the pack on disk.
 """
@@ -28,8 +28,8 @@ from castore.testing.corrupt import flipped, raw_put
 # `make test` builds the extension and says so: there it must be importable, so that a
 # failed build cannot pass unnoticed as skipped tests.
 if os.environ.get("CASTORE_EXPECT_B3TREE") == "1":
-    assert pieces.AVAILABLE, "castore._b3tree was not built (tools/blake3_sources.sh, setup.py)"
-needs_extension = pytest.mark.skipif(not pieces.AVAILABLE, reason="castore._b3tree not built")
+    assert pieces.AVAILABLE, "castore.format._b3tree was not built (see setup.py)"
+needs_extension = pytest.mark.skipif(not pieces.AVAILABLE, reason="no castore.format._b3tree")
 
 P = pieces.PIECE
 # float32: 3.5 MiB, under the 4 MiB the grid cuts: one chunk of 56 pieces of 16 rows
@@ -47,7 +47,7 @@ def _data(n: int, seed: int = 0) -> bytes:
     "length", [P + 1, 2 * P, 2 * P + 1, 3 * P - 5, P + 1024, P + 1023, 1_000_000, 4 << 20]
 )
 def test_pieces_merge_to_the_blake3_digest(length: int) -> None:
-    from castore import _b3tree
+    from castore.format import _b3tree
 
     data = _data(length, length)
     digest, cvs = _b3tree.tree(data)

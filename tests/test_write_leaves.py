@@ -22,6 +22,7 @@ from castore.core.chunkio import write_leaves
 from castore.core.hashpool import INLINE_BYTES
 from castore.format.grid import writer_cell
 from castore.format.hashing import digest_bytes
+from castore.format.pieces import hash_chunk
 from castore.format.tree import TensorLeaf
 
 # A big leaf's cells are at least MIN_CELL (= INLINE_BYTES) and at most CHUNK: its chunks
@@ -58,11 +59,11 @@ def test_the_leaves_are_hashed_in_both_places() -> None:
     assert sum(n >= INLINE_BYTES for n in sizes) > 1  # several pool chunks: runs, not one
 
 
-def slow_on_the_pool(data: object, *, threads: int | None = None) -> bytes:
-    """digest_bytes, late on the pool's threads: the saver reaches those chunks first."""
+def slow_on_the_pool(data: object) -> tuple[bytes, bytes]:
+    """hash_chunk, late on the pool's threads: the saver reaches those chunks first."""
     if threading.current_thread() is not threading.main_thread():
         time.sleep(0.01)
-    return digest_bytes(data, threads=threads)
+    return hash_chunk(data)
 
 
 @pytest.mark.parametrize("slow_pool", [False, True], ids=["pool", "slow-pool"])
@@ -72,7 +73,7 @@ def test_every_chunk_digest_lands_in_its_leafs_entry(
 ) -> None:
     monkeypatch.setattr(chunkio, "WRITE_BATCH_BYTES", batch_bytes)  # one batch, or several
     if slow_pool:
-        monkeypatch.setattr(chunkio, "digest_bytes", slow_on_the_pool)
+        monkeypatch.setattr(chunkio, "hash_chunk", slow_on_the_pool)
     leaves = mixed_leaves()
     with castore.open(tmp_path / "store", chunk_size=CHUNK) as store:
         entries, stats = write_leaves(store.backend, leaves, CHUNK)
@@ -99,13 +100,13 @@ def test_a_failure_midway_stops_the_save(tmp_path: Path, monkeypatch: pytest.Mon
     leaves = mixed_leaves()
     calls = [0]
 
-    def failing_digest(data: object, *, threads: int | None = None) -> bytes:
+    def failing_digest(data: object) -> tuple[bytes, bytes]:
         calls[0] += 1
         if calls[0] == 4:
             raise RuntimeError("hashing failed")
-        return digest_bytes(data, threads=threads)
+        return hash_chunk(data)
 
-    monkeypatch.setattr(chunkio, "digest_bytes", failing_digest)
+    monkeypatch.setattr(chunkio, "hash_chunk", failing_digest)
     with castore.open(tmp_path / "store", chunk_size=CHUNK) as store:
         with pytest.raises(RuntimeError, match="hashing failed"):
             write_leaves(store.backend, leaves, CHUNK)
@@ -159,12 +160,12 @@ def counting_hashes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     hashed = [0]
     lock = threading.Lock()
 
-    def counted(data: object, *, threads: int | None = None) -> bytes:
+    def counted(data: object) -> tuple[bytes, bytes]:
         with lock:
             hashed[0] += memoryview(data).nbytes  # type: ignore[arg-type]
-        return digest_bytes(data, threads=threads)
+        return hash_chunk(data)
 
-    monkeypatch.setattr(chunkio, "digest_bytes", counted)
+    monkeypatch.setattr(chunkio, "hash_chunk", counted)
     return hashed
 
 

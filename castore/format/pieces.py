@@ -10,7 +10,7 @@ values merge to the chunk's name, then hashes only the pieces that hold
 [lo, hi) and compares each with its recorded value. Every byte read is still
 verified against the name, and a chunk's name is still its blake3 digest.
 
-The chaining values come from castore's extension ``castore._b3tree`` (the
+The chaining values come from castore's extension ``castore.format._b3tree`` (the
 BLAKE3 team's C implementation). Where it is not built, saves record no
 pieces and reads verify whole chunks, as before.
 """
@@ -25,13 +25,13 @@ from castore.format.hashing import Buffer, digest_bytes
 
 _b3tree: Any
 try:
-    from castore import _b3tree
+    from castore.format import _b3tree
 except ImportError:  # built without the extension (setup.py)
     _b3tree = None
 
 PIECE = 1 << 16
 CV_SIZE = 32
-# Whether this castore records and checks pieces (castore._b3tree is built).
+# Whether this castore records and checks pieces (castore.format._b3tree is built).
 AVAILABLE = _b3tree is not None
 
 

@@ -1,4 +1,4 @@
-/* castore._b3tree: a chunk's blake3 digest together with the chaining values of
+/* castore.format._b3tree: a chunk's blake3 digest together with the chaining values of
  * its 64 KiB pieces, so that a read of part of a chunk can verify only the
  * pieces it reads (docs/FORMAT.md, "Chunk pieces").
  *
@@ -156,7 +156,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "castore._b3tree",
+    PyModuleDef_HEAD_INIT, "castore.format._b3tree",
     "blake3 digests with their 64 KiB pieces' chaining values (docs/FORMAT.md).", -1, methods,
 };
 
