@@ -69,6 +69,20 @@ static void cvs_of(const uint8_t *data, size_t len, uint64_t first, uint8_t *out
   }
 }
 
+/* A new bytes object of the chaining values of the pieces of view, the first being
+ * piece first of its chunk (hashed without the GIL); NULL with an exception set. */
+static PyObject *cvs_object(const Py_buffer *view, uint64_t first) {
+  size_t len = (size_t)view->len;
+  size_t n = pieces_of(len);
+  PyObject *cvs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(32 * n));
+  if (cvs == NULL) return NULL;
+  uint8_t *out = (uint8_t *)PyBytes_AS_STRING(cvs);
+  Py_BEGIN_ALLOW_THREADS
+  cvs_of((const uint8_t *)view->buf, len, first, out);
+  Py_END_ALLOW_THREADS
+  return cvs;
+}
+
 PyDoc_STRVAR(tree_doc,
              "tree(data) -> (digest, cvs)\n\n"
              "The blake3-256 digest of data (longer than one piece) and the 32-byte\n"
@@ -83,21 +97,12 @@ static PyObject *b3_tree(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "tree: the data must be longer than one piece");
     return NULL;
   }
-  size_t n = pieces_of(len);
-  PyObject *cvs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(32 * n));
-  if (cvs == NULL) {
-    PyBuffer_Release(&view);
-    return NULL;
-  }
-  uint8_t digest[32];
-  uint8_t *out = (uint8_t *)PyBytes_AS_STRING(cvs);
-  Py_BEGIN_ALLOW_THREADS
-  cvs_of((const uint8_t *)view.buf, len, 0, out);
-  merge(out, n, 1, digest);
-  Py_END_ALLOW_THREADS
+  PyObject *cvs = cvs_object(&view, 0);
   PyBuffer_Release(&view);
-  PyObject *result = Py_BuildValue("(y#N)", (const char *)digest, (Py_ssize_t)32, cvs);
-  return result;
+  if (cvs == NULL) return NULL;
+  uint8_t digest[32];
+  merge((const uint8_t *)PyBytes_AS_STRING(cvs), pieces_of(len), 1, digest);
+  return Py_BuildValue("(y#N)", (const char *)digest, (Py_ssize_t)32, cvs);
 }
 
 PyDoc_STRVAR(piece_cvs_doc,
@@ -116,16 +121,7 @@ static PyObject *b3_piece_cvs(PyObject *self, PyObject *args) {
     PyErr_SetString(PyExc_ValueError, "piece_cvs: no data");
     return NULL;
   }
-  size_t n = pieces_of(len);
-  PyObject *cvs = PyBytes_FromStringAndSize(NULL, (Py_ssize_t)(32 * n));
-  if (cvs == NULL) {
-    PyBuffer_Release(&view);
-    return NULL;
-  }
-  uint8_t *out = (uint8_t *)PyBytes_AS_STRING(cvs);
-  Py_BEGIN_ALLOW_THREADS
-  cvs_of((const uint8_t *)view.buf, len, (uint64_t)first, out);
-  Py_END_ALLOW_THREADS
+  PyObject *cvs = cvs_object(&view, (uint64_t)first);
   PyBuffer_Release(&view);
   return cvs;
 }
