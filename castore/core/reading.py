@@ -347,10 +347,8 @@ def chunk_spans(entry: TensorEntry, indices: np.ndarray, plan: CopyPlan) -> list
     that the copy ``plan`` reads: from its first run's first byte to its last run's last."""
     starts = np.sort(plan.src_starts)
     ends = starts + plan.run_bytes
-    chunk_starts = np.fromiter((entry.chunk_start(int(i)) for i in indices), np.int64)
-    chunk_ends = chunk_starts + np.fromiter(
-        (entry.chunk_length(int(i)) for i in indices), np.int64
-    )
+    bounds = np.append(entry.chunk_starts, entry.nbytes)  # every chunk's start, then the end
+    chunk_starts, chunk_ends = bounds[indices], bounds[indices + 1]
     first = np.searchsorted(ends, chunk_starts, side="right")  # first run ending past it
     last = np.searchsorted(starts, chunk_ends, side="left") - 1  # last run starting in it
     lo = np.maximum(chunk_starts, starts[first]) - chunk_starts

@@ -61,9 +61,10 @@ def chunk_cvs(entry: Any, index: int) -> bytes | None:
     if not pieces or _b3tree is None:
         return None
     ends = entry.__dict__.get("_piece_ends")
-    if ends is None:  # computed once per entry
-        counts = [piece_count(entry.chunk_length(i)) for i in range(len(entry.chunks))]
-        ends = np.cumsum([0, *counts], dtype=np.int64) * CV_SIZE
+    if ends is None:  # computed once per entry, every chunk's length at once
+        lengths = np.diff(np.append(entry.chunk_starts, entry.nbytes))
+        counts = np.where(lengths > PIECE, -(-lengths // PIECE), 0)
+        ends = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64) * CV_SIZE
         entry.__dict__["_piece_ends"] = ends
     if int(ends[-1]) != len(pieces):
         return None
