@@ -80,16 +80,21 @@ def save_calls(s: Shape) -> dict[str, int]:
 
 
 def restore_calls(s: Shape, lost: bool = False) -> dict[str, int]:
-    """A restore: on one node "tiers: nodes", resolve, agree; on several, nodes, tiers,
-    candidates, agree; chunks wanted unless every node holds every shard (F >= N,
-    nothing lost); where a rank wants a chunk its node lacks (a node ``lost``), chunks
-    offered and chunks from peers; and objects where a node does not list the
-    generation chosen (not in this job: see restore_objects)."""
+    """A restore: on one node "tiers: nodes", resolve, agree; on several, nodes (which
+    carries each node's view of its fast tier), agree, and chunks wanted unless every
+    node holds every shard (F >= N, nothing lost); where a rank wants a chunk its node
+    lacks (a node ``lost``), chunks offered and chunks from peers; the coordinator's
+    choice (candidates) only where the newest generation is not whole in the live
+    nodes' fast tiers (a node lost without peer copies); and objects where a node does
+    not list the generation chosen (not in this job: see restore_objects)."""
     if not s.multi:
         return {"all_gather": 2, "broadcast": 1}
     if not lost:
-        return {"all_gather": 3 if s.replicas >= s.nodes else 4, "broadcast": 1}
-    return {"all_gather": 5, "broadcast": 1, "exchange": 1}
+        return {"all_gather": 2 if s.replicas >= s.nodes else 3}
+    calls = {"all_gather": 4, "exchange": 1}
+    if not s.copies:
+        calls["broadcast"] = 1
+    return calls
 
 
 # -- objects read and verified ----------------------------------------------------------
@@ -138,16 +143,18 @@ def save_objects(s: Shape, g: int, promoted: bool) -> tuple[int, int]:
 def restore_objects(s: Shape, listed: Mapping[int, int]) -> tuple[int, int]:
     """(the coordinator's, every rank's) reads of a restore onto the saved layout: every
     rank reads the root, its own manifest and rank 0's (rank 0: one) to plan
-    (castore.dist.planning); one node: resolves the root once more; several: each node
-    leader reads the root of every generation its fast tier lists (``listed[node]``) for
-    the coordinator's choice (a rank whose node might lack the chosen generation's
-    objects, because some node does not list it, reads the root once more: not in this
-    job, whose lost node takes the durable tier's newest, the one chosen, at open).
-    Onto another layout a rank reads all R manifests instead of two."""
+    (castore.dist.planning), and the root of every generation its node's fast tier
+    lists (``listed[node]``: the view each rank sends in the discovery round); one node:
+    the coordinator resolves the root once more (a rank whose node might lack the
+    chosen generation's objects, because some node does not list it, reads the root
+    once more: not in this job, whose lost node takes the durable tier's newest, the
+    one chosen, at open). Onto another layout a rank reads all R manifests instead of
+    two."""
+    views = s.per_node * sum(listed.values())  # every rank reads its node's listing
     if not s.multi:  # rank 0: root, manifest 0, the root resolved again; the others: 3
-        return 3, 3 + 3 * (s.ranks - 1)
+        return 3 + listed[0], 3 + 3 * (s.ranks - 1) + views
     each = 2 + 3 * (s.ranks - 1)  # rank 0: root, manifest 0; the others: 3
-    return 2 + listed[0], each + sum(listed.values())
+    return 2 + listed[0], each + views
 
 
 def reopen_objects(s: Shape) -> int:
@@ -224,12 +231,14 @@ def open_durable(s: Shape, lost: int | None) -> dict[str, int]:
 
 
 def restore_durable(s: Shape, fresh: bool, lost: bool) -> dict[str, int]:
-    """A restore's requests: the coordinator reads the durable history to choose
-    (several nodes; a handle opened since the last promotion reads two reflog records
-    more); after a node is lost without peer copies, each of its ranks refreshes the
-    index once and reads its C chunks in one ranged get (one node: every rank)."""
+    """A restore's requests: on several nodes, where the newest generation is not whole
+    in the live nodes' fast tiers (a node lost without peer copies), the coordinator
+    reads the durable history to choose (a handle opened since the last promotion
+    reads two reflog records more), and each of the lost node's ranks refreshes the
+    index once and reads its C chunks in one ranged get (one node, a node lost: every
+    rank). Otherwise nothing: every fast tier took the durable tier's newest at open."""
     requests: dict[str, int] = {}
-    if s.multi:
+    if s.multi and lost and not s.copies:
         requests = {
             "list refs": 1,
             "list tags": 1,
@@ -321,6 +330,16 @@ def predict_received(
             phase = Phase(phase.per_rank, p2p[name], phase.per_shard)
         total += phase.received(ranks, calibrated_at)
     return total
+
+
+def uncalibrated(phases: Mapping[str, Phase], s: Shape, op: str) -> dict[str, Phase]:
+    """``phases`` with a restore's chunks-wanted round where the calibration job ran none
+    (it holds every shard on every node, F >= N) and ``s`` runs one: every rank wants
+    nothing, so each sends an empty message (its length and msgpack's two bytes)."""
+    found = dict(phases)
+    if op == "restore" and s.multi and s.replicas < s.nodes:
+        found.setdefault("load: chunks wanted", Phase(per_rank=SIZE + 2))
+    return found
 
 
 def save_p2p(s: Shape, chunk_bytes: int) -> dict[str, int]:

@@ -345,7 +345,8 @@ def predicted_counts(
     if op == "reopen":
         lost = LOST if s.multi else 0
         return {}, (None, model.reopen_objects(s)), model.open_durable(s, lost)
-    listed = dict.fromkeys(range(s.nodes), kept) | {LOST: 1}
+    # The lost node's new fast tier lists the one generation it took at open.
+    listed = dict.fromkeys(range(s.nodes), kept) | {LOST if s.multi else 0: 1}
     objects = model.restore_objects(s, listed)
     return (
         model.restore_calls(s, lost=True),
@@ -393,6 +394,7 @@ def compare(job: Job, op: str, replies: list[dict[str, Any]], sizes: Any) -> Row
     node_kib: tuple[float | None, float] = (None, node / 1024)
     if sizes is not None:
         phases, at = sizes
+        phases = model.uncalibrated(phases, shape_of(job), op)
         want = model.predict_received(phases, job.ranks, at, p2p_of(job, op))
         rank_kib = (want / 1024, watched / 1024)
         node_kib = (want * len(node_ranks(job)) / 1024, node / 1024)

@@ -70,6 +70,37 @@ def test_a_one_node_tiered_restore_discovers_the_nodes_once(tmp_path: Path) -> N
         assert previous == {"tiers: nodes": 1, "load: candidates": 1, "load: agree": 1}
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("control", [False, True])
+def test_a_several_node_restore_of_the_newest_chooses_in_the_discovery_round(
+    tmp_path: Path, control: bool
+) -> None:
+    # docs/SCALE.md's model: on several nodes the discovery round carries each node's
+    # view of its fast tier, so a restore of the newest generation, whole in the fast
+    # tiers, asks no "load: tiers" or "load: candidates" round and reads no durable
+    # history; a fallback still takes the coordinator's choice over both tiers.
+    # Control: with the discovery's choice disabled, the coordinator's rounds return.
+    outcomes = run_ranks(2, w.several_node_restores_counted, str(tmp_path), control, timeout=120)
+    assert all(o.ok for o in outcomes), [o.error_traceback for o in outcomes]
+    for rank, ((newest, newest_reads), (previous, previous_reads)) in enumerate(
+        o.value for o in outcomes
+    ):
+        if control:
+            assert newest == previous
+            assert newest["load: candidates"] == 1
+            assert newest_reads == (1 if rank == 0 else 0)
+        else:
+            assert newest == {"tiers: nodes": 1, "load: chunks wanted": 1, "load: agree": 1}
+            assert newest_reads == 0
+        assert previous == {
+            "tiers: nodes": 1,
+            "load: candidates": 1,
+            "load: chunks wanted": 1,
+            "load: agree": 1,
+        }
+        assert previous_reads == (1 if rank == 0 else 0)  # the coordinator's, for fallbacks
+
+
 # -- blob requests ----------------------------------------------------------------------
 
 

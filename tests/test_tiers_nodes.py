@@ -495,3 +495,22 @@ def test_a_node_uploads_its_shards_after_its_stagger(tmp_path: Path) -> None:
         assert all(store.durable.backend.has_many(Namespace.CHUNKS, chunks))
         assert store.durable.runs() == []  # the coordinator publishes, not a node's upload
         assert store.refs.tags("r") == {}  # the node's pin is gone once its part is up
+
+
+def test_a_views_shard_runs_round_trip_and_wrap_round_the_first_node() -> None:
+    # The discovery round sends each node's held shards as runs (castore.tiers.nodes):
+    # the first node's own shards and, with peer copies, the last node's are one run.
+    import random
+
+    from castore.tiers.nodes import _ranges, _shards
+
+    assert _ranges([0, 1, 14, 15], 16) == [[14, 1]]
+    assert _shards([[14, 1]], 16) == [0, 1, 14, 15]
+    assert _ranges([2, 3, 4, 5], 16) == [[2, 5]]
+    assert _ranges([0, 2], 3) == [[2, 0]]
+    assert _ranges([], 4) == []
+    rng = random.Random(42)
+    for world_size in range(1, 12):
+        for _ in range(50):
+            held = sorted(rng.sample(range(world_size), rng.randint(0, world_size)))
+            assert _shards(_ranges(held, world_size), world_size) == held

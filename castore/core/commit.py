@@ -81,10 +81,12 @@ class TierHooks(Protocol):
         store schedules its promotion here."""
         return None
 
-    def node_session(self, comm: Any, run: str) -> Any:
+    def node_session(self, comm: Any, run: str, *, restore: bool = False) -> Any:
         """What a collective save or load of ``run`` needs when its ranks' stores are on
         several nodes (a collective call there: castore.tiers.nodes.NodeSession, typed
-        Any as the engine knows nothing of castore.dist's group); None on one node."""
+        Any as the engine knows nothing of castore.dist's group); None on one node.
+        ``restore``: the call restores (the round also gathers what a restore chooses
+        by)."""
         return None
 
     def selects_for_durable(self, run: str, generation: int) -> bool:

@@ -100,7 +100,7 @@ class CastoreReader(StoreUser, StorageReader):
         self._session = None
         if self.collective:  # a tiered store on several nodes: castore.dist.load's choice
             comm = Group(self.process_group, 0, self.timeout)
-            self._session = self.store.node_session(comm, self.run)
+            self._session = self.store.node_session(comm, self.run, restore=True)
         if self._session is not None:
             digest = root_on_nodes(self.store, self.run, self.generation_spec, comm, self._session)
             root = self.store.read_root(digest, run=self.run)

@@ -133,7 +133,7 @@ def load(
     newest = fencing.newest_published(store.refs, run) if comm.is_coordinator else None
     options = _Options(targets, rank_local, framework, load_rest, newest, cooperative)
     # A tiered store whose ranks span several nodes (castore.tiers.nodes): None otherwise.
-    session = store.node_session(comm, run)
+    session = store.node_session(comm, run, restore=True)
     if session is not None:
         return _load_from_nodes(store, run, generation, comm, options, fallback, session)
     # One node (or no tiers): the discovery above was this load's one "tiers: nodes"
@@ -169,7 +169,9 @@ def _load_from_nodes(
     for damage is tried once more with this rank's damaged chunks fetched
     from elsewhere, then (``fallback="previous"``) the one before it.
     """
-    candidates = _node_candidates(store, run, generation, comm, session)
+    candidates = _node_candidates(
+        store, run, generation, comm, session, newest_only=fallback is None
+    )
     skipped: list[Skipped] = []
     outcome = _Outcome()  # the last attempt's: what the ranks agreed its failure was
 
@@ -380,7 +382,7 @@ def agree_on_candidates(
     in the live nodes' fast tiers or in the durable tier (call :func:`seed_root`
     before reading each).
     """
-    session = store.node_session(comm, run)
+    session = store.node_session(comm, run, restore=True)
     if session is not None:
         return _node_candidates(store, run, generation, comm, session), []
     return _resolve_candidates(store, run, generation, comm)
@@ -416,11 +418,18 @@ def _resolve_candidates(
 
 
 def _node_candidates(
-    store: Store, run: str, generation: int | str, comm: Group, session: Any
+    store: Store,
+    run: str,
+    generation: int | str,
+    comm: Group,
+    session: Any,
+    *,
+    newest_only: bool = False,
 ) -> list[tuple[int, Digest]]:
     """What a restore through tiers on several nodes may read, newest first: the
     generations complete in the live nodes' fast tiers or in the durable tier
-    (``generation`` other than "latest": that one, if it is)."""
+    (``generation`` other than "latest": that one, if it is). ``newest_only``: only the
+    first is read (castore.tiers.nodes.NodeSession.agree_candidates)."""
     below = None
     if generation != "latest":
         found, failure = None, None
@@ -429,7 +438,7 @@ def _node_candidates(
         outcomes = comm.all_gather({"error": describe(failure), "id": found}, "load: resolve")
         raise_failures(outcomes, comm, failure)
         below = outcomes[comm.coordinator]["id"]
-    candidates = session.agree_candidates(run, below)
+    candidates = session.agree_candidates(run, below, newest_only=newest_only)
     if generation != "latest":
         candidates = [(g, d) for g, d in candidates if g == below][:1]
     if not candidates:
@@ -448,7 +457,7 @@ def root_on_nodes(
     castore.tiers.nodes.NodeSession): the root :func:`load` would read, "latest" the
     newest generation complete in the live nodes' fast tiers or in the durable tier;
     every node that lacks its root and manifests is sent them (a collective call)."""
-    digest = _node_candidates(store, run, generation, comm, session)[0][1]
+    digest = _node_candidates(store, run, generation, comm, session, newest_only=True)[0][1]
     session.seed(run, digest)
     return digest
 
@@ -469,7 +478,7 @@ def agree_on_root(store: Store, run: str, generation: int | str, comm: Group) ->
     :func:`load` chooses), and every node that lacks its root and manifests is sent
     them, so that every rank can read them (a collective call either way).
     """
-    session = store.node_session(comm, run)
+    session = store.node_session(comm, run, restore=True)
     if session is not None:
         return root_on_nodes(store, run, generation, comm, session)
     return _resolve_root(store, run, generation, comm)

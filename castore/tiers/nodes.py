@@ -35,9 +35,14 @@ Save (``castore.dist.save``, ``TrainState.save``):
 Restore (``castore.dist.load``):
 
 1. Each node's leader reports the generations its fast tier lists and the
-   shards it holds of each. A generation is complete in the fast tier when
-   the live nodes' holdings together cover every saved shard; the candidates
-   are those and the durable tier's, newest first (the coordinator decides).
+   shards it holds of each (in the round that finds the nodes). A generation
+   is complete in the fast tier when the live nodes' holdings together cover
+   every saved shard. When the newest generation any node lists is complete
+   there (each writable fast tier took the durable tier's newest at its
+   open), every rank chooses it alike, with no round of its own and nothing
+   read from the durable tier; otherwise, and for a fallback, the candidates
+   are those and the durable tier's history, newest first (the coordinator
+   decides).
 2. A node that lacks the chosen root or manifests gets them over the group.
 3. Each rank plans its chunks, reads what its node holds, asks the other
    nodes for the rest in one exchange (the server is spread over the nodes
@@ -85,23 +90,76 @@ if TYPE_CHECKING:
     from castore.tiers.store import TieredStore
 
 
-def discover(store: TieredStore, comm: Group, run: str) -> NodeSession | None:
-    """The node session of a collective call (a collective call itself); None on one node."""
-    ref, failure = attempt(lambda: store.fast.refs.read(run))
+def discover(
+    store: TieredStore, comm: Group, run: str, *, restore: bool = False
+) -> NodeSession | None:
+    """The node session of a collective call (a collective call itself); None on one node.
+
+    With ``restore``, the same round carries each rank's view of its node's fast tier
+    (a rank cannot know that it leads its node before this round; only the leaders'
+    views are used), so that a restore of the newest generation can decide with no
+    round of its own (:meth:`NodeSession.agree_candidates`).
+    """
+
+    def mine() -> dict[str, Any]:
+        ref = store.fast.refs.read(run)
+        found: dict[str, Any] = {"ref": None if ref is None else [ref.generation, ref.root.raw]}
+        if restore:
+            view = node_view(store.fast, run)
+            found["view"] = [[g, r, n, _ranges(held, n)] for g, r, n, held in view]
+            # A writable fast tier took the durable tier's newest generation at its open
+            # (castore.tiers.store): its view lists it.
+            found["caught_up"] = not store.readonly
+        return found
+
+    found, failure = attempt(mine)
     views = comm.all_gather(
-        {
-            "error": describe(failure),
-            "node": store.node_id,
-            "ref": None if ref is None else [ref.generation, ref.root.raw],
-        },
-        "tiers: nodes",
+        {"error": describe(failure), "node": store.node_id, **(found or {})}, "tiers: nodes"
     )
     raise_failures(views, comm, failure)
     nodes = NodeMap(comm.rank, tuple(str(v["node"]) for v in views))
     if not nodes.multi:
         return None
     refs = [None if v["ref"] is None else (int(v["ref"][0]), bytes(v["ref"][1])) for v in views]
-    return NodeSession(store, comm, nodes, refs)
+    session = NodeSession(store, comm, nodes, refs)
+    if restore:
+        leaders = {nodes.leader(n) for n in range(len(nodes.names))}
+        gathered: list[dict[str, Any]] = [
+            {"view": [[g, r, n, _shards(held, int(n))] for g, r, n, held in v["view"]]}
+            if rank in leaders
+            else {"view": []}
+            for rank, v in enumerate(views)
+        ]
+        session.gathered = (run, gathered, all(v["caught_up"] for v in views))
+    return session
+
+
+def _ranges(shards: Sequence[int], world_size: int) -> list[list[int]]:
+    """Shard indices as ``[first, last]`` runs, the last wrapping round to the first
+    (``first > last``: from ``first`` to the end, then from 0 to ``last``): a node holds
+    its own ranks' shards and, with peer copies, the previous nodes', so the first
+    node's two runs are one."""
+    runs: list[list[int]] = []
+    for shard in sorted(int(s) for s in shards):
+        if runs and runs[-1][1] == shard - 1:
+            runs[-1][1] = shard
+        else:
+            runs.append([shard, shard])
+    if len(runs) > 1 and runs[0][0] == 0 and runs[-1][1] == world_size - 1:
+        runs[0][0] = runs.pop()[0]
+    return runs
+
+
+def _shards(ranges: Sequence[Sequence[int]], world_size: int) -> list[int]:
+    """The shard indices :func:`_ranges` wrote, sorted."""
+    found: list[int] = []
+    for first, last in ranges:
+        first, last = int(first), int(last)
+        if first <= last:
+            found.extend(range(first, last + 1))
+        else:
+            found.extend([*range(first, world_size), *range(0, last + 1)])
+    return sorted(found)
 
 
 class NodeSession:
@@ -127,6 +185,10 @@ class NodeSession:
         self.listed_everywhere: set[bytes] = set()
         self.whole_everywhere: set[bytes] = set()
         self.reading: bytes | None = None  # the root of the last seed: the one read next
+        # A restore's discovery (discover(restore=True)): the run, each rank's view as
+        # _views gathers them (the leaders'), and whether every fast tier took the
+        # durable tier's newest generation at its open.
+        self.gathered: tuple[str, list[dict[str, Any]], bool] | None = None
 
     # -- save ------------------------------------------------------------------
 
@@ -347,10 +409,22 @@ class NodeSession:
 
     # -- restore ---------------------------------------------------------------
 
-    def agree_candidates(self, run: str, below: int | None) -> list[tuple[int, Digest]]:
+    def agree_candidates(
+        self, run: str, below: int | None, *, newest_only: bool = False
+    ) -> list[tuple[int, Digest]]:
         """The generations complete in the fast tier (by the live nodes' holdings) or in
-        the durable one, newest first; decided by the coordinator (a collective call)."""
+        the durable one, newest first; decided by the coordinator (a collective call).
+
+        ``newest_only`` (a restore of the newest generation with no fallback: only the
+        first is read): when the discovery gathered the views and the newest generation
+        any node lists is complete in the fast tiers, every rank chooses it alike, with
+        no round and without reading the durable tier (whose newest every fast tier took
+        at its open), and the list is that one generation."""
         views = self._views(run)
+        if newest_only and below is None:
+            newest = self._newest_here(run, views)
+            if newest is not None:
+                return [newest]
         message: dict[str, Any] = {}
         failure = None
         if self.comm.is_coordinator:
@@ -369,6 +443,23 @@ class NodeSession:
         self.whole_everywhere = {d.raw for (_, d), n in zip(found, levels, strict=True) if n == 2}
         return found
 
+    def _newest_here(self, run: str, views: list[dict[str, Any]]) -> tuple[int, Digest] | None:
+        """The newest generation any node lists, when the discovery's views show it
+        complete in the fast tiers and every fast tier caught up with the durable one;
+        else None. From what every rank holds alike: the same on every rank."""
+        if self.gathered is None or self.gathered[0] != run or not self.gathered[2]:
+            return None
+        listed = [(int(g), bytes(r)) for m in views for g, r, _, _ in m["view"]]
+        if not listed:
+            return None
+        gen, root = max(listed)
+        if self._covered(run, views).get(gen) != root:
+            return None  # not whole in the fast tiers (or two roots): the coordinator's choice
+        everywhere, whole = self._everywhere(views)
+        self.listed_everywhere = {root} & everywhere
+        self.whole_everywhere = {root} & whole
+        return gen, Digest(root)
+
     def _everywhere(self, views: list[dict[str, Any]]) -> tuple[set[bytes], set[bytes]]:
         """The roots every node's view lists, and those every node holds every shard of."""
         listed: set[bytes] | None = None
@@ -386,7 +477,10 @@ class NodeSession:
         return listed or set(), whole or set()
 
     def _views(self, run: str) -> list[dict[str, Any]]:
-        """Every node leader's generations of ``run`` and the shards it holds of each."""
+        """Every node leader's generations of ``run`` and the shards it holds of each (a
+        collective call, unless the discovery gathered them)."""
+        if self.gathered is not None and self.gathered[0] == run:
+            return self.gathered[1]
         view: list[list[Any]] = []
         failure = None
         if self.nodes.is_leader:

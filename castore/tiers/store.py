@@ -246,7 +246,7 @@ class TieredStore(Store):
         from castore.dist.comm import Group  # torch: only when a collective call is made
 
         comm = Group(group, 0, timeout)
-        session = self.node_session(comm, run)
+        session = self.node_session(comm, run, restore=True)
         if session is None:
             return {run: recovery_points(self.tiers([run])).get(run, {})}
         return {run: session.recovery_points(run)}
@@ -257,12 +257,13 @@ class TieredStore(Store):
     def replicas(self) -> int:
         return self.policy.replicas
 
-    def node_session(self, comm: Any, run: str) -> NodeSession | None:
+    def node_session(self, comm: Any, run: str, *, restore: bool = False) -> NodeSession | None:
         """The session of a collective call whose ranks span several nodes (each its own
-        fast tier: castore.tiers.nodes); None on one node. A collective call."""
+        fast tier: castore.tiers.nodes); None on one node. A collective call; ``restore``:
+        it also gathers the nodes' views of ``run`` (castore.tiers.nodes.discover)."""
         from castore.tiers.nodes import discover  # castore.dist.comm: torch, only here
 
-        session = discover(self, comm, run)
+        session = discover(self, comm, run, restore=restore)
         if session is not None:
             nodes = session.nodes
             self._role = _NodeRole(
