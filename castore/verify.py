@@ -6,7 +6,13 @@ their shapes exactly and match what its state refers to, that every chunk
 it names is present in the chunk index, and that the pack the index places
 it in is there and long enough to hold it (one stat per pack: a truncated
 pack is named as such). It reads no chunk byte: ``deep`` also re-hashes
-every chunk, once per store even when many generations share it.
+every chunk, once per store even when many generations share it, and checks
+the chunk pieces each tensor entry records (docs/FORMAT.md, "Chunk pieces")
+against the chunk's own, computed in that same pass. Wrong pieces are a
+problem of their own kind (:data:`PIECES`), not damage: readers check them
+against the chunk's name before using them and read the whole chunk
+otherwise, so they cost reads but never a wrong byte; they point at a
+writer's fault.
 
 Every generation's manifests are read before any chunk is checked, so the
 progress bar's total (the bytes of every distinct chunk) is known from its
@@ -28,10 +34,11 @@ from castore.core.hashpool import shared_pool
 from castore.core.history import unknown_run
 from castore.core.holdings import held_shards
 from castore.core.reading import check_coverage, check_rank_local
-from castore.errors import CastoreError, GenerationNotFoundError
-from castore.format.codec import held_length
-from castore.format.hashing import Digest
+from castore.errors import CastoreError, CodecError, GenerationNotFoundError
+from castore.format.codec import decode, frame_codec, raw_length
+from castore.format.hashing import Buffer, Digest, digest_here
 from castore.format.objects import GenerationRoot, TensorEntry
+from castore.format.pieces import CV_SIZE, hash_chunk, piece_ends
 from castore.format.tree import decode_tree, tensor_names
 from castore.repo.records import validate_run_name
 from castore.support.progress import NO_BAR, Bar, progress_bar, progress_wanted
@@ -40,9 +47,16 @@ if TYPE_CHECKING:
     from castore.store import Store
 
 _DEEP_BATCH = 64
+_FRAME_LIMIT = 1 << 30  # the most a frame may declare it decodes to (as codec.held_length)
+
+DAMAGE = "damage"  # the store lacks what a generation names, or holds it wrong
+PIECES = "pieces"  # an entry records chunk pieces that are not its chunk's own
 
 # A generation's chunks: digest -> (a tensor entry naming it, its index there).
 Users = dict[bytes, tuple[TensorEntry, int]]
+# What verify checks of one generation: the root, its chunks, the entries that record
+# chunk pieces, and how many problems were found up to it.
+Planned = tuple[GenerationRoot, Users, list[TensorEntry], int]
 
 
 @dataclass(frozen=True)
@@ -52,6 +66,7 @@ class Problem:
     run: str
     generation: int | None
     what: str
+    kind: str = DAMAGE  # or PIECES
 
     def __str__(self) -> str:
         where = self.run if self.generation is None else f"{self.run}@{self.generation}"
@@ -70,6 +85,10 @@ class VerifyReport:
     deep: bool = False
     sample: float | None = None  # the fraction of chunks re-hashed, when sampling
     problems: list[Problem] = field(default_factory=list)
+    # Chunks (each use by an entry) whose recorded pieces were compared with their own,
+    # and those that could not be: castore.format._b3tree is not built here.
+    pieces_checked: int = 0
+    pieces_unchecked: int = 0
     # Generations a fast tier lists with their chunks in another tier (castore.tiers):
     # their manifests are checked, their chunks are not looked for here.
     held_elsewhere: list[tuple[str, int]] = field(default_factory=list)
@@ -95,6 +114,9 @@ class _ChunkStatus:
         # "ok", "missing", "damaged", or what truncated_chunks says ("truncated: ...")
         self.status: dict[bytes, str] = {}
         self.lengths: dict[bytes, int] = {}  # of each chunk re-hashed intact
+        # Of each chunk re-hashed intact that is longer than a piece: the digest of its
+        # pieces' chaining values (absent without castore.format._b3tree).
+        self.piece_digests: dict[bytes, bytes] = {}
         self.sizes: dict[bytes, int] = {}  # what each chunk counts on the bar
         self.bar: Bar = NO_BAR
 
@@ -138,22 +160,44 @@ class _ChunkStatus:
             self._rehash(hashed[start : start + _DEEP_BATCH])
 
     def _rehash(self, keys: list[bytes]) -> None:
-        def one(key: bytes, value: memoryview | None) -> tuple[str, int]:
+        def one(key: bytes, value: memoryview | None) -> tuple[str, int, bytes]:
             if value is None:
-                return "missing", 0
-            # Raw, or a frame (castore.format.codec) that decodes to the named bytes.
-            length = held_length(key, value)
-            return ("damaged", len(value)) if length is None else ("ok", length)
+                return "missing", 0, b""
+            length, cvs = held_chunk(key, value)
+            if length is None:
+                return "damaged", len(value), b""
+            return "ok", length, digest_here(cvs) if cvs else b""
 
         def visit(values: Iterator[memoryview | None]) -> None:
             pool = shared_pool()
             futures = [pool.submit(one, k, v) for k, v in zip(keys, values, strict=True)]
             wait(futures)  # every worker is done before the transaction ends
             verdicts = {key: f.result() for key, f in zip(keys, futures, strict=True)}
-            self.lengths.update((k, n) for k, (v, n) in verdicts.items() if v == "ok")
-            self._settle({key: verdict for key, (verdict, _) in verdicts.items()})
+            self.lengths.update((k, n) for k, (v, n, _) in verdicts.items() if v == "ok")
+            self.piece_digests.update((k, c) for k, (v, _, c) in verdicts.items() if c)
+            self._settle({key: verdict for key, (verdict, _, _) in verdicts.items()})
 
         self.store.backend.read_many(Namespace.CHUNKS, keys, visit)
+
+
+def held_chunk(key: bytes, stored: Buffer) -> tuple[int | None, bytes]:
+    """The length of the chunk named ``key`` that a stored record holds (raw, or a frame
+    that decodes to it; None: it holds no such chunk), and that chunk's pieces' chaining
+    values (castore.format.pieces; empty for a chunk of one piece or less, or without the
+    extension), from one hash pass over its bytes (as codec.held_length, with the pieces).
+    """
+    view = memoryview(stored).cast("B")
+    digest, cvs = hash_chunk(view)
+    if digest == key:
+        return view.nbytes, cvs
+    declared = raw_length(view) if frame_codec(view) is not None else None
+    if declared is None or declared > _FRAME_LIMIT:
+        return None, b""
+    try:
+        digest, cvs = hash_chunk(decode(view, declared))
+    except CodecError:
+        return None, b""
+    return (declared, cvs) if digest == key else (None, b"")
 
 
 def verify_store(
@@ -185,11 +229,12 @@ def verify_store(
     # Each generation's chunk problems go right after its structural ones.
     structural, taken = report.problems, 0
     merged: list[Problem] = []
-    with chunks.start_bar(progress, [users for _, users, _ in planned]):
-        for root, users, at in planned:
+    with chunks.start_bar(progress, [users for _, users, _, _ in planned]):
+        for root, users, recording, at in planned:
             merged += structural[taken:at]
             taken = at
             merged += _check_chunks(root, users, chunks)
+            merged += _check_pieces(root, recording, chunks, report)
     report.problems = merged + structural[taken:]
     report.chunks = len(chunks.status)
     report.chunks_hashed = chunks.hashed
@@ -212,23 +257,25 @@ def _check_target(store: Store, run: str, generation: int | str | None) -> None:
 
 def _check_structures(
     store: Store, run: str | None, generation: int | str | None, report: VerifyReport
-) -> list[tuple[GenerationRoot, Users, int]]:
-    """Each readable generation, its chunks, and how many problems were found up to it."""
-    planned = []
+) -> list[Planned]:
+    """Each readable generation, its chunks, the entries that record chunk pieces, and how
+    many problems were found up to it."""
+    planned: list[Planned] = []
     for name in [run] if run is not None else store.runs():
         report.runs += 1
         _check_reflog(store, name, report)
         for digest, root in _roots(store, name, generation, report):
-            users = _check_structure(store, root, report)
-            if users is None:
+            checked = _check_structure(store, root, report)
+            if checked is None:
                 continue
+            users, recording = checked
             held = _held_shards(store, root, digest, report)
             if held is not None:
                 report.held_elsewhere.append((root.run, root.generation))
                 users = _users_of_shards(store, root, users, held)
                 if not users:
                     continue
-            planned.append((root, users, len(report.problems)))
+            planned.append((root, users, recording, len(report.problems)))
     return planned
 
 
@@ -342,8 +389,11 @@ def _roots(
     return sorted(found, key=lambda item: -item[1].generation)
 
 
-def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -> Users | None:
-    """Check a generation's manifests; its chunks and the entries naming them (None: unreadable)."""
+def _check_structure(
+    store: Store, root: GenerationRoot, report: VerifyReport
+) -> tuple[Users, list[TensorEntry]] | None:
+    """Check a generation's manifests; its chunks and the entries naming them, and the
+    entries that record chunk pieces (None: unreadable)."""
     report.generations += 1
     report.objects += 1 + len(root.shards)
     problems = report.problems
@@ -376,7 +426,8 @@ def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -
         return None
     users: Users = {}
     per_rank = [entry for shard in shards for entry in shard.local_tensors]
-    for entry in [e for boxes in entries.values() for e in boxes] + per_rank:
+    every = [e for boxes in entries.values() for e in boxes] + per_rank
+    for entry in every:
         for index, chunk in enumerate(entry.chunks):
             first = users.setdefault(chunk, (entry, index))
             # A load checks each use's length (chunkread.verify_chunk); verify re-hashes a
@@ -391,7 +442,7 @@ def _check_structure(store: Store, root: GenerationRoot, report: VerifyReport) -
                         f"{expected_length(*first)} as chunk {first[1]} of {first[0].name!r}",
                     )
                 )
-    return users
+    return users, [entry for entry in every if entry.pieces]
 
 
 def _check_chunks(root: GenerationRoot, users: Users, chunks: _ChunkStatus) -> list[Problem]:
@@ -416,3 +467,48 @@ def _check_chunks(root: GenerationRoot, users: Users, chunks: _ChunkStatus) -> l
                 )
             )
     return problems
+
+
+def _check_pieces(
+    root: GenerationRoot, recording: list[TensorEntry], chunks: _ChunkStatus, report: VerifyReport
+) -> list[Problem]:
+    """Each recorded chunk pieces' value against the chunk's own, for the chunks re-hashed
+    intact (a chunk missing or damaged is reported as such; one not sampled is skipped)."""
+    problems: list[Problem] = []
+    for entry in recording:
+        ends = piece_ends(entry)
+        if int(ends[-1]) != len(entry.pieces):
+            what = (
+                f"tensor {entry.name!r} records {len(entry.pieces)} bytes of chunk pieces "
+                f"where its chunks have {int(ends[-1])}"
+            )
+            problems.append(_pieces_problem(root, what))
+            continue
+        for index, chunk in enumerate(entry.chunks):
+            start, end = int(ends[index]), int(ends[index + 1])
+            # Only chunks re-hashed intact, of the length the entry names (a chunk of
+            # another length is reported by _check_chunks).
+            if end == start or chunks.lengths.get(chunk) != expected_length(entry, index):
+                continue
+            own = chunks.piece_digests.get(chunk)
+            if own is None:
+                report.pieces_unchecked += 1  # hashed without castore.format._b3tree
+                continue
+            report.pieces_checked += 1
+            if digest_here(entry.pieces[start:end]) != own:
+                what = (
+                    f"chunk {index} of tensor {entry.name!r} ({chunk.hex()[:16]}) records "
+                    f"{(end - start) // CV_SIZE} piece values that are not its own"
+                )
+                problems.append(_pieces_problem(root, what))
+    return problems
+
+
+def _pieces_problem(root: GenerationRoot, what: str) -> Problem:
+    return Problem(
+        root.run,
+        root.generation,
+        f"wrong chunk pieces: {what} (a writer's fault; its chunks are intact and reads "
+        "verify them whole)",
+        PIECES,
+    )

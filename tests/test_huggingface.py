@@ -367,6 +367,35 @@ def test_keep_local_removes_only_directories_castore_holds(
             assert_same_checkpoint(Path(path), reference.output_dir / Path(path).name)
 
 
+def test_each_optimizer_step_is_reported_and_a_tiered_store_sends_promotions_from_memory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """16 batches, 2 accumulated per optimizer step: 8 steps reported (on_step_end), and
+    each async save (no hard links: castore's async writer stores it, from its staging
+    buffers) promoted without reading its chunks back from the fast tier. The broken
+    control (no report) is tests/test_lightning.py's."""
+    from castore.tiers import open_tiered
+
+    def cross_device(source: Any, target: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link", str(target))
+
+    monkeypatch.setattr(huggingface, "_hard_link", cross_device)
+    with open_tiered(
+        tmp_path / "fast", tmp_path / "durable", durable_every=1, uploader="thread",
+        promote_on_exit=False,
+    ) as store:  # fmt: skip
+        callback = CastoreCallback(store, run=RUN, blocking=False)
+        trainer = train(tmp_path / "out", [callback], gradient_accumulation_steps=2)
+        assert trainer.state.global_step == 8
+        promoted = store.wait_promotions()
+        assert [(p.generation, p.error) for p in promoted] == [(1, None), (2, None)]
+        assert store._pacer is not None and store._pacer.steps == 7  # the first starts the clock
+        read_back = sum(p.copied.chunks_copied for p in promoted if p.copied is not None)
+        assert store.staged_sends["sent_chunks"] > 0 and read_back == 0
+    with castore.open(tmp_path / "durable") as durable:
+        assert [g.step for g in durable.generations(RUN)] == [4, 8]
+
+
 class Note:
     """An object of the test's own: torch's weights_only loader refuses to unpickle it."""
 

@@ -413,3 +413,41 @@ def test_two_ddp_ranks_on_gloo_save_once_and_resume_bitwise(tmp_path: Path) -> N
     whole = run("whole", 4, False)
     for name in whole.files:
         assert resumed[name].tobytes() == whole[name].tobytes(), name
+
+
+# -- steps reported to the store (CastoreStepReporter) -------------------------------
+
+
+@pytest.mark.parametrize("reported", [True, False], ids=["reported", "broken-control"])
+def test_each_optimizer_step_is_reported_and_a_tiered_store_sends_promotions_from_memory(
+    tmp_path: Path, reported: bool
+) -> None:
+    """4 batches an epoch, 2 accumulated per optimizer step, 2 epochs: 4 optimizer steps
+    reported, and each epoch's async save promoted from its staging buffers, not read
+    back from the fast tier. The control, without the reporter, reads them back."""
+    from castore.integrations.lightning import CastoreStepReporter
+    from castore.tiers import open_tiered
+
+    L.seed_everything(0, verbose=False)
+    with open_tiered(
+        tmp_path / "fast", tmp_path / "durable", durable_every=1, uploader="thread",
+        promote_on_exit=False, chunk_size=1024,
+    ) as store:  # fmt: skip
+        io = CastoreCheckpointIO(store, blocking=False)
+        checkpoints = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_top_k=-1)
+        callbacks = [checkpoints, *([CastoreStepReporter(io)] if reported else [])]
+        trainer = _trainer(2, [io], callbacks)
+        trainer.accumulate_grad_batches = 2
+        trainer.fit(Regressor(), _data())
+        assert trainer.global_step == 4
+        promoted = store.wait_promotions()
+        assert [(p.generation, p.error) for p in promoted] == [(1, None), (2, None)]
+        read_back = sum(p.copied.chunks_copied for p in promoted if p.copied is not None)
+        sends = store.staged_sends
+        if not reported:
+            assert sends == {} and read_back > 0
+            return
+        assert store._pacer is not None and store._pacer.steps == 3  # the first starts the clock
+        assert sends["sent_chunks"] > 0 and read_back == 0, (sends, read_back)
+    with castore.open(tmp_path / "durable") as durable:
+        assert [g.id for g in durable.generations(RUN)] == [1, 2]

@@ -44,6 +44,11 @@ def cmd_verify(args: argparse.Namespace) -> int:
             "their chunks on other nodes or in another tier (castore.tiers): those chunks "
             "were not looked for here"
         )
+    if report.pieces_unchecked:
+        print(
+            f"the chunk pieces {report.pieces_unchecked} chunk(s) record were not checked: "
+            "castore.format._b3tree is not built here (reads verify those chunks whole)"
+        )
     for problem in report.problems:
         print(f"PROBLEM {problem}")
     if report.problems:

@@ -60,16 +60,23 @@ def chunk_cvs(entry: Any, index: int) -> bytes | None:
     pieces: bytes = entry.pieces
     if not pieces or _b3tree is None:
         return None
-    ends = entry.__dict__.get("_piece_ends")
+    ends = piece_ends(entry)
+    if int(ends[-1]) != len(pieces):
+        return None
+    start, end = int(ends[index]), int(ends[index + 1])
+    return pieces[start:end] if end > start else None
+
+
+def piece_ends(entry: Any) -> np.ndarray:
+    """Where each chunk's values end in ``entry.pieces`` if it records them (int64, one
+    more than the chunks, from 0): the last is the length the field must have."""
+    ends: np.ndarray | None = entry.__dict__.get("_piece_ends")
     if ends is None:  # computed once per entry, every chunk's length at once
         lengths = np.diff(np.append(entry.chunk_starts, entry.nbytes))
         counts = np.where(lengths > PIECE, -(-lengths // PIECE), 0)
         ends = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64) * CV_SIZE
         entry.__dict__["_piece_ends"] = ends
-    if int(ends[-1]) != len(pieces):
-        return None
-    start, end = int(ends[index]), int(ends[index + 1])
-    return pieces[start:end] if end > start else None
+    return ends
 
 
 def piece_span(lo: int, hi: int, length: int) -> tuple[int, int]:

@@ -10,7 +10,9 @@ stores the backbone once, where the Trainer writes it again in every
 ``checkpoint-*`` directory. Each generation is tagged ``checkpoint-STEP``;
 ``save_total_limit`` keeps the tags of the newest checkpoints (and of the
 best one), as the Trainer keeps their directories, and ``castore gc`` frees
-what no kept generation names.
+what no kept generation names. At each optimizer step's end the world's
+first process reports the step to the store (``Store.report_step``): a tiered
+store paces its promotions by it (docs/TIERS.md).
 
 The way back is the Trainer's own: :func:`restore_checkpoint` materialises a
 stored generation (every byte verified) as the ``checkpoint-STEP``
@@ -184,6 +186,13 @@ class CastoreCallback(TrainerCallback):  # type: ignore[misc]
                 ),
                 f"castore's store of {folder.name}",
             )
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """An optimizer step ended (the Trainer calls on_substep_end for the others): tell
+        the store, on the process that stores (a plain store ignores it; a tiered one
+        sends a promoted async save's chunks within a share of each step's time)."""
+        if state.is_world_process_zero:
+            self.store.report_step()
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:

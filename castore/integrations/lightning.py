@@ -26,6 +26,11 @@ names. A checkpoint value castore cannot store without pickle (an
 ``argparse.Namespace`` in ``hyper_parameters``, an object in a callback's
 state) raises :class:`~castore.errors.UnsupportedValueError` naming its key
 path before anything is written: convert it to plain values (a dict) first.
+
+A ``CheckpointIO`` sees saves and loads, not training steps: the callback
+:class:`CastoreStepReporter` tells the plugin's store when each optimizer step
+ends (``Store.report_step``), so that a tiered store paces its promotions by
+the steps (docs/TIERS.md, "Promotion paced by training steps").
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from typing import Any
 
 import torch
 from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO
+from lightning.pytorch.callbacks import Callback
 
 import castore
 from castore import gc as castore_gc
@@ -140,6 +146,13 @@ class CastoreCheckpointIO(CheckpointIO):
             self._event = None
             raise
 
+    def report_step(self, *, opening: bool = True) -> None:
+        """An optimizer step ended: :meth:`Store.report_step` on the store (a tiered store
+        paces its promotions by it; another store ignores it). ``opening=False``: only
+        if the store is open already (a process that never saves opens none)."""
+        if self._store is not None or opening:
+            self.store.report_step()
+
     def finish(self) -> None:
         """Wait for the async save in flight (tagged, its pointers written, once published);
         raise its error, if it failed."""
@@ -197,6 +210,32 @@ class CastoreCheckpointIO(CheckpointIO):
         if self._store is not None and self._given is None:
             self._store.close()
             self._store = None
+
+
+class CastoreStepReporter(Callback):  # type: ignore[misc]
+    """Reports each optimizer step to a :class:`CastoreCheckpointIO`'s store.
+
+    ``Trainer(plugins=[io], callbacks=[CastoreStepReporter(io), ...])``. At the end of
+    each batch that ended an optimizer step (the trainer's ``global_step`` moved: a
+    batch that only accumulated gradients reports nothing), every process whose
+    plugin saves, or has its store open, calls ``store.report_step()``: a tiered store
+    sends the chunks of a promoted async save (``blocking=False``) from its staging
+    buffers within ``durable_step_budget`` of each step's time (docs/TIERS.md); a
+    plain store does nothing. Under ``ddp`` rank 0 saves, so rank 0 reports.
+    """
+
+    def __init__(self, checkpoint_io: CastoreCheckpointIO) -> None:
+        self.checkpoint_io = checkpoint_io
+        self._step: int | None = None  # the trainer's global_step at the last report
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        self._step = trainer.global_step
+
+    def on_train_batch_end(self, trainer: Any, *args: Any) -> None:
+        if trainer.global_step == self._step:
+            return  # gradients accumulated: no optimizer step ended
+        self._step = trainer.global_step
+        self.checkpoint_io.report_step(opening=trainer.is_global_zero)
 
 
 class _Event:
