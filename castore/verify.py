@@ -99,7 +99,18 @@ class VerifyReport:
 
     @property
     def damaged_generations(self) -> list[tuple[str, int | None]]:
-        return sorted({(p.run, p.generation) for p in self.problems}, key=str)
+        """The generations with a problem of kind DAMAGE (the store lacks or holds wrong
+        what they name)."""
+        return self._generations(DAMAGE)
+
+    @property
+    def pieces_generations(self) -> list[tuple[str, int | None]]:
+        """The generations whose entries record chunk pieces that are not their chunks'
+        own (kind PIECES: nothing is lost)."""
+        return self._generations(PIECES)
+
+    def _generations(self, kind: str) -> list[tuple[str, int | None]]:
+        return sorted({(p.run, p.generation) for p in self.problems if p.kind == kind}, key=str)
 
 
 class _ChunkStatus:

@@ -114,12 +114,16 @@ def test_forged_pieces_are_a_problem_of_their_own_kind_and_the_rest_is_still_che
         assert said.format(w.chunks[0].hex()[:16]) in problem.what
         assert str(problem).startswith("r@2: wrong chunk pieces: ")
         assert "chunk 0 of tensor 'v' is damaged" in report.problems[0].what
+        assert report.damaged_generations == [("r", 1), ("r", 2)]
+        assert report.pieces_generations == [("r", 2)]
         # Readers are unharmed: the values do not merge to w's name, so w is read whole.
         assert np.array_equal(store.read_slice("r", 2, "w", np.s_[5:9]), state(2)["w"][5:9])
     result = run_cli("verify", tmp_path / "store", "r@2", "--deep")
     assert result.returncode == 1, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if "wrong chunk pieces" in line]
-    assert len(lines) == 1 and lines[0].startswith("PROBLEM r@2: wrong chunk pieces: ")
+    assert len(lines) == 2 and lines[0].startswith("PROBLEM r@2: wrong chunk pieces: ")
+    # The summary names each generation under what it has: damage, or wrong pieces only.
+    assert lines[1] == "FAILED: 2 problem(s); damaged: r@2; wrong chunk pieces: r@2"
     assert "Traceback" not in result.stdout + result.stderr
 
 

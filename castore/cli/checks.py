@@ -52,10 +52,15 @@ def cmd_verify(args: argparse.Namespace) -> int:
     for problem in report.problems:
         print(f"PROBLEM {problem}")
     if report.problems:
-        damaged = ", ".join(
-            f"{r}@{g}" if g is not None else r for r, g in report.damaged_generations
-        )
-        print(f"FAILED: {len(report.problems)} problem(s); damaged: {damaged}")
+        named = [
+            f"{label}: " + ", ".join(f"{r}@{g}" if g is not None else r for r, g in found)
+            for label, found in (
+                ("damaged", report.damaged_generations),
+                ("wrong chunk pieces", report.pieces_generations),
+            )
+            if found
+        ]
+        print(f"FAILED: {len(report.problems)} problem(s); " + "; ".join(named))
         return EXIT_PROBLEMS
     print("OK")
     return 0
