@@ -34,9 +34,9 @@ from castore.core.hashpool import shared_pool
 from castore.core.history import unknown_run
 from castore.core.holdings import held_shards
 from castore.core.reading import check_coverage, check_rank_local
-from castore.errors import CastoreError, CodecError, GenerationNotFoundError
-from castore.format.codec import decode, frame_codec, raw_length
-from castore.format.hashing import Buffer, Digest, digest_here
+from castore.errors import CastoreError, GenerationNotFoundError
+from castore.format.codec import held_hashed
+from castore.format.hashing import Digest, digest_here
 from castore.format.objects import GenerationRoot, TensorEntry
 from castore.format.pieces import CV_SIZE, hash_chunk, piece_ends
 from castore.format.tree import decode_tree, tensor_names
@@ -47,7 +47,6 @@ if TYPE_CHECKING:
     from castore.store import Store
 
 _DEEP_BATCH = 64
-_FRAME_LIMIT = 1 << 30  # the most a frame may declare it decodes to (as codec.held_length)
 
 DAMAGE = "damage"  # the store lacks what a generation names, or holds it wrong
 PIECES = "pieces"  # an entry records chunk pieces that are not its chunk's own
@@ -174,7 +173,7 @@ class _ChunkStatus:
         def one(key: bytes, value: memoryview | None) -> tuple[str, int, bytes]:
             if value is None:
                 return "missing", 0, b""
-            length, cvs = held_chunk(key, value)
+            length, cvs = held_hashed(key, value, hash_chunk)
             if length is None:
                 return "damaged", len(value), b""
             return "ok", length, digest_here(cvs) if cvs else b""
@@ -189,26 +188,6 @@ class _ChunkStatus:
             self._settle({key: verdict for key, (verdict, _, _) in verdicts.items()})
 
         self.store.backend.read_many(Namespace.CHUNKS, keys, visit)
-
-
-def held_chunk(key: bytes, stored: Buffer) -> tuple[int | None, bytes]:
-    """The length of the chunk named ``key`` that a stored record holds (raw, or a frame
-    that decodes to it; None: it holds no such chunk), and that chunk's pieces' chaining
-    values (castore.format.pieces; empty for a chunk of one piece or less, or without the
-    extension), from one hash pass over its bytes (as codec.held_length, with the pieces).
-    """
-    view = memoryview(stored).cast("B")
-    digest, cvs = hash_chunk(view)
-    if digest == key:
-        return view.nbytes, cvs
-    declared = raw_length(view) if frame_codec(view) is not None else None
-    if declared is None or declared > _FRAME_LIMIT:
-        return None, b""
-    try:
-        digest, cvs = hash_chunk(decode(view, declared))
-    except CodecError:
-        return None, b""
-    return (declared, cvs) if digest == key else (None, b"")
 
 
 def verify_store(

@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import struct
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -363,18 +364,33 @@ def held_length(key: bytes, stored: Buffer, *, limit: int = 1 << 30) -> int | No
     frame may declare. The record is hashed once as raw bytes, then decoded
     only if it starts as a frame.
     """
+    return held_hashed(key, stored, lambda view: (digest_here(view), b""), limit=limit)[0]
+
+
+def held_hashed(
+    key: bytes,
+    stored: Buffer,
+    hasher: Callable[[memoryview], tuple[bytes, bytes]],
+    *,
+    limit: int = 1 << 30,
+) -> tuple[int | None, bytes]:
+    """:func:`held_length` by ``hasher`` (the chunk's digest and more of its hash, such as its
+    pieces' chaining values: castore.format.pieces.hash_chunk), with that more; ``b""``
+    where the record holds no such chunk."""
     view = memoryview(stored).cast("B")
-    if digest_here(view) == key:
-        return view.nbytes
+    digest, more = hasher(view)
+    if digest == key:
+        return view.nbytes, more
     if frame_codec(view) is None:
-        return None
+        return None, b""
     declared = int(_FRAME.unpack_from(view)[5])
     if declared > limit:
-        return None
+        return None, b""
     try:
-        return declared if digest_here(decode(view, declared)) == key else None
+        digest, more = hasher(decode(view, declared))
     except CodecError:
-        return None
+        return None, b""
+    return (declared, more) if digest == key else (None, b"")
 
 
 def stored_matches(key: bytes, stored: Buffer, *, limit: int = 1 << 30) -> bool:
