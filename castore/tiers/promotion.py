@@ -133,8 +133,7 @@ def wait_for_chunks(
     deadline = time.monotonic() + timeout
     left = list(chunks)
     while True:
-        present = durable.backend.has_many(Namespace.CHUNKS, left) if left else []
-        left = [c for c, here in zip(left, present, strict=True) if not here]
+        left = _missing(durable, left)
         if not left:
             return
         if time.monotonic() >= deadline:
@@ -156,8 +155,7 @@ def wait_while_arriving(
     left = list(chunks)
     last_progress = time.monotonic()
     while left:
-        present = durable.backend.has_many(Namespace.CHUNKS, left)
-        still = [c for c, here in zip(left, present, strict=True) if not here]
+        still = _missing(durable, left)
         now = time.monotonic()
         if len(still) < len(left):
             last_progress = now
@@ -166,3 +164,9 @@ def wait_while_arriving(
             break
         time.sleep(poll)
     return len(left)
+
+
+def _missing(durable: Any, chunks: list[bytes]) -> list[bytes]:
+    """The ``chunks`` the durable tier does not hold yet (one presence check)."""
+    present = durable.backend.has_many(Namespace.CHUNKS, chunks) if chunks else []
+    return [c for c, here in zip(chunks, present, strict=True) if not here]
